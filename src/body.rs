@@ -1,0 +1,320 @@
+//! The request and response body types the layer hands on, and bounded buffering.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use pin_project_lite::pin_project;
+
+/// A boxed error, as tower and axum use them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pin_project! {
+    /// The request body the inner service receives: the client's body, untouched when the layer
+    /// passes the request through, or the bytes the layer buffered to fingerprint it.
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: RequestKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = RequestKindProj]
+    enum RequestKind<B> {
+        Buffered { data: Option<Bytes> },
+        Streaming { #[pin] body: B },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        Self {
+            kind: RequestKind::Buffered {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+
+    pub(crate) fn streaming(body: B) -> Self {
+        Self {
+            kind: RequestKind::Streaming { body },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for RequestBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestBody").finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().kind.project() {
+            RequestKindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            RequestKindProj::Streaming { body } => body.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            RequestKind::Buffered { data } => data.is_none(),
+            RequestKind::Streaming { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            RequestKind::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            RequestKind::Streaming { body } => body.size_hint(),
+        }
+    }
+}
+
+pin_project! {
+    /// The response body the layer returns: the inner service's body, streamed on or buffered,
+    /// a replayed body, or a problem document.
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: ResponseKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ResponseKindProj]
+    enum ResponseKind<B> {
+        Buffered { data: Option<Bytes>, trailers: Option<HeaderMap>, error: Option<BoxError> },
+        Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
+        Streaming { #[pin] body: B },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn full(data: Bytes) -> Self {
+        Self::buffered(data, None, None)
+    }
+
+    fn buffered(data: Bytes, trailers: Option<HeaderMap>, error: Option<BoxError>) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            kind: ResponseKind::Buffered {
+                data,
+                trailers,
+                error,
+            },
+        }
+    }
+
+    pub(crate) fn streaming(body: B) -> Self {
+        Self {
+            kind: ResponseKind::Streaming { body },
+        }
+    }
+
+    fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
+        Self {
+            kind: ResponseKind::Resumed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                rest,
+            },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody").finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            ResponseKindProj::Buffered {
+                data,
+                trailers,
+                error,
+            } => {
+                if let Some(data) = data.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                if let Some(error) = error.take() {
+                    return Poll::Ready(Some(Err(error)));
+                }
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+            }
+            ResponseKindProj::Resumed { prefix, rest } => {
+                if let Some(prefix) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(prefix))));
+                }
+                rest.as_mut().poll_frame(cx).map_err(Into::into)
+            }
+            ResponseKindProj::Streaming { body } => body.poll_frame(cx).map_err(Into::into),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ResponseKind::Buffered {
+                data,
+                trailers,
+                error,
+            } => data.is_none() && trailers.is_none() && error.is_none(),
+            ResponseKind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            ResponseKind::Streaming { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ResponseKind::Buffered { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResponseKind::Resumed { prefix, rest } => {
+                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
+                let inner = rest.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(inner.lower() + extra);
+                if let Some(upper) = inner.upper() {
+                    hint.set_upper(upper + extra);
+                }
+                hint
+            }
+            ResponseKind::Streaming { body } => body.size_hint(),
+        }
+    }
+}
+
+/// A body read as far as a limit allows.
+pub(crate) enum Collected<B: Body> {
+    /// All of it, within the limit.
+    Complete {
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    /// More than the limit: what was read, and the rest, unread.
+    TooLarge { prefix: Bytes, rest: Pin<Box<B>> },
+    /// The body failed after `prefix`.
+    Failed { prefix: Bytes, error: B::Error },
+}
+
+impl<B: Body> Collected<B> {
+    /// Turns what was read back into a body that yields exactly what the original would have.
+    pub(crate) fn into_response_body(self) -> ResponseBody<B>
+    where
+        B::Error: Into<BoxError>,
+    {
+        match self {
+            Collected::Complete { data, trailers } => ResponseBody::buffered(data, trailers, None),
+            Collected::TooLarge { prefix, rest } => ResponseBody::resumed(prefix, rest),
+            Collected::Failed { prefix, error } => ResponseBody::buffered(prefix, None, Some(error.into())),
+        }
+    }
+}
+
+/// Reads `body` into memory, never holding more than `limit` bytes of it.
+pub(crate) async fn collect_limited<B>(body: B, limit: usize) -> Collected<B>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = Box::pin(body);
+    let mut buffer = Accumulator::default();
+    loop {
+        match body.frame().await {
+            None => {
+                return Collected::Complete {
+                    data: buffer.finish(),
+                    trailers: None,
+                }
+            }
+            Some(Err(error)) => {
+                return Collected::Failed {
+                    prefix: buffer.finish(),
+                    error,
+                }
+            }
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(chunk) => {
+                    if buffer.len() + chunk.len() > limit {
+                        buffer.push(chunk);
+                        return Collected::TooLarge {
+                            prefix: buffer.finish(),
+                            rest: body,
+                        };
+                    }
+                    buffer.push(chunk);
+                }
+                Err(frame) => {
+                    // Trailers end the body.
+                    let trailers = frame.into_trailers().ok();
+                    return Collected::Complete {
+                        data: buffer.finish(),
+                        trailers,
+                    };
+                }
+            },
+        }
+    }
+}
+
+/// Gathers chunks without copying when the body arrives in one piece, the common case.
+#[derive(Default)]
+struct Accumulator {
+    first: Option<Bytes>,
+    joined: Option<BytesMut>,
+}
+
+impl Accumulator {
+    fn len(&self) -> usize {
+        self.joined
+            .as_ref()
+            .map_or_else(|| self.first.as_ref().map_or(0, Bytes::len), BytesMut::len)
+    }
+
+    fn push(&mut self, chunk: Bytes) {
+        if chunk.is_empty() {
+            return;
+        }
+        if let Some(joined) = &mut self.joined {
+            joined.extend_from_slice(&chunk);
+        } else if let Some(first) = self.first.take() {
+            let mut joined = BytesMut::with_capacity(first.len() + chunk.len());
+            joined.extend_from_slice(&first);
+            joined.extend_from_slice(&chunk);
+            self.joined = Some(joined);
+        } else {
+            self.first = Some(chunk);
+        }
+    }
+
+    fn finish(self) -> Bytes {
+        match self.joined {
+            Some(joined) => joined.freeze(),
+            None => self.first.unwrap_or_default(),
+        }
+    }
+}

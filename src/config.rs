@@ -1,0 +1,91 @@
+//! Every HTTP-side setting of the layer, with its default, in one place.
+
+use std::sync::Arc;
+
+use http::header::{self, HeaderName};
+use http::{request, response, Method, StatusCode};
+
+pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
+pub(crate) type CacheableFn = Arc<dyn Fn(&response::Parts) -> bool + Send + Sync>;
+
+pub(crate) const MIB: usize = 1024 * 1024;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_required: bool,
+    pub(crate) body_limit: usize,
+    pub(crate) response_limit: usize,
+    pub(crate) fail_open: bool,
+    pub(crate) scope: Option<ScopeFn>,
+    pub(crate) cacheable: CacheableFn,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) unstored_headers: Vec<HeaderName>,
+    pub(crate) cancel_on_disconnect: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            methods: vec![Method::POST, Method::PATCH],
+            key_header: HeaderName::from_static("idempotency-key"),
+            key_required: true,
+            body_limit: MIB,
+            response_limit: MIB,
+            fail_open: false,
+            scope: None,
+            cacheable: Arc::new(default_cacheable),
+            mismatch_status: StatusCode::CONFLICT,
+            unstored_headers: default_unstored_headers(),
+            cancel_on_disconnect: false,
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn stores_header(&self, name: &HeaderName) -> bool {
+        !self.unstored_headers.contains(name)
+    }
+}
+
+/// The default test of whether a handler's answer may be stored and replayed: everything but
+/// 5xx, 408, 409, 425 and 429 (answers a retry may well change), and answers the handler marked
+/// `Cache-Control: no-store`.
+pub fn default_cacheable(parts: &response::Parts) -> bool {
+    let status = parts.status;
+    let transient = status.is_server_error()
+        || matches!(
+            status,
+            StatusCode::REQUEST_TIMEOUT
+                | StatusCode::CONFLICT
+                | StatusCode::TOO_EARLY
+                | StatusCode::TOO_MANY_REQUESTS
+        );
+    let no_store = parts.headers.get_all(header::CACHE_CONTROL).iter().any(|value| {
+        value
+            .to_str()
+            .map(|v| {
+                v.split(',')
+                    .any(|directive| directive.trim().eq_ignore_ascii_case("no-store"))
+            })
+            .unwrap_or(false)
+    });
+    !transient && !no_store
+}
+
+/// The headers never stored nor replayed by default: `Set-Cookie` (a session must not be handed to
+/// whoever retries) and the hop-by-hop headers of RFC 9110 §7.6.1.
+pub fn default_unstored_headers() -> Vec<HeaderName> {
+    vec![
+        header::SET_COOKIE,
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+        header::PROXY_AUTHENTICATE,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ]
+}

@@ -1,0 +1,495 @@
+//! The HTTP-free protocol: claim a key, run the operation once, then complete or release.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::store::{ClaimOutcome, OwnerToken, RecordInfo, Store, StoreError};
+use crate::{Fingerprint, RecordKey};
+
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+const DEFAULT_MAX_IN_FLIGHT: u32 = 10_000;
+/// How often a completion that failed on a store error is tried in all.
+const COMPLETE_ATTEMPTS: u32 = 3;
+
+/// Runs operations at most once per key, over any [`Store`], without HTTP.
+///
+/// [`begin`](Coordinator::begin) claims the key or reports what is there; a [`Claim`] is then
+/// [completed](Claim::complete) with the operation's result or [released](Claim::release) so a
+/// retry may run it again. While a claim is held its lease is renewed in the background, so a
+/// short lease never lets a second caller in beside a slow but live one. A claim dropped without
+/// either is released in the background.
+///
+/// The HTTP layer is built on this type; queue consumers use it directly
+/// (see `examples/consumer.rs`). Needs a Tokio runtime.
+///
+/// ```
+/// use bytes::Bytes;
+/// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::Error> {
+/// let coordinator = Coordinator::new(MemoryStore::new());
+/// let key = RecordKey::new(None, IdempotencyKey::parse("message-17").unwrap());
+/// let fingerprint = Fingerprint::new([b"payload".as_slice()]);
+///
+/// match coordinator.begin(&key, &fingerprint).await? {
+///     Begin::Claimed(claim) => claim.complete(Bytes::from("done")).await?,
+///     Begin::Completed(stored) => assert_eq!(stored, "done"),
+///     Begin::InFlight { .. } | Begin::Mismatch => {}
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Coordinator {
+    store: Arc<dyn Store>,
+    lease: Duration,
+    retention: Duration,
+    store_timeout: Duration,
+    tracker: Arc<Tracker>,
+}
+
+impl std::fmt::Debug for Coordinator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Coordinator")
+            .field("lease", &self.lease)
+            .field("retention", &self.retention)
+            .field("store_timeout", &self.store_timeout)
+            .field("max_in_flight", &self.tracker.max)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Coordinator::begin`] found.
+#[derive(Debug)]
+pub enum Begin {
+    /// The caller owns the key: run the operation, then complete or release the claim.
+    Claimed(Claim),
+    /// The operation ran before; this is its stored result.
+    Completed(Bytes),
+    /// Another caller is running the operation; its lease ends in `lease_left`.
+    InFlight {
+        /// Time left on the running caller's lease: the earliest a retry can succeed.
+        lease_left: Duration,
+    },
+    /// The key was used before with a different fingerprint.
+    Mismatch,
+}
+
+/// Why the coordinator could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store failed, timed out, or holds an unreadable record.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// [`ShutdownHandle::shutdown`] was called: no new keys are taken.
+    #[error("shutting down: no new idempotency keys are taken")]
+    ShuttingDown,
+    /// The bound on operations running at once is reached.
+    #[error("too many idempotent operations are running")]
+    AtCapacity,
+    /// The claim was lost before completion (its lease ran out, or it was purged), so the result
+    /// was not stored: another caller may own the key now.
+    #[error("the claim was lost before the result could be stored")]
+    ClaimLost,
+}
+
+struct Tracker {
+    closing: AtomicBool,
+    permits: Arc<Semaphore>,
+    max: u32,
+}
+
+impl Tracker {
+    fn new(max: u32) -> Self {
+        Self {
+            closing: AtomicBool::new(false),
+            permits: Arc::new(Semaphore::new(max as usize)),
+            max,
+        }
+    }
+}
+
+impl Coordinator {
+    /// A coordinator over `store` with the defaults: lease 30 s, retention 24 h, store timeout 2 s,
+    /// at most 10 000 operations running at once.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_shared_store(Arc::new(store))
+    }
+
+    /// Like [`Coordinator::new`], for a store already behind an `Arc`.
+    pub fn from_shared_store(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            lease: DEFAULT_LEASE,
+            retention: DEFAULT_RETENTION,
+            store_timeout: DEFAULT_STORE_TIMEOUT,
+            tracker: Arc::new(Tracker::new(DEFAULT_MAX_IN_FLIGHT)),
+        }
+    }
+
+    /// How long a claim holds a key without renewal (default: 30 s). A crashed caller blocks its key
+    /// this long at most; a live one renews every third of it.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_lease(Duration::from_secs(5));
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(30));
+        self
+    }
+
+    /// How long a completed result is kept for replay (default: 24 h).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_retention(Duration::from_secs(3600));
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Bounds every store call (default: 2 s). A call that takes longer fails with
+    /// [`StoreError::Timeout`].
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_store_timeout(Duration::from_millis(300));
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
+        self
+    }
+
+    /// Bounds how many claimed operations may run at once (default: 10 000); over it
+    /// [`begin`](Coordinator::begin) fails with [`Error::AtCapacity`] and claims nothing.
+    /// Setting it starts a new tracker: coordinators cloned afterwards share it and its
+    /// [`ShutdownHandle`].
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_max_in_flight(256);
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_max_in_flight(mut self, max: u32) -> Self {
+        self.tracker = Arc::new(Tracker::new(max.max(1)));
+        self
+    }
+
+    /// The lease in force.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retention in force.
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// A handle to stop taking new keys and wait for running operations.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle {
+            tracker: self.tracker.clone(),
+        }
+    }
+
+    /// Claims `key` for a new operation, or reports what is there. One store round trip.
+    pub async fn begin(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<Begin, Error> {
+        if self.tracker.closing.load(Ordering::Acquire) {
+            return Err(Error::ShuttingDown);
+        }
+        let permit = self
+            .tracker
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::AtCapacity)?;
+        let owner = OwnerToken::generate();
+        match self
+            .bounded(self.store.claim(key, fingerprint, &owner, self.lease))
+            .await
+        {
+            Ok(ClaimOutcome::Claimed) => Ok(Begin::Claimed(Claim::start(
+                self.clone(),
+                key.clone(),
+                owner,
+                permit,
+            ))),
+            Ok(ClaimOutcome::Completed(payload)) => Ok(Begin::Completed(payload)),
+            Ok(ClaimOutcome::InFlight { lease_left }) => Ok(Begin::InFlight { lease_left }),
+            Ok(ClaimOutcome::Mismatch) => Ok(Begin::Mismatch),
+            Err(error) => {
+                if !matches!(error, StoreError::Corrupt(_)) {
+                    // The claim may still land after we gave up on it; a release queued behind it
+                    // keeps it from blocking the key for a whole lease.
+                    self.release_in_background(key.clone(), owner);
+                }
+                Err(Error::Store(error))
+            }
+        }
+    }
+
+    /// Reads the record at `key` (state, time left, stored payload), for operators.
+    pub async fn inspect(&self, key: &RecordKey) -> Result<Option<RecordInfo>, Error> {
+        Ok(self.bounded(self.store.inspect(key)).await?)
+    }
+
+    /// Deletes the record at `key` whatever its state, so the next request runs the operation
+    /// again. Answers whether there was a record.
+    pub async fn purge(&self, key: &RecordKey) -> Result<bool, Error> {
+        Ok(self.bounded(self.store.purge(key)).await?)
+    }
+
+    async fn bounded<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        tokio::time::timeout(self.store_timeout, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
+    }
+
+    fn release_in_background(&self, key: RecordKey, owner: OwnerToken) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(
+                ?key,
+                "no Tokio runtime to release a claim; it ends with its lease"
+            );
+            return;
+        };
+        let coordinator = self.clone();
+        runtime.spawn(async move {
+            if let Err(error) = coordinator.bounded(coordinator.store.release(&key, &owner)).await {
+                tracing::warn!(?key, %error, "could not release a claim; it ends with its lease");
+            }
+        });
+    }
+}
+
+/// Ownership of one key while its operation runs. Complete it with the result, or release it.
+///
+/// Dropping a `Claim` (a panic, a cancelled task) releases it in the background.
+pub struct Claim {
+    coordinator: Coordinator,
+    key: RecordKey,
+    owner: OwnerToken,
+    lost: Arc<AtomicBool>,
+    renewal: JoinHandle<()>,
+    settled: bool,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Claim {
+    fn start(
+        coordinator: Coordinator,
+        key: RecordKey,
+        owner: OwnerToken,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        let lost = Arc::new(AtomicBool::new(false));
+        let renewal = tokio::spawn(renew_until_stopped(
+            coordinator.clone(),
+            key.clone(),
+            owner.clone(),
+            lost.clone(),
+        ));
+        Self {
+            coordinator,
+            key,
+            owner,
+            lost,
+            renewal,
+            settled: false,
+            _permit: permit,
+        }
+    }
+
+    /// The key this claim holds.
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// This claim's owner token.
+    pub fn owner(&self) -> &OwnerToken {
+        &self.owner
+    }
+
+    /// Whether a renewal found the claim gone (lease ran out, or purged): completing it will fail.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// Stores `payload` as the key's result, for the retention period.
+    ///
+    /// A store error is retried (3 attempts in all, each bounded by the store timeout). If the
+    /// claim was lost, nothing is written ([`Error::ClaimLost`]) and a warning is logged: a newer
+    /// owner's record is never overwritten. If every attempt fails, the claim is left to expire
+    /// with its lease and an error is logged.
+    pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
+        self.renewal.abort();
+        self.settled = true;
+        if self.is_lost() {
+            tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+            return Err(Error::ClaimLost);
+        }
+        let coordinator = &self.coordinator;
+        let mut attempt = 1;
+        loop {
+            let call =
+                coordinator
+                    .store
+                    .complete(&self.key, &self.owner, payload.clone(), coordinator.retention);
+            match coordinator.bounded(call).await {
+                Ok(true) => return Ok(()),
+                Ok(false) => {
+                    tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+                    return Err(Error::ClaimLost);
+                }
+                Err(error) if attempt < COMPLETE_ATTEMPTS => {
+                    tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                    attempt += 1;
+                }
+                Err(error) => {
+                    tracing::error!(
+                        key = ?self.key, %error,
+                        "could not store the result; a retry after the lease ends will run the operation again"
+                    );
+                    return Err(Error::Store(error));
+                }
+            }
+        }
+    }
+
+    /// Gives the key up, so a retry runs the operation again.
+    pub async fn release(mut self) -> Result<(), Error> {
+        self.renewal.abort();
+        self.settled = true;
+        let coordinator = &self.coordinator;
+        coordinator
+            .bounded(coordinator.store.release(&self.key, &self.owner))
+            .await?;
+        Ok(())
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.renewal.abort();
+        if !self.settled {
+            self.coordinator
+                .release_in_background(self.key.clone(), self.owner.clone());
+        }
+    }
+}
+
+async fn renew_until_stopped(
+    coordinator: Coordinator,
+    key: RecordKey,
+    owner: OwnerToken,
+    lost: Arc<AtomicBool>,
+) {
+    let every = coordinator.lease / 3;
+    loop {
+        tokio::time::sleep(every).await;
+        match coordinator
+            .bounded(coordinator.store.renew(&key, &owner, coordinator.lease))
+            .await
+        {
+            Ok(true) => tracing::trace!(?key, "lease renewed"),
+            Ok(false) => {
+                lost.store(true, Ordering::Release);
+                tracing::warn!(
+                    ?key,
+                    "claim lost while the operation runs; its result will not be stored"
+                );
+                return;
+            }
+            // The next renewal may get through; the lease is three renewals long.
+            Err(error) => tracing::warn!(?key, %error, "could not renew a lease"),
+        }
+    }
+}
+
+/// Stops a coordinator (or layer) taking new keys and waits for the operations it runs.
+///
+/// Operations keep running after their client hangs up; call [`shutdown`](ShutdownHandle::shutdown)
+/// before the process exits so their results are stored.
+///
+/// ```
+/// # use std::time::Duration;
+/// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// let handle = layer.shutdown_handle();
+/// // ... serve with `layer`, then on SIGTERM:
+/// handle.shutdown(Duration::from_secs(10)).await.expect("handlers finished in time");
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ShutdownHandle {
+    tracker: Arc<Tracker>,
+}
+
+impl std::fmt::Debug for ShutdownHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShutdownHandle")
+            .field("running", &self.running())
+            .finish()
+    }
+}
+
+/// Operations were still running when the shutdown deadline passed.
+#[derive(Debug, thiserror::Error)]
+#[error("{running} idempotent operations were still running at the shutdown deadline")]
+pub struct ShutdownTimedOut {
+    /// How many were still running.
+    pub running: usize,
+}
+
+impl ShutdownHandle {
+    /// How many claimed operations are running now.
+    pub fn running(&self) -> usize {
+        (self.tracker.max as usize).saturating_sub(self.tracker.permits.available_permits())
+    }
+
+    /// Whether [`shutdown`](ShutdownHandle::shutdown) was called.
+    pub fn is_shutting_down(&self) -> bool {
+        self.tracker.closing.load(Ordering::Acquire)
+    }
+
+    /// Stops taking new keys (they get [`Error::ShuttingDown`], over HTTP a 503) and waits up to
+    /// `deadline` for the running operations to finish and store their results.
+    pub async fn shutdown(&self, deadline: Duration) -> Result<(), ShutdownTimedOut> {
+        self.tracker.closing.store(true, Ordering::Release);
+        match tokio::time::timeout(deadline, self.tracker.permits.acquire_many(self.tracker.max)).await {
+            Ok(_) => Ok(()),
+            Err(_) => Err(ShutdownTimedOut {
+                running: self.running(),
+            }),
+        }
+    }
+}

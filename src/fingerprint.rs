@@ -1,0 +1,54 @@
+//! What makes two requests "the same request" for one key.
+
+use sha2::{Digest, Sha256};
+
+/// A SHA-256 digest of the parts of a request that must match for a retry to be replayed.
+///
+/// The HTTP layer fingerprints the method, path and query, `Content-Type` and body. Queue
+/// consumers fingerprint whatever identifies their message, usually its payload.
+///
+/// ```
+/// use tower_idempotency::Fingerprint;
+///
+/// let a = Fingerprint::new([b"POST".as_slice(), b"/payments", b"{\"amount\":1}"]);
+/// let b = Fingerprint::new([b"POST".as_slice(), b"/payments", b"{\"amount\":2}"]);
+/// assert_ne!(a, b);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Digests the parts in order. Each part is length-prefixed, so moving bytes from one part
+    /// to the next changes the fingerprint.
+    pub fn new<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Self {
+        let mut hasher = Sha256::new();
+        for part in parts {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// Wraps a digest computed elsewhere (for example a stored one).
+    pub fn from_digest(digest: [u8; 32]) -> Self {
+        Self(digest)
+    }
+
+    /// The raw digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_length_prefixed() {
+        let a = Fingerprint::new([b"ab".as_slice(), b"c"]);
+        let b = Fingerprint::new([b"a".as_slice(), b"bc"]);
+        assert_ne!(a, b);
+        assert_eq!(a, Fingerprint::new([b"ab".as_slice(), b"c"]));
+    }
+}

@@ -1,0 +1,251 @@
+//! The client's idempotency key and the server-side address built from it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// The longest key accepted, in characters (the IETF draft and Stripe both use 255).
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key, as sent by a client.
+///
+/// A key is 1 to [`MAX_KEY_LEN`] visible ASCII characters (`0x21..=0x7E`). It may be written bare
+/// (`abc`) or in the Structured Field string form of the IETF draft (`"abc"`); both name the same key.
+///
+/// ```
+/// use tower_idempotency::IdempotencyKey;
+///
+/// let bare = IdempotencyKey::parse("order-42").unwrap();
+/// let quoted = IdempotencyKey::parse("\"order-42\"").unwrap();
+/// assert_eq!(bare, quoted);
+/// assert!(IdempotencyKey::parse("").is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(Arc<str>);
+
+impl IdempotencyKey {
+    /// Parses a key from a header value: bare, or a Structured Field string (`"abc"`).
+    ///
+    /// Parameters on a Structured Field string (`"abc";x=1`) are ignored, as RFC 9651 asks of
+    /// unknown parameters.
+    pub fn parse(value: &str) -> Result<Self, KeyError> {
+        Self::parse_bytes(value.as_bytes())
+    }
+
+    /// Parses a key from raw header bytes; see [`IdempotencyKey::parse`].
+    pub fn parse_bytes(value: &[u8]) -> Result<Self, KeyError> {
+        if value.first() == Some(&b'"') {
+            let item: sfv::Item = sfv::Parser::new(value)
+                .parse_item()
+                .map_err(|_| KeyError::MalformedStructuredField)?;
+            let text = item
+                .bare_item
+                .as_string()
+                .ok_or(KeyError::MalformedStructuredField)?;
+            Self::validate(text.as_str().as_bytes())
+        } else {
+            Self::validate(value)
+        }
+    }
+
+    fn validate(bytes: &[u8]) -> Result<Self, KeyError> {
+        if bytes.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        if bytes.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong { len: bytes.len() });
+        }
+        if let Some(position) = bytes.iter().position(|b| !(0x21..=0x7e).contains(b)) {
+            return Err(KeyError::InvalidCharacter { position });
+        }
+        // Only visible ASCII is left, so this conversion cannot fail; map the error anyway
+        // rather than unwrap on client input.
+        let text = std::str::from_utf8(bytes).map_err(|_| KeyError::InvalidCharacter { position: 0 })?;
+        Ok(Self(Arc::from(text)))
+    }
+
+    /// The key's text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyKey").field(&self.as_str()).finish()
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why an idempotency key was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key is empty.
+    #[error("the idempotency key is empty")]
+    Empty,
+    /// The key is longer than [`MAX_KEY_LEN`].
+    #[error("the idempotency key is {len} characters long; at most {MAX_KEY_LEN} are allowed")]
+    TooLong {
+        /// The key's length.
+        len: usize,
+    },
+    /// The key holds a character other than visible ASCII.
+    #[error("the idempotency key has a character other than visible ASCII at position {position}")]
+    InvalidCharacter {
+        /// Zero-based position of the first offending byte.
+        position: usize,
+    },
+    /// The value starts with `"` but is not a valid Structured Field string.
+    #[error("the idempotency key starts with '\"' but is not a valid Structured Field string")]
+    MalformedStructuredField,
+    /// The header field was sent more than once.
+    #[error("the Idempotency-Key header field was sent more than once")]
+    Repeated,
+}
+
+/// Where a record lives: the key together with the scope (tenant, user, ...) it belongs to.
+///
+/// Stores address records by a SHA-256 digest of scope and key, so the same key from two scopes
+/// names two records and no choice of characters lets one scope reach another's records.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyKey, RecordKey};
+///
+/// let key = IdempotencyKey::parse("order-42").unwrap();
+/// let alice = RecordKey::new(Some("alice"), key.clone());
+/// let bob = RecordKey::new(Some("bob"), key);
+/// assert_ne!(alice.digest(), bob.digest());
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    scope: Option<Arc<str>>,
+    key: IdempotencyKey,
+    digest: [u8; 32],
+}
+
+impl RecordKey {
+    /// The address of `key` within `scope` (`None`: the unscoped namespace, distinct from every scope).
+    pub fn new(scope: Option<&str>, key: IdempotencyKey) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-idempotency/record-key/v1\0");
+        match scope {
+            // The length prefix keeps ("ab", "c") apart from ("a", "bc").
+            Some(scope) => {
+                hasher.update([1]);
+                hasher.update((scope.len() as u64).to_be_bytes());
+                hasher.update(scope.as_bytes());
+            }
+            None => hasher.update([0]),
+        }
+        hasher.update(key.as_str().as_bytes());
+        Self {
+            scope: scope.map(Arc::from),
+            key,
+            digest: hasher.finalize().into(),
+        }
+    }
+
+    /// The scope, if any.
+    pub fn scope(&self) -> Option<&str> {
+        self.scope.as_deref()
+    }
+
+    /// The client's key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+
+    /// The SHA-256 digest stores use as the record's address.
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+
+    /// The digest in lower-case hex.
+    pub fn digest_hex(&self) -> String {
+        hex(&self.digest)
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecordKey")
+            .field("scope", &self.scope())
+            .field("key", &self.key.as_str())
+            .finish()
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        out.push(DIGITS[usize::from(byte >> 4)] as char);
+        out.push(DIGITS[usize::from(byte & 0xf)] as char);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_and_structured_forms_name_the_same_key() {
+        let bare = IdempotencyKey::parse("abc").unwrap();
+        assert_eq!(IdempotencyKey::parse("\"abc\"").unwrap(), bare);
+        assert_eq!(IdempotencyKey::parse("\"abc\";v=1").unwrap(), bare);
+        assert_eq!(IdempotencyKey::parse("\"a\\\"b\"").unwrap().as_str(), "a\"b");
+    }
+
+    #[test]
+    fn invalid_keys_are_refused() {
+        assert_eq!(IdempotencyKey::parse(""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::parse("\"\""), Err(KeyError::Empty));
+        assert!(matches!(
+            IdempotencyKey::parse("a b"),
+            Err(KeyError::InvalidCharacter { position: 1 })
+        ));
+        assert!(matches!(
+            IdempotencyKey::parse("\"a b\""),
+            Err(KeyError::InvalidCharacter { .. })
+        ));
+        assert!(matches!(
+            IdempotencyKey::parse_bytes(b"caf\xc3\xa9"),
+            Err(KeyError::InvalidCharacter { position: 3 })
+        ));
+        assert_eq!(
+            IdempotencyKey::parse("\"abc"),
+            Err(KeyError::MalformedStructuredField)
+        );
+        assert_eq!(
+            IdempotencyKey::parse("\"abc\" trailing"),
+            Err(KeyError::MalformedStructuredField)
+        );
+        let longest = "k".repeat(MAX_KEY_LEN);
+        assert!(IdempotencyKey::parse(&longest).is_ok());
+        assert_eq!(
+            IdempotencyKey::parse(&format!("{longest}k")),
+            Err(KeyError::TooLong { len: MAX_KEY_LEN + 1 })
+        );
+    }
+
+    #[test]
+    fn scopes_never_share_records() {
+        let key = |k: &str| IdempotencyKey::parse(k).unwrap();
+        let a = RecordKey::new(Some("ab"), key("c"));
+        let b = RecordKey::new(Some("a"), key("bc"));
+        let unscoped = RecordKey::new(None, key("c"));
+        let empty_scope = RecordKey::new(Some(""), key("c"));
+        assert_ne!(a.digest(), b.digest());
+        assert_ne!(unscoped.digest(), empty_scope.digest());
+        assert_eq!(a.digest(), RecordKey::new(Some("ab"), key("c")).digest());
+        assert_eq!(a.digest_hex().len(), 64);
+    }
+}

@@ -1,0 +1,364 @@
+//! [`IdempotencyLayer`]: the configuration, and what wraps a service.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::{request, response, Method, StatusCode};
+use tower_layer::Layer;
+
+use crate::config::Config;
+use crate::coordinator::{Coordinator, Error, ShutdownHandle};
+use crate::service::Idempotency;
+use crate::store::{RecordState, Store};
+use crate::{replay, IdempotencyKey, RecordKey};
+
+/// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
+/// behaviour, and each `with_*` setter for a setting and its default.
+///
+/// Clones share the store and the bound on running requests (and so one [`ShutdownHandle`]):
+/// build one layer, then clone and adjust it per route.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .with_key_required(false)
+///     .with_retention(Duration::from_secs(3600));
+/// # let _ = layer;
+/// ```
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    pub(crate) coordinator: Coordinator,
+    pub(crate) config: Arc<Config>,
+}
+
+impl std::fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("coordinator", &self.coordinator)
+            .field("methods", &self.config.methods)
+            .field("key_required", &self.config.key_required)
+            .field("body_limit", &self.config.body_limit)
+            .field("response_limit", &self.config.response_limit)
+            .field("fail_open", &self.config.fail_open)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A record as [`IdempotencyLayer::inspect`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Inspection {
+    /// In flight or completed.
+    pub state: RecordState,
+    /// Lease left (in flight) or retention left (completed).
+    pub expires_in: Duration,
+    /// The stored response's status (completed records).
+    pub status: Option<StatusCode>,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with every setting at its default.
+    pub fn new(store: impl Store) -> Self {
+        Self::from_coordinator(Coordinator::new(store))
+    }
+
+    /// A layer over an existing [`Coordinator`], sharing its store, lease, retention, timeout
+    /// and in-flight bound.
+    pub fn from_coordinator(coordinator: Coordinator) -> Self {
+        Self {
+            coordinator,
+            config: Arc::new(Config::default()),
+        }
+    }
+
+    fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        change(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The methods the layer covers (default: `POST` and `PATCH`); others pass through untouched.
+    ///
+    /// ```
+    /// # use http::Method;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_methods([Method::POST, Method::PUT, Method::DELETE]);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Whether a covered request must carry a key (default: `true`, answered with 400 if
+    /// missing). When `false`, a request without a key passes through and nothing is stored.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_key_required(false);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_key_required(self, required: bool) -> Self {
+        self.config(|c| c.key_required = required)
+    }
+
+    /// The header that carries the key (default: `Idempotency-Key`).
+    ///
+    /// ```
+    /// # use http::HeaderName;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_key_header(HeaderName::from_static("x-request-key"));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_key_header(self, name: HeaderName) -> Self {
+        self.config(|c| c.key_header = name)
+    }
+
+    /// The largest request body buffered for fingerprinting (default: 1 MiB). A larger one is
+    /// answered 413, judged by `Content-Length` first, and never read past the limit.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_body_limit(64 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_body_limit(self, bytes: usize) -> Self {
+        self.config(|c| c.body_limit = bytes)
+    }
+
+    /// The largest response body stored for replay (default: 1 MiB). A larger response goes to
+    /// the client unchanged, is not stored, and its key is released (a warning is logged).
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_response_limit(256 * 1024);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_response_limit(self, bytes: usize) -> Self {
+        self.config(|c| c.response_limit = bytes)
+    }
+
+    /// How long a running request holds its key without renewal (default: 30 s). It is renewed
+    /// every third of it while the handler runs.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_lease(Duration::from_secs(10));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.coordinator = self.coordinator.with_lease(lease);
+        self
+    }
+
+    /// How long a stored response is replayed (default: 24 h, as Stripe).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_retention(Duration::from_secs(7 * 24 * 3600));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.coordinator = self.coordinator.with_retention(retention);
+        self
+    }
+
+    /// Bounds each store call (default: 2 s). A store that does not answer in time is treated
+    /// as unavailable.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_store_timeout(Duration::from_millis(250));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
+        self.coordinator = self.coordinator.with_store_timeout(timeout);
+        self
+    }
+
+    /// What to do when the store is unavailable (default: `false`, fail closed: 503, the handler
+    /// does not run). With `true` the request runs unprotected and a warning is logged.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_fail_open(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_fail_open(self, fail_open: bool) -> Self {
+        self.config(|c| c.fail_open = fail_open)
+    }
+
+    /// Scopes keys, for example per tenant or user (default: none, one namespace). The same key
+    /// from two scopes names two records. A request for which `scope` answers `None` is refused
+    /// with 500 ([`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run
+    /// unscoped: place the layer after the one that authenticates.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// #[derive(Clone)]
+    /// struct TenantId(String);
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_scope(|parts| parts.extensions.get::<TenantId>().map(|t| t.0.clone()));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_scope<F>(self, scope: F) -> Self
+    where
+        F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config(|c| c.scope = Some(Arc::new(scope)))
+    }
+
+    /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):
+    /// all but 5xx, 408, 409, 425, 429 and `Cache-Control: no-store`). An answer not stored goes
+    /// to the client unchanged and releases the key, so a retry runs the handler again.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// // Store successes only.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_cacheable(|parts| parts.status.is_success());
+    /// # let _ = layer;
+    /// ```
+    pub fn with_cacheable<F>(self, cacheable: F) -> Self
+    where
+        F: Fn(&response::Parts) -> bool + Send + Sync + 'static,
+    {
+        self.config(|c| c.cacheable = Arc::new(cacheable))
+    }
+
+    /// The status for a key reused with a different request (default: 409, as Stripe; the IETF
+    /// draft asks for 422).
+    ///
+    /// ```
+    /// # use http::StatusCode;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_mismatch_status(StatusCode::UNPROCESSABLE_ENTITY);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_mismatch_status(self, status: StatusCode) -> Self {
+        self.config(|c| c.mismatch_status = status)
+    }
+
+    /// The response headers never stored nor replayed (default:
+    /// [`default_unstored_headers`](crate::default_unstored_headers): `Set-Cookie` and the
+    /// hop-by-hop headers). Replaces the whole list.
+    ///
+    /// ```
+    /// # use http::header::{HeaderName, SET_COOKIE};
+    /// # use tower_idempotency::{default_unstored_headers, IdempotencyLayer, MemoryStore};
+    /// let mut unstored = default_unstored_headers();
+    /// unstored.push(HeaderName::from_static("x-request-id"));
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_unstored_headers(unstored);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_unstored_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config(|c| c.unstored_headers = names.into_iter().collect())
+    }
+
+    /// What happens when the client hangs up (the response future is dropped) while the handler
+    /// runs (default: `false`: the handler runs to completion in its own task and its response
+    /// is stored, so the retry gets the replay). With `true` the handler is cancelled and the
+    /// key released, so the retry runs it again.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_cancel_on_disconnect(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_cancel_on_disconnect(self, cancel: bool) -> Self {
+        self.config(|c| c.cancel_on_disconnect = cancel)
+    }
+
+    /// Bounds how many keyed requests may run their handler at once (default: 10 000); over it
+    /// they are answered 503 and nothing is claimed. Starts a new tracker, shared by the clones
+    /// made afterwards.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_in_flight(512);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_max_in_flight(mut self, max: u32) -> Self {
+        self.coordinator = self.coordinator.with_max_in_flight(max);
+        self
+    }
+
+    /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]).
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        self.coordinator.shutdown_handle()
+    }
+
+    /// The coordinator this layer runs on.
+    pub fn coordinator(&self) -> &Coordinator {
+        &self.coordinator
+    }
+
+    /// Reads the record for `key` in `scope`, addressed as the layer addresses requests.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new());
+    /// assert!(layer.inspect(Some("tenant-7"), "order-42").await?.is_none());
+    /// # Ok(()) }
+    /// ```
+    pub async fn inspect(&self, scope: Option<&str>, key: &str) -> Result<Option<Inspection>, Error> {
+        let Some(key) = record_key(scope, key) else {
+            return Ok(None);
+        };
+        let Some(info) = self.coordinator.inspect(&key).await? else {
+            return Ok(None);
+        };
+        let status = match &info.payload {
+            Some(payload) => Some(
+                replay::decode(payload)
+                    .map_err(|reason| Error::Store(crate::StoreError::Corrupt(reason)))?
+                    .status,
+            ),
+            None => None,
+        };
+        Ok(Some(Inspection {
+            state: info.state,
+            expires_in: info.expires_in,
+            status,
+        }))
+    }
+
+    /// Deletes the record for `key` in `scope` whatever its state, so the next request with that
+    /// key runs the handler. Answers whether there was a record.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new());
+    /// assert!(!layer.purge(None, "order-42").await?);
+    /// # Ok(()) }
+    /// ```
+    pub async fn purge(&self, scope: Option<&str>, key: &str) -> Result<bool, Error> {
+        match record_key(scope, key) {
+            Some(key) => self.coordinator.purge(&key).await,
+            None => Ok(false),
+        }
+    }
+}
+
+/// A key that is not valid can have no record.
+fn record_key(scope: Option<&str>, key: &str) -> Option<RecordKey> {
+    IdempotencyKey::parse(key)
+        .ok()
+        .map(|key| RecordKey::new(scope, key))
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.clone())
+    }
+}

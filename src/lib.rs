@@ -1,0 +1,82 @@
+//! Tower middleware that makes non-idempotent HTTP endpoints (create a payment, place an order)
+//! safe to retry.
+//!
+//! A client sends an `Idempotency-Key` header. The first request with a key runs the handler and
+//! its response is stored; a retry with the same key and the same request gets the stored
+//! response back, byte for byte, with `Idempotent-Replayed: true`, and the handler does not run
+//! again. Keys live in a [`Store`]: [`RedisStore`] shared by every instance of a service, or
+//! [`MemoryStore`] inside one process.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::Full;
+//! use tower::{Service, ServiceBuilder, ServiceExt};
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore, RequestBody};
+//!
+//! async fn create_payment(_: Request<RequestBody<Full<Bytes>>>) -> Result<Response<Full<Bytes>>, Infallible> {
+//!     let mut response = Response::new(Full::from("{\"id\":\"pay_1\"}"));
+//!     *response.status_mut() = StatusCode::CREATED;
+//!     Ok(response)
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! let mut service = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::new(MemoryStore::new()))
+//!     .service_fn(create_payment);
+//!
+//! let request = || {
+//!     Request::post("/payments").header("idempotency-key", "order-42").body(Full::from("{}")).unwrap()
+//! };
+//! let first = service.ready().await.unwrap().call(request()).await.unwrap();
+//! let retry = service.ready().await.unwrap().call(request()).await.unwrap();
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # }
+//! ```
+//!
+//! With axum, `Router::layer`, `Router::route_layer` and `MethodRouter::layer` all take the
+//! layer; configure each route with its own layer (see `examples/per_route.rs`).
+//!
+//! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
+//! completed with the result or released. Queue consumers use it directly (see
+//! `examples/consumer.rs`).
+//!
+//! The behaviour table, every setting with its default, and the guarantees and their limits are
+//! in the README.
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+#![deny(unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+mod config;
+mod coordinator;
+mod fingerprint;
+mod future;
+mod key;
+mod layer;
+mod replay;
+mod response;
+mod service;
+mod store;
+
+pub use body::{BoxError, RequestBody, ResponseBody};
+pub use config::{default_cacheable, default_unstored_headers};
+pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
+pub use fingerprint::Fingerprint;
+pub use future::ResponseFuture;
+pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
+pub use layer::{IdempotencyLayer, Inspection};
+pub use replay::IDEMPOTENT_REPLAYED;
+pub use response::Rejection;
+pub use service::Idempotency;
+pub use store::memory::MemoryStore;
+#[cfg(feature = "redis")]
+pub use store::redis::RedisStore;
+pub use store::{
+    ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture, RECORD_VERSION,
+};

@@ -1,0 +1,188 @@
+//! Rejections: every answer the layer gives instead of the handler's, as RFC 9457 problem+json.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+
+use crate::body::ResponseBody;
+use crate::KeyError;
+
+const TYPE_BASE: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.";
+
+/// Why the layer answered instead of the handler.
+///
+/// Each rejection is sent as an RFC 9457 `application/problem+json` document whose `type` is
+/// stable per variant (`…/enum.Rejection.html#variant.<Name>`), and the value itself is put in the
+/// response's extensions, so outer layers (metrics, logging) can match on it.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::Rejection;
+///
+/// assert_eq!(Rejection::MissingKey.status(), StatusCode::BAD_REQUEST);
+/// assert!(Rejection::MissingKey.problem_type().ends_with("#variant.MissingKey"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// 400: the route requires an `Idempotency-Key` and none was sent.
+    MissingKey,
+    /// 400: the `Idempotency-Key` is not a valid key.
+    InvalidKey(KeyError),
+    /// 413: the request body is larger than the layer buffers.
+    BodyTooLarge {
+        /// The configured limit in bytes.
+        limit: usize,
+    },
+    /// 400: the request body could not be read (the client went away mid-upload, say).
+    BodyUnreadable,
+    /// 409 with `Retry-After`: a request with this key is still running. Retry with the same key.
+    InFlight {
+        /// Whole seconds until the running request's lease ends (at least 1).
+        retry_after: Duration,
+    },
+    /// 409 by default (422 per the IETF draft, configurable): the key was used with a different
+    /// request. Do not retry; send a new key for a new request.
+    Mismatch {
+        /// The status sent.
+        status: StatusCode,
+    },
+    /// 503 with `Retry-After`: the store did not answer; nothing was run.
+    StoreUnavailable,
+    /// 500: the store holds something at this key that cannot be read; nothing was run.
+    /// An operator can inspect and purge the key.
+    UnreadableRecord,
+    /// 503 with `Retry-After`: the layer is shutting down or at its bound on running requests;
+    /// nothing was claimed.
+    Overloaded,
+    /// 500: the handler panicked. The key was released, so a retry runs it again.
+    HandlerPanicked,
+    /// 500: a scope function is configured but gave no scope for this request (is the layer
+    /// placed before authentication?). Nothing was run.
+    MissingScope,
+}
+
+impl Rejection {
+    /// The status this rejection is sent with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Rejection::MissingKey | Rejection::InvalidKey(_) | Rejection::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::InFlight { .. } => StatusCode::CONFLICT,
+            Rejection::Mismatch { status } => *status,
+            Rejection::StoreUnavailable | Rejection::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "MissingKey",
+            Rejection::InvalidKey(_) => "InvalidKey",
+            Rejection::BodyTooLarge { .. } => "BodyTooLarge",
+            Rejection::BodyUnreadable => "BodyUnreadable",
+            Rejection::InFlight { .. } => "InFlight",
+            Rejection::Mismatch { .. } => "Mismatch",
+            Rejection::StoreUnavailable => "StoreUnavailable",
+            Rejection::UnreadableRecord => "UnreadableRecord",
+            Rejection::Overloaded => "Overloaded",
+            Rejection::HandlerPanicked => "HandlerPanicked",
+            Rejection::MissingScope => "MissingScope",
+        }
+    }
+
+    /// The problem document's `type` URI.
+    pub fn problem_type(&self) -> String {
+        format!("{TYPE_BASE}{}", self.name())
+    }
+
+    /// The problem document's `title`: fixed per kind.
+    pub fn title(&self) -> &'static str {
+        match self {
+            Rejection::MissingKey => "Idempotency-Key required",
+            Rejection::InvalidKey(_) => "Invalid Idempotency-Key",
+            Rejection::BodyTooLarge { .. } => "Request body too large",
+            Rejection::BodyUnreadable => "Request body unreadable",
+            Rejection::InFlight { .. } => "Request with this Idempotency-Key is in progress",
+            Rejection::Mismatch { .. } => "Idempotency-Key reused with a different request",
+            Rejection::StoreUnavailable => "Idempotency store unavailable",
+            Rejection::UnreadableRecord => "Stored record unreadable",
+            Rejection::Overloaded => "Too many requests in progress",
+            Rejection::HandlerPanicked => "Internal server error",
+            Rejection::MissingScope => "Idempotency scope unavailable",
+        }
+    }
+
+    /// The problem document's `detail`: what happened and what the client should do.
+    pub fn detail(&self) -> String {
+        match self {
+            Rejection::MissingKey => "This endpoint requires an Idempotency-Key header.".into(),
+            Rejection::InvalidKey(error) => format!("{error}. Send 1 to 255 visible ASCII characters."),
+            Rejection::BodyTooLarge { limit } => format!("The request body exceeds {limit} bytes."),
+            Rejection::BodyUnreadable => "The request body could not be read in full.".into(),
+            Rejection::InFlight { retry_after } => format!(
+                "A request with this Idempotency-Key is still being processed. Retry with the same key in {} s.",
+                retry_after.as_secs()
+            ),
+            Rejection::Mismatch { .. } => "This Idempotency-Key was used with a different request \
+                (method, path, query, Content-Type or body). Use a new key for a new request."
+                .into(),
+            Rejection::StoreUnavailable => {
+                "The idempotency store did not answer; the request was not processed. Retry with the same key.".into()
+            }
+            Rejection::UnreadableRecord => {
+                "The stored record for this Idempotency-Key cannot be read; the request was not processed.".into()
+            }
+            Rejection::Overloaded => {
+                "The server is at capacity or shutting down; the request was not processed. Retry with the same key."
+                    .into()
+            }
+            Rejection::HandlerPanicked => {
+                "The request failed and was not stored; it may be retried with the same key.".into()
+            }
+            Rejection::MissingScope => "The request has no idempotency scope; it was not processed.".into(),
+        }
+    }
+
+    fn retry_after(&self) -> Option<u64> {
+        match self {
+            Rejection::InFlight { retry_after } => Some(retry_after.as_secs().max(1)),
+            Rejection::StoreUnavailable | Rejection::Overloaded => Some(1),
+            _ => None,
+        }
+    }
+
+    /// The whole response: status, `Content-Type: application/problem+json`, `Retry-After` where
+    /// a retry makes sense, the JSON body, and `self` in the extensions.
+    pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
+        let status = self.status();
+        let body = serde_json::json!({
+            "type": self.problem_type(),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+        });
+        let mut response = Response::new(ResponseBody::full(Bytes::from(body.to_string())));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if let Some(seconds) = self.retry_after() {
+            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+/// Seconds for `Retry-After`: the lease left, rounded up, at least 1.
+pub(crate) fn retry_after(lease_left: Duration) -> Duration {
+    let seconds = lease_left.as_millis().div_ceil(1000).max(1);
+    Duration::from_secs(u64::try_from(seconds).unwrap_or(u64::MAX))
+}

@@ -1,0 +1,330 @@
+//! [`Idempotency`]: the service, a thin adapter from HTTP to the [`Coordinator`].
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::{request, HeaderMap, Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use crate::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
+use crate::config::Config;
+use crate::coordinator::{Begin, Claim, Coordinator, Error};
+use crate::future::ResponseFuture;
+use crate::response::{retry_after, Rejection};
+use crate::store::StoreError;
+use crate::{replay, Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
+
+/// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
+///
+/// The inner service receives `Request<RequestBody<ReqBody>>` and may answer with any body; the
+/// handler runs in a Tokio task of its own, so its future and body must be `Send + 'static`.
+#[derive(Clone, Debug)]
+pub struct Idempotency<S> {
+    inner: S,
+    layer: IdempotencyLayer,
+}
+
+impl<S> Idempotency<S> {
+    /// Wraps `inner` with the settings of `layer`.
+    pub fn new(inner: S, layer: IdempotencyLayer) -> Self {
+        Self { inner, layer }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let config = &self.layer.config;
+        if !config.methods.contains(request.method()) {
+            return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
+        }
+        let key = match key_from_headers(request.headers(), config) {
+            Ok(Some(key)) => key,
+            Ok(None) if !config.key_required => {
+                return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
+            }
+            Ok(None) => return ResponseFuture::ready(Rejection::MissingKey.into_response()),
+            Err(error) => return ResponseFuture::ready(Rejection::InvalidKey(error).into_response()),
+        };
+        let (parts, body) = request.into_parts();
+        let scope = match &config.scope {
+            Some(scope) => match scope(&parts) {
+                Some(scope) => Some(scope),
+                None => return ResponseFuture::ready(Rejection::MissingScope.into_response()),
+            },
+            None => None,
+        };
+        let key = RecordKey::new(scope.as_deref(), key);
+        // The ready service goes to the keyed request; a fresh clone waits for the next one.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let keyed = handle_keyed(
+            inner,
+            self.layer.coordinator.clone(),
+            config.clone(),
+            key,
+            parts,
+            body,
+        );
+        ResponseFuture::keyed(Box::pin(keyed))
+    }
+}
+
+fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<IdempotencyKey>, KeyError> {
+    let mut values = headers.get_all(&config.key_header).iter();
+    match (values.next(), values.next()) {
+        (None, _) => Ok(None),
+        (Some(value), None) => IdempotencyKey::parse_bytes(value.as_bytes()).map(Some),
+        (Some(_), Some(_)) => Err(KeyError::Repeated),
+    }
+}
+
+fn fingerprint(parts: &request::Parts, body: &[u8]) -> Fingerprint {
+    let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
+    Fingerprint::new([
+        parts.method.as_str().as_bytes(),
+        path_and_query.as_bytes(),
+        content_type,
+        body,
+    ])
+}
+
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+async fn handle_keyed<S, ReqBody, ResBody>(
+    inner: S,
+    coordinator: Coordinator,
+    config: Arc<Config>,
+    key: RecordKey,
+    parts: request::Parts,
+    body: ReqBody,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
+        return Ok(Rejection::BodyTooLarge {
+            limit: config.body_limit,
+        }
+        .into_response());
+    }
+    let body = match collect_limited(body, config.body_limit).await {
+        Collected::Complete { data, .. } => data,
+        Collected::TooLarge { .. } => {
+            return Ok(Rejection::BodyTooLarge {
+                limit: config.body_limit,
+            }
+            .into_response())
+        }
+        Collected::Failed { .. } => return Ok(Rejection::BodyUnreadable.into_response()),
+    };
+    let fingerprint = fingerprint(&parts, &body);
+    let begin = coordinator.begin(&key, &fingerprint).await;
+    let request = Request::from_parts(parts, RequestBody::buffered(body));
+    let claim = match begin {
+        Ok(Begin::Claimed(claim)) => claim,
+        Ok(Begin::Completed(payload)) => {
+            return Ok(match replay::decode(&payload) {
+                Ok(stored) => {
+                    tracing::debug!(?key, "replaying the stored response");
+                    replay::into_response(stored)
+                }
+                Err(reason) => {
+                    tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
+                    Rejection::UnreadableRecord.into_response()
+                }
+            });
+        }
+        Ok(Begin::InFlight { lease_left }) => {
+            return Ok(Rejection::InFlight {
+                retry_after: retry_after(lease_left),
+            }
+            .into_response());
+        }
+        Ok(Begin::Mismatch) => {
+            return Ok(Rejection::Mismatch {
+                status: config.mismatch_status,
+            }
+            .into_response())
+        }
+        Err(Error::Store(StoreError::Corrupt(reason))) => {
+            tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
+            return Ok(Rejection::UnreadableRecord.into_response());
+        }
+        Err(Error::Store(error)) if config.fail_open => {
+            tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
+            let mut inner = inner;
+            return inner
+                .call(request)
+                .await
+                .map(|response| response.map(ResponseBody::streaming));
+        }
+        Err(Error::Store(error)) => {
+            tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
+            return Ok(Rejection::StoreUnavailable.into_response());
+        }
+        Err(_) => return Ok(Rejection::Overloaded.into_response()),
+    };
+
+    // The handler runs in its own task, so a client that hangs up does not cancel it between
+    // its side effect and the store write that lets the retry replay it.
+    let task = tokio::spawn(run_claimed(inner, request, claim, config.clone()));
+    let joined = if config.cancel_on_disconnect {
+        AbortOnDrop(task).join().await
+    } else {
+        task.await
+    };
+    match joined {
+        Ok(answer) => answer,
+        Err(error) => {
+            // Only a runtime shutting down cancels the task; a panic is caught inside it.
+            tracing::error!(?key, %error, "the handler task was cancelled");
+            Ok(Rejection::Overloaded.into_response())
+        }
+    }
+}
+
+async fn run_claimed<S, ReqBody, ResBody>(
+    mut inner: S,
+    request: Request<RequestBody<ReqBody>>,
+    claim: Claim,
+    config: Arc<Config>,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    let produced = AssertUnwindSafe(async {
+        let response = inner.call(request).await?;
+        Ok(capture(response, &config).await)
+    })
+    .catch_unwind()
+    .await;
+    match produced {
+        Ok(Ok(Captured::Storable(response, payload))) => {
+            // Errors are logged by `complete`; the client gets its response either way.
+            let _ = claim.complete(payload).await;
+            Ok(response)
+        }
+        Ok(Ok(Captured::NotStorable(response))) => {
+            release(claim).await;
+            Ok(response)
+        }
+        Ok(Err(error)) => {
+            release(claim).await;
+            Err(error)
+        }
+        Err(_panic) => {
+            tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
+            release(claim).await;
+            Ok(Rejection::HandlerPanicked.into_response())
+        }
+    }
+}
+
+async fn release(claim: Claim) {
+    let key = claim.key().clone();
+    if let Err(error) = claim.release().await {
+        tracing::warn!(?key, %error, "could not release the key; it is held until its lease ends");
+    }
+}
+
+enum Captured<B> {
+    Storable(Response<ResponseBody<B>>, Bytes),
+    NotStorable(Response<ResponseBody<B>>),
+}
+
+/// Reads the handler's response, as far as the storage cap allows, into what the client gets
+/// and, if it may be stored, what is stored.
+async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    if !(config.cacheable)(&parts) {
+        return Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
+    }
+    if declared_length(&parts.headers).is_some_and(|len| len > config.response_limit as u64) {
+        tracing::warn!(
+            limit = config.response_limit,
+            "response larger than the storage cap; not stored"
+        );
+        return Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
+    }
+    match collect_limited(body, config.response_limit).await {
+        Collected::Complete { data, trailers: None } => {
+            let payload = replay::encode(
+                parts.status,
+                &parts.headers,
+                |name| config.stores_header(name),
+                &data,
+            );
+            Captured::Storable(Response::from_parts(parts, ResponseBody::full(data)), payload)
+        }
+        collected => {
+            match &collected {
+                Collected::TooLarge { .. } => {
+                    tracing::warn!(
+                        limit = config.response_limit,
+                        "response larger than the storage cap; not stored"
+                    )
+                }
+                Collected::Failed { .. } => tracing::warn!("the response body failed; not stored"),
+                Collected::Complete { .. } => tracing::debug!("responses with trailers are not stored"),
+            }
+            Captured::NotStorable(Response::from_parts(parts, collected.into_response_body()))
+        }
+    }
+}
+
+/// A task handle that cancels its task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
+        (&mut self.0).await
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

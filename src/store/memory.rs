@@ -1,0 +1,305 @@
+//! The embedded store: one process, no dependencies, the same semantics as Redis.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use crate::{Fingerprint, RecordKey};
+
+const DEFAULT_MAX_ENTRIES: usize = 10_000;
+
+/// An in-process [`Store`]: records expire like Redis keys, and the number of records is bounded.
+///
+/// It protects one process only: instances behind a load balancer need a shared store such as
+/// `RedisStore`. When it holds `max_entries` records, expired ones are dropped first, then the
+/// completed record nearest its expiry (a later retry of that key runs again; a warning is
+/// logged). In-flight records are never evicted: when all entries are in flight a new claim fails
+/// with [`StoreError::Full`], which the layer answers with 503.
+///
+/// Clones share the same records.
+///
+/// ```
+/// use tower_idempotency::MemoryStore;
+///
+/// let store = MemoryStore::new().with_max_entries(50_000);
+/// # let _ = store;
+/// ```
+#[derive(Clone, Debug)]
+pub struct MemoryStore {
+    shared: Arc<Mutex<Records>>,
+}
+
+#[derive(Debug)]
+struct Records {
+    max_entries: usize,
+    by_key: HashMap<[u8; 32], Entry>,
+    /// Expiry order, for eviction: (expires_at, sequence) → key.
+    by_expiry: BTreeMap<(Instant, u64), [u8; 32]>,
+    sequence: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    fingerprint: Fingerprint,
+    state: State,
+    expires_at: Instant,
+    sequence: u64,
+}
+
+#[derive(Debug)]
+enum State {
+    InFlight { owner: OwnerToken },
+    Completed { owner: OwnerToken, payload: Bytes },
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store holding at most 10 000 records.
+    pub fn new() -> Self {
+        Self {
+            shared: Arc::new(Mutex::new(Records {
+                max_entries: DEFAULT_MAX_ENTRIES,
+                by_key: HashMap::new(),
+                by_expiry: BTreeMap::new(),
+                sequence: 0,
+            })),
+        }
+    }
+
+    /// Bounds the number of records kept (default: 10 000; at least 1).
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    /// let store = MemoryStore::new().with_max_entries(100);
+    /// # let _ = store;
+    /// ```
+    pub fn with_max_entries(self, max_entries: usize) -> Self {
+        self.lock().max_entries = max_entries.max(1);
+        self
+    }
+
+    /// The number of records held, expired ones not yet dropped included.
+    pub fn len(&self) -> usize {
+        self.lock().by_key.len()
+    }
+
+    /// Whether the store holds no records.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Records> {
+        // A panic while holding the lock cannot leave a record half-written (every update is a
+        // single insert or remove), so the data behind a poisoned lock is still sound.
+        self.shared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Records {
+    /// The live entry at `digest`, dropping it first if it has expired.
+    fn live(&mut self, digest: &[u8; 32], now: Instant) -> Option<&mut Entry> {
+        let expired = self.by_key.get(digest).is_some_and(|e| e.expires_at <= now);
+        if expired {
+            self.remove(digest);
+        }
+        self.by_key.get_mut(digest)
+    }
+
+    fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
+        let entry = self.by_key.remove(digest)?;
+        self.by_expiry.remove(&(entry.expires_at, entry.sequence));
+        Some(entry)
+    }
+
+    fn set_expiry(&mut self, digest: &[u8; 32], expires_at: Instant) {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        if let Some(entry) = self.by_key.get_mut(digest) {
+            self.by_expiry.remove(&(entry.expires_at, entry.sequence));
+            entry.expires_at = expires_at;
+            entry.sequence = sequence;
+            self.by_expiry.insert((expires_at, sequence), *digest);
+        }
+    }
+
+    fn insert(&mut self, digest: [u8; 32], fingerprint: Fingerprint, state: State, expires_at: Instant) {
+        self.sequence += 1;
+        let entry = Entry {
+            fingerprint,
+            state,
+            expires_at,
+            sequence: self.sequence,
+        };
+        self.by_expiry.insert((expires_at, self.sequence), digest);
+        self.by_key.insert(digest, entry);
+    }
+
+    /// Makes room for one more record. Fails only when every record is in flight.
+    fn make_room(&mut self, now: Instant) -> Result<(), StoreError> {
+        while let Some((&(expires_at, _), &digest)) = self.by_expiry.first_key_value() {
+            if expires_at > now {
+                break;
+            }
+            self.remove(&digest);
+        }
+        if self.by_key.len() < self.max_entries {
+            return Ok(());
+        }
+        let victim = self.by_expiry.values().copied().find(|digest| {
+            matches!(
+                self.by_key.get(digest),
+                Some(Entry {
+                    state: State::Completed { .. },
+                    ..
+                })
+            )
+        });
+        match victim {
+            Some(digest) => {
+                self.remove(&digest);
+                tracing::warn!(
+                    max_entries = self.max_entries,
+                    "memory store full: evicted a completed record before its retention ended"
+                );
+                Ok(())
+            }
+            None => Err(StoreError::Full),
+        }
+    }
+}
+
+fn ready<'a, T: Send + 'a>(value: Result<T, StoreError>) -> StoreFuture<'a, T> {
+    Box::pin(std::future::ready(value))
+}
+
+impl Store for MemoryStore {
+    fn claim<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let digest = key.digest();
+        let outcome = match records.live(digest, now) {
+            Some(entry) => match &entry.state {
+                State::InFlight { owner: holder } if holder == owner => {
+                    records.set_expiry(digest, now + lease);
+                    Ok(ClaimOutcome::Claimed)
+                }
+                _ if entry.fingerprint != *fingerprint => Ok(ClaimOutcome::Mismatch),
+                State::InFlight { .. } => Ok(ClaimOutcome::InFlight {
+                    lease_left: entry.expires_at - now,
+                }),
+                State::Completed { payload, .. } => Ok(ClaimOutcome::Completed(payload.clone())),
+            },
+            None => records.make_room(now).map(|()| {
+                records.insert(
+                    *digest,
+                    *fingerprint,
+                    State::InFlight { owner: owner.clone() },
+                    now + lease,
+                );
+                ClaimOutcome::Claimed
+            }),
+        };
+        ready(outcome)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        payload: Bytes,
+        retention: Duration,
+    ) -> StoreFuture<'a, bool> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let digest = key.digest();
+        let completed = match records.live(digest, now) {
+            Some(entry) => match &entry.state {
+                State::InFlight { owner: holder } if holder == owner => {
+                    entry.state = State::Completed {
+                        owner: owner.clone(),
+                        payload,
+                    };
+                    records.set_expiry(digest, now + retention);
+                    true
+                }
+                State::Completed { owner: holder, .. } => holder == owner,
+                State::InFlight { .. } => false,
+            },
+            None => false,
+        };
+        ready(Ok(completed))
+    }
+
+    fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let digest = key.digest();
+        let owned = matches!(
+            records.live(digest, now),
+            Some(Entry { state: State::InFlight { owner: holder }, .. }) if holder == owner
+        );
+        if owned {
+            records.remove(digest);
+        }
+        ready(Ok(owned))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, bool> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let digest = key.digest();
+        let owned = matches!(
+            records.live(digest, now),
+            Some(Entry { state: State::InFlight { owner: holder }, .. }) if holder == owner
+        );
+        if owned {
+            records.set_expiry(digest, now + lease);
+        }
+        ready(Ok(owned))
+    }
+
+    fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let info = records.live(key.digest(), now).map(|entry| {
+            let expires_in = entry.expires_at - now;
+            match &entry.state {
+                State::InFlight { .. } => RecordInfo::new(RecordState::InFlight, expires_in, None),
+                State::Completed { payload, .. } => {
+                    RecordInfo::new(RecordState::Completed, expires_in, Some(payload.clone()))
+                }
+            }
+        });
+        ready(Ok(info))
+    }
+
+    fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let existed = records.live(key.digest(), now).is_some();
+        records.remove(key.digest());
+        ready(Ok(existed))
+    }
+}

@@ -1,0 +1,237 @@
+//! Where records live: the [`Store`] trait and its two implementations.
+//!
+//! A record moves through two states. A *claim* creates it **in flight**, owned by one
+//! [`OwnerToken`], for the length of a lease. Its owner then either *completes* it (it becomes
+//! **completed**, holding a payload, for the retention period) or *releases* it (it is deleted).
+//! Every transition but the claim is owner-checked, so a request whose lease ran out and whose key
+//! was claimed again can never overwrite or delete the newer owner's record.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::{Fingerprint, RecordKey};
+
+pub(crate) mod memory;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
+
+/// The future a [`Store`] method returns.
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// The version of the record layout. A record written by an incompatible version is reported as
+/// [`StoreError::Corrupt`], never read as if it were ours.
+pub const RECORD_VERSION: u32 = 1;
+
+/// A record store. Implementations must make each method atomic with respect to the others.
+///
+/// Both built-in stores, [`MemoryStore`](crate::MemoryStore) and `RedisStore`, pass one shared
+/// behaviour suite (`tests/store_suite.rs`); a custom store should pass it too.
+pub trait Store: Send + Sync + 'static {
+    /// Claims `key` for `owner`, or reports what is there.
+    ///
+    /// - no record (or an expired one): create it in flight for `owner`, expiring after `lease`;
+    ///   answer [`ClaimOutcome::Claimed`];
+    /// - in flight for `owner` itself (a claim sent twice): renew the lease and answer `Claimed`,
+    ///   so a claim re-sent after a dropped connection never conflicts with itself;
+    /// - a different fingerprint: answer [`ClaimOutcome::Mismatch`];
+    /// - in flight for another owner: answer [`ClaimOutcome::InFlight`] with the lease left;
+    /// - completed: answer [`ClaimOutcome::Completed`] with the payload.
+    fn claim<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome>;
+
+    /// Completes `owner`'s claim with `payload`, kept for `retention`.
+    ///
+    /// Answers `true` if the record is now completed by `owner` (also when it already was: a
+    /// completion sent twice succeeds twice), `false` if `owner` no longer holds the claim.
+    fn complete<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        payload: Bytes,
+        retention: Duration,
+    ) -> StoreFuture<'a, bool>;
+
+    /// Deletes `owner`'s in-flight claim. Answers `false` if `owner` does not hold it.
+    fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool>;
+
+    /// Extends `owner`'s in-flight claim to `lease` from now. Answers `false` if `owner` does not
+    /// hold it (its lease ran out, or it was purged or taken over).
+    fn renew<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, bool>;
+
+    /// Reads the record at `key` without changing it, for operators.
+    fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>>;
+
+    /// Deletes the record at `key`, whatever its state. Answers whether there was one.
+    fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool>;
+}
+
+/// A shared store is a store: `Arc<dyn Store>` and `Arc<MemoryStore>` can be handed to a layer.
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    fn claim<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        (**self).claim(key, fingerprint, owner, lease)
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        payload: Bytes,
+        retention: Duration,
+    ) -> StoreFuture<'a, bool> {
+        (**self).complete(key, owner, payload, retention)
+    }
+
+    fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
+        (**self).release(key, owner)
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, bool> {
+        (**self).renew(key, owner, lease)
+    }
+
+    fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
+        (**self).inspect(key)
+    }
+
+    fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
+        (**self).purge(key)
+    }
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller now owns the key and should run the operation.
+    Claimed,
+    /// The operation ran before; here is its stored payload.
+    Completed(Bytes),
+    /// Another owner is running the operation; its lease ends in this much time.
+    InFlight {
+        /// Time left on the current owner's lease.
+        lease_left: Duration,
+    },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+}
+
+/// The state of a record, for operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    /// Claimed, operation running.
+    InFlight,
+    /// Completed; the payload is kept until retention ends.
+    Completed,
+}
+
+/// A record as [`Store::inspect`] sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordInfo {
+    /// In flight or completed.
+    pub state: RecordState,
+    /// Lease left (in flight) or retention left (completed).
+    pub expires_in: Duration,
+    /// The stored payload of a completed record.
+    pub payload: Option<Bytes>,
+}
+
+impl RecordInfo {
+    /// A record description; for custom [`Store`] implementations.
+    pub fn new(state: RecordState, expires_in: Duration, payload: Option<Bytes>) -> Self {
+        Self {
+            state,
+            expires_in,
+            payload,
+        }
+    }
+}
+
+/// A store failure. Every variant means "the answer is unknown": the layer fails closed on it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store could not be reached or answered with an error.
+    #[error("the idempotency store is unavailable: {0}")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store did not answer in time.
+    #[error("the idempotency store did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The data at the record's address is not a record this version can read.
+    #[error("the record at this key is unreadable: {0}")]
+    Corrupt(String),
+    /// The store is full of in-flight claims and cannot take another.
+    #[error("the idempotency store is full")]
+    Full,
+}
+
+/// A unique token naming one claim's owner. Completion, release and renewal must present it.
+///
+/// Tokens are a per-process random prefix and a counter, so they are unique across processes and
+/// cost no system call per request.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub struct OwnerToken(Box<str>);
+
+impl OwnerToken {
+    /// A new token, different from every other token of this and any other process.
+    pub fn generate() -> Self {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        Self(format!("{}-{n:x}", process_nonce()).into_boxed_str())
+    }
+
+    /// Wraps an existing token, for custom stores and tests.
+    pub fn from_string(token: impl Into<String>) -> Self {
+        Self(token.into().into_boxed_str())
+    }
+
+    /// The token's text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// 128 bits that differ between processes. `RandomState` is seeded from the operating system's
+/// random source, so this needs no extra dependency.
+fn process_nonce() -> &'static str {
+    static NONCE: OnceLock<String> = OnceLock::new();
+    NONCE.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let half = |salt: u64| {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_u64(salt);
+            hasher.write_u32(std::process::id());
+            hasher.finish()
+        };
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or_default();
+        format!("{:016x}{:016x}", half(nanos), half(!nanos))
+    })
+}

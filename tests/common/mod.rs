@@ -1,0 +1,243 @@
+//! Test support: real `redis-server` processes on free loopback ports, a client for them, and a
+//! minimal HTTP harness. Never touches a Redis on 6379.
+#![allow(dead_code)]
+
+pub mod proxy;
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fred::prelude::*;
+use fred::types::{ClusterHash, CustomCommand};
+
+/// A `redis-server` this test owns: started on a free port, killed when dropped.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    dir: PathBuf,
+}
+
+fn redis_server_binary() -> String {
+    std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into())
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral loopback port");
+    listener.local_addr().expect("local address").port()
+}
+
+impl RedisServer {
+    /// Starts a server on a free loopback port. Panics with a clear message if `redis-server`
+    /// is not installed: a missing server is a failure, never a skip.
+    pub fn start() -> Self {
+        for _ in 0..5 {
+            let port = free_port();
+            if let Some(server) = Self::start_on(port) {
+                return server;
+            }
+        }
+        panic!("could not start redis-server on a free port after 5 tries");
+    }
+
+    fn start_on(port: u16) -> Option<Self> {
+        assert_ne!(port, 6379, "tests never use the default Redis port");
+        let dir = std::env::temp_dir().join(format!("tower-idempotency-redis-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+        let mut server = Self {
+            port,
+            child: None,
+            dir,
+        };
+        server.spawn().then_some(server)
+    }
+
+    fn spawn(&mut self) -> bool {
+        let child = Command::new(redis_server_binary())
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot run `{}` ({error}). Install it (apt-get install redis-server) or run scripts/test.sh, \
+                     which does.",
+                    redis_server_binary()
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(child) = &mut self.child {
+                if let Ok(Some(_status)) = child.try_wait() {
+                    self.child = None;
+                    return false; // port taken, most likely
+                }
+            }
+            if TcpStream::connect(self.addr()).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.kill();
+        false
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Kills the server (SIGKILL: a crash, not a shutdown).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty (no persistence).
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.spawn() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("could not restart redis-server on port {}", self.port);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A connected `fred` client for `url`, with a reconnect policy and command timeouts.
+pub async fn client(url: &str) -> Client {
+    let client = Builder::from_config(Config::from_url(url).expect("valid url"))
+        .with_connection_config(|c| {
+            c.connection_timeout = Duration::from_secs(1);
+            c.internal_command_timeout = Duration::from_secs(1);
+            c.max_command_attempts = 3;
+        })
+        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
+        .set_policy(ReconnectPolicy::new_constant(0, 20))
+        .build()
+        .expect("build a fred client");
+    client.init().await.expect("connect to the test redis-server");
+    client
+}
+
+/// Runs one admin command and returns its answer.
+pub async fn admin(client: &Client, args: &[&str]) -> Value {
+    let command = CustomCommand::new_static(leak(args[0]), ClusterHash::Random, false);
+    let rest: Vec<Value> = args[1..].iter().map(|a| Value::from(*a)).collect();
+    client
+        .custom(command, rest)
+        .await
+        .unwrap_or_else(|e| panic!("{args:?} failed: {e}"))
+}
+
+fn leak(s: &str) -> &'static str {
+    Box::leak(s.to_owned().into_boxed_str())
+}
+
+/// Calls to `command` counted by `INFO commandstats` (0 if never called).
+pub async fn command_calls(client: &Client, command: &str) -> u64 {
+    let info = admin(client, &["INFO", "commandstats"]).await;
+    let info = info.as_str().expect("INFO answers text").into_owned();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// EVALSHA plus EVAL calls: the round trips the store made (inner `redis.call`s are not counted).
+pub async fn script_calls(client: &Client) -> u64 {
+    command_calls(client, "evalsha").await + command_calls(client, "eval").await
+}
+
+use std::sync::Arc;
+use tower_idempotency::{MemoryStore, RedisStore, Store};
+
+/// One of the two stores, ready for a test: the memory store, or a Redis store over a
+/// `redis-server` of the test's own.
+pub struct Backend {
+    pub name: &'static str,
+    pub store: Arc<dyn Store>,
+    pub memory: Option<MemoryStore>,
+    pub redis: Option<(RedisServer, Client)>,
+}
+
+impl Backend {
+    pub async fn memory() -> Self {
+        let memory = MemoryStore::new();
+        Self {
+            name: "memory",
+            store: Arc::new(memory.clone()),
+            memory: Some(memory),
+            redis: None,
+        }
+    }
+
+    pub async fn redis() -> Self {
+        let server = RedisServer::start();
+        let client = client(&server.url()).await;
+        let store = RedisStore::new(client.clone());
+        Self {
+            name: "redis",
+            store: Arc::new(store),
+            memory: None,
+            redis: Some((server, client)),
+        }
+    }
+
+    pub fn redis_client(&self) -> Option<&Client> {
+        self.redis.as_ref().map(|(_, client)| client)
+    }
+}
+
+/// Generates, for each named `async fn test(backend: Backend)`, one test per store.
+#[macro_export]
+macro_rules! on_both_stores {
+    ($($test:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::memory().await).await
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::redis().await).await
+                }
+            )*
+        }
+    };
+}

@@ -1,0 +1,297 @@
+//! The `Store` contract, run against every store: `MemoryStore` and `RedisStore` on a real
+//! `redis-server`.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::Backend;
+use tower_idempotency::{
+    ClaimOutcome, Fingerprint, IdempotencyKey, OwnerToken, RecordKey, RecordState, Store,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+const RETENTION: Duration = Duration::from_secs(3600);
+
+fn key(k: &str) -> RecordKey {
+    RecordKey::new(None, IdempotencyKey::parse(k).unwrap())
+}
+
+fn fp(body: &str) -> Fingerprint {
+    Fingerprint::new([body.as_bytes()])
+}
+
+async fn claim(
+    store: &dyn Store,
+    k: &RecordKey,
+    f: &Fingerprint,
+    owner: &OwnerToken,
+    lease: Duration,
+) -> ClaimOutcome {
+    store.claim(k, f, owner, lease).await.expect("claim")
+}
+
+async fn claim_then_in_flight_then_completed(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a, other) = (
+        key("k1"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    match claim(s, &k, &f, &other, LEASE).await {
+        ClaimOutcome::InFlight { lease_left } => {
+            assert!(
+                lease_left <= LEASE && lease_left > LEASE - Duration::from_secs(5),
+                "{lease_left:?}"
+            )
+        }
+        outcome => panic!("expected in flight, got {outcome:?}"),
+    }
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"result"), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(s, &k, &f, &other, LEASE).await,
+        ClaimOutcome::Completed(Bytes::from_static(b"result"))
+    );
+}
+
+async fn a_claim_sent_twice_does_not_conflict_with_itself(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a) = (key("k2"), fp("body"), OwnerToken::generate());
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    // And a completion sent twice succeeds twice.
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap());
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap());
+}
+
+async fn a_different_fingerprint_is_a_mismatch_in_either_state(b: Backend) {
+    let s = &*b.store;
+    let (k, a, other) = (key("k3"), OwnerToken::generate(), OwnerToken::generate());
+    assert_eq!(claim(s, &k, &fp("one"), &a, LEASE).await, ClaimOutcome::Claimed);
+    assert_eq!(
+        claim(s, &k, &fp("two"), &other, LEASE).await,
+        ClaimOutcome::Mismatch
+    );
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(s, &k, &fp("two"), &other, LEASE).await,
+        ClaimOutcome::Mismatch
+    );
+}
+
+async fn transitions_are_owner_checked(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a, intruder) = (
+        key("k4"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(!s
+        .complete(&k, &intruder, Bytes::from_static(b"evil"), RETENTION)
+        .await
+        .unwrap());
+    assert!(!s.release(&k, &intruder).await.unwrap());
+    assert!(!s.renew(&k, &intruder, LEASE).await.unwrap());
+    assert!(s.renew(&k, &a, LEASE).await.unwrap());
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"good"), RETENTION)
+        .await
+        .unwrap());
+    // A completed record can be neither released nor renewed, even by its owner.
+    assert!(!s.release(&k, &a).await.unwrap());
+    assert!(!s.renew(&k, &a, LEASE).await.unwrap());
+    assert_eq!(
+        claim(s, &k, &f, &intruder, LEASE).await,
+        ClaimOutcome::Completed(Bytes::from_static(b"good"))
+    );
+}
+
+async fn release_lets_the_next_claim_in(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a, next) = (
+        key("k5"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(s.release(&k, &a).await.unwrap());
+    assert!(s.inspect(&k).await.unwrap().is_none());
+    // Released, the key takes any request, even a different one.
+    assert_eq!(
+        claim(s, &k, &fp("other"), &next, LEASE).await,
+        ClaimOutcome::Claimed
+    );
+}
+
+async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(b: Backend) {
+    let s = &*b.store;
+    let (k, f, slow, next) = (
+        key("k6"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    let lease = Duration::from_millis(150);
+    assert_eq!(claim(s, &k, &f, &slow, lease).await, ClaimOutcome::Claimed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(claim(s, &k, &f, &next, LEASE).await, ClaimOutcome::Claimed);
+    // The slow owner wakes up: it can neither overwrite nor delete the newer owner's claim.
+    assert!(!s
+        .complete(&k, &slow, Bytes::from_static(b"late"), RETENTION)
+        .await
+        .unwrap());
+    assert!(!s.release(&k, &slow).await.unwrap());
+    assert!(!s.renew(&k, &slow, LEASE).await.unwrap());
+    assert_eq!(
+        s.inspect(&k).await.unwrap().map(|i| i.state),
+        Some(RecordState::InFlight)
+    );
+    assert!(s
+        .complete(&k, &next, Bytes::from_static(b"new"), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(s, &k, &f, &slow, LEASE).await,
+        ClaimOutcome::Completed(Bytes::from_static(b"new"))
+    );
+}
+
+async fn renew_extends_the_lease(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a, other) = (
+        key("k7"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    let lease = Duration::from_millis(300);
+    assert_eq!(claim(s, &k, &f, &a, lease).await, ClaimOutcome::Claimed);
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(s.renew(&k, &a, lease).await.unwrap());
+    }
+    // 600 ms after a 300 ms lease began, the renewed claim still holds.
+    assert!(matches!(
+        claim(s, &k, &f, &other, LEASE).await,
+        ClaimOutcome::InFlight { .. }
+    ));
+}
+
+async fn retention_ends(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a, next) = (
+        key("k8"),
+        fp("body"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"r"), Duration::from_millis(150))
+        .await
+        .unwrap());
+    let info = s.inspect(&k).await.unwrap().expect("a completed record");
+    assert_eq!(info.state, RecordState::Completed);
+    assert!(info.expires_in <= Duration::from_millis(150));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(s.inspect(&k).await.unwrap().is_none());
+    assert_eq!(claim(s, &k, &f, &next, LEASE).await, ClaimOutcome::Claimed);
+}
+
+async fn inspect_and_purge(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a) = (key("k9"), fp("body"), OwnerToken::generate());
+    assert!(s.inspect(&k).await.unwrap().is_none());
+    assert!(!s.purge(&k).await.unwrap());
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    let info = s.inspect(&k).await.unwrap().unwrap();
+    assert_eq!((info.state, info.payload), (RecordState::InFlight, None));
+    assert!(info.expires_in > LEASE - Duration::from_secs(5));
+    assert!(s
+        .complete(&k, &a, Bytes::from_static(b"payload"), RETENTION)
+        .await
+        .unwrap());
+    let info = s.inspect(&k).await.unwrap().unwrap();
+    assert_eq!(info.state, RecordState::Completed);
+    assert_eq!(info.payload.as_deref(), Some(&b"payload"[..]));
+    assert!(info.expires_in > RETENTION - Duration::from_secs(5));
+    assert!(s.purge(&k).await.unwrap());
+    assert!(s.inspect(&k).await.unwrap().is_none());
+    // A purged key runs again.
+    assert_eq!(
+        claim(s, &k, &f, &OwnerToken::generate(), LEASE).await,
+        ClaimOutcome::Claimed
+    );
+}
+
+async fn payloads_are_binary_safe(b: Backend) {
+    let s = &*b.store;
+    let (k, f, a) = (key("k10"), fp("body"), OwnerToken::generate());
+    let payload: Bytes = (0..=255u8).chain((0..=255u8).rev()).collect::<Vec<_>>().into();
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(s.complete(&k, &a, payload.clone(), RETENTION).await.unwrap());
+    assert_eq!(
+        claim(s, &k, &f, &OwnerToken::generate(), LEASE).await,
+        ClaimOutcome::Completed(payload)
+    );
+    // The empty payload too.
+    let (k, a) = (key("k10-empty"), OwnerToken::generate());
+    assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(s.complete(&k, &a, Bytes::new(), RETENTION).await.unwrap());
+    assert_eq!(
+        claim(s, &k, &f, &OwnerToken::generate(), LEASE).await,
+        ClaimOutcome::Completed(Bytes::new())
+    );
+}
+
+async fn scopes_are_separate_records(b: Backend) {
+    let s = &*b.store;
+    let k = IdempotencyKey::parse("shared-key").unwrap();
+    let (alice, bob) = (
+        RecordKey::new(Some("alice"), k.clone()),
+        RecordKey::new(Some("bob"), k),
+    );
+    let f = fp("body");
+    let a = OwnerToken::generate();
+    assert_eq!(claim(s, &alice, &f, &a, LEASE).await, ClaimOutcome::Claimed);
+    assert!(s
+        .complete(&alice, &a, Bytes::from_static(b"alice's"), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(s, &bob, &f, &OwnerToken::generate(), LEASE).await,
+        ClaimOutcome::Claimed
+    );
+}
+
+on_both_stores!(
+    claim_then_in_flight_then_completed,
+    a_claim_sent_twice_does_not_conflict_with_itself,
+    a_different_fingerprint_is_a_mismatch_in_either_state,
+    transitions_are_owner_checked,
+    release_lets_the_next_claim_in,
+    an_expired_lease_frees_the_key_and_fences_the_old_owner,
+    renew_extends_the_lease,
+    retention_ends,
+    inspect_and_purge,
+    payloads_are_binary_safe,
+    scopes_are_separate_records,
+);
