@@ -241,3 +241,182 @@ macro_rules! on_both_stores {
         }
     };
 }
+
+pub mod app {
+    //! A test application: an axum router whose handler counts its runs and answers as the
+    //! request's `x-*` headers ask.
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::response::Response;
+    use axum::routing;
+    use axum::Router;
+    use bytes::Bytes;
+    use http::{HeaderMap, HeaderValue, Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    use tower_idempotency::IdempotencyLayer;
+
+    #[derive(Clone, Default)]
+    pub struct Runs(pub Arc<AtomicUsize>);
+
+    impl Runs {
+        pub fn get(&self) -> usize {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+
+    async fn handler(runs: Runs, headers: HeaderMap, body: Bytes) -> Response {
+        let run = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        if let Some(ms) = header("x-delay-ms").and_then(|v| v.parse().ok()) {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        if header("x-panic").is_some() {
+            panic!("handler asked to panic");
+        }
+        let status = header("x-status").and_then(|s| s.parse().ok()).unwrap_or(201);
+        let body = match header("x-body-size").and_then(|v| v.parse::<usize>().ok()) {
+            Some(size) => Body::from(vec![b'x'; size]),
+            None => Body::from(format!("run {run}; echo {}", String::from_utf8_lossy(&body))),
+        };
+        let mut response = Response::new(body);
+        *response.status_mut() = StatusCode::from_u16(status).unwrap();
+        let h = response.headers_mut();
+        h.insert(
+            "content-type",
+            HeaderValue::from_static("application/json; charset=utf-8"),
+        );
+        h.append("x-multi", HeaderValue::from_static("first"));
+        h.append("x-multi", HeaderValue::from_static("second"));
+        h.insert("x-latin1", HeaderValue::from_bytes(b"caf\xe9").unwrap());
+        h.insert("set-cookie", HeaderValue::from_static("session=secret"));
+        if let Some(cc) = header("x-cache-control") {
+            h.insert("cache-control", HeaderValue::from_str(&cc).unwrap());
+        }
+        response
+    }
+
+    /// `POST /payments` and `PATCH /payments` behind `layer`; `GET` and `PUT /payments` too.
+    pub fn router(layer: IdempotencyLayer) -> (Router, Runs) {
+        let runs = Runs::default();
+        let r = runs.clone();
+        let route = routing::post(move |h: HeaderMap, b: Bytes| handler(r.clone(), h, b));
+        let r = runs.clone();
+        let route = route.patch(move |h: HeaderMap, b: Bytes| handler(r.clone(), h, b));
+        let r = runs.clone();
+        let route = route.put(move |h: HeaderMap, b: Bytes| handler(r.clone(), h, b));
+        let r = runs.clone();
+        let route = route.merge(routing::get(move |h: HeaderMap| {
+            handler(r.clone(), h, Bytes::new())
+        }));
+        (Router::new().route("/payments", route).layer(layer), runs)
+    }
+
+    pub struct Answer {
+        pub status: StatusCode,
+        pub headers: HeaderMap,
+        pub body: Bytes,
+        pub extensions: http::Extensions,
+    }
+
+    impl Answer {
+        pub fn problem_type(&self) -> String {
+            let json: serde_json::Value = serde_json::from_slice(&self.body).expect("a problem+json body");
+            json["type"].as_str().expect("a type").to_owned()
+        }
+
+        pub fn is_replay(&self) -> bool {
+            self.headers
+                .get("idempotent-replayed")
+                .is_some_and(|v| v == "true")
+        }
+    }
+
+    pub async fn send(router: &Router, request: Request<Body>) -> Answer {
+        let response = router.clone().oneshot(request).await.expect("infallible");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("a readable body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+            extensions: parts.extensions,
+        }
+    }
+
+    /// `POST /payments` with JSON content type and, if given, an `Idempotency-Key`.
+    pub fn post(key: Option<&str>) -> http::request::Builder {
+        let builder = Request::post("/payments").header("content-type", "application/json");
+        match key {
+            Some(key) => builder.header("idempotency-key", key),
+            None => builder,
+        }
+    }
+
+    pub fn payment(key: &str, body: &str) -> Request<Body> {
+        post(Some(key)).body(Body::from(body.to_owned())).unwrap()
+    }
+}
+
+/// A store that answers every call only after `delay`: slower than any sane timeout.
+pub struct SlowStore {
+    pub inner: Arc<dyn Store>,
+    pub delay: Duration,
+}
+
+impl Store for SlowStore {
+    fn claim<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        fingerprint: &'a tower_idempotency::Fingerprint,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
+        Box::pin(async move {
+            tokio::time::sleep(self.delay).await;
+            self.inner.claim(key, fingerprint, owner, lease).await
+        })
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        payload: bytes::Bytes,
+        retention: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        Box::pin(async move {
+            tokio::time::sleep(self.delay).await;
+            self.inner.complete(key, owner, payload, retention).await
+        })
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.release(key, owner)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.renew(key, owner, lease)
+    }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::RecordInfo>> {
+        self.inner.inspect(key)
+    }
+    fn purge<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.purge(key)
+    }
+}

@@ -1,0 +1,485 @@
+//! The behaviour table of README, row by row, against every store.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use common::app::{payment, post, router, send};
+use common::{Backend, SlowStore};
+use http::{Request, StatusCode};
+use tower_idempotency::{IdempotencyLayer, Rejection};
+
+fn layer(b: &Backend) -> IdempotencyLayer {
+    IdempotencyLayer::new(b.store.clone())
+}
+
+fn assert_problem(answer: &common::app::Answer, status: StatusCode, kind: &str) {
+    assert_eq!(answer.status, status, "body: {:?}", answer.body);
+    assert_eq!(answer.headers["content-type"], "application/problem+json");
+    let json: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+    assert!(
+        json["type"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("#variant.{kind}")),
+        "{json}"
+    );
+    assert_eq!(json["status"], status.as_u16());
+    assert!(!json["title"].as_str().unwrap().is_empty());
+    assert!(!json["detail"].as_str().unwrap().is_empty());
+    assert!(
+        answer.extensions.get::<Rejection>().is_some(),
+        "the typed reason is in the extensions"
+    );
+}
+
+// Row 1
+async fn uncovered_methods_pass_through(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    for method in ["GET", "PUT"] {
+        for _ in 0..2 {
+            let request = Request::builder()
+                .method(method)
+                .uri("/payments")
+                .header("idempotency-key", "k");
+            let answer = send(&app, request.body(Body::empty()).unwrap()).await;
+            assert_eq!(answer.status, StatusCode::CREATED);
+            assert!(!answer.is_replay());
+        }
+    }
+    assert_eq!(runs.get(), 4);
+    // Covered methods are configurable.
+    let (app, runs) = router(layer(&b).with_methods([http::Method::PUT]));
+    for _ in 0..2 {
+        let request = Request::put("/payments")
+            .header("idempotency-key", "put-key")
+            .body(Body::empty())
+            .unwrap();
+        send(&app, request).await;
+    }
+    assert_eq!(runs.get(), 1, "PUT is covered now");
+}
+
+// Rows 2 and 3
+async fn a_missing_key_passes_when_optional_and_is_refused_when_required(b: Backend) {
+    let (app, runs) = router(layer(&b).with_key_required(false));
+    let first = send(&app, post(None).body(Body::from("{}")).unwrap()).await;
+    let second = send(&app, post(None).body(Body::from("{}")).unwrap()).await;
+    assert_eq!(
+        (first.status, second.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!second.is_replay());
+    assert_eq!(runs.get(), 2, "keyless requests are never replayed");
+    if let Some(memory) = &b.memory {
+        assert!(memory.is_empty(), "nothing stored");
+    }
+
+    let (app, runs) = router(layer(&b));
+    let answer = send(&app, post(None).body(Body::from("{}")).unwrap()).await;
+    assert_problem(&answer, StatusCode::BAD_REQUEST, "MissingKey");
+    assert_eq!(runs.get(), 0);
+}
+
+// Row 4
+async fn invalid_keys_are_refused(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let long = "k".repeat(256);
+    for key in ["", long.as_str(), "has space", "tab\there", "\"unterminated"] {
+        let answer = send(
+            &app,
+            post(None)
+                .header("idempotency-key", key)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_problem(&answer, StatusCode::BAD_REQUEST, "InvalidKey");
+    }
+    let non_ascii = http::HeaderValue::from_bytes(b"caf\xe9").unwrap();
+    let answer = send(
+        &app,
+        post(None)
+            .header("idempotency-key", non_ascii)
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_problem(&answer, StatusCode::BAD_REQUEST, "InvalidKey");
+    let repeated = post(Some("one"))
+        .header("idempotency-key", "two")
+        .body(Body::empty())
+        .unwrap();
+    assert_problem(&send(&app, repeated).await, StatusCode::BAD_REQUEST, "InvalidKey");
+    assert_eq!(runs.get(), 0);
+    // The longest valid key is accepted.
+    let answer = send(&app, payment(&"k".repeat(255), "{}")).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+}
+
+// Row 5
+async fn the_structured_field_form_is_the_same_key(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let first = send(&app, payment("\"sf-key\"", "{}")).await;
+    let retry = send(&app, payment("sf-key", "{}")).await;
+    assert_eq!(runs.get(), 1);
+    assert!(retry.is_replay());
+    assert_eq!(first.body, retry.body);
+}
+
+// Row 6
+async fn bodies_over_the_limit_are_refused_and_claim_nothing(b: Backend) {
+    let (app, runs) = router(layer(&b).with_body_limit(16));
+    // Judged by Content-Length before reading.
+    let declared = send(&app, payment("big", &"x".repeat(17))).await;
+    assert_problem(&declared, StatusCode::PAYLOAD_TOO_LARGE, "BodyTooLarge");
+    // A streamed body with no Content-Length is read only up to the limit.
+    let chunks = futures_util::stream::iter(
+        (0..100).map(|_| Ok::<_, std::io::Error>(Bytes::from_static(b"0123456789"))),
+    );
+    let streamed = post(Some("big")).body(Body::from_stream(chunks)).unwrap();
+    assert_problem(
+        &send(&app, streamed).await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "BodyTooLarge",
+    );
+    assert_eq!(runs.get(), 0);
+    // Nothing was claimed: the same key with a small body runs.
+    let small = send(&app, payment("big", "{}")).await;
+    assert_eq!(small.status, StatusCode::CREATED);
+    // Exactly at the limit is accepted.
+    let exact = send(&app, payment("exact", &"x".repeat(16))).await;
+    assert_eq!(exact.status, StatusCode::CREATED);
+}
+
+// Rows 7, 8 and 16
+async fn the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let first = send(&app, payment("pay-1", "{\"amount\":10}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.is_replay());
+    assert_eq!(
+        first.headers["set-cookie"], "session=secret",
+        "the first response is unchanged"
+    );
+    assert_eq!(first.body, "run 1; echo {\"amount\":10}");
+
+    for _ in 0..3 {
+        let retry = send(&app, payment("pay-1", "{\"amount\":10}")).await;
+        assert_eq!(runs.get(), 1, "the handler runs once");
+        assert!(retry.is_replay());
+        assert_eq!(retry.status, first.status);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.headers["content-type"], "application/json; charset=utf-8");
+        let multi: Vec<_> = retry.headers.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["first", "second"]);
+        assert_eq!(retry.headers["x-latin1"].as_bytes(), b"caf\xe9");
+        assert!(
+            retry.headers.get("set-cookie").is_none(),
+            "Set-Cookie is never replayed"
+        );
+        let mut expected = first.headers.clone();
+        expected.remove("set-cookie");
+        let mut replayed = retry.headers.clone();
+        replayed.remove("idempotent-replayed");
+        assert_eq!(replayed, expected, "every other header is replayed as it was");
+    }
+}
+
+// Row 16, configurable
+async fn stored_headers_are_configurable(b: Backend) {
+    let (app, _) = router(layer(&b).with_unstored_headers([http::HeaderName::from_static("x-multi")]));
+    send(&app, payment("cfg-1", "{}")).await;
+    let retry = send(&app, payment("cfg-1", "{}")).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.headers["set-cookie"], "session=secret");
+    assert!(retry.headers.get("x-multi").is_none());
+}
+
+// Row 9
+async fn a_running_request_answers_409_with_the_lease_left(b: Backend) {
+    let (app, runs) = router(layer(&b).with_lease(Duration::from_secs(20)));
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                post(Some("busy"))
+                    .header("x-delay-ms", "700")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let busy = send(&app, payment("busy", "{}")).await;
+    assert_problem(&busy, StatusCode::CONFLICT, "InFlight");
+    let retry_after: u64 = busy.headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(
+        (19..=20).contains(&retry_after),
+        "Retry-After {retry_after} is the lease left, rounded up"
+    );
+    let first = slow.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(send(&app, payment("busy", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 1);
+}
+
+// Row 10
+async fn a_different_request_with_the_same_key_is_a_mismatch(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    send(&app, payment("mm", "{\"amount\":1}")).await;
+    let variants = [
+        payment("mm", "{\"amount\":2}"),
+        Request::post("/payments?x=1")
+            .header("idempotency-key", "mm")
+            .header("content-type", "application/json")
+            .body(Body::from("{\"amount\":1}"))
+            .unwrap(),
+        Request::post("/payments")
+            .header("idempotency-key", "mm")
+            .header("content-type", "text/plain")
+            .body(Body::from("{\"amount\":1}"))
+            .unwrap(),
+        Request::patch("/payments")
+            .header("idempotency-key", "mm")
+            .header("content-type", "application/json")
+            .body(Body::from("{\"amount\":1}"))
+            .unwrap(),
+    ];
+    for request in variants {
+        let answer = send(&app, request).await;
+        assert_problem(&answer, StatusCode::CONFLICT, "Mismatch");
+        assert_ne!(
+            answer.problem_type(),
+            Rejection::InFlight {
+                retry_after: Duration::ZERO
+            }
+            .problem_type()
+        );
+        assert!(
+            answer.headers.get("retry-after").is_none(),
+            "a mismatch is not to be retried"
+        );
+    }
+    assert_eq!(runs.get(), 1);
+    // The status is configurable (422 per the IETF draft).
+    let (app, _) = router(layer(&b).with_mismatch_status(StatusCode::UNPROCESSABLE_ENTITY));
+    let answer = send(&app, payment("mm", "{\"amount\":3}")).await;
+    assert_problem(&answer, StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
+}
+
+// Row 11
+async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let mut expected_runs = 0;
+    for (status, cache_control) in [
+        ("500", None),
+        ("503", None),
+        ("408", None),
+        ("409", None),
+        ("425", None),
+        ("429", None),
+        ("200", Some("private, no-store")),
+    ] {
+        let key = format!("transient-{status}");
+        for _ in 0..2 {
+            let mut request = post(Some(&key)).header("x-status", status);
+            if let Some(cc) = cache_control {
+                request = request.header("x-cache-control", cc);
+            }
+            let answer = send(&app, request.body(Body::from("{}")).unwrap()).await;
+            expected_runs += 1;
+            assert_eq!(answer.status.as_str(), status, "returned unchanged");
+            assert!(!answer.is_replay());
+            assert_eq!(answer.headers["set-cookie"], "session=secret");
+        }
+    }
+    assert_eq!(runs.get(), expected_runs, "each retry ran the handler again");
+    // 4xx other than those are stored.
+    send(
+        &app,
+        post(Some("bad-request"))
+            .header("x-status", "400")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    let retry = send(
+        &app,
+        post(Some("bad-request"))
+            .header("x-status", "400")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.status, StatusCode::BAD_REQUEST);
+    // The predicate is configurable.
+    let (app, runs) = router(layer(&b).with_cacheable(|parts| parts.status == StatusCode::CREATED));
+    for _ in 0..2 {
+        send(
+            &app,
+            post(Some("only-201"))
+                .header("x-status", "202")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await;
+    }
+    assert_eq!(runs.get(), 2);
+}
+
+// Row 12
+async fn responses_over_the_storage_cap_are_returned_but_not_stored(b: Backend) {
+    let (app, runs) = router(layer(&b).with_response_limit(1000));
+    for _ in 0..2 {
+        let answer = send(
+            &app,
+            post(Some("huge"))
+                .header("x-body-size", "5000")
+                .body(Body::from("{}"))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert_eq!(answer.body.len(), 5000, "returned unchanged");
+        assert!(answer.body.iter().all(|&b| b == b'x'));
+        assert!(!answer.is_replay());
+    }
+    assert_eq!(runs.get(), 2, "not stored, key released");
+    // Exactly at the cap is stored.
+    send(
+        &app,
+        post(Some("at-cap"))
+            .header("x-body-size", "1000")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    let retry = send(
+        &app,
+        post(Some("at-cap"))
+            .header("x-body-size", "1000")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body.len(), 1000);
+}
+
+// Row 13
+async fn a_store_slower_than_its_timeout_fails_closed_or_open(b: Backend) {
+    let slow = Arc::new(SlowStore {
+        inner: b.store.clone(),
+        delay: Duration::from_secs(5),
+    });
+    let timeout = Duration::from_millis(100);
+    let (app, runs) = router(IdempotencyLayer::new(slow.clone()).with_store_timeout(timeout));
+    let started = std::time::Instant::now();
+    let answer = send(&app, payment("slow", "{}")).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "bounded by the timeout"
+    );
+    assert_problem(&answer, StatusCode::SERVICE_UNAVAILABLE, "StoreUnavailable");
+    assert_eq!(answer.headers["retry-after"], "1");
+    assert_eq!(runs.get(), 0, "fail-closed: the handler does not run");
+
+    let (app, runs) = router(
+        IdempotencyLayer::new(slow)
+            .with_store_timeout(timeout)
+            .with_fail_open(true),
+    );
+    let answer = send(&app, payment("slow", "{}")).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1, "fail-open: the handler runs unprotected");
+}
+
+// Row 14
+async fn scoped_keys_never_replay_across_scopes(b: Backend) {
+    let scoped =
+        layer(&b).with_scope(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
+    let (app, runs) = router(scoped);
+    let as_tenant = |tenant: &str| {
+        post(Some("same-key"))
+            .header("x-tenant", tenant)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let alice = send(&app, as_tenant("alice")).await;
+    let bob = send(&app, as_tenant("bob")).await;
+    assert_eq!(runs.get(), 2, "each tenant ran its own request");
+    assert!(!bob.is_replay());
+    assert_ne!(alice.body, bob.body);
+    let alice_again = send(&app, as_tenant("alice")).await;
+    assert!(alice_again.is_replay());
+    assert_eq!(alice_again.body, alice.body);
+    // A request the scope function cannot place is refused, not run unscoped.
+    let answer = send(&app, payment("same-key", "{}")).await;
+    assert_problem(&answer, StatusCode::INTERNAL_SERVER_ERROR, "MissingScope");
+    assert_eq!(runs.get(), 2);
+}
+
+// Row 15
+async fn retention_is_configurable(b: Backend) {
+    let (app, runs) = router(layer(&b).with_retention(Duration::from_millis(300)));
+    send(&app, payment("short", "{}")).await;
+    assert!(send(&app, payment("short", "{}")).await.is_replay());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!send(&app, payment("short", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 2);
+}
+
+// Operators
+async fn operators_can_inspect_and_purge_a_key(b: Backend) {
+    let layer = layer(&b).with_scope(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
+    let (app, runs) = router(layer.clone());
+    let request = || {
+        post(Some("op-key"))
+            .header("x-tenant", "t1")
+            .header("x-status", "202")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    send(&app, request()).await;
+    let seen = layer
+        .inspect(Some("t1"), "op-key")
+        .await
+        .unwrap()
+        .expect("a record");
+    assert_eq!(seen.state, tower_idempotency::RecordState::Completed);
+    assert_eq!(seen.status, Some(StatusCode::ACCEPTED));
+    assert!(seen.expires_in > Duration::from_secs(23 * 3600));
+    assert!(
+        layer.inspect(Some("t2"), "op-key").await.unwrap().is_none(),
+        "addressed by scope"
+    );
+    assert!(layer.purge(Some("t1"), "op-key").await.unwrap());
+    assert!(layer.inspect(Some("t1"), "op-key").await.unwrap().is_none());
+    assert!(!send(&app, request()).await.is_replay());
+    assert_eq!(runs.get(), 2);
+}
+
+on_both_stores!(
+    uncovered_methods_pass_through,
+    a_missing_key_passes_when_optional_and_is_refused_when_required,
+    invalid_keys_are_refused,
+    the_structured_field_form_is_the_same_key,
+    bodies_over_the_limit_are_refused_and_claim_nothing,
+    the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte,
+    stored_headers_are_configurable,
+    a_running_request_answers_409_with_the_lease_left,
+    a_different_request_with_the_same_key_is_a_mismatch,
+    answers_that_are_not_cacheable_release_the_key,
+    responses_over_the_storage_cap_are_returned_but_not_stored,
+    a_store_slower_than_its_timeout_fails_closed_or_open,
+    scoped_keys_never_replay_across_scopes,
+    retention_is_configurable,
+    operators_can_inspect_and_purge_a_key,
+);
