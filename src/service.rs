@@ -60,7 +60,8 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let config = &self.layer.config;
-        if !config.methods.contains(request.method()) {
+        let guarded = request.extensions().get::<Guarded>().is_some();
+        if guarded || !config.methods.contains(request.method()) {
             return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
         }
         let key = match key_from_headers(request.headers(), config) {
@@ -71,7 +72,8 @@ where
             Ok(None) => return ResponseFuture::ready(Rejection::MissingKey.into_response()),
             Err(error) => return ResponseFuture::ready(Rejection::InvalidKey(error).into_response()),
         };
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
+        parts.extensions.insert(Guarded);
         let scope = match &config.scope {
             Some(scope) => match scope(&parts) {
                 Some(scope) => Some(scope),
@@ -94,6 +96,12 @@ where
         ResponseFuture::keyed(Box::pin(keyed))
     }
 }
+
+/// Marks a request an outer idempotency layer already handles, so that nested layers (a
+/// `route_layer` around a `MethodRouter::layer`, say) do not claim its key a second time and
+/// find their own claim in flight.
+#[derive(Clone, Copy)]
+struct Guarded;
 
 fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<IdempotencyKey>, KeyError> {
     let mut values = headers.get_all(&config.key_header).iter();

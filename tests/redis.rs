@@ -1,0 +1,267 @@
+//! What only Redis can show: round trips, script reloads, TTLs and hash tags, foreign data at a
+//! record's key, a server that dies and comes back.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use common::app::{payment, post, router, send};
+use common::{admin, client, script_calls, RedisServer};
+use fred::prelude::*;
+use http::StatusCode;
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore, Rejection};
+
+async fn setup() -> (RedisServer, Client, RedisStore) {
+    let server = RedisServer::start();
+    let client = client(&server.url()).await;
+    let store = RedisStore::new(client.clone());
+    (server, client, store)
+}
+
+async fn reset_stats(client: &Client) {
+    admin(client, &["CONFIG", "RESETSTAT"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
+    let (_server, client, store) = setup().await;
+    store.load_scripts().await.unwrap();
+    let (app, _) = router(IdempotencyLayer::new(store));
+
+    reset_stats(&client).await;
+    assert_eq!(send(&app, payment("rt", "{}")).await.status, StatusCode::CREATED);
+    assert_eq!(script_calls(&client).await, 2, "fresh: claim + complete");
+
+    reset_stats(&client).await;
+    assert!(send(&app, payment("rt", "{}")).await.is_replay());
+    assert_eq!(script_calls(&client).await, 1, "replay: claim only");
+
+    reset_stats(&client).await;
+    assert_eq!(
+        send(&app, payment("rt", "{\"other\":1}")).await.status,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(script_calls(&client).await, 1, "mismatch: claim only");
+
+    reset_stats(&client).await;
+    let answer = send(
+        &app,
+        post(Some("rt-500"))
+            .header("x-status", "500")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(script_calls(&client).await, 2, "not cacheable: claim + release");
+
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                post(Some("rt-busy"))
+                    .header("x-delay-ms", "600")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    reset_stats(&client).await;
+    let busy = send(&app, payment("rt-busy", "{}")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(script_calls(&client).await, 1, "in flight: claim only");
+    slow.await.unwrap();
+
+    // No other command is sent per request: only the scripts' own inner calls show up.
+    reset_stats(&client).await;
+    send(&app, payment("rt-only", "{}")).await;
+    let info = admin(&client, &["INFO", "commandstats"])
+        .await
+        .as_str()
+        .unwrap()
+        .into_owned();
+    let commands: Vec<&str> = info
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_")?.split(':').next())
+        .filter(|c| !["info", "config|resetstat"].contains(c))
+        .collect();
+    for command in &commands {
+        assert!(
+            ["evalsha", "hmget", "hset", "pexpire", "exists"].contains(command),
+            "unexpected {command}: {commands:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_reloaded_after_script_flush() {
+    let (_server, client, store) = setup().await;
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    // First use on a fresh server: no script loaded yet.
+    assert_eq!(
+        send(&app, payment("flush-1", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    admin(&client, &["SCRIPT", "FLUSH"]).await;
+    assert!(send(&app, payment("flush-1", "{}")).await.is_replay());
+    admin(&client, &["SCRIPT", "FLUSH"]).await;
+    assert_eq!(
+        send(&app, payment("flush-2", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(send(&app, payment("flush-2", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_has_a_ttl_and_a_hash_tag() {
+    let (_server, client, store) = setup().await;
+    let (app, _) = router(IdempotencyLayer::new(store));
+    send(&app, payment("ttl-done", "{}")).await;
+    let slow = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                post(Some("ttl-busy"))
+                    .header("x-delay-ms", "500")
+                    .body(Body::from("{}"))
+                    .unwrap(),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let keys: Vec<String> = client
+        .custom(
+            fred::types::CustomCommand::new_static("KEYS", fred::types::ClusterHash::Random, false),
+            vec!["*"],
+        )
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    for key in &keys {
+        let ttl: i64 = client.pttl(key).await.unwrap();
+        assert!(ttl > 0, "{key} has no TTL");
+        let tag = key
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'))
+            .map(|(tag, _)| tag);
+        assert!(tag.is_some_and(|t| t.len() == 64), "{key} has a hash tag");
+    }
+    slow.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
+    let (_server, client, store) = setup().await;
+    let layer = IdempotencyLayer::new(store.clone());
+    let (app, runs) = router(layer.clone());
+    let redis_key = |k: &str| store.redis_key(&RecordKey::new(None, IdempotencyKey::parse(k).unwrap()));
+    let expect_unreadable = |answer: common::app::Answer| {
+        assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            answer.extensions.get::<Rejection>(),
+            Some(&Rejection::UnreadableRecord)
+        );
+    };
+
+    // A string where a record should be.
+    let _: () = client
+        .set(redis_key("c-string"), "garbage", None, None, false)
+        .await
+        .unwrap();
+    expect_unreadable(send(&app, payment("c-string", "{}")).await);
+    assert!(layer.inspect(None, "c-string").await.is_err());
+    // A hash that is not a record.
+    let _: () = client.hset(redis_key("c-hash"), ("foo", "bar")).await.unwrap();
+    expect_unreadable(send(&app, payment("c-hash", "{}")).await);
+    // A record from an incompatible version.
+    let _: () = client
+        .hset(
+            redis_key("c-version"),
+            [("v", "99"), ("state", "completed"), ("payload", "x")],
+        )
+        .await
+        .unwrap();
+    expect_unreadable(send(&app, payment("c-version", "{}")).await);
+    // A record whose stored response is garbage.
+    send(&app, payment("c-payload", "{}")).await;
+    let _: () = client
+        .hset(redis_key("c-payload"), ("payload", "not a stored response"))
+        .await
+        .unwrap();
+    expect_unreadable(send(&app, payment("c-payload", "{}")).await);
+    assert_eq!(runs.get(), 1, "the handler never ran on a corrupt record");
+    // Operators can clear it, and the key works again.
+    assert!(layer.purge(None, "c-payload").await.unwrap());
+    assert_eq!(
+        send(&app, payment("c-payload", "{}")).await.status,
+        StatusCode::CREATED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_answers_503_and_the_layer_recovers_when_it_returns() {
+    let (mut server, _client, store) = setup().await;
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(Duration::from_millis(300)));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+
+    server.kill();
+    let started = std::time::Instant::now();
+    let answer = send(&app, payment("during", "{}")).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "no hang: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        answer.extensions.get::<Rejection>(),
+        Some(&Rejection::StoreUnavailable)
+    );
+    assert_eq!(runs.get(), 1, "fail-closed: nothing ran");
+
+    server.restart();
+    // The client reconnects by itself and the empty server gets its scripts again.
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    for _ in 0..50 {
+        status = send(&app, payment("after", "{}")).await.status;
+        if status != StatusCode::SERVICE_UNAVAILABLE {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(send(&app, payment("after", "{}")).await.is_replay());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_and_connect_work_like_a_client() {
+    let server = RedisServer::start();
+    let pool = Builder::from_config(Config::from_url(&server.url()).unwrap())
+        .build_pool(3)
+        .unwrap();
+    pool.init().await.unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(
+        RedisStore::from_pool(pool).with_prefix("pooled"),
+    ));
+    for _ in 0..5 {
+        send(&app, payment("pooled", "{}")).await;
+    }
+    assert_eq!(runs.get(), 1);
+
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    send(&app, payment("connected", "{}")).await;
+    assert!(send(&app, payment("connected", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 1);
+    assert!(RedisStore::connect("not a url").await.is_err());
+}
