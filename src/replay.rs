@@ -137,7 +137,7 @@ mod tests {
             |_| true,
             b"",
         );
-        for cut in 0..payload.len() - 1 {
+        for cut in 0..payload.len() {
             assert!(decode(&payload.slice(..cut)).is_err(), "cut at {cut}");
         }
         let mut bad_status = payload.to_vec();

@@ -163,13 +163,16 @@ impl Rejection {
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
         let status = self.status();
-        let body = serde_json::json!({
-            "type": self.problem_type(),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
-        let mut response = Response::new(ResponseBody::full(Bytes::from(body.to_string())));
+        // Members in RFC 9457's order; serde_json escapes the strings.
+        let text = |s: &str| serde_json::Value::from(s).to_string();
+        let body = format!(
+            "{{\"type\":{},\"title\":{},\"status\":{},\"detail\":{}}}",
+            text(&self.problem_type()),
+            text(self.title()),
+            status.as_u16(),
+            text(&self.detail()),
+        );
+        let mut response = Response::new(ResponseBody::full(Bytes::from(body)));
         *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));

@@ -1,0 +1,102 @@
+//! Run with: cargo run --example quickstart
+//!
+//! A payments API made safe to retry. Uses the in-memory store, or Redis when `REDIS_URL` is set.
+//! Listens on `ADDR` (default `127.0.0.1:3000`).
+//!
+//! ```text
+//! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
+//!      -H 'Content-Type: application/json' -d '{"amount": 42}'
+//! # again: the same 201, the same id, plus `Idempotent-Replayed: true`
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::json;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+
+#[derive(serde::Deserialize)]
+struct NewPayment {
+    amount: i64,
+    delay_ms: Option<u64>,
+}
+
+/// A new id, unique within this process and across restarts.
+fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!(
+        "{prefix}_{nanos:x}{:04x}",
+        COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff
+    )
+}
+
+async fn create_payment(Json(payment): Json<NewPayment>) -> Response {
+    if let Some(ms) = payment.delay_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if payment.amount > 1000 {
+        // A failure that may be retried: 5xx answers are not stored.
+        let body = Json(json!({ "error": "amount over the limit of the upstream processor" }));
+        return (StatusCode::INTERNAL_SERVER_ERROR, body).into_response();
+    }
+    let id = new_id("pay");
+    let location = format!("/payments/{id}");
+    let body = Json(json!({ "id": id, "amount": payment.amount }));
+    (StatusCode::CREATED, [(header::LOCATION, location)], body).into_response()
+}
+
+async fn create_comment() -> Response {
+    (StatusCode::CREATED, Json(json!({ "id": new_id("cmt") }))).into_response()
+}
+
+/// The application, kept apart from `main` so tests can drive it without a socket.
+fn app(store: Arc<dyn Store>) -> (Router, IdempotencyLayer) {
+    let required = IdempotencyLayer::new(store);
+    let optional = required.clone().with_key_required(false);
+    let router = Router::new()
+        .route("/payments", post(create_payment).layer(required.clone()))
+        .route("/comments", post(create_comment).layer(optional));
+    (router, required)
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let store: Arc<dyn Store> = match std::env::var("REDIS_URL") {
+        Ok(url) => {
+            let store = RedisStore::connect(&url).await?;
+            println!("store: Redis at {url}");
+            Arc::new(store)
+        }
+        Err(_) => {
+            println!("store: in memory (set REDIS_URL to use Redis)");
+            Arc::new(MemoryStore::new())
+        }
+    };
+    let (router, layer) = app(store);
+    let addr = std::env::var("ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into());
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    println!("listening on http://{}", listener.local_addr()?);
+
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    // Handlers whose clients hung up still run; let them store their results.
+    layer.shutdown_handle().shutdown(Duration::from_secs(10)).await?;
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! The quickstart demo is a contract others drive: run the built example and check it over HTTP,
+//! on the memory store and on Redis (`REDIS_URL`).
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+
+struct Demo {
+    child: Child,
+    addr: SocketAddr,
+    store_line: String,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn quickstart_binary() -> PathBuf {
+    // Tests run from target/<profile>/deps; cargo builds examples into target/<profile>/examples.
+    let exe = std::env::current_exe().expect("test executable path");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .join("examples")
+        .join("quickstart");
+    assert!(
+        path.exists(),
+        "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples`",
+        path.display()
+    );
+    path
+}
+
+fn start(redis_url: Option<&str>) -> Demo {
+    let mut command = Command::new(quickstart_binary());
+    command
+        .env("ADDR", "127.0.0.1:0")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    match redis_url {
+        Some(url) => command.env("REDIS_URL", url),
+        None => command.env_remove("REDIS_URL"),
+    };
+    let mut child = command.spawn().expect("start the quickstart example");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let store_line = lines.next().expect("a store line").expect("utf-8");
+    let listening = lines.next().expect("a listening line").expect("utf-8");
+    let addr = listening
+        .trim_start_matches("listening on http://")
+        .parse()
+        .expect("an address");
+    Demo {
+        child,
+        addr,
+        store_line,
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    json: serde_json::Value,
+}
+
+async fn call(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> Reply {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the demo");
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let mut request = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let response = sender
+        .send_request(request.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    let json = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        json,
+    }
+}
+
+async fn check_contract(demo: &Demo) {
+    let addr = demo.addr;
+    // POST /payments: key required, 201 with Location and {id, amount}.
+    let first = call(addr, "/payments", Some("qs-1"), r#"{"amount": 42}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let id = first.json["id"].as_str().expect("an id").to_owned();
+    assert_eq!(first.json["amount"], 42);
+    assert_eq!(first.headers["location"], format!("/payments/{id}"));
+    let retry = call(addr, "/payments", Some("qs-1"), r#"{"amount": 42}"#).await;
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.json, first.json);
+    let other = call(addr, "/payments", Some("qs-2"), r#"{"amount": 42}"#).await;
+    assert_ne!(
+        other.json["id"], first.json["id"],
+        "a new key is a new payment with a new id"
+    );
+    assert_eq!(
+        call(addr, "/payments", None, r#"{"amount": 1}"#).await.status,
+        StatusCode::BAD_REQUEST
+    );
+    // amount > 1000: 500, not stored, so the retry runs again.
+    for _ in 0..2 {
+        let failed = call(addr, "/payments", Some("qs-big"), r#"{"amount": 1001}"#).await;
+        assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(failed.headers.get("idempotent-replayed").is_none());
+    }
+    // delay_ms: a retry while the first runs gets 409 with Retry-After.
+    let slow = tokio::spawn(call(
+        addr,
+        "/payments",
+        Some("qs-slow"),
+        r#"{"amount": 5, "delay_ms": 800}"#,
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    let busy = call(
+        addr,
+        "/payments",
+        Some("qs-slow"),
+        r#"{"amount": 5, "delay_ms": 800}"#,
+    )
+    .await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert!(busy.headers.contains_key("retry-after"));
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    // POST /comments: key optional.
+    let a = call(addr, "/comments", None, "{}").await;
+    let b = call(addr, "/comments", None, "{}").await;
+    assert_eq!((a.status, b.status), (StatusCode::CREATED, StatusCode::CREATED));
+    assert_ne!(a.json["id"], b.json["id"]);
+    let keyed = call(addr, "/comments", Some("qs-c"), "{}").await;
+    assert_eq!(call(addr, "/comments", Some("qs-c"), "{}").await.json, keyed.json);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_contract_in_memory() {
+    let demo = start(None);
+    assert!(demo.store_line.contains("in memory"), "{}", demo.store_line);
+    check_contract(&demo).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_contract_on_redis() {
+    let server = common::RedisServer::start();
+    let demo = start(Some(&server.url()));
+    assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
+    check_contract(&demo).await;
+}
