@@ -221,27 +221,30 @@ impl Coordinator {
             .try_acquire_owned()
             .map_err(|_| Error::AtCapacity)?;
         let owner = OwnerToken::generate();
-        match self
+        // If this future is dropped while the claim is on its way (the client hung up) or the
+        // claim fails in transit, it may still land; a release queued behind it keeps it from
+        // blocking the key for a whole lease.
+        let mut pending = PendingClaim {
+            coordinator: self,
+            key,
+            owner: &owner,
+            armed: true,
+        };
+        let outcome = self
             .bounded(self.store.claim(key, fingerprint, &owner, self.lease))
-            .await
-        {
-            Ok(ClaimOutcome::Claimed) => Ok(Begin::Claimed(Claim::start(
+            .await;
+        pending.armed = matches!(&outcome, Err(error) if !matches!(error, StoreError::Corrupt(_)));
+        drop(pending);
+        match outcome? {
+            ClaimOutcome::Claimed => Ok(Begin::Claimed(Claim::start(
                 self.clone(),
                 key.clone(),
                 owner,
                 permit,
             ))),
-            Ok(ClaimOutcome::Completed(payload)) => Ok(Begin::Completed(payload)),
-            Ok(ClaimOutcome::InFlight { lease_left }) => Ok(Begin::InFlight { lease_left }),
-            Ok(ClaimOutcome::Mismatch) => Ok(Begin::Mismatch),
-            Err(error) => {
-                if !matches!(error, StoreError::Corrupt(_)) {
-                    // The claim may still land after we gave up on it; a release queued behind it
-                    // keeps it from blocking the key for a whole lease.
-                    self.release_in_background(key.clone(), owner);
-                }
-                Err(Error::Store(error))
-            }
+            ClaimOutcome::Completed(payload) => Ok(Begin::Completed(payload)),
+            ClaimOutcome::InFlight { lease_left } => Ok(Begin::InFlight { lease_left }),
+            ClaimOutcome::Mismatch => Ok(Begin::Mismatch),
         }
     }
 
@@ -276,6 +279,23 @@ impl Coordinator {
                 tracing::warn!(?key, %error, "could not release a claim; it ends with its lease");
             }
         });
+    }
+}
+
+/// Releases, when dropped while armed, a claim whose outcome is unknown.
+struct PendingClaim<'a> {
+    coordinator: &'a Coordinator,
+    key: &'a RecordKey,
+    owner: &'a OwnerToken,
+    armed: bool,
+}
+
+impl Drop for PendingClaim<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.coordinator
+                .release_in_background(self.key.clone(), self.owner.clone());
+        }
     }
 }
 

@@ -259,17 +259,27 @@ pub mod app {
     use tower::ServiceExt;
     use tower_idempotency::IdempotencyLayer;
 
+    /// How often the handler started, and how often it ran to its end.
     #[derive(Clone, Default)]
-    pub struct Runs(pub Arc<AtomicUsize>);
+    pub struct Runs {
+        started: Arc<AtomicUsize>,
+        finished: Arc<AtomicUsize>,
+    }
 
     impl Runs {
+        /// Handler starts.
         pub fn get(&self) -> usize {
-            self.0.load(Ordering::SeqCst)
+            self.started.load(Ordering::SeqCst)
+        }
+
+        /// Handler runs that reached their response.
+        pub fn finished(&self) -> usize {
+            self.finished.load(Ordering::SeqCst)
         }
     }
 
     async fn handler(runs: Runs, headers: HeaderMap, body: Bytes) -> Response {
-        let run = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+        let run = runs.started.fetch_add(1, Ordering::SeqCst) + 1;
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         if let Some(ms) = header("x-delay-ms").and_then(|v| v.parse().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -277,6 +287,7 @@ pub mod app {
         if header("x-panic").is_some() {
             panic!("handler asked to panic");
         }
+        runs.finished.fetch_add(1, Ordering::SeqCst);
         let status = header("x-status").and_then(|s| s.parse().ok()).unwrap_or(201);
         let body = match header("x-body-size").and_then(|v| v.parse::<usize>().ok()) {
             Some(size) => Body::from(vec![b'x'; size]),
@@ -361,7 +372,8 @@ pub mod app {
     }
 }
 
-/// A store that answers every call only after `delay`: slower than any sane timeout.
+/// A store whose claims and completions land at once but whose answers come back only after
+/// `delay`: a slow network on the way back, slower than any sane timeout.
 pub struct SlowStore {
     pub inner: Arc<dyn Store>,
     pub delay: Duration,
@@ -376,8 +388,9 @@ impl Store for SlowStore {
         lease: Duration,
     ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
         Box::pin(async move {
+            let answer = self.inner.claim(key, fingerprint, owner, lease).await;
             tokio::time::sleep(self.delay).await;
-            self.inner.claim(key, fingerprint, owner, lease).await
+            answer
         })
     }
     fn complete<'a>(
@@ -388,8 +401,9 @@ impl Store for SlowStore {
         retention: Duration,
     ) -> tower_idempotency::StoreFuture<'a, bool> {
         Box::pin(async move {
+            let answer = self.inner.complete(key, owner, payload, retention).await;
             tokio::time::sleep(self.delay).await;
-            self.inner.complete(key, owner, payload, retention).await
+            answer
         })
     }
     fn release<'a>(

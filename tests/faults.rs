@@ -1,0 +1,382 @@
+//! The promises of README's "Guarantees" that hold on every store: one execution under
+//! contention, cancellation, panics, lease renewal and fencing, crashed owners, shutdown and the
+//! in-flight bound, unreadable records.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use common::app::{payment, post, router, send, Answer};
+use common::Backend;
+use http::StatusCode;
+use tower::ServiceExt;
+use tower_idempotency::{
+    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, OwnerToken, RecordKey, RecordState,
+    Rejection,
+};
+
+fn layer(b: &Backend) -> IdempotencyLayer {
+    IdempotencyLayer::new(b.store.clone())
+}
+
+fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
+    post(Some(key))
+        .header("x-delay-ms", delay_ms.to_string())
+        .body(Body::from("{}"))
+        .unwrap()
+}
+
+fn rejection(answer: &Answer) -> Option<&Rejection> {
+    answer.extensions.get::<Rejection>()
+}
+
+/// The fingerprint the layer computes for `payment(key, "{}")`: method, path and query,
+/// Content-Type, body.
+fn fingerprint_of_empty_payment() -> Fingerprint {
+    Fingerprint::new([b"POST".as_slice(), b"/payments", b"application/json", b"{}"])
+}
+
+// Promise 1
+async fn hundreds_of_concurrent_requests_run_the_handler_once(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let tasks: Vec<_> = (0..300)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, slow("contended", 300)).await })
+        })
+        .collect();
+    let mut created = 0;
+    let mut replayed = 0;
+    let mut in_flight = 0;
+    let mut bodies = std::collections::HashSet::new();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        match answer.status {
+            StatusCode::CREATED if answer.is_replay() => replayed += 1,
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(
+                    rejection(&answer),
+                    Some(&Rejection::InFlight {
+                        retry_after: Duration::from_secs(30)
+                    })
+                );
+                in_flight += 1;
+                continue;
+            }
+            other => panic!("unexpected {other}: {:?}", answer.body),
+        }
+        bodies.insert(answer.body);
+    }
+    assert_eq!(runs.get(), 1, "the handler ran once");
+    assert_eq!(created, 1, "one first response");
+    assert_eq!(created + replayed + in_flight, 300);
+    assert_eq!(bodies.len(), 1, "every 201 carries the same body");
+    assert!(send(&app, slow("contended", 0)).await.is_replay());
+}
+
+// Promise 2
+async fn a_dropped_response_future_does_not_lose_the_work(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    // The client hangs up (or an outer timeout fires) while the handler runs.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        app.clone().oneshot(slow("hang-up", 400)),
+    )
+    .await;
+    assert!(dropped.is_err(), "the response future was dropped");
+    assert_eq!(runs.finished(), 0);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(runs.finished(), 1, "the handler ran to completion anyway");
+    let retry = send(&app, slow("hang-up", 400)).await;
+    assert!(retry.is_replay(), "the retry gets the stored result");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(retry.body, "run 1; echo {}");
+}
+
+// Promise 2, the option
+async fn cancel_on_disconnect_cancels_and_releases(b: Backend) {
+    let (app, runs) = router(layer(&b).with_cancel_on_disconnect(true));
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        app.clone().oneshot(slow("cancel", 400)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(runs.finished(), 0, "the handler was cancelled");
+    let retry = send(&app, slow("cancel", 0)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.is_replay(), "the key was released: the retry runs again");
+    assert_eq!(runs.get(), 2);
+}
+
+// Promise 2: a hang-up before the claim answered leaves no claim behind.
+async fn a_hang_up_during_the_claim_leaves_the_key_free(b: Backend) {
+    let slow_store = std::sync::Arc::new(common::SlowStore {
+        inner: b.store.clone(),
+        delay: Duration::from_millis(200),
+    });
+    let (app, runs) = router(IdempotencyLayer::new(slow_store));
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("early", 0))).await;
+    assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let key = RecordKey::new(None, IdempotencyKey::parse("early").unwrap());
+    assert_eq!(
+        b.store.inspect(&key).await.unwrap(),
+        None,
+        "nothing claimed, or released again"
+    );
+    assert_eq!(runs.get(), 0);
+}
+
+// Promise 3
+async fn a_panicking_handler_answers_500_and_releases_the_key(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let panicked = send(
+        &app,
+        post(Some("boom"))
+            .header("x-panic", "1")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(panicked.headers["content-type"], "application/problem+json");
+    assert_eq!(rejection(&panicked), Some(&Rejection::HandlerPanicked));
+    // Released before the answer left: the retry runs at once, no 409.
+    let retry = send(&app, payment("boom", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+}
+
+// Promise 4
+async fn a_long_handler_keeps_its_claim_past_the_lease(b: Backend) {
+    let (app, runs) = router(layer(&b).with_lease(Duration::from_millis(300)));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("long", 1200)).await })
+    };
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let retry = send(&app, slow("long", 0)).await;
+        assert_eq!(
+            rejection(&retry),
+            Some(&Rejection::InFlight {
+                retry_after: Duration::from_secs(1)
+            })
+        );
+    }
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert!(send(&app, slow("long", 0)).await.is_replay());
+    assert_eq!(runs.get(), 1, "no second run beside the slow but live one");
+}
+
+// Promise 4, fencing
+async fn a_lost_claim_is_fenced_and_never_overwrites_the_new_owner(b: Backend) {
+    let layer = layer(&b).with_lease(Duration::from_millis(300));
+    let (app, runs) = router(layer.clone());
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("fenced", 1000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // An operator purges the key mid-run; a retry takes it over and completes first.
+    assert!(layer.purge(None, "fenced").await.unwrap());
+    let second = send(&app, slow("fenced", 0)).await;
+    assert_eq!((second.status, second.is_replay()), (StatusCode::CREATED, false));
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the first client still gets its own answer"
+    );
+    assert_eq!(first.body, "run 1; echo {}");
+    let replay = send(&app, slow("fenced", 0)).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, second.body, "the newer owner's record stands");
+    assert_eq!(runs.get(), 2);
+}
+
+// Promise 5
+async fn a_crashed_owner_blocks_its_key_only_until_its_lease_ends(b: Backend) {
+    let lease = Duration::from_millis(400);
+    let (app, runs) = router(layer(&b).with_lease(lease));
+    // A node claimed the key and died: nobody renews or releases its claim.
+    let key = RecordKey::new(None, IdempotencyKey::parse("orphan").unwrap());
+    let crashed = OwnerToken::generate();
+    let claimed = b
+        .store
+        .claim(&key, &fingerprint_of_empty_payment(), &crashed, lease)
+        .await
+        .unwrap();
+    assert_eq!(claimed, ClaimOutcome::Claimed);
+    let blocked = send(&app, payment("orphan", "{}")).await;
+    assert_eq!(blocked.status, StatusCode::CONFLICT);
+    assert_eq!(blocked.headers["retry-after"], "1");
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let retry = send(&app, payment("orphan", "{}")).await;
+    assert_eq!((retry.status, retry.is_replay()), (StatusCode::CREATED, false));
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 8
+async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
+    let layer = layer(&b);
+    let handle = layer.shutdown_handle();
+    let (app, runs) = router(layer.clone());
+    let running: Vec<_> = ["s1", "s2"]
+        .into_iter()
+        .map(|key| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, slow(key, 400)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(handle.running(), 2);
+    // One client hangs up; its handler is still tracked.
+    let _ = tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("s3", 400))).await;
+    assert_eq!(handle.running(), 3);
+    let shutdown = {
+        let handle = handle.clone();
+        tokio::spawn(async move { handle.shutdown(Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let refused = send(&app, payment("s4", "{}")).await;
+    assert_eq!(rejection(&refused), Some(&Rejection::Overloaded));
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        shutdown.await.unwrap().is_ok(),
+        "every running handler finished before the deadline"
+    );
+    assert_eq!(runs.finished(), 3);
+    for task in running {
+        assert_eq!(task.await.unwrap().status, StatusCode::CREATED);
+    }
+    for key in ["s1", "s2", "s3"] {
+        let record = layer.inspect(None, key).await.unwrap().expect("stored");
+        assert_eq!(record.state, RecordState::Completed, "{key}");
+    }
+    assert!(
+        layer.inspect(None, "s4").await.unwrap().is_none(),
+        "nothing claimed while shutting down"
+    );
+}
+
+// Promise 8, the deadline
+async fn shutdown_reports_handlers_still_running_at_the_deadline(b: Backend) {
+    let layer = layer(&b);
+    let (app, _) = router(layer.clone());
+    let running = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("late", 800)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let timed_out = layer
+        .shutdown_handle()
+        .shutdown(Duration::from_millis(100))
+        .await
+        .unwrap_err();
+    assert_eq!(timed_out.running, 1);
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+}
+
+// Promise 8, the bound
+async fn over_the_in_flight_bound_answers_503_and_claims_nothing(b: Backend) {
+    let (app, runs) = router(layer(&b).with_max_in_flight(2));
+    let running: Vec<_> = ["b1", "b2"]
+        .into_iter()
+        .map(|key| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, slow(key, 300)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let over = send(&app, payment("b3", "{}")).await;
+    assert_eq!(over.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(rejection(&over), Some(&Rejection::Overloaded));
+    assert!(over.headers.contains_key("retry-after"));
+    for task in running {
+        task.await.unwrap();
+    }
+    let later = send(&app, payment("b3", "{}")).await;
+    assert_eq!(
+        (later.status, later.is_replay()),
+        (StatusCode::CREATED, false),
+        "b3 was never claimed"
+    );
+    assert_eq!(runs.get(), 3);
+}
+
+// Promise 9: in-flight records too
+async fn operators_see_the_lease_left_on_a_running_key(b: Backend) {
+    let layer = layer(&b).with_lease(Duration::from_secs(10));
+    let (app, _) = router(layer.clone());
+    let running = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("op-running", 400)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let seen = layer
+        .inspect(None, "op-running")
+        .await
+        .unwrap()
+        .expect("in flight");
+    assert_eq!(seen.state, RecordState::InFlight);
+    assert_eq!(seen.status, None);
+    assert!(seen.expires_in <= Duration::from_secs(10) && seen.expires_in > Duration::from_secs(8));
+    running.await.unwrap();
+    assert_eq!(
+        layer.inspect(None, "op-running").await.unwrap().unwrap().status,
+        Some(StatusCode::CREATED)
+    );
+}
+
+// Promise 10
+async fn an_unreadable_stored_response_is_an_error_never_a_replay(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let key = RecordKey::new(None, IdempotencyKey::parse("garbled").unwrap());
+    let owner = OwnerToken::generate();
+    b.store
+        .claim(
+            &key,
+            &fingerprint_of_empty_payment(),
+            &owner,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let garbage = Bytes::from_static(b"\x00\x01 definitely not a stored response");
+    assert!(b
+        .store
+        .complete(&key, &owner, garbage, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let answer = send(&app, payment("garbled", "{}")).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(rejection(&answer), Some(&Rejection::UnreadableRecord));
+    assert!(
+        !answer.body.windows(10).any(|w| w == b"definitely"),
+        "garbage is never replayed"
+    );
+    assert_eq!(runs.get(), 0);
+}
+
+on_both_stores!(
+    hundreds_of_concurrent_requests_run_the_handler_once,
+    a_dropped_response_future_does_not_lose_the_work,
+    cancel_on_disconnect_cancels_and_releases,
+    a_hang_up_during_the_claim_leaves_the_key_free,
+    a_panicking_handler_answers_500_and_releases_the_key,
+    a_long_handler_keeps_its_claim_past_the_lease,
+    a_lost_claim_is_fenced_and_never_overwrites_the_new_owner,
+    a_crashed_owner_blocks_its_key_only_until_its_lease_ends,
+    shutdown_refuses_new_keys_and_waits_for_running_handlers,
+    shutdown_reports_handlers_still_running_at_the_deadline,
+    over_the_in_flight_bound_answers_503_and_claims_nothing,
+    operators_see_the_lease_left_on_a_running_key,
+    an_unreadable_stored_response_is_an_error_never_a_replay,
+);
