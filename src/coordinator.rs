@@ -16,6 +16,8 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_MAX_IN_FLIGHT: u32 = 10_000;
+/// When a background release is tried, counted from the previous try.
+const RELEASE_RETRY_DELAYS_MS: [u64; 3] = [0, 500, 1500];
 /// How often a completion that failed on a store error is tried in all.
 const COMPLETE_ATTEMPTS: u32 = 3;
 
@@ -265,6 +267,13 @@ impl Coordinator {
             .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
     }
 
+    /// Releases `owner`'s claim from a task of its own, for claims whose holder is gone (dropped,
+    /// cancelled) or whose outcome is unknown (the claim failed in transit).
+    ///
+    /// A claim that timed out may still be executed later, and after a reconnect a release sent on
+    /// the new connection can overtake it. So a release that finds nothing is tried again a few
+    /// times over about two seconds; releases are owner-checked, so a late one never touches
+    /// another owner's record.
     fn release_in_background(&self, key: RecordKey, owner: OwnerToken) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(
@@ -275,8 +284,13 @@ impl Coordinator {
         };
         let coordinator = self.clone();
         runtime.spawn(async move {
-            if let Err(error) = coordinator.bounded(coordinator.store.release(&key, &owner)).await {
-                tracing::warn!(?key, %error, "could not release a claim; it ends with its lease");
+            for delay_ms in RELEASE_RETRY_DELAYS_MS {
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                match coordinator.bounded(coordinator.store.release(&key, &owner)).await {
+                    Ok(true) => return,
+                    Ok(false) => tracing::trace!(?key, "nothing to release yet"),
+                    Err(error) => tracing::debug!(?key, %error, "could not release a claim; trying again"),
+                }
             }
         });
     }

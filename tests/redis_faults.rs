@@ -1,0 +1,260 @@
+//! Real faults on real Redis servers: a TCP proxy that black-holes, delays or drops, `CLIENT
+//! PAUSE`, `DEBUG SLEEP`, a node partitioned from Redis while its handler runs.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use common::app::{payment, post, router, send};
+use common::proxy::{Fault, FaultProxy};
+use common::{admin, client, command_calls, RedisServer};
+use http::StatusCode;
+use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore, Rejection};
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+async fn through_proxy(server: &RedisServer) -> (FaultProxy, RedisStore) {
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::new(client(&proxy.url()).await).with_command_timeout(TIMEOUT);
+    (proxy, store)
+}
+
+fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
+    post(Some(key))
+        .header("x-delay-ms", delay_ms.to_string())
+        .body(Body::from("{}"))
+        .unwrap()
+}
+
+async fn eventually_created(app: &axum::Router, key: &str) -> common::app::Answer {
+    for _ in 0..100 {
+        let answer = send(app, payment(key, "{}")).await;
+        if answer.status == StatusCode::CREATED {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last = send(app, payment(key, "{}")).await;
+    panic!("the layer did not recover: {} {:?}", last.status, last.body);
+}
+
+// Promise 6: a black hole is bounded by the timeout, fails closed, and recovery is automatic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_redis_answers_503_within_the_timeout() {
+    let server = RedisServer::start();
+    let (proxy, store) = through_proxy(&server).await;
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+    proxy.set(Fault::BlackHole);
+    let started = Instant::now();
+    let answer = send(&app, payment("bh", "{}")).await;
+    assert!(
+        started.elapsed() < TIMEOUT + Duration::from_millis(500),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        answer.extensions.get::<Rejection>(),
+        Some(&Rejection::StoreUnavailable)
+    );
+    assert_eq!(runs.get(), 0);
+    proxy.set(Fault::None);
+    assert_eq!(eventually_created(&app, "bh").await.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 6: dropped connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connections_fail_closed_and_reconnect() {
+    let server = RedisServer::start();
+    let (proxy, store) = through_proxy(&server).await;
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+    proxy.set(Fault::Drop);
+    let answer = send(&app, payment("dropped", "{}")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    proxy.set(Fault::None);
+    eventually_created(&app, "dropped").await;
+    assert!(send(&app, payment("dropped", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 6: CLIENT PAUSE and DEBUG SLEEP stall the server itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_or_sleeping_server_fails_closed_then_recovers() {
+    let server = RedisServer::start();
+    let admin_client = client(&server.url()).await;
+    let store = RedisStore::new(client(&server.url()).await).with_command_timeout(TIMEOUT);
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+
+    admin(&admin_client, &["CLIENT", "PAUSE", "1000", "ALL"]).await;
+    let answer = send(&app, payment("paused", "{}")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    eventually_created(&app, "paused").await;
+
+    let sleeper = tokio::spawn(async move { admin(&admin_client, &["DEBUG", "SLEEP", "1"]).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let answer = send(&app, payment("sleeping", "{}")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "bounded by the timeout, not the sleep"
+    );
+    sleeper.await.unwrap();
+    eventually_created(&app, "sleeping").await;
+    assert_eq!(runs.get(), 2, "nothing ran while the server stalled");
+}
+
+// Promise 6: a completion that fails is retried within a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_completion_is_retried() {
+    let server = RedisServer::start();
+    let (proxy, store) = through_proxy(&server).await;
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("retried", 300)).await })
+    };
+    // Redis disappears while the handler runs and comes back while the completion is retried.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    proxy.set(Fault::Drop);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    proxy.set(Fault::None);
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let retry = send(&app, payment("retried", "{}")).await;
+    assert!(retry.is_replay(), "the retried completion stored the response");
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 6: a completion that keeps failing still answers the client, in bounded time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_keeps_failing_still_answers_the_client() {
+    let server = RedisServer::start();
+    let (proxy, store) = through_proxy(&server).await;
+    let (app, _) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, slow("unstored", 200)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set(Fault::BlackHole);
+    let started = Instant::now();
+    let answer = first.await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "the client gets its response");
+    assert_eq!(answer.body, "run 1; echo {}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "completion retries are bounded: {:?}",
+        started.elapsed()
+    );
+    proxy.set(Fault::None);
+}
+
+// Promise 7: fred re-sends a claim whose answer was lost with the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_resent_after_a_dropped_connection_does_not_conflict_with_itself() {
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::new(client(&proxy.url()).await).with_command_timeout(Duration::from_secs(2));
+    store.load_scripts().await.unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    admin(&stats, &["CONFIG", "RESETSTAT"]).await;
+    proxy.set(Fault::DropNextReply);
+    let answer = send(&app, payment("resent", "{}")).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the re-sent claim found its own claim: {:?}",
+        answer.body
+    );
+    assert!(!answer.is_replay());
+    assert_eq!(runs.get(), 1);
+    assert_eq!(
+        command_calls(&stats, "evalsha").await,
+        3,
+        "claim, the same claim again, complete"
+    );
+}
+
+// Promises 4 and 5, and where they end: a node cut off from Redis cannot renew; once its lease
+// ends another node runs the key, and the cut-off node's late result is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_node_loses_its_key_at_lease_end_and_is_fenced() {
+    let server = RedisServer::start();
+    let lease = Duration::from_millis(400);
+    let (proxy, partitioned_store) = through_proxy(&server).await;
+    let (node_a, runs_a) = router(
+        IdempotencyLayer::new(partitioned_store)
+            .with_lease(lease)
+            .with_store_timeout(TIMEOUT),
+    );
+    let direct = RedisStore::new(client(&server.url()).await);
+    let node_b_layer = IdempotencyLayer::new(direct).with_lease(lease);
+    let (node_b, runs_b) = router(node_b_layer.clone());
+
+    let on_a = tokio::spawn(async move { send(&node_a, slow("split", 1500)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set(Fault::BlackHole);
+    let blocked = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(blocked.status, StatusCode::CONFLICT, "the live lease holds");
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    let taken_over = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(
+        (taken_over.status, taken_over.is_replay()),
+        (StatusCode::CREATED, false)
+    );
+    // Node A finishes and reaches Redis again: its result must not replace node B's.
+    proxy.set(Fault::None);
+    assert_eq!(on_a.await.unwrap().status, StatusCode::CREATED);
+    let replay = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(replay.body, taken_over.body, "node B's record stands");
+    assert_eq!(
+        (runs_a.get(), runs_b.get()),
+        (1, 1),
+        "the documented limit: two runs across a partition"
+    );
+    assert_eq!(
+        node_b_layer.inspect(None, "split").await.unwrap().unwrap().state,
+        RecordState::Completed
+    );
+}
+
+// Promise 6: a restart mid-load (kill -9 by PID), then recovery with scripts reloaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_mid_load_fails_closed_and_recovers() {
+    let mut server = RedisServer::start();
+    let store = RedisStore::new(client(&server.url()).await).with_command_timeout(TIMEOUT);
+    let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
+    let load: Vec<_> = (0..40)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i * 10)).await;
+                send(&app, slow(&format!("load-{i}"), 50)).await.status
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    server.kill();
+    // Down for longer than the store timeout, so requests meet the dead server.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.restart();
+    let mut statuses = Vec::new();
+    for task in load {
+        statuses.push(task.await.unwrap());
+    }
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::CREATED || *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.contains(&StatusCode::SERVICE_UNAVAILABLE),
+        "some requests met the dead server"
+    );
+    eventually_created(&app, "after-restart").await;
+    assert!(runs.get() <= 41);
+}
