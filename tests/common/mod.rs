@@ -17,6 +17,7 @@ pub struct RedisServer {
     port: u16,
     child: Option<Child>,
     dir: PathBuf,
+    extra: Vec<String>,
 }
 
 fn redis_server_binary() -> String {
@@ -32,23 +33,30 @@ impl RedisServer {
     /// Starts a server on a free loopback port. Panics with a clear message if `redis-server`
     /// is not installed: a missing server is a failure, never a skip.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra arguments (later arguments override the defaults).
+    pub fn start_with(extra: &[&str]) -> Self {
         for _ in 0..5 {
             let port = free_port();
-            if let Some(server) = Self::start_on(port) {
+            if let Some(server) = Self::start_on(port, extra) {
                 return server;
             }
         }
         panic!("could not start redis-server on a free port after 5 tries");
     }
 
-    fn start_on(port: u16) -> Option<Self> {
+    fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
         assert_ne!(port, 6379, "tests never use the default Redis port");
         let dir = std::env::temp_dir().join(format!("tower-idempotency-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+        let extra = extra.iter().map(|s| s.to_string()).collect();
         let mut server = Self {
             port,
             child: None,
             dir,
+            extra,
         };
         server.spawn().then_some(server)
     }
@@ -59,6 +67,7 @@ impl RedisServer {
             .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
