@@ -10,11 +10,31 @@ use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
 /// A boxed error, as tower and axum use them.
+///
+/// ```
+/// let error: tower_idempotency::BoxError = "went wrong".into();
+/// assert_eq!(error.to_string(), "went wrong");
+/// ```
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pin_project! {
     /// The request body the inner service receives: the client's body, untouched when the layer
     /// passes the request through, or the bytes the layer buffered to fingerprint it.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower_idempotency::RequestBody;
+    ///
+    /// // An inner service reads it like any other body.
+    /// async fn handle(request: Request<RequestBody<Full<Bytes>>>) -> Result<Response<Full<Bytes>>, Infallible> {
+    ///     let body = request.into_body().collect().await?.to_bytes();
+    ///     Ok(Response::new(Full::new(body)))
+    /// }
+    /// # let _ = handle;
+    /// ```
     pub struct RequestBody<B> {
         #[pin]
         kind: RequestKind<B>,
@@ -88,6 +108,21 @@ where
 pin_project! {
     /// The response body the layer returns: the inner service's body, streamed on or buffered,
     /// a replayed body, or a problem document.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower_idempotency::{Rejection, ResponseBody};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let response = Rejection::MissingKey.into_response::<Full<bytes::Bytes>>();
+    /// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    /// let body: ResponseBody<_> = response.into_body();
+    /// let json = body.collect().await.unwrap().to_bytes();
+    /// assert!(json.starts_with(b"{\"type\":"));
+    /// # }
+    /// ```
     pub struct ResponseBody<B> {
         #[pin]
         kind: ResponseKind<B>,

@@ -52,6 +52,18 @@ impl Config {
 /// The default test of whether a handler's answer may be stored and replayed: everything but
 /// 5xx, 408, 409, 425 and 429 (answers a retry may well change), and answers the handler marked
 /// `Cache-Control: no-store`.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use tower_idempotency::default_cacheable;
+///
+/// let (created, _) = Response::builder().status(StatusCode::CREATED).body(()).unwrap().into_parts();
+/// let (busy, _) = Response::builder().status(StatusCode::TOO_MANY_REQUESTS).body(()).unwrap().into_parts();
+/// let (private, _) = Response::builder().header("cache-control", "private, no-store").body(()).unwrap().into_parts();
+/// assert!(default_cacheable(&created));
+/// assert!(!default_cacheable(&busy));
+/// assert!(!default_cacheable(&private));
+/// ```
 pub fn default_cacheable(parts: &response::Parts) -> bool {
     let status = parts.status;
     let transient = status.is_server_error()
@@ -76,6 +88,11 @@ pub fn default_cacheable(parts: &response::Parts) -> bool {
 
 /// The headers never stored nor replayed by default: `Set-Cookie` (a session must not be handed to
 /// whoever retries) and the hop-by-hop headers of RFC 9110 §7.6.1.
+///
+/// ```
+/// use http::header::SET_COOKIE;
+/// assert!(tower_idempotency::default_unstored_headers().contains(&SET_COOKIE));
+/// ```
 pub fn default_unstored_headers() -> Vec<HeaderName> {
     vec![
         header::SET_COOKIE,

@@ -69,7 +69,7 @@ impl std::fmt::Debug for Coordinator {
     }
 }
 
-/// What [`Coordinator::begin`] found.
+/// What [`Coordinator::begin`] found; see [`Coordinator`] for an example.
 #[derive(Debug)]
 pub enum Begin {
     /// The caller owns the key: run the operation, then complete or release the claim.
@@ -86,6 +86,11 @@ pub enum Begin {
 }
 
 /// Why the coordinator could not do what was asked.
+///
+/// ```
+/// use tower_idempotency::Error;
+/// assert_eq!(Error::AtCapacity.to_string(), "too many idempotent operations are running");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -316,6 +321,22 @@ impl Drop for PendingClaim<'_> {
 /// Ownership of one key while its operation runs. Complete it with the result, or release it.
 ///
 /// Dropping a `Claim` (a panic, a cancelled task) releases it in the background.
+///
+/// ```
+/// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::Error> {
+/// let coordinator = Coordinator::new(MemoryStore::new());
+/// let key = RecordKey::new(None, IdempotencyKey::parse("job-9").unwrap());
+/// let fingerprint = Fingerprint::new([b"job".as_slice()]);
+/// if let Begin::Claimed(claim) = coordinator.begin(&key, &fingerprint).await? {
+///     // The operation failed in a way worth retrying: give the key up.
+///     claim.release().await?;
+/// }
+/// assert!(matches!(coordinator.begin(&key, &fingerprint).await?, Begin::Claimed(_)));
+/// # Ok(()) }
+/// ```
 pub struct Claim {
     coordinator: Coordinator,
     key: RecordKey,
@@ -496,7 +517,13 @@ impl std::fmt::Debug for ShutdownHandle {
     }
 }
 
-/// Operations were still running when the shutdown deadline passed.
+/// Operations were still running when the shutdown deadline passed; see [`ShutdownHandle`].
+///
+/// ```
+/// use tower_idempotency::ShutdownTimedOut;
+/// let error = ShutdownTimedOut { running: 2 };
+/// assert!(error.to_string().starts_with("2 idempotent operations"));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("{running} idempotent operations were still running at the shutdown deadline")]
 pub struct ShutdownTimedOut {

@@ -17,6 +17,26 @@ pin_project! {
     /// A request the layer does not cover is the inner future, unboxed; a rejection decided from
     /// the headers alone is ready at once; a keyed request is a boxed future (it awaits the
     /// store, which costs far more than the allocation).
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Service, ServiceExt};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, RequestBody};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok"))))
+    /// });
+    /// let mut service = tower::ServiceBuilder::new().layer(IdempotencyLayer::new(MemoryStore::new())).service(handler);
+    /// // A GET is not covered: its future is the handler's, unboxed.
+    /// let future = service.ready().await.unwrap().call(Request::get("/").body(Full::default()).unwrap());
+    /// assert_eq!(future.await.unwrap().status(), 200);
+    /// # }
+    /// ```
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,

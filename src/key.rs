@@ -6,6 +6,12 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 
 /// The longest key accepted, in characters (the IETF draft and Stripe both use 255).
+///
+/// ```
+/// use tower_idempotency::{IdempotencyKey, MAX_KEY_LEN};
+/// assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN)).is_ok());
+/// assert!(IdempotencyKey::parse(&"k".repeat(MAX_KEY_LEN + 1)).is_err());
+/// ```
 pub const MAX_KEY_LEN: usize = 255;
 
 /// A validated idempotency key, as sent by a client.
@@ -83,7 +89,14 @@ impl fmt::Display for IdempotencyKey {
     }
 }
 
-/// Why an idempotency key was refused.
+/// Why an idempotency key was refused. The layer answers each with 400
+/// ([`Rejection::InvalidKey`](crate::Rejection::InvalidKey)).
+///
+/// ```
+/// use tower_idempotency::{IdempotencyKey, KeyError};
+/// assert_eq!(IdempotencyKey::parse(""), Err(KeyError::Empty));
+/// assert!(matches!(IdempotencyKey::parse("a b"), Err(KeyError::InvalidCharacter { position: 1 })));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {

@@ -48,6 +48,21 @@ impl std::fmt::Debug for IdempotencyLayer {
 }
 
 /// A record as [`IdempotencyLayer::inspect`] shows it.
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, RecordState};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::Error> {
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// if let Some(record) = layer.inspect(Some("tenant-7"), "order-42").await? {
+///     if record.state == RecordState::Completed && record.status == Some(StatusCode::INTERNAL_SERVER_ERROR) {
+///         layer.purge(Some("tenant-7"), "order-42").await?;
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Inspection {

@@ -10,6 +10,10 @@ use crate::body::ResponseBody;
 const MAGIC: &[u8; 4] = b"TIR\x01";
 
 /// The header added to every replayed response, as Stripe does.
+///
+/// ```
+/// assert_eq!(tower_idempotency::IDEMPOTENT_REPLAYED.as_str(), "idempotent-replayed");
+/// ```
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// Encodes status, headers (all values, in order, as raw bytes) and body:

@@ -21,6 +21,20 @@ use crate::{replay, Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, Rec
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
 ///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower_idempotency::{Idempotency, IdempotencyLayer, MemoryStore, RequestBody};
+///
+/// let handler = tower::service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok"))))
+/// });
+/// let service = Idempotency::new(handler, IdempotencyLayer::new(MemoryStore::new()));
+/// # let _ = service;
+/// ```
+///
 /// The inner service receives `Request<RequestBody<ReqBody>>` and may answer with any body; the
 /// handler runs in a Tokio task of its own, so its future and body must be `Send + 'static`.
 #[derive(Clone, Debug)]

@@ -120,6 +120,22 @@ async fn invalid_keys_are_refused(b: Backend) {
     assert_eq!(answer.status, StatusCode::CREATED);
 }
 
+// Rows 3 and 8 with another header
+async fn the_key_header_is_configurable(b: Backend) {
+    let (app, runs) = router(layer(&b).with_key_header(http::HeaderName::from_static("x-request-key")));
+    let request = || {
+        post(None)
+            .header("x-request-key", "custom")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    send(&app, request()).await;
+    assert!(send(&app, request()).await.is_replay());
+    let ignored = send(&app, payment("idempotency-key-is-not-read-now", "{}")).await;
+    assert_problem(&ignored, StatusCode::BAD_REQUEST, "MissingKey");
+    assert_eq!(runs.get(), 1);
+}
+
 // Row 5
 async fn the_structured_field_form_is_the_same_key(b: Backend) {
     let (app, runs) = router(layer(&b));
@@ -470,6 +486,7 @@ on_both_stores!(
     uncovered_methods_pass_through,
     a_missing_key_passes_when_optional_and_is_refused_when_required,
     invalid_keys_are_refused,
+    the_key_header_is_configurable,
     the_structured_field_form_is_the_same_key,
     bodies_over_the_limit_are_refused_and_claim_nothing,
     the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte,

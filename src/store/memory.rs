@@ -303,3 +303,67 @@ impl Store for MemoryStore {
         ready(Ok(existed))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::IdempotencyKey;
+
+    fn key(k: &str) -> RecordKey {
+        RecordKey::new(None, IdempotencyKey::parse(k).unwrap())
+    }
+
+    async fn claim(
+        store: &MemoryStore,
+        k: &str,
+        lease: Duration,
+    ) -> (OwnerToken, Result<ClaimOutcome, StoreError>) {
+        let owner = OwnerToken::generate();
+        let outcome = store
+            .claim(&key(k), &Fingerprint::new([k.as_bytes()]), &owner, lease)
+            .await;
+        (owner, outcome)
+    }
+
+    async fn complete(store: &MemoryStore, k: &str, retention: Duration) {
+        let (owner, outcome) = claim(store, k, Duration::from_secs(30)).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        assert!(store
+            .complete(&key(k), &owner, Bytes::from_static(b"r"), retention)
+            .await
+            .unwrap());
+    }
+
+    #[tokio::test]
+    async fn at_the_bound_expired_records_go_first_then_the_completed_one_nearest_expiry() {
+        let store = MemoryStore::new().with_max_entries(3);
+        complete(&store, "expiring", Duration::from_millis(20)).await;
+        complete(&store, "soon", Duration::from_secs(60)).await;
+        complete(&store, "late", Duration::from_secs(3600)).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        complete(&store, "new-1", Duration::from_secs(3600)).await;
+        assert!(store.inspect(&key("expiring")).await.unwrap().is_none());
+        assert!(
+            store.inspect(&key("soon")).await.unwrap().is_some(),
+            "the expired record made room"
+        );
+        complete(&store, "new-2", Duration::from_secs(3600)).await;
+        assert!(
+            store.inspect(&key("soon")).await.unwrap().is_none(),
+            "nearest expiry evicted next"
+        );
+        assert!(store.inspect(&key("late")).await.unwrap().is_some());
+        assert_eq!(store.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn in_flight_records_are_never_evicted() {
+        let store = MemoryStore::new().with_max_entries(2);
+        let lease = Duration::from_secs(30);
+        assert_eq!(claim(&store, "a", lease).await.1.unwrap(), ClaimOutcome::Claimed);
+        assert_eq!(claim(&store, "b", lease).await.1.unwrap(), ClaimOutcome::Claimed);
+        assert!(matches!(claim(&store, "c", lease).await.1, Err(StoreError::Full)));
+        assert_eq!(store.len(), 2);
+        assert!(store.inspect(&key("a")).await.unwrap().is_some());
+    }
+}

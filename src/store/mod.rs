@@ -20,17 +20,48 @@ pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
-/// The future a [`Store`] method returns.
+/// The future a [`Store`] method returns: boxed, so `Store` can be used as `dyn Store`.
+///
+/// ```
+/// use tower_idempotency::{StoreError, StoreFuture};
+/// fn answer<'a>() -> StoreFuture<'a, bool> {
+///     Box::pin(async { Ok::<_, StoreError>(true) })
+/// }
+/// # let _ = answer();
+/// ```
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
 /// The version of the record layout. A record written by an incompatible version is reported as
 /// [`StoreError::Corrupt`], never read as if it were ours.
+///
+/// ```
+/// assert_eq!(tower_idempotency::RECORD_VERSION, 1);
+/// ```
 pub const RECORD_VERSION: u32 = 1;
 
 /// A record store. Implementations must make each method atomic with respect to the others.
 ///
 /// Both built-in stores, [`MemoryStore`](crate::MemoryStore) and `RedisStore`, pass one shared
 /// behaviour suite (`tests/store_suite.rs`); a custom store should pass it too.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{ClaimOutcome, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, RecordKey, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+/// let store = MemoryStore::new();
+/// let key = RecordKey::new(None, IdempotencyKey::parse("k").unwrap());
+/// let (fingerprint, owner) = (Fingerprint::new([b"body".as_slice()]), OwnerToken::generate());
+/// assert_eq!(store.claim(&key, &fingerprint, &owner, Duration::from_secs(30)).await?, ClaimOutcome::Claimed);
+/// assert!(store.complete(&key, &owner, "result".into(), Duration::from_secs(60)).await?);
+/// let someone_else = OwnerToken::generate();
+/// assert_eq!(
+///     store.claim(&key, &fingerprint, &someone_else, Duration::from_secs(30)).await?,
+///     ClaimOutcome::Completed("result".into())
+/// );
+/// # Ok(()) }
+/// ```
 pub trait Store: Send + Sync + 'static {
     /// Claims `key` for `owner`, or reports what is there.
     ///
@@ -124,7 +155,7 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     }
 }
 
-/// What a claim found.
+/// What a claim found; see [`Store::claim`] for an example.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// The caller now owns the key and should run the operation.
@@ -141,6 +172,11 @@ pub enum ClaimOutcome {
 }
 
 /// The state of a record, for operators.
+///
+/// ```
+/// use tower_idempotency::RecordState;
+/// assert_ne!(RecordState::InFlight, RecordState::Completed);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordState {
     /// Claimed, operation running.
@@ -150,6 +186,13 @@ pub enum RecordState {
 }
 
 /// A record as [`Store::inspect`] sees it.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{RecordInfo, RecordState};
+/// let info = RecordInfo::new(RecordState::InFlight, Duration::from_secs(12), None);
+/// assert_eq!(info.state, RecordState::InFlight);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RecordInfo {
@@ -172,7 +215,15 @@ impl RecordInfo {
     }
 }
 
-/// A store failure. Every variant means "the answer is unknown": the layer fails closed on it.
+/// A store failure. Every variant but `Corrupt` means "the answer is unknown": the layer fails
+/// closed on it (503), or open if configured. `Corrupt` is answered 500 and never failed open.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::StoreError;
+/// let error = StoreError::Timeout(Duration::from_secs(2));
+/// assert_eq!(error.to_string(), "the idempotency store did not answer within 2s");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
@@ -194,6 +245,11 @@ pub enum StoreError {
 ///
 /// Tokens are a per-process random prefix and a counter, so they are unique across processes and
 /// cost no system call per request.
+///
+/// ```
+/// use tower_idempotency::OwnerToken;
+/// assert_ne!(OwnerToken::generate(), OwnerToken::generate());
+/// ```
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct OwnerToken(Box<str>);
 
