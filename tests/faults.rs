@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use common::app::{payment, post, router, send, Answer};
+use common::app::{payment, post, router, send, spawn_send, Answer};
 use common::Backend;
 use http::StatusCode;
 use tower::ServiceExt;
@@ -42,10 +42,7 @@ fn fingerprint_of_empty_payment() -> Fingerprint {
 async fn hundreds_of_concurrent_requests_run_the_handler_once(b: Backend) {
     let (app, runs) = router(layer(&b));
     let tasks: Vec<_> = (0..300)
-        .map(|_| {
-            let app = app.clone();
-            tokio::spawn(async move { send(&app, slow("contended", 300)).await })
-        })
+        .map(|_| spawn_send(&app, slow("contended", 300)))
         .collect();
     let mut created = 0;
     let mut replayed = 0;
@@ -156,10 +153,7 @@ async fn a_panicking_handler_answers_500_and_releases_the_key(b: Backend) {
 // Promise 4
 async fn a_long_handler_keeps_its_claim_past_the_lease(b: Backend) {
     let (app, runs) = router(layer(&b).with_lease(Duration::from_millis(300)));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("long", 1200)).await })
-    };
+    let first = spawn_send(&app, slow("long", 1200));
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let retry = send(&app, slow("long", 0)).await;
@@ -179,10 +173,7 @@ async fn a_long_handler_keeps_its_claim_past_the_lease(b: Backend) {
 async fn a_lost_claim_is_fenced_and_never_overwrites_the_new_owner(b: Backend) {
     let layer = layer(&b).with_lease(Duration::from_millis(300));
     let (app, runs) = router(layer.clone());
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("fenced", 1000)).await })
-    };
+    let first = spawn_send(&app, slow("fenced", 1000));
     tokio::time::sleep(Duration::from_millis(150)).await;
     // An operator purges the key mid-run; a retry takes it over and completes first.
     assert!(layer.purge(None, "fenced").await.unwrap());
@@ -230,10 +221,7 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
     let (app, runs) = router(layer.clone());
     let running: Vec<_> = ["s1", "s2"]
         .into_iter()
-        .map(|key| {
-            let app = app.clone();
-            tokio::spawn(async move { send(&app, slow(key, 400)).await })
-        })
+        .map(|key| spawn_send(&app, slow(key, 400)))
         .collect();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(handle.running(), 2);
@@ -270,10 +258,7 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
 async fn shutdown_reports_handlers_still_running_at_the_deadline(b: Backend) {
     let layer = layer(&b);
     let (app, _) = router(layer.clone());
-    let running = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("late", 800)).await })
-    };
+    let running = spawn_send(&app, slow("late", 800));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let timed_out = layer
         .shutdown_handle()
@@ -289,10 +274,7 @@ async fn over_the_in_flight_bound_answers_503_and_claims_nothing(b: Backend) {
     let (app, runs) = router(layer(&b).with_max_in_flight(2));
     let running: Vec<_> = ["b1", "b2"]
         .into_iter()
-        .map(|key| {
-            let app = app.clone();
-            tokio::spawn(async move { send(&app, slow(key, 300)).await })
-        })
+        .map(|key| spawn_send(&app, slow(key, 300)))
         .collect();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let over = send(&app, payment("b3", "{}")).await;
@@ -315,10 +297,7 @@ async fn over_the_in_flight_bound_answers_503_and_claims_nothing(b: Backend) {
 async fn operators_see_the_lease_left_on_a_running_key(b: Backend) {
     let layer = layer(&b).with_lease(Duration::from_secs(10));
     let (app, _) = router(layer.clone());
-    let running = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("op-running", 400)).await })
-    };
+    let running = spawn_send(&app, slow("op-running", 400));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let seen = layer
         .inspect(None, "op-running")

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use common::app::{payment, post, router, send};
+use common::app::{payment, post, router, send, spawn_send};
 use common::proxy::{Fault, FaultProxy};
 use common::{admin, client, command_calls, RedisServer};
 use http::StatusCode;
@@ -112,10 +112,7 @@ async fn a_failed_completion_is_retried() {
     let server = RedisServer::start();
     let (proxy, store) = through_proxy(&server).await;
     let (app, runs) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("retried", 300)).await })
-    };
+    let first = spawn_send(&app, slow("retried", 300));
     // Redis disappears while the handler runs and comes back while the completion is retried.
     tokio::time::sleep(Duration::from_millis(150)).await;
     proxy.set(Fault::Drop);
@@ -133,10 +130,7 @@ async fn a_completion_that_keeps_failing_still_answers_the_client() {
     let server = RedisServer::start();
     let (proxy, store) = through_proxy(&server).await;
     let (app, _) = router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, slow("unstored", 200)).await })
-    };
+    let first = spawn_send(&app, slow("unstored", 200));
     tokio::time::sleep(Duration::from_millis(100)).await;
     proxy.set(Fault::BlackHole);
     let started = Instant::now();

@@ -116,6 +116,14 @@ impl Records {
         self.by_key.get_mut(digest)
     }
 
+    /// Whether `owner` holds a live in-flight claim at `digest`.
+    fn holds_in_flight(&mut self, digest: &[u8; 32], owner: &OwnerToken, now: Instant) -> bool {
+        matches!(
+            self.live(digest, now),
+            Some(Entry { state: State::InFlight { owner: holder }, .. }) if holder == owner
+        )
+    }
+
     fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
         let entry = self.by_key.remove(digest)?;
         self.by_expiry.remove(&(entry.expires_at, entry.sequence));
@@ -248,15 +256,10 @@ impl Store for MemoryStore {
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
-        let now = Instant::now();
         let mut records = self.lock();
-        let digest = key.digest();
-        let owned = matches!(
-            records.live(digest, now),
-            Some(Entry { state: State::InFlight { owner: holder }, .. }) if holder == owner
-        );
+        let owned = records.holds_in_flight(key.digest(), owner, Instant::now());
         if owned {
-            records.remove(digest);
+            records.remove(key.digest());
         }
         ready(Ok(owned))
     }
@@ -269,13 +272,9 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, bool> {
         let now = Instant::now();
         let mut records = self.lock();
-        let digest = key.digest();
-        let owned = matches!(
-            records.live(digest, now),
-            Some(Entry { state: State::InFlight { owner: holder }, .. }) if holder == owner
-        );
+        let owned = records.holds_in_flight(key.digest(), owner, now);
         if owned {
-            records.set_expiry(digest, now + lease);
+            records.set_expiry(key.digest(), now + lease);
         }
         ready(Ok(owned))
     }

@@ -367,6 +367,12 @@ pub mod app {
         }
     }
 
+    /// Sends `request` from a task of its own, for requests that must overlap.
+    pub fn spawn_send(router: &Router, request: Request<Body>) -> tokio::task::JoinHandle<Answer> {
+        let router = router.clone();
+        tokio::spawn(async move { send(&router, request).await })
+    }
+
     /// `POST /payments` with JSON content type and, if given, an `Idempotency-Key`.
     pub fn post(key: Option<&str>) -> http::request::Builder {
         let builder = Request::post("/payments").header("content-type", "application/json");
