@@ -171,6 +171,24 @@ async fn bodies_over_the_limit_are_refused_and_claim_nothing(b: Backend) {
     assert_eq!(exact.status, StatusCode::CREATED);
 }
 
+// A client that disconnects mid-upload: a clear answer, nothing claimed, no panic.
+async fn a_body_that_fails_mid_upload_is_refused_and_claims_nothing(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let chunks = futures_util::stream::iter([
+        Ok(Bytes::from_static(b"{\"amount\":")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "client went away",
+        )),
+    ]);
+    let broken = post(Some("broken")).body(Body::from_stream(chunks)).unwrap();
+    let answer = send(&app, broken).await;
+    assert_problem(&answer, StatusCode::BAD_REQUEST, "BodyUnreadable");
+    assert_eq!(runs.get(), 0);
+    let retry = send(&app, payment("broken", "{}")).await;
+    assert_eq!((retry.status, retry.is_replay()), (StatusCode::CREATED, false));
+}
+
 // Rows 7, 8 and 16
 async fn the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte(b: Backend) {
     let (app, runs) = router(layer(&b));
@@ -489,6 +507,7 @@ on_both_stores!(
     the_key_header_is_configurable,
     the_structured_field_form_is_the_same_key,
     bodies_over_the_limit_are_refused_and_claim_nothing,
+    a_body_that_fails_mid_upload_is_refused_and_claims_nothing,
     the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte,
     stored_headers_are_configurable,
     a_running_request_answers_409_with_the_lease_left,
