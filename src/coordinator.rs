@@ -143,8 +143,9 @@ impl Coordinator {
         }
     }
 
-    /// How long a claim holds a key without renewal (default: 30 s). A crashed caller blocks its key
-    /// this long at most; a live one renews every third of it.
+    /// How long a claim holds a key without renewal (default: 30 s; at least 30 ms). A crashed
+    /// caller blocks its key this long at most; a live one renews every third of it, so keep the
+    /// store timeout under a third of the lease for a renewal to land in time.
     ///
     /// ```
     /// # use std::time::Duration;

@@ -154,8 +154,9 @@ impl IdempotencyLayer {
         self.config(|c| c.response_limit = bytes)
     }
 
-    /// How long a running request holds its key without renewal (default: 30 s). It is renewed
-    /// every third of it while the handler runs.
+    /// How long a running request holds its key without renewal (default: 30 s; at least 30 ms).
+    /// It is renewed every third of it while the handler runs; a node that crashes blocks its keys
+    /// this long at most.
     ///
     /// ```
     /// # use std::time::Duration;
