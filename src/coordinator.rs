@@ -16,6 +16,11 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 const DEFAULT_MAX_IN_FLIGHT: u32 = 10_000;
+/// Added to the store timeout before the coordinator gives up on a call itself.
+const STORE_TIMEOUT_GRACE: Duration = Duration::from_millis(100);
+/// Lease and retention are capped here, far beyond any sane setting, so deadline arithmetic
+/// cannot overflow (and Redis accepts the TTL).
+const MAX_DURATION: Duration = Duration::from_secs(400 * 24 * 60 * 60);
 /// When a background release is tried, counted from the previous try.
 const RELEASE_RETRY_DELAYS_MS: [u64; 3] = [0, 500, 1500];
 /// How often a completion that failed on a store error is tried in all.
@@ -154,7 +159,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.max(Duration::from_millis(30));
+        self.lease = lease.clamp(Duration::from_millis(30), MAX_DURATION);
         self
     }
 
@@ -167,7 +172,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention.max(Duration::from_millis(1));
+        self.retention = retention.clamp(Duration::from_millis(1), MAX_DURATION);
         self
     }
 
@@ -181,7 +186,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
-        self.store_timeout = timeout;
+        self.store_timeout = timeout.min(MAX_DURATION);
         self
     }
 
@@ -267,8 +272,11 @@ impl Coordinator {
         Ok(self.bounded(self.store.purge(key)).await?)
     }
 
+    /// Bounds a store call by the store timeout plus a little grace, so a store that enforces the
+    /// same timeout itself (as `RedisStore` does) reports it first: `fred` then forgets the
+    /// command, where a future dropped from outside would leave it queued to be sent late.
     async fn bounded<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        tokio::time::timeout(self.store_timeout, call)
+        tokio::time::timeout(self.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
             .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
     }
@@ -402,11 +410,13 @@ impl Claim {
     /// A store error is retried (3 attempts in all, each bounded by the store timeout). If the
     /// claim was lost, nothing is written ([`Error::ClaimLost`]) and a warning is logged: a newer
     /// owner's record is never overwritten. If every attempt fails, the claim is left to expire
-    /// with its lease and an error is logged.
+    /// with its lease and an error is logged. If this future is dropped before the outcome is
+    /// known, the claim is released in the background (a completion that landed is not undone:
+    /// release only removes in-flight records).
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
         self.renewal.abort();
-        self.settled = true;
         if self.is_lost() {
+            self.settled = true;
             tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
             return Err(Error::ClaimLost);
         }
@@ -417,7 +427,10 @@ impl Claim {
                 coordinator
                     .store
                     .complete(&self.key, &self.owner, payload.clone(), coordinator.retention);
-            match coordinator.bounded(call).await {
+            let outcome = coordinator.bounded(call).await;
+            // Every outcome but a retry settles the claim: stored, fenced, or left to its lease.
+            self.settled = outcome.is_ok() || attempt >= COMPLETE_ATTEMPTS;
+            match outcome {
                 Ok(true) => return Ok(()),
                 Ok(false) => {
                     tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
@@ -439,14 +452,15 @@ impl Claim {
         }
     }
 
-    /// Gives the key up, so a retry runs the operation again.
+    /// Gives the key up, so a retry runs the operation again. If the store call fails (or this
+    /// future is dropped first), the release is retried in the background.
     pub async fn release(mut self) -> Result<(), Error> {
         self.renewal.abort();
-        self.settled = true;
         let coordinator = &self.coordinator;
         coordinator
             .bounded(coordinator.store.release(&self.key, &self.owner))
             .await?;
+        self.settled = true;
         Ok(())
     }
 }

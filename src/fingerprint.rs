@@ -4,7 +4,8 @@ use sha2::{Digest, Sha256};
 
 /// A SHA-256 digest of the parts of a request that must match for a retry to be replayed.
 ///
-/// The HTTP layer fingerprints the method, path and query, `Content-Type` and body. Queue
+/// The HTTP layer fingerprints the method, authority (or `Host`), path and query, `Content-Type`
+/// and body. Queue
 /// consumers fingerprint whatever identifies their message, usually its payload.
 ///
 /// ```

@@ -182,8 +182,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Bounds each store call (default: 2 s). A store that does not answer in time is treated
-    /// as unavailable.
+    /// Bounds each store call (default: 2 s, plus 100 ms of grace so a store's own timeout fires
+    /// first). A store that does not answer in time is treated as unavailable. With `RedisStore`,
+    /// keep its command timeout at or below this.
     ///
     /// ```
     /// # use std::time::Duration;

@@ -60,13 +60,19 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Stored, String> {
     let status = u16::from_be_bytes(reader.array()?);
     let status = StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))?;
     let count = u32::from_be_bytes(reader.array()?);
+    // Each header takes at least 9 bytes; a count the payload cannot hold is garbage.
+    if count as usize > payload.len() / 9 {
+        return Err("stored header count exceeds the record".into());
+    }
     let mut headers = HeaderMap::new();
     for _ in 0..count {
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let name = HeaderName::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header name")?;
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let value = HeaderValue::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header value")?;
-        headers.append(name, value);
+        headers
+            .try_append(name, value)
+            .map_err(|_| "too many stored headers")?;
     }
     Ok(Stored {
         status,
@@ -144,6 +150,22 @@ mod tests {
         for cut in 0..payload.len() {
             assert!(decode(&payload.slice(..cut)).is_err(), "cut at {cut}");
         }
+        let mut too_many = payload.to_vec();
+        too_many[6..10].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(decode(&Bytes::from(too_many)).is_err());
+        // More distinct names than a HeaderMap holds is refused, not a panic.
+        let names = 40_000u32;
+        let mut many = BytesMut::from(&MAGIC[..]);
+        many.put_u16(200);
+        many.put_u32(names);
+        for i in 0..names {
+            let name = format!("x-{i}");
+            many.put_u32(name.len() as u32);
+            many.put_slice(name.as_bytes());
+            many.put_u32(1);
+            many.put_slice(b"v");
+        }
+        assert!(decode(&many.freeze()).is_err());
         let mut bad_status = payload.to_vec();
         bad_status[4..6].copy_from_slice(&42u16.to_be_bytes());
         assert!(decode(&Bytes::from(bad_status)).is_err());

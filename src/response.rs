@@ -132,7 +132,7 @@ impl Rejection {
                 retry_after.as_secs()
             ),
             Rejection::Mismatch { .. } => "This Idempotency-Key was used with a different request \
-                (method, path, query, Content-Type or body). Use a new key for a new request."
+                (method, host, path, query, Content-Type or body). Use a new key for a new request."
                 .into(),
             Rejection::StoreUnavailable => {
                 "The idempotency store did not answer; the request was not processed. Retry with the same key.".into()

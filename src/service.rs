@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
@@ -126,11 +126,19 @@ fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<Idemp
     }
 }
 
+/// What makes two requests the same request: method, authority (the URI's, else `Host`), path
+/// and query, `Content-Type` and body. The authority keeps tenants told apart by host name from
+/// colliding on one key.
 fn fingerprint(parts: &request::Parts, body: &[u8]) -> Fingerprint {
+    let authority = match parts.uri.authority() {
+        Some(authority) => authority.as_str().as_bytes(),
+        None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
+    };
     let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
     Fingerprint::new([
         parts.method.as_str().as_bytes(),
+        authority,
         path_and_query.as_bytes(),
         content_type,
         body,
@@ -159,26 +167,62 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    // The body is read in the request's own future: a client that leaves mid-upload stops it.
+    let too_large = Rejection::BodyTooLarge {
+        limit: config.body_limit,
+    };
     if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-        return Ok(Rejection::BodyTooLarge {
-            limit: config.body_limit,
-        }
-        .into_response());
+        return Ok(too_large.into_response());
     }
     let body = match collect_limited(body, config.body_limit).await {
         Collected::Complete { data, .. } => data,
-        Collected::TooLarge { .. } => {
-            return Ok(Rejection::BodyTooLarge {
-                limit: config.body_limit,
-            }
-            .into_response())
-        }
+        Collected::TooLarge { .. } => return Ok(too_large.into_response()),
         Collected::Failed { .. } => return Ok(Rejection::BodyUnreadable.into_response()),
     };
     let fingerprint = fingerprint(&parts, &body);
-    let begin = coordinator.begin(&key, &fingerprint).await;
     let request = Request::from_parts(parts, RequestBody::buffered(body));
-    let claim = match begin {
+
+    // From the claim on, the work runs in a task of its own, so a client that hangs up cancels
+    // neither a claim on its way to the store (which could land later and block the key) nor the
+    // handler between its side effect and the store write that lets the retry replay it.
+    let cancel = config.cancel_on_disconnect;
+    let task = tokio::spawn(claim_and_run(
+        inner,
+        coordinator,
+        config,
+        key.clone(),
+        fingerprint,
+        request,
+    ));
+    let joined = if cancel {
+        AbortOnDrop(task).join().await
+    } else {
+        task.await
+    };
+    match joined {
+        Ok(answer) => answer,
+        Err(error) => {
+            // Only a runtime shutting down cancels the task; a panic is caught inside it.
+            tracing::error!(?key, %error, "the idempotent request's task was cancelled");
+            Ok(Rejection::Overloaded.into_response())
+        }
+    }
+}
+
+async fn claim_and_run<S, ReqBody, ResBody>(
+    mut inner: S,
+    coordinator: Coordinator,
+    config: Arc<Config>,
+    key: RecordKey,
+    fingerprint: Fingerprint,
+    request: Request<RequestBody<ReqBody>>,
+) -> Answer<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
+    ResBody: Body<Data = Bytes>,
+    ResBody::Error: Into<BoxError>,
+{
+    let claim = match coordinator.begin(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
             return Ok(match replay::decode(&payload) {
@@ -210,7 +254,6 @@ where
         }
         Err(Error::Store(error)) if config.fail_open => {
             tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
-            let mut inner = inner;
             return inner
                 .call(request)
                 .await
@@ -223,35 +266,6 @@ where
         Err(_) => return Ok(Rejection::Overloaded.into_response()),
     };
 
-    // The handler runs in its own task, so a client that hangs up does not cancel it between
-    // its side effect and the store write that lets the retry replay it.
-    let task = tokio::spawn(run_claimed(inner, request, claim, config.clone()));
-    let joined = if config.cancel_on_disconnect {
-        AbortOnDrop(task).join().await
-    } else {
-        task.await
-    };
-    match joined {
-        Ok(answer) => answer,
-        Err(error) => {
-            // Only a runtime shutting down cancels the task; a panic is caught inside it.
-            tracing::error!(?key, %error, "the handler task was cancelled");
-            Ok(Rejection::Overloaded.into_response())
-        }
-    }
-}
-
-async fn run_claimed<S, ReqBody, ResBody>(
-    mut inner: S,
-    request: Request<RequestBody<ReqBody>>,
-    claim: Claim,
-    config: Arc<Config>,
-) -> Answer<ResBody, S::Error>
-where
-    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes>,
-    ResBody::Error: Into<BoxError>,
-{
     let produced = AssertUnwindSafe(async {
         let response = inner.call(request).await?;
         Ok(capture(response, &config).await)
@@ -283,7 +297,7 @@ where
 async fn release(claim: Claim) {
     let key = claim.key().clone();
     if let Err(error) = claim.release().await {
-        tracing::warn!(?key, %error, "could not release the key; it is held until its lease ends");
+        tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
     }
 }
 
@@ -294,21 +308,34 @@ enum Captured<B> {
 
 /// Reads the handler's response, as far as the storage cap allows, into what the client gets
 /// and, if it may be stored, what is stored.
+///
+/// Only a body whose length is known up front (`Content-Length`, or an exact size hint) is
+/// buffered: a stream of unknown length (server-sent events, say) goes to the client as it
+/// comes, because holding it back could hold the client and the key for as long as it runs.
 async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (parts, body) = response.into_parts();
+    let stream_on =
+        |parts, body| Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
     if !(config.cacheable)(&parts) {
-        return Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
+        return stream_on(parts, body);
     }
-    if declared_length(&parts.headers).is_some_and(|len| len > config.response_limit as u64) {
-        tracing::warn!(
-            limit = config.response_limit,
-            "response larger than the storage cap; not stored"
-        );
-        return Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
+    match declared_length(&parts.headers).or(body.size_hint().exact()) {
+        None => {
+            tracing::debug!("response of unknown length; streamed on, not stored");
+            return stream_on(parts, body);
+        }
+        Some(len) if len > config.response_limit as u64 => {
+            tracing::warn!(
+                limit = config.response_limit,
+                "response larger than the storage cap; not stored"
+            );
+            return stream_on(parts, body);
+        }
+        Some(_) => {}
     }
     match collect_limited(body, config.response_limit).await {
         Collected::Complete { data, trailers: None } => {

@@ -32,10 +32,10 @@ fn rejection(answer: &Answer) -> Option<&Rejection> {
     answer.extensions.get::<Rejection>()
 }
 
-/// The fingerprint the layer computes for `payment(key, "{}")`: method, path and query,
-/// Content-Type, body.
+/// The fingerprint the layer computes for `payment(key, "{}")`: method, authority (none here),
+/// path and query, Content-Type, body.
 fn fingerprint_of_empty_payment() -> Fingerprint {
-    Fingerprint::new([b"POST".as_slice(), b"/payments", b"application/json", b"{}"])
+    Fingerprint::new([b"POST".as_slice(), b"", b"/payments", b"application/json", b"{}"])
 }
 
 // Promise 1
@@ -111,7 +111,8 @@ async fn cancel_on_disconnect_cancels_and_releases(b: Backend) {
 }
 
 // Promise 2: a hang-up before the claim answered leaves no claim behind.
-async fn a_hang_up_during_the_claim_leaves_the_key_free(b: Backend) {
+async fn a_hang_up_during_the_claim_still_completes_the_request(b: Backend) {
+    // Claims land at once but their answers take 200 ms: the client leaves before the answer.
     let slow_store = std::sync::Arc::new(common::SlowStore {
         inner: b.store.clone(),
         delay: Duration::from_millis(200),
@@ -120,14 +121,60 @@ async fn a_hang_up_during_the_claim_leaves_the_key_free(b: Backend) {
     let dropped =
         tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("early", 0))).await;
     assert!(dropped.is_err());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(runs.finished(), 1, "the claim was not cut off: the request ran");
+    let retry = send(&app, slow("early", 0)).await;
+    assert!(retry.is_replay());
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 2, the option: cancelled mid-claim, the claim is released again.
+async fn a_hang_up_during_the_claim_with_cancel_leaves_the_key_free(b: Backend) {
+    let slow_store = std::sync::Arc::new(common::SlowStore {
+        inner: b.store.clone(),
+        delay: Duration::from_millis(200),
+    });
+    let (app, runs) = router(IdempotencyLayer::new(slow_store).with_cancel_on_disconnect(true));
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("early", 0))).await;
+    assert!(dropped.is_err());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let key = RecordKey::new(None, IdempotencyKey::parse("early").unwrap());
     assert_eq!(
         b.store.inspect(&key).await.unwrap(),
         None,
-        "nothing claimed, or released again"
+        "the claim landed and was released again"
     );
     assert_eq!(runs.get(), 0);
+}
+
+// Promise 3: a release that fails is retried in the background, so the key does not stay
+// blocked for a whole lease.
+async fn a_failed_release_is_retried_in_the_background(b: Backend) {
+    let flaky = std::sync::Arc::new(common::FlakyReleases::new(b.store.clone(), 1));
+    let (app, runs) = router(IdempotencyLayer::new(flaky.clone()));
+    let failed = send(
+        &app,
+        post(Some("flaky"))
+            .header("x-status", "503")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        failed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the handler's own answer"
+    );
+    assert_eq!(flaky.failures(), 1, "the first release failed");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let retry = send(&app, payment("flaky", "{}")).await;
+    assert_eq!(
+        (retry.status, retry.is_replay()),
+        (StatusCode::CREATED, false),
+        "released after all"
+    );
+    assert_eq!(runs.get(), 2);
 }
 
 // Promise 3
@@ -348,8 +395,10 @@ on_both_stores!(
     hundreds_of_concurrent_requests_run_the_handler_once,
     a_dropped_response_future_does_not_lose_the_work,
     cancel_on_disconnect_cancels_and_releases,
-    a_hang_up_during_the_claim_leaves_the_key_free,
+    a_hang_up_during_the_claim_still_completes_the_request,
+    a_hang_up_during_the_claim_with_cancel_leaves_the_key_free,
     a_panicking_handler_answers_500_and_releases_the_key,
+    a_failed_release_is_retried_in_the_background,
     a_long_handler_keeps_its_claim_past_the_lease,
     a_lost_claim_is_fenced_and_never_overwrites_the_new_owner,
     a_crashed_owner_blocks_its_key_only_until_its_lease_ends,

@@ -279,6 +279,12 @@ async fn a_different_request_with_the_same_key_is_a_mismatch(b: Backend) {
             .header("content-type", "text/plain")
             .body(Body::from("{\"amount\":1}"))
             .unwrap(),
+        Request::post("/payments")
+            .header("idempotency-key", "mm")
+            .header("host", "tenant-b.example.com")
+            .header("content-type", "application/json")
+            .body(Body::from("{\"amount\":1}"))
+            .unwrap(),
         Request::patch("/payments")
             .header("idempotency-key", "mm")
             .header("content-type", "application/json")
@@ -407,6 +413,49 @@ async fn responses_over_the_storage_cap_are_returned_but_not_stored(b: Backend) 
     assert_eq!(retry.body.len(), 1000);
 }
 
+// Row 7: a response of unknown length (a stream) goes to the client as it comes, is not
+// stored, and releases the key.
+async fn a_streamed_response_of_unknown_length_is_passed_on_not_stored(b: Backend) {
+    use axum::routing::post as route_post;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = runs.clone();
+    let app = axum::Router::new()
+        .route(
+            "/payments",
+            route_post(move || {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // An endless server-sent-event stream: one event every 10 ms.
+                let events = futures_util::stream::unfold(0u64, |n| async move {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    Some((
+                        Ok::<_, std::io::Error>(Bytes::from(format!("data: {n}\n\n"))),
+                        n + 1,
+                    ))
+                });
+                async move { ([("content-type", "text/event-stream")], Body::from_stream(events)) }
+            }),
+        )
+        .layer(layer(&b));
+    for _ in 0..2 {
+        let response = tower::ServiceExt::oneshot(app.clone(), payment("sse", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let mut body = response.into_body();
+        let first = tokio::time::timeout(Duration::from_secs(1), http_body_util::BodyExt::frame(&mut body))
+            .await
+            .expect("the first event arrives at once, not after the stream ends");
+        assert_eq!(first.unwrap().unwrap().into_data().unwrap(), "data: 0\n\n");
+        drop(body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "not stored: the retry ran again"
+    );
+}
+
 // Row 13
 async fn a_store_slower_than_its_timeout_fails_closed_or_open(b: Backend) {
     let slow = Arc::new(SlowStore {
@@ -514,6 +563,7 @@ on_both_stores!(
     a_different_request_with_the_same_key_is_a_mismatch,
     answers_that_are_not_cacheable_release_the_key,
     responses_over_the_storage_cap_are_returned_but_not_stored,
+    a_streamed_response_of_unknown_length_is_passed_on_not_stored,
     a_store_slower_than_its_timeout_fails_closed_or_open,
     scoped_keys_never_replay_across_scopes,
     retention_is_configurable,

@@ -175,7 +175,8 @@ impl RedisStore {
     }
 
     /// Bounds every command this store sends (default: 2 s). `fred` drops a command that has not
-    /// been answered by then, so it is not sent late after a reconnect.
+    /// been answered by then, so it is not sent late after a reconnect. Keep it at or below the
+    /// layer's store timeout (also 2 s by default), which waits a little longer before giving up.
     ///
     /// ```no_run
     /// # use std::time::Duration;

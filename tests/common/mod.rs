@@ -449,3 +449,84 @@ impl Store for SlowStore {
         self.inner.purge(key)
     }
 }
+
+/// A store whose first `n` releases fail with `Unavailable`.
+pub struct FlakyReleases {
+    inner: Arc<dyn Store>,
+    to_fail: std::sync::atomic::AtomicUsize,
+    failed: std::sync::atomic::AtomicUsize,
+}
+
+impl FlakyReleases {
+    pub fn new(inner: Arc<dyn Store>, n: usize) -> Self {
+        Self {
+            inner,
+            to_fail: n.into(),
+            failed: 0.into(),
+        }
+    }
+
+    pub fn failures(&self) -> usize {
+        self.failed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Store for FlakyReleases {
+    fn claim<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        fingerprint: &'a tower_idempotency::Fingerprint,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
+        self.inner.claim(key, fingerprint, owner, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        payload: bytes::Bytes,
+        retention: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.complete(key, owner, payload, retention)
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        use std::sync::atomic::Ordering;
+        let fail = self
+            .to_fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            self.failed.fetch_add(1, Ordering::SeqCst);
+            let error = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "injected");
+            return Box::pin(std::future::ready(Err(
+                tower_idempotency::StoreError::Unavailable(Box::new(error)),
+            )));
+        }
+        self.inner.release(key, owner)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.renew(key, owner, lease)
+    }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::RecordInfo>> {
+        self.inner.inspect(key)
+    }
+    fn purge<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.purge(key)
+    }
+}
