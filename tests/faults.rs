@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -113,10 +114,8 @@ async fn cancel_on_disconnect_cancels_and_releases(b: Backend) {
 // Promise 2: a hang-up before the claim answered leaves no claim behind.
 async fn a_hang_up_during_the_claim_still_completes_the_request(b: Backend) {
     // Claims land at once but their answers take 200 ms: the client leaves before the answer.
-    let slow_store = std::sync::Arc::new(common::SlowStore {
-        inner: b.store.clone(),
-        delay: Duration::from_millis(200),
-    });
+    let slow_store =
+        Arc::new(common::FaultyStore::new(b.store.clone()).with_answer_delay(Duration::from_millis(200)));
     let (app, runs) = router(IdempotencyLayer::new(slow_store));
     let dropped =
         tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("early", 0))).await;
@@ -130,10 +129,8 @@ async fn a_hang_up_during_the_claim_still_completes_the_request(b: Backend) {
 
 // Promise 2, the option: cancelled mid-claim, the claim is released again.
 async fn a_hang_up_during_the_claim_with_cancel_leaves_the_key_free(b: Backend) {
-    let slow_store = std::sync::Arc::new(common::SlowStore {
-        inner: b.store.clone(),
-        delay: Duration::from_millis(200),
-    });
+    let slow_store =
+        Arc::new(common::FaultyStore::new(b.store.clone()).with_answer_delay(Duration::from_millis(200)));
     let (app, runs) = router(IdempotencyLayer::new(slow_store).with_cancel_on_disconnect(true));
     let dropped =
         tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("early", 0))).await;
@@ -151,7 +148,7 @@ async fn a_hang_up_during_the_claim_with_cancel_leaves_the_key_free(b: Backend) 
 // Promise 3: a release that fails is retried in the background, so the key does not stay
 // blocked for a whole lease.
 async fn a_failed_release_is_retried_in_the_background(b: Backend) {
-    let flaky = std::sync::Arc::new(common::FlakyReleases::new(b.store.clone(), 1));
+    let flaky = Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_releases(1));
     let (app, runs) = router(IdempotencyLayer::new(flaky.clone()));
     let failed = send(
         &app,
@@ -166,7 +163,7 @@ async fn a_failed_release_is_retried_in_the_background(b: Backend) {
         StatusCode::SERVICE_UNAVAILABLE,
         "the handler's own answer"
     );
-    assert_eq!(flaky.failures(), 1, "the first release failed");
+    assert_eq!(flaky.failed_releases(), 1, "the first release failed");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let retry = send(&app, payment("flaky", "{}")).await;
     assert_eq!(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use common::app::{payment, post, router, send};
-use common::{Backend, SlowStore};
+use common::Backend;
 use http::{Request, StatusCode};
 use tower_idempotency::{IdempotencyLayer, Rejection};
 
@@ -458,10 +458,7 @@ async fn a_streamed_response_of_unknown_length_is_passed_on_not_stored(b: Backen
 
 // Row 13
 async fn a_store_slower_than_its_timeout_fails_closed_or_open(b: Backend) {
-    let slow = Arc::new(SlowStore {
-        inner: b.store.clone(),
-        delay: Duration::from_secs(5),
-    });
+    let slow = Arc::new(common::FaultyStore::new(b.store.clone()).with_answer_delay(Duration::from_secs(5)));
     let timeout = Duration::from_millis(100);
     let (app, runs) = router(IdempotencyLayer::new(slow.clone()).with_store_timeout(timeout));
     let started = std::time::Instant::now();

@@ -387,91 +387,49 @@ pub mod app {
     }
 }
 
-/// A store whose claims and completions land at once but whose answers come back only after
-/// `delay`: a slow network on the way back, slower than any sane timeout.
-pub struct SlowStore {
-    pub inner: Arc<dyn Store>,
-    pub delay: Duration,
-}
-
-impl Store for SlowStore {
-    fn claim<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-        fingerprint: &'a tower_idempotency::Fingerprint,
-        owner: &'a tower_idempotency::OwnerToken,
-        lease: Duration,
-    ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
-        Box::pin(async move {
-            let answer = self.inner.claim(key, fingerprint, owner, lease).await;
-            tokio::time::sleep(self.delay).await;
-            answer
-        })
-    }
-    fn complete<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-        owner: &'a tower_idempotency::OwnerToken,
-        payload: bytes::Bytes,
-        retention: Duration,
-    ) -> tower_idempotency::StoreFuture<'a, bool> {
-        Box::pin(async move {
-            let answer = self.inner.complete(key, owner, payload, retention).await;
-            tokio::time::sleep(self.delay).await;
-            answer
-        })
-    }
-    fn release<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-        owner: &'a tower_idempotency::OwnerToken,
-    ) -> tower_idempotency::StoreFuture<'a, bool> {
-        self.inner.release(key, owner)
-    }
-    fn renew<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-        owner: &'a tower_idempotency::OwnerToken,
-        lease: Duration,
-    ) -> tower_idempotency::StoreFuture<'a, bool> {
-        self.inner.renew(key, owner, lease)
-    }
-    fn inspect<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::RecordInfo>> {
-        self.inner.inspect(key)
-    }
-    fn purge<'a>(
-        &'a self,
-        key: &'a tower_idempotency::RecordKey,
-    ) -> tower_idempotency::StoreFuture<'a, bool> {
-        self.inner.purge(key)
-    }
-}
-
-/// A store whose first `n` releases fail with `Unavailable`.
-pub struct FlakyReleases {
+/// A store wrapper that injects faults: answers that come back late (the call lands at once,
+/// its answer after `answer_delay`: a slow network on the way back), and releases that fail.
+pub struct FaultyStore {
     inner: Arc<dyn Store>,
-    to_fail: std::sync::atomic::AtomicUsize,
-    failed: std::sync::atomic::AtomicUsize,
+    answer_delay: Duration,
+    releases_to_fail: std::sync::atomic::AtomicUsize,
+    failed_releases: std::sync::atomic::AtomicUsize,
 }
 
-impl FlakyReleases {
-    pub fn new(inner: Arc<dyn Store>, n: usize) -> Self {
+impl FaultyStore {
+    pub fn new(inner: Arc<dyn Store>) -> Self {
         Self {
             inner,
-            to_fail: n.into(),
-            failed: 0.into(),
+            answer_delay: Duration::ZERO,
+            releases_to_fail: 0.into(),
+            failed_releases: 0.into(),
         }
     }
 
-    pub fn failures(&self) -> usize {
-        self.failed.load(std::sync::atomic::Ordering::SeqCst)
+    /// Claims and completions answer only after `delay`.
+    pub fn with_answer_delay(mut self, delay: Duration) -> Self {
+        self.answer_delay = delay;
+        self
+    }
+
+    /// The first `n` releases fail with `Unavailable`.
+    pub fn with_failing_releases(self, n: usize) -> Self {
+        self.releases_to_fail
+            .store(n, std::sync::atomic::Ordering::SeqCst);
+        self
+    }
+
+    pub fn failed_releases(&self) -> usize {
+        self.failed_releases.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    async fn late<T>(&self, answer: T) -> T {
+        tokio::time::sleep(self.answer_delay).await;
+        answer
     }
 }
 
-impl Store for FlakyReleases {
+impl Store for FaultyStore {
     fn claim<'a>(
         &'a self,
         key: &'a tower_idempotency::RecordKey,
@@ -479,7 +437,10 @@ impl Store for FlakyReleases {
         owner: &'a tower_idempotency::OwnerToken,
         lease: Duration,
     ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
-        self.inner.claim(key, fingerprint, owner, lease)
+        Box::pin(async move {
+            self.late(self.inner.claim(key, fingerprint, owner, lease).await)
+                .await
+        })
     }
     fn complete<'a>(
         &'a self,
@@ -488,7 +449,10 @@ impl Store for FlakyReleases {
         payload: bytes::Bytes,
         retention: Duration,
     ) -> tower_idempotency::StoreFuture<'a, bool> {
-        self.inner.complete(key, owner, payload, retention)
+        Box::pin(async move {
+            self.late(self.inner.complete(key, owner, payload, retention).await)
+                .await
+        })
     }
     fn release<'a>(
         &'a self,
@@ -497,11 +461,11 @@ impl Store for FlakyReleases {
     ) -> tower_idempotency::StoreFuture<'a, bool> {
         use std::sync::atomic::Ordering;
         let fail = self
-            .to_fail
+            .releases_to_fail
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok();
         if fail {
-            self.failed.fetch_add(1, Ordering::SeqCst);
+            self.failed_releases.fetch_add(1, Ordering::SeqCst);
             let error = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "injected");
             return Box::pin(std::future::ready(Err(
                 tower_idempotency::StoreError::Unavailable(Box::new(error)),
