@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use common::app::{payment, post, router, send, spawn_send, Answer};
+use common::app::{payment, payment_with, router, send, spawn_send, Answer};
 use common::Backend;
 use http::StatusCode;
 use tower::ServiceExt;
@@ -23,10 +23,7 @@ fn layer(b: &Backend) -> IdempotencyLayer {
 }
 
 fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
-    post(Some(key))
-        .header("x-delay-ms", delay_ms.to_string())
-        .body(Body::from("{}"))
-        .unwrap()
+    payment_with(key, &[("x-delay-ms", &delay_ms.to_string())])
 }
 
 fn rejection(answer: &Answer) -> Option<&Rejection> {
@@ -150,14 +147,7 @@ async fn a_hang_up_during_the_claim_with_cancel_leaves_the_key_free(b: Backend) 
 async fn a_failed_release_is_retried_in_the_background(b: Backend) {
     let flaky = Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_releases(1));
     let (app, runs) = router(IdempotencyLayer::new(flaky.clone()));
-    let failed = send(
-        &app,
-        post(Some("flaky"))
-            .header("x-status", "503")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
+    let failed = send(&app, payment_with("flaky", &[("x-status", "503")])).await;
     assert_eq!(
         failed.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -177,14 +167,7 @@ async fn a_failed_release_is_retried_in_the_background(b: Backend) {
 // Promise 3
 async fn a_panicking_handler_answers_500_and_releases_the_key(b: Backend) {
     let (app, runs) = router(layer(&b));
-    let panicked = send(
-        &app,
-        post(Some("boom"))
-            .header("x-panic", "1")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
+    let panicked = send(&app, payment_with("boom", &[("x-panic", "1")])).await;
     assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(panicked.headers["content-type"], "application/problem+json");
     assert_eq!(rejection(&panicked), Some(&Rejection::HandlerPanicked));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
-use common::app::{payment, post, router, send};
+use common::app::{payment, payment_with, post, router, send};
 use common::Backend;
 use http::{Request, StatusCode};
 use tower_idempotency::{IdempotencyLayer, Rejection};
@@ -238,16 +238,7 @@ async fn a_running_request_answers_409_with_the_lease_left(b: Backend) {
     let (app, runs) = router(layer(&b).with_lease(Duration::from_secs(20)));
     let slow = {
         let app = app.clone();
-        tokio::spawn(async move {
-            send(
-                &app,
-                post(Some("busy"))
-                    .header("x-delay-ms", "700")
-                    .body(Body::from("{}"))
-                    .unwrap(),
-            )
-            .await
-        })
+        tokio::spawn(async move { send(&app, payment_with("busy", &[("x-delay-ms", "700")])).await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     let busy = send(&app, payment("busy", "{}")).await;
@@ -341,35 +332,14 @@ async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
     }
     assert_eq!(runs.get(), expected_runs, "each retry ran the handler again");
     // 4xx other than those are stored.
-    send(
-        &app,
-        post(Some("bad-request"))
-            .header("x-status", "400")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
-    let retry = send(
-        &app,
-        post(Some("bad-request"))
-            .header("x-status", "400")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
+    send(&app, payment_with("bad-request", &[("x-status", "400")])).await;
+    let retry = send(&app, payment_with("bad-request", &[("x-status", "400")])).await;
     assert!(retry.is_replay());
     assert_eq!(retry.status, StatusCode::BAD_REQUEST);
     // The predicate is configurable.
     let (app, runs) = router(layer(&b).with_cacheable(|parts| parts.status == StatusCode::CREATED));
     for _ in 0..2 {
-        send(
-            &app,
-            post(Some("only-201"))
-                .header("x-status", "202")
-                .body(Body::from("{}"))
-                .unwrap(),
-        )
-        .await;
+        send(&app, payment_with("only-201", &[("x-status", "202")])).await;
     }
     assert_eq!(runs.get(), 2);
 }
@@ -378,14 +348,7 @@ async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
 async fn responses_over_the_storage_cap_are_returned_but_not_stored(b: Backend) {
     let (app, runs) = router(layer(&b).with_response_limit(1000));
     for _ in 0..2 {
-        let answer = send(
-            &app,
-            post(Some("huge"))
-                .header("x-body-size", "5000")
-                .body(Body::from("{}"))
-                .unwrap(),
-        )
-        .await;
+        let answer = send(&app, payment_with("huge", &[("x-body-size", "5000")])).await;
         assert_eq!(answer.status, StatusCode::CREATED);
         assert_eq!(answer.body.len(), 5000, "returned unchanged");
         assert!(answer.body.iter().all(|&b| b == b'x'));
@@ -393,22 +356,8 @@ async fn responses_over_the_storage_cap_are_returned_but_not_stored(b: Backend) 
     }
     assert_eq!(runs.get(), 2, "not stored, key released");
     // Exactly at the cap is stored.
-    send(
-        &app,
-        post(Some("at-cap"))
-            .header("x-body-size", "1000")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
-    let retry = send(
-        &app,
-        post(Some("at-cap"))
-            .header("x-body-size", "1000")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
+    send(&app, payment_with("at-cap", &[("x-body-size", "1000")])).await;
+    let retry = send(&app, payment_with("at-cap", &[("x-body-size", "1000")])).await;
     assert!(retry.is_replay());
     assert_eq!(retry.body.len(), 1000);
 }
@@ -486,12 +435,7 @@ async fn scoped_keys_never_replay_across_scopes(b: Backend) {
     let scoped =
         layer(&b).with_scope(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
     let (app, runs) = router(scoped);
-    let as_tenant = |tenant: &str| {
-        post(Some("same-key"))
-            .header("x-tenant", tenant)
-            .body(Body::from("{}"))
-            .unwrap()
-    };
+    let as_tenant = |tenant: &str| payment_with("same-key", &[("x-tenant", tenant)]);
     let alice = send(&app, as_tenant("alice")).await;
     let bob = send(&app, as_tenant("bob")).await;
     assert_eq!(runs.get(), 2, "each tenant ran its own request");
@@ -520,13 +464,7 @@ async fn retention_is_configurable(b: Backend) {
 async fn operators_can_inspect_and_purge_a_key(b: Backend) {
     let layer = layer(&b).with_scope(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
     let (app, runs) = router(layer.clone());
-    let request = || {
-        post(Some("op-key"))
-            .header("x-tenant", "t1")
-            .header("x-status", "202")
-            .body(Body::from("{}"))
-            .unwrap()
-    };
+    let request = || payment_with("op-key", &[("x-tenant", "t1"), ("x-status", "202")]);
     send(&app, request()).await;
     let seen = layer
         .inspect(Some("t1"), "op-key")

@@ -5,8 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use axum::body::Body;
-use common::app::{payment, post, router, send};
+use common::app::{payment, payment_with, router, send};
 use common::{admin, client, script_calls, RedisServer};
 use fred::prelude::*;
 use http::StatusCode;
@@ -45,29 +44,13 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
     assert_eq!(script_calls(&client).await, 1, "mismatch: claim only");
 
     reset_stats(&client).await;
-    let answer = send(
-        &app,
-        post(Some("rt-500"))
-            .header("x-status", "500")
-            .body(Body::from("{}"))
-            .unwrap(),
-    )
-    .await;
+    let answer = send(&app, payment_with("rt-500", &[("x-status", "500")])).await;
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(script_calls(&client).await, 2, "not cacheable: claim + release");
 
     let slow = {
         let app = app.clone();
-        tokio::spawn(async move {
-            send(
-                &app,
-                post(Some("rt-busy"))
-                    .header("x-delay-ms", "600")
-                    .body(Body::from("{}"))
-                    .unwrap(),
-            )
-            .await
-        })
+        tokio::spawn(async move { send(&app, payment_with("rt-busy", &[("x-delay-ms", "600")])).await })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     reset_stats(&client).await;
@@ -124,16 +107,7 @@ async fn every_key_has_a_ttl_and_a_hash_tag() {
     send(&app, payment("ttl-done", "{}")).await;
     let slow = {
         let app = app.clone();
-        tokio::spawn(async move {
-            send(
-                &app,
-                post(Some("ttl-busy"))
-                    .header("x-delay-ms", "500")
-                    .body(Body::from("{}"))
-                    .unwrap(),
-            )
-            .await
-        })
+        tokio::spawn(async move { send(&app, payment_with("ttl-busy", &[("x-delay-ms", "500")])).await })
     };
     tokio::time::sleep(Duration::from_millis(150)).await;
     let keys: Vec<String> = client

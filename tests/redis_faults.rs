@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use common::app::{payment, post, router, send, spawn_send};
+use common::app::{payment, payment_with, router, send, spawn_send};
 use common::proxy::{Fault, FaultProxy};
 use common::{admin, client, command_calls, RedisServer};
 use http::StatusCode;
@@ -21,10 +21,7 @@ async fn through_proxy(server: &RedisServer) -> (FaultProxy, RedisStore) {
 }
 
 fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
-    post(Some(key))
-        .header("x-delay-ms", delay_ms.to_string())
-        .body(Body::from("{}"))
-        .unwrap()
+    payment_with(key, &[("x-delay-ms", &delay_ms.to_string())])
 }
 
 async fn eventually_created(app: &axum::Router, key: &str) -> common::app::Answer {

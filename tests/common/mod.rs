@@ -382,6 +382,15 @@ pub mod app {
         }
     }
 
+    /// `POST /payments` with `key`, body `{}`, and the given `x-*` headers for the test handler.
+    pub fn payment_with(key: &str, headers: &[(&str, &str)]) -> Request<Body> {
+        let mut request = post(Some(key));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(Body::from("{}")).unwrap()
+    }
+
     pub fn payment(key: &str, body: &str) -> Request<Body> {
         post(Some(key)).body(Body::from(body.to_owned())).unwrap()
     }
