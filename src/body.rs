@@ -276,8 +276,16 @@ pub(crate) async fn collect_limited<B>(body: B, limit: usize) -> Collected<B>
 where
     B: Body<Data = Bytes>,
 {
+    // Room for the whole body at once when its size is known, so it is copied once and never
+    // regrown (a regrowth holds the old and the new buffer together).
+    let expected = usize::try_from(body.size_hint().lower())
+        .unwrap_or(usize::MAX)
+        .min(limit);
     let mut body = Box::pin(body);
-    let mut buffer = Accumulator::default();
+    let mut buffer = Accumulator {
+        expected,
+        ..Accumulator::default()
+    };
     loop {
         match body.frame().await {
             None => {
@@ -319,6 +327,8 @@ where
 /// Gathers chunks without copying when the body arrives in one piece, the common case.
 #[derive(Default)]
 struct Accumulator {
+    /// The size to reserve when a second chunk arrives.
+    expected: usize,
     first: Option<Bytes>,
     joined: Option<BytesMut>,
 }
@@ -337,7 +347,7 @@ impl Accumulator {
         if let Some(joined) = &mut self.joined {
             joined.extend_from_slice(&chunk);
         } else if let Some(first) = self.first.take() {
-            let mut joined = BytesMut::with_capacity(first.len() + chunk.len());
+            let mut joined = BytesMut::with_capacity(self.expected.max(first.len() + chunk.len()));
             joined.extend_from_slice(&first);
             joined.extend_from_slice(&chunk);
             self.joined = Some(joined);

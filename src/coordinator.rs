@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -224,6 +225,25 @@ impl Coordinator {
 
     /// Claims `key` for a new operation, or reports what is there. One store round trip.
     pub async fn begin(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<Begin, Error> {
+        self.claim(key, fingerprint, Renewal::Background).await
+    }
+
+    /// Like [`begin`](Coordinator::begin), for a holder that drives its lease renewal itself
+    /// through [`Claim::keep_alive`]: no background task per claim.
+    pub(crate) async fn begin_driven(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Begin, Error> {
+        self.claim(key, fingerprint, Renewal::Driven).await
+    }
+
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        renewal: Renewal,
+    ) -> Result<Begin, Error> {
         if self.tracker.closing.load(Ordering::Acquire) {
             return Err(Error::ShuttingDown);
         }
@@ -254,6 +274,7 @@ impl Coordinator {
                 key.clone(),
                 owner,
                 permit,
+                renewal,
             ))),
             ClaimOutcome::Completed(payload) => Ok(Begin::Completed(payload)),
             ClaimOutcome::InFlight { lease_left } => Ok(Begin::InFlight { lease_left }),
@@ -351,9 +372,19 @@ pub struct Claim {
     key: RecordKey,
     owner: OwnerToken,
     lost: Arc<AtomicBool>,
-    renewal: JoinHandle<()>,
+    /// The background renewal task, or `None` when the holder renews through `keep_alive`.
+    renewal: Option<JoinHandle<()>>,
     settled: bool,
     _permit: OwnedSemaphorePermit,
+}
+
+/// Who renews a claim's lease while its operation runs.
+#[derive(Clone, Copy)]
+enum Renewal {
+    /// A task of the claim's own, for callers that simply hold the claim.
+    Background,
+    /// The holder, by running its work through [`Claim::keep_alive`].
+    Driven,
 }
 
 impl std::fmt::Debug for Claim {
@@ -371,14 +402,19 @@ impl Claim {
         key: RecordKey,
         owner: OwnerToken,
         permit: OwnedSemaphorePermit,
+        renewal: Renewal,
     ) -> Self {
         let lost = Arc::new(AtomicBool::new(false));
-        let renewal = tokio::spawn(renew_until_stopped(
-            coordinator.clone(),
-            key.clone(),
-            owner.clone(),
-            lost.clone(),
-        ));
+        let renewal = match renewal {
+            Renewal::Background => {
+                let (coordinator, key, owner, lost) =
+                    (coordinator.clone(), key.clone(), owner.clone(), lost.clone());
+                Some(tokio::spawn(async move {
+                    renew_until_lost(&coordinator, &key, &owner, &lost).await
+                }))
+            }
+            Renewal::Driven => None,
+        };
         Self {
             coordinator,
             key,
@@ -405,6 +441,30 @@ impl Claim {
         self.lost.load(Ordering::Acquire)
     }
 
+    /// Runs `work` while renewing the lease of a claim from
+    /// [`begin_driven`](Coordinator::begin_driven). The renewal timer starts only if `work` is
+    /// not done at its first poll, so a quick operation costs no timer at all.
+    pub(crate) async fn keep_alive<F: Future>(&self, work: F) -> F::Output {
+        if self.renewal.is_some() {
+            return work.await;
+        }
+        let renew = renew_until_lost(&self.coordinator, &self.key, &self.owner, &self.lost);
+        let mut work = std::pin::pin!(work);
+        let mut renew = std::pin::pin!(renew);
+        let mut renewing = true;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = work.as_mut().poll(cx) {
+                return Poll::Ready(output);
+            }
+            // Renewal ends only when the claim is lost; the work then runs on, to be fenced.
+            if renewing && renew.as_mut().poll(cx).is_ready() {
+                renewing = false;
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
     /// Stores `payload` as the key's result, for the retention period.
     ///
     /// A store error is retried (3 attempts in all, each bounded by the store timeout). If the
@@ -414,7 +474,7 @@ impl Claim {
     /// known, the claim is released in the background (a completion that landed is not undone:
     /// release only removes in-flight records).
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
-        self.renewal.abort();
+        self.stop_renewal();
         if self.is_lost() {
             self.settled = true;
             tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
@@ -455,7 +515,7 @@ impl Claim {
     /// Gives the key up, so a retry runs the operation again. If the store call fails (or this
     /// future is dropped first), the release is retried in the background.
     pub async fn release(mut self) -> Result<(), Error> {
-        self.renewal.abort();
+        self.stop_renewal();
         let coordinator = &self.coordinator;
         coordinator
             .bounded(coordinator.store.release(&self.key, &self.owner))
@@ -465,9 +525,17 @@ impl Claim {
     }
 }
 
+impl Claim {
+    fn stop_renewal(&mut self) {
+        if let Some(renewal) = self.renewal.take() {
+            renewal.abort();
+        }
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.renewal.abort();
+        self.stop_renewal();
         if !self.settled {
             self.coordinator
                 .release_in_background(self.key.clone(), self.owner.clone());
@@ -475,17 +543,13 @@ impl Drop for Claim {
     }
 }
 
-async fn renew_until_stopped(
-    coordinator: Coordinator,
-    key: RecordKey,
-    owner: OwnerToken,
-    lost: Arc<AtomicBool>,
-) {
+/// Renews `owner`'s lease every third of it until a renewal finds the claim lost.
+async fn renew_until_lost(coordinator: &Coordinator, key: &RecordKey, owner: &OwnerToken, lost: &AtomicBool) {
     let every = coordinator.lease / 3;
     loop {
         tokio::time::sleep(every).await;
         match coordinator
-            .bounded(coordinator.store.renew(&key, &owner, coordinator.lease))
+            .bounded(coordinator.store.renew(key, owner, coordinator.lease))
             .await
         {
             Ok(true) => tracing::trace!(?key, "lease renewed"),

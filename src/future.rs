@@ -8,15 +8,21 @@ use http::Response;
 use pin_project_lite::pin_project;
 
 use crate::body::ResponseBody;
+use crate::service::Step;
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 pin_project! {
     /// The response future of [`Idempotency`](crate::Idempotency).
     ///
     /// A request the layer does not cover is the inner future, unboxed; a rejection decided from
     /// the headers alone is ready at once; a keyed request is a boxed future (it awaits the
-    /// store, which costs far more than the allocation).
+    /// store, which costs far more than the allocation). Once a keyed request has claimed its key,
+    /// dropping this future (the client hung up) does not cancel the handler: the rest of the
+    /// work moves to a Tokio task of its own, so its answer is stored for the retry (unless
+    /// `with_cancel_on_disconnect`).
     ///
     /// ```
     /// use std::convert::Infallible;
@@ -48,7 +54,8 @@ pin_project! {
     enum Kind<F, B, E> {
         Passthrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Keyed { future: BoxFuture<Result<Response<ResponseBody<B>>, E>> },
+        Begin { future: BoxFuture<Step<B, E>>, detach: Option<fn(BoxFuture<Answer<B, E>>)> },
+        Run { run: Detachable<Answer<B, E>> },
     }
 }
 
@@ -67,9 +74,21 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         }
     }
 
-    pub(crate) fn keyed(future: BoxFuture<Result<Response<ResponseBody<B>>, E>>) -> Self {
+    /// A keyed request: `begin` reads, fingerprints and claims; if it claims, the run it hands
+    /// back is detached when this future is dropped, unless `cancel_on_disconnect`.
+    pub(crate) fn keyed(begin: BoxFuture<Step<B, E>>, cancel_on_disconnect: bool) -> Self
+    where
+        B: Send + 'static,
+        E: Send + 'static,
+    {
+        // The function pointer carries the `Send + 'static` bounds the spawn needs, so the
+        // future's type (and its `Drop`) need none.
+        let detach = (!cancel_on_disconnect).then_some(spawn_detached::<Answer<B, E>> as fn(_));
         Self {
-            kind: Kind::Keyed { future },
+            kind: Kind::Begin {
+                future: begin,
+                detach,
+            },
         }
     }
 }
@@ -86,17 +105,63 @@ where
 {
     type Output = Result<Response<ResponseBody<B>>, E>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Passthrough { future } => {
-                let response = ready!(future.poll(cx))?;
-                Poll::Ready(Ok(response.map(ResponseBody::streaming)))
-            }
-            KindProj::Ready { response } => match response.take() {
-                Some(response) => Poll::Ready(Ok(response)),
-                None => panic!("ResponseFuture polled after completion"),
-            },
-            KindProj::Keyed { future } => future.as_mut().poll(cx),
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let run = match self.as_mut().project().kind.project() {
+                KindProj::Passthrough { future } => {
+                    let response = ready!(future.poll(cx))?;
+                    return Poll::Ready(Ok(response.map(ResponseBody::streaming)));
+                }
+                KindProj::Ready { response } => match response.take() {
+                    Some(response) => return Poll::Ready(Ok(response)),
+                    None => panic!("ResponseFuture polled after completion"),
+                },
+                KindProj::Begin { future, detach } => match ready!(future.as_mut().poll(cx)) {
+                    Step::Done(answer) => return Poll::Ready(answer),
+                    Step::Run(run) => Detachable {
+                        future: Some(run),
+                        detach: *detach,
+                    },
+                },
+                KindProj::Run { run } => return run.poll(cx),
+            };
+            self.as_mut().project().kind.set(Kind::Run { run });
         }
+    }
+}
+
+/// A boxed future that, dropped before it finishes, is moved to a task of its own to finish
+/// (when `detach` is set) instead of being cancelled.
+struct Detachable<T> {
+    future: Option<BoxFuture<T>>,
+    detach: Option<fn(BoxFuture<T>)>,
+}
+
+impl<T> Detachable<T> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(future) = self.future.as_mut() else {
+            panic!("ResponseFuture polled after completion");
+        };
+        let output = ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T> Drop for Detachable<T> {
+    fn drop(&mut self) {
+        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
+            detach(future);
+        }
+    }
+}
+
+fn spawn_detached<T: Send + 'static>(future: BoxFuture<T>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(future);
+        }
+        // Dropping it drops its claim, which logs that it cannot be released without a runtime.
+        Err(_) => tracing::warn!("no Tokio runtime to finish a claimed request whose client left"),
     }
 }

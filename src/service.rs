@@ -14,7 +14,7 @@ use tower_service::Service;
 use crate::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
 use crate::config::Config;
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
-use crate::future::ResponseFuture;
+use crate::future::{BoxFuture, ResponseFuture};
 use crate::response::{retry_after, Rejection};
 use crate::store::StoreError;
 use crate::{replay, Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
@@ -35,8 +35,10 @@ use crate::{replay, Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, Rec
 /// # let _ = service;
 /// ```
 ///
-/// The inner service receives `Request<RequestBody<ReqBody>>` and may answer with any body; the
-/// handler runs in a Tokio task of its own, so its future and body must be `Send + 'static`.
+/// The inner service receives `Request<RequestBody<ReqBody>>` and may answer with any body. The
+/// handler runs in the request's own future; if the client hangs up once the key is claimed, that
+/// future is moved to a Tokio task of its own to finish, so its future and body must be
+/// `Send + 'static`.
 #[derive(Clone, Debug)]
 pub struct Idempotency<S> {
     inner: S,
@@ -99,7 +101,7 @@ where
         // The ready service goes to the keyed request; a fresh clone waits for the next one.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let keyed = handle_keyed(
+        let begin = begin_keyed(
             inner,
             self.layer.coordinator.clone(),
             config.clone(),
@@ -107,7 +109,7 @@ where
             parts,
             body,
         );
-        ResponseFuture::keyed(Box::pin(keyed))
+        ResponseFuture::keyed(Box::pin(begin), config.cancel_on_disconnect)
     }
 }
 
@@ -151,14 +153,30 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
-async fn handle_keyed<S, ReqBody, ResBody>(
-    inner: S,
+/// Where a keyed request stands once its claim has answered.
+// A `Step` is moved once, out of the boxed future; boxing the response would cost an allocation
+// on every answer instead.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Step<B, E> {
+    /// The answer is known: a replay, a rejection, or an unprotected (fail-open) run.
+    Done(Answer<B, E>),
+    /// The key is ours: this runs the handler and stores or releases its answer. It must run to
+    /// its end even if the client leaves, so the response future detaches it rather than drop it.
+    Run(BoxFuture<Answer<B, E>>),
+}
+
+/// Reads the body, fingerprints the request and claims its key, in the request's own future: a
+/// client that leaves before the claim answers cancels all of it (a claim still on its way is
+/// released in the background by the coordinator). Only a claimed request goes on to
+/// [`run_claimed`], the one part that costs a detached future.
+async fn begin_keyed<S, ReqBody, ResBody>(
+    mut inner: S,
     coordinator: Coordinator,
     config: Arc<Config>,
     key: RecordKey,
     parts: request::Parts,
     body: ReqBody,
-) -> Answer<ResBody, S::Error>
+) -> Step<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -167,54 +185,77 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // The body is read in the request's own future: a client that leaves mid-upload stops it.
+    let reject = |rejection: Rejection| Step::Done(Ok(rejection.into_response()));
     let too_large = Rejection::BodyTooLarge {
         limit: config.body_limit,
     };
     if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-        return Ok(too_large.into_response());
+        return reject(too_large);
     }
     let body = match collect_limited(body, config.body_limit).await {
         Collected::Complete { data, .. } => data,
-        Collected::TooLarge { .. } => return Ok(too_large.into_response()),
-        Collected::Failed { .. } => return Ok(Rejection::BodyUnreadable.into_response()),
+        Collected::TooLarge { .. } => return reject(too_large),
+        Collected::Failed { .. } => return reject(Rejection::BodyUnreadable),
     };
     let fingerprint = fingerprint(&parts, &body);
     let request = Request::from_parts(parts, RequestBody::buffered(body));
 
-    // From the claim on, the work runs in a task of its own, so a client that hangs up cancels
-    // neither a claim on its way to the store (which could land later and block the key) nor the
-    // handler between its side effect and the store write that lets the retry replay it.
-    let cancel = config.cancel_on_disconnect;
-    let task = tokio::spawn(claim_and_run(
-        inner,
-        coordinator,
-        config,
-        key.clone(),
-        fingerprint,
-        request,
-    ));
-    let joined = if cancel {
-        AbortOnDrop(task).join().await
-    } else {
-        task.await
-    };
-    match joined {
-        Ok(answer) => answer,
-        Err(error) => {
-            // Only a runtime shutting down cancels the task; a panic is caught inside it.
-            tracing::error!(?key, %error, "the idempotent request's task was cancelled");
-            Ok(Rejection::Overloaded.into_response())
+    let claim = match coordinator.begin_driven(&key, &fingerprint).await {
+        Ok(Begin::Claimed(claim)) => claim,
+        Ok(Begin::Completed(payload)) => {
+            return reject_or_replay(&key, &payload);
         }
-    }
+        Ok(Begin::InFlight { lease_left }) => {
+            return reject(Rejection::InFlight {
+                retry_after: retry_after(lease_left),
+            });
+        }
+        Ok(Begin::Mismatch) => {
+            return reject(Rejection::Mismatch {
+                status: config.mismatch_status,
+            })
+        }
+        Err(Error::Store(StoreError::Corrupt(reason))) => {
+            tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
+            return reject(Rejection::UnreadableRecord);
+        }
+        Err(Error::Store(error)) if config.fail_open => {
+            tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
+            return Step::Done(
+                inner
+                    .call(request)
+                    .await
+                    .map(|response| response.map(ResponseBody::streaming)),
+            );
+        }
+        Err(Error::Store(error)) => {
+            tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
+            return reject(Rejection::StoreUnavailable);
+        }
+        Err(_) => return reject(Rejection::Overloaded),
+    };
+    Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
 }
 
-async fn claim_and_run<S, ReqBody, ResBody>(
+fn reject_or_replay<B, E>(key: &RecordKey, payload: &Bytes) -> Step<B, E> {
+    Step::Done(Ok(match replay::decode(payload) {
+        Ok(stored) => {
+            tracing::debug!(?key, "replaying the stored response");
+            replay::into_response(stored)
+        }
+        Err(reason) => {
+            tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
+            Rejection::UnreadableRecord.into_response()
+        }
+    }))
+}
+
+/// Runs the handler under a claim, renewing its lease meanwhile, then stores its answer or
+/// releases the key.
+async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
-    coordinator: Coordinator,
+    claim: Claim,
     config: Arc<Config>,
-    key: RecordKey,
-    fingerprint: Fingerprint,
     request: Request<RequestBody<ReqBody>>,
 ) -> Answer<ResBody, S::Error>
 where
@@ -222,56 +263,12 @@ where
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
-    let claim = match coordinator.begin(&key, &fingerprint).await {
-        Ok(Begin::Claimed(claim)) => claim,
-        Ok(Begin::Completed(payload)) => {
-            return Ok(match replay::decode(&payload) {
-                Ok(stored) => {
-                    tracing::debug!(?key, "replaying the stored response");
-                    replay::into_response(stored)
-                }
-                Err(reason) => {
-                    tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
-                    Rejection::UnreadableRecord.into_response()
-                }
-            });
-        }
-        Ok(Begin::InFlight { lease_left }) => {
-            return Ok(Rejection::InFlight {
-                retry_after: retry_after(lease_left),
-            }
-            .into_response());
-        }
-        Ok(Begin::Mismatch) => {
-            return Ok(Rejection::Mismatch {
-                status: config.mismatch_status,
-            }
-            .into_response())
-        }
-        Err(Error::Store(StoreError::Corrupt(reason))) => {
-            tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
-            return Ok(Rejection::UnreadableRecord.into_response());
-        }
-        Err(Error::Store(error)) if config.fail_open => {
-            tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
-            return inner
-                .call(request)
-                .await
-                .map(|response| response.map(ResponseBody::streaming));
-        }
-        Err(Error::Store(error)) => {
-            tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
-            return Ok(Rejection::StoreUnavailable.into_response());
-        }
-        Err(_) => return Ok(Rejection::Overloaded.into_response()),
-    };
-
-    let produced = AssertUnwindSafe(async {
+    let work = AssertUnwindSafe(async {
         let response = inner.call(request).await?;
         Ok(capture(response, &config).await)
     })
-    .catch_unwind()
-    .await;
+    .catch_unwind();
+    let produced = claim.keep_alive(work).await;
     match produced {
         Ok(Ok(Captured::Storable(response, payload))) => {
             // Errors are logged by `complete`; the client gets its response either way.
@@ -339,13 +336,17 @@ where
     }
     match collect_limited(body, config.response_limit).await {
         Collected::Complete { data, trailers: None } => {
+            let body_len = data.len();
             let payload = replay::encode(
                 parts.status,
                 &parts.headers,
                 |name| config.stores_header(name),
                 &data,
             );
-            Captured::Storable(Response::from_parts(parts, ResponseBody::full(data)), payload)
+            // The client gets the stored copy of the body, so a large body is held once, not twice.
+            drop(data);
+            let body = payload.slice(payload.len() - body_len..);
+            Captured::Storable(Response::from_parts(parts, ResponseBody::full(body)), payload)
         }
         collected => {
             match &collected {
@@ -360,20 +361,5 @@ where
             }
             Captured::NotStorable(Response::from_parts(parts, collected.into_response_body()))
         }
-    }
-}
-
-/// A task handle that cancels its task when dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> AbortOnDrop<T> {
-    async fn join(mut self) -> Result<T, tokio::task::JoinError> {
-        (&mut self.0).await
-    }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
