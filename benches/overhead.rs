@@ -5,7 +5,7 @@
 //!   replays;
 //! - on Redis (a `redis-server` of the bench's own on a free loopback port): the same handler
 //!   plus two PINGs on the same client (the two round trips a fresh request cannot avoid), then
-//!   the layer with fresh keys and with replays. EVALSHA calls per request are counted too.
+//!   the layer with fresh keys and with replays. Round trips per request (claims, script calls) are counted too.
 //!
 //! Set `BENCH_REQUESTS` (default 20 000) and `BENCH_CONCURRENCY` (default 64).
 
@@ -142,14 +142,14 @@ fn main() {
             .layer(IdempotencyLayer::new(store));
         common::admin(&client, &["CONFIG", "RESETSTAT"]).await;
         let fresh = measure(app.clone(), total, concurrency, |i| format!("r-{i}")).await;
-        let per_fresh = common::script_calls(&client).await as f64 / total as f64;
+        let per_fresh = common::round_trips(&client).await as f64 / total as f64;
         report("layer + redis, fresh keys", fresh, redis_baseline);
         measure(app.clone(), 1, 1, |_| "same".into()).await;
         common::admin(&client, &["CONFIG", "RESETSTAT"]).await;
         let replays = measure(app, total, concurrency, |_| "same".into()).await;
-        let per_replay = common::script_calls(&client).await as f64 / total as f64;
+        let per_replay = common::round_trips(&client).await as f64 / total as f64;
         report("layer + redis, replays", replays, redis_baseline);
-        println!("\nscript calls per request: fresh {per_fresh:.2}, replay {per_replay:.2}");
+        println!("\nround trips per request: fresh {per_fresh:.2}, replay {per_replay:.2}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     });
 }

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::app::{payment, payment_with, router, send};
-use common::{admin, client, script_calls, RedisServer};
+use common::{admin, client, round_trips, RedisServer};
 use fred::prelude::*;
 use http::StatusCode;
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore, Rejection};
@@ -30,23 +30,23 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
 
     reset_stats(&client).await;
     assert_eq!(send(&app, payment("rt", "{}")).await.status, StatusCode::CREATED);
-    assert_eq!(script_calls(&client).await, 2, "fresh: claim + complete");
+    assert_eq!(round_trips(&client).await, 2, "fresh: claim + complete");
 
     reset_stats(&client).await;
     assert!(send(&app, payment("rt", "{}")).await.is_replay());
-    assert_eq!(script_calls(&client).await, 1, "replay: claim only");
+    assert_eq!(round_trips(&client).await, 1, "replay: claim only");
 
     reset_stats(&client).await;
     assert_eq!(
         send(&app, payment("rt", "{\"other\":1}")).await.status,
         StatusCode::CONFLICT
     );
-    assert_eq!(script_calls(&client).await, 1, "mismatch: claim only");
+    assert_eq!(round_trips(&client).await, 1, "mismatch: claim only");
 
     reset_stats(&client).await;
     let answer = send(&app, payment_with("rt-500", &[("x-status", "500")])).await;
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(script_calls(&client).await, 2, "not cacheable: claim + release");
+    assert_eq!(round_trips(&client).await, 2, "not cacheable: claim + release");
 
     let slow = {
         let app = app.clone();
@@ -56,10 +56,11 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
     reset_stats(&client).await;
     let busy = send(&app, payment("rt-busy", "{}")).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
-    assert_eq!(script_calls(&client).await, 1, "in flight: claim only");
+    assert_eq!(round_trips(&client).await, 1, "in flight: claim only");
     slow.await.unwrap();
 
-    // No other command is sent per request: only the scripts' own inner calls show up.
+    // The claim is one native command; no other command is sent per request: only the scripts'
+    // own inner calls show up besides.
     reset_stats(&client).await;
     send(&app, payment("rt-only", "{}")).await;
     let info = admin(&client, &["INFO", "commandstats"])
@@ -74,7 +75,7 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
         .collect();
     for command in &commands {
         assert!(
-            ["evalsha", "hmget", "hset", "pexpire", "exists"].contains(command),
+            ["set", "evalsha", "getrange", "setrange", "append", "pexpire"].contains(command),
             "unexpected {command}: {commands:?}"
         );
     }
@@ -151,26 +152,37 @@ async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
         .unwrap();
     expect_unreadable(send(&app, payment("c-string", "{}")).await);
     assert!(layer.inspect(None, "c-string").await.is_err());
-    // A hash that is not a record.
+    // A hash, as an earlier layout stored records.
     let _: () = client.hset(redis_key("c-hash"), ("foo", "bar")).await.unwrap();
     expect_unreadable(send(&app, payment("c-hash", "{}")).await);
-    // A record from an incompatible version.
+    assert!(layer.inspect(None, "c-hash").await.is_err());
+    // A record from an incompatible layout version, and a truncated record.
+    send(&app, payment("c-version", "{}")).await;
+    let stored: Vec<u8> = client.get(redis_key("c-version")).await.unwrap();
+    let mut other_version = stored.clone();
+    other_version[3] = 99;
     let _: () = client
-        .hset(
-            redis_key("c-version"),
-            [("v", "99"), ("state", "completed"), ("payload", "x")],
-        )
+        .set(redis_key("c-version"), other_version, None, None, false)
         .await
         .unwrap();
     expect_unreadable(send(&app, payment("c-version", "{}")).await);
-    // A record whose stored response is garbage.
-    send(&app, payment("c-payload", "{}")).await;
     let _: () = client
-        .hset(redis_key("c-payload"), ("payload", "not a stored response"))
+        .set(redis_key("c-short"), stored[..10].to_vec(), None, None, false)
+        .await
+        .unwrap();
+    expect_unreadable(send(&app, payment("c-short", "{}")).await);
+    // A record whose stored response is garbage: the record's own fields intact, the payload
+    // (after the owner, the 32-byte fingerprint and the 8-byte deadline) replaced.
+    send(&app, payment("c-payload", "{}")).await;
+    let stored: Vec<u8> = client.get(redis_key("c-payload")).await.unwrap();
+    let payload_at = 7 + usize::from(u16::from_be_bytes([stored[5], stored[6]])) + 32 + 8;
+    let garbled = [&stored[..payload_at], b"not a stored response"].concat();
+    let _: () = client
+        .set(redis_key("c-payload"), garbled, None, None, false)
         .await
         .unwrap();
     expect_unreadable(send(&app, payment("c-payload", "{}")).await);
-    assert_eq!(runs.get(), 1, "the handler never ran on a corrupt record");
+    assert_eq!(runs.get(), 2, "the handler never ran on a corrupt record");
     // Operators can clear it, and the key works again.
     assert!(layer.purge(None, "c-payload").await.unwrap());
     assert_eq!(

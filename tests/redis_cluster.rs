@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::app::{payment, router, send};
-use common::{admin, client, script_calls, RedisServer};
+use common::{admin, client, round_trips, RedisServer};
 use http::StatusCode;
 use tower_idempotency::{IdempotencyLayer, RedisStore};
 
@@ -88,7 +88,7 @@ async fn a_redis_cluster_keeps_every_promise_across_slots() {
     let mut fresh_calls = 0;
     let mut nodes_used = 0;
     for admin_client in &admins {
-        let calls = script_calls(admin_client).await;
+        let calls = round_trips(admin_client).await;
         fresh_calls += calls;
         nodes_used += usize::from(calls > 0);
         admin(admin_client, &["CONFIG", "RESETSTAT"]).await;
@@ -107,7 +107,7 @@ async fn a_redis_cluster_keeps_every_promise_across_slots() {
     }
     let mut replay_calls = 0;
     for admin_client in &admins {
-        replay_calls += script_calls(admin_client).await;
+        replay_calls += round_trips(admin_client).await;
     }
     assert_eq!(replay_calls, KEYS as u64, "one round trip per replay");
 

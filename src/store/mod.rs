@@ -35,9 +35,9 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>>
 /// [`StoreError::Corrupt`], never read as if it were ours.
 ///
 /// ```
-/// assert_eq!(tower_idempotency::RECORD_VERSION, 1);
+/// assert_eq!(tower_idempotency::RECORD_VERSION, 2);
 /// ```
-pub const RECORD_VERSION: u32 = 1;
+pub const RECORD_VERSION: u32 = 2;
 
 /// A record store. Implementations must make each method atomic with respect to the others.
 ///

@@ -9,9 +9,7 @@ use fred::interfaces::{ClientLike, KeysInterface, LuaInterface};
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
-use super::{
-    ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture, RECORD_VERSION,
-};
+use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
 use crate::{Fingerprint, RecordKey};
 
 const DEFAULT_PREFIX: &str = "idempotency";
@@ -21,18 +19,21 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 struct Script {
     name: &'static str,
     source: &'static str,
-    sha1: String,
+    /// Leaked once per script per process, so every call can pass it without a copy.
+    sha1: &'static str,
 }
 
 impl Script {
     fn new(name: &'static str, source: &'static str) -> Self {
         let sha1 = fred::types::scripts::Script::from_lua(source).sha1().to_string();
-        Self { name, source, sha1 }
+        Self {
+            name,
+            source,
+            sha1: Box::leak(sha1.into_boxed_str()),
+        }
     }
 }
 
-static CLAIM: LazyLock<Script> =
-    LazyLock::new(|| Script::new("claim", include_str!("../../scripts/claim.lua")));
 static COMPLETE: LazyLock<Script> =
     LazyLock::new(|| Script::new("complete", include_str!("../../scripts/complete.lua")));
 static RELEASE: LazyLock<Script> =
@@ -42,12 +43,17 @@ static RENEW: LazyLock<Script> =
 static INSPECT: LazyLock<Script> =
     LazyLock::new(|| Script::new("inspect", include_str!("../../scripts/inspect.lua")));
 
-/// A [`Store`] in Redis: one hash per record, every transition one Lua script (EVALSHA, reloaded
-/// by EVAL when the server answers NOSCRIPT after a restart, a failover or `SCRIPT FLUSH`).
+/// A [`Store`] in Redis: one string key per record, every transition one round trip.
 ///
-/// Works with Redis 6.2 and later, standalone, with replicas, or as a Cluster: a record is a
-/// single key, so each script touches one slot. Every key it writes has a TTL. Every command
-/// carries a timeout (default 2 s), so a command abandoned during an outage is not sent late.
+/// The claim, the one call every request makes, is a native command (`SET key <record> NX PX
+/// <lease> GET`): it creates the in-flight record or hands back what is there, with no script to
+/// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts (EVALSHA,
+/// reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or `SCRIPT FLUSH`).
+///
+/// Needs Redis 7.0 or later (`SET` with both `NX` and `GET`), standalone, with replicas, or as a
+/// Cluster: a record is a single key, so each call touches one slot. Every key it writes has a
+/// TTL. Every command carries a timeout (default 2 s), so a command abandoned during an outage is
+/// not sent late.
 ///
 /// ```no_run
 /// use tower_idempotency::{IdempotencyLayer, RedisStore};
@@ -194,7 +200,7 @@ impl RedisStore {
     /// Optional: a missing script is loaded on first use.
     pub async fn load_scripts(&self) -> Result<(), StoreError> {
         let client = self.connection.client();
-        for script in [&*CLAIM, &*COMPLETE, &*RELEASE, &*RENEW, &*INSPECT] {
+        for script in [&*COMPLETE, &*RELEASE, &*RENEW, &*INSPECT] {
             client
                 .script_load_cluster::<(), _>(script.source)
                 .await
@@ -208,29 +214,61 @@ impl RedisStore {
         format!("{}:{{{}}}", self.prefix, key.digest_hex())
     }
 
-    /// Runs `script` on the record's key: EVALSHA, then EVAL if the server lost its script cache.
-    async fn run(&self, script: &Script, key: &RecordKey, args: Vec<Value>) -> Result<Value, StoreError> {
-        let redis_key = self.redis_key(key);
-        // The slot is computed here so the command is routed by the record key, not by the SHA-1.
-        let slot = fred::util::redis_keyslot(redis_key.as_bytes());
+    /// Claims with one native command: `SET key <in-flight record> NX PX <lease> GET` answers nil
+    /// when it created the record, or the record that is there (and leaves it as it is).
+    async fn set_if_absent(
+        &self,
+        key: &RecordKey,
+        record: Bytes,
+        lease: Duration,
+    ) -> Result<Value, StoreError> {
         let client = self.connection.client().with_options(&self.options);
-        let mut command = Vec::with_capacity(args.len() + 3);
-        command.push(Value::from(script.sha1.as_str()));
-        command.push(Value::from(1_i64));
-        command.push(Value::from(redis_key));
-        command.extend(args);
+        let set = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
+        let args = [
+            Value::from(self.redis_key(key)),
+            Value::Bytes(record),
+            Value::from_static_str("NX"),
+            Value::from_static_str("PX"),
+            millis(lease),
+            Value::from_static_str("GET"),
+        ];
+        client
+            .custom::<Value, Value>(set, args.to_vec())
+            .await
+            .map_err(|e| match e.details() {
+                details if details.starts_with("WRONGTYPE") => {
+                    StoreError::Corrupt("the key holds something other than a record".into())
+                }
+                _ => from_fred(e, &self.options),
+            })
+    }
 
-        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
-        match client.custom::<Value, Value>(evalsha, command.clone()).await {
+    /// Runs `script` on the record's key: EVALSHA, then EVAL if the server lost its script cache.
+    async fn run(&self, script: &Script, key: &RecordKey, args: &[Value]) -> Result<Value, StoreError> {
+        let redis_key = Value::from(self.redis_key(key));
+        // On a cluster, the command goes to the slot of the record key (argument 2), not to that
+        // of the SHA-1 (the first argument, which fred would hash by default). fred hashes only
+        // when it routes, so a standalone server pays nothing for it.
+        let route = ClusterHash::Offset(2);
+        let command = |script_or_sha: &'static str| {
+            let mut command = Vec::with_capacity(args.len() + 3);
+            command.push(Value::from_static_str(script_or_sha));
+            command.push(Value::Integer(1));
+            command.push(redis_key.clone());
+            command.extend_from_slice(args);
+            command
+        };
+        let client = self.connection.client().with_options(&self.options);
+        let evalsha = CustomCommand::new_static("EVALSHA", route.clone(), false);
+        match client.custom::<Value, Value>(evalsha, command(script.sha1)).await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
                 tracing::debug!(
                     script = script.name,
                     "script missing on the server; reloading it with EVAL"
                 );
-                command[0] = Value::from(script.source);
-                let eval = CustomCommand::new_static("EVAL", ClusterHash::Custom(slot), false);
+                let eval = CustomCommand::new_static("EVAL", route, false);
                 client
-                    .custom::<Value, Value>(eval, command)
+                    .custom::<Value, Value>(eval, command(script.source))
                     .await
                     .map_err(|e| from_fred(e, &self.options))
             }
@@ -255,10 +293,6 @@ fn millis(duration: Duration) -> Value {
     Value::from(i64::try_from(duration.as_millis()).unwrap_or(i64::MAX).max(1))
 }
 
-fn owner_value(owner: &OwnerToken) -> Value {
-    Value::from(owner.as_str())
-}
-
 fn unexpected(script: &str, value: &Value) -> StoreError {
     StoreError::Corrupt(format!("unexpected answer from the {script} script: {value:?}"))
 }
@@ -271,14 +305,125 @@ fn as_flag(script: &str, value: Value) -> Result<bool, StoreError> {
     }
 }
 
-fn tag(value: &Value) -> Option<Vec<u8>> {
-    value.as_bytes().map(<[u8]>::to_vec)
+fn into_bytes(value: Value) -> Option<Bytes> {
+    match value {
+        Value::Bytes(bytes) => Some(bytes),
+        Value::String(text) => Some(text.into_inner()),
+        _ => None,
+    }
 }
 
-fn into_payload(value: Value) -> Bytes {
-    match value {
-        Value::Bytes(bytes) => bytes,
-        other => other.into_bytes().unwrap_or_default(),
+/// The record layout: one Redis string.
+///
+/// ```text
+/// "TIR" version(u8) | state: 'F' in flight, 'C' completed | owner length (u16 BE) | owner
+///   | fingerprint (32 bytes) | lease deadline (u64 BE, ms since the Unix epoch) | payload
+/// ```
+///
+/// The head (through the owner) is what the scripts compare to check ownership; the payload is
+/// appended on completion, so a replay is a slice of the bytes `SET … GET` hands back.
+mod record {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use bytes::{BufMut, Bytes, BytesMut};
+
+    use crate::store::{OwnerToken, StoreError, RECORD_VERSION};
+    use crate::Fingerprint;
+
+    const MAGIC: &[u8; 3] = b"TIR";
+    pub(super) const IN_FLIGHT: u8 = b'F';
+    pub(super) const COMPLETED: u8 = b'C';
+    const DEADLINE_LEN: usize = 8;
+
+    /// The bytes through the owner, in flight: what only this claim's record starts with.
+    pub(super) fn head(owner: &OwnerToken) -> Result<BytesMut, StoreError> {
+        let owner = owner.as_str().as_bytes();
+        let len = u16::try_from(owner.len())
+            .map_err(|_| StoreError::Unavailable("an owner token longer than 65 535 bytes".into()))?;
+        let mut head = BytesMut::with_capacity(6 + owner.len() + 32 + DEADLINE_LEN);
+        head.put_slice(MAGIC);
+        head.put_u8(RECORD_VERSION as u8);
+        head.put_u8(IN_FLIGHT);
+        head.put_u16(len);
+        head.put_slice(owner);
+        Ok(head)
+    }
+
+    /// Where the lease deadline sits in a record with this head.
+    pub(super) fn deadline_offset(head: &[u8]) -> usize {
+        head.len() + 32
+    }
+
+    /// The lease deadline `lease` from now, as stored.
+    pub(super) fn deadline(lease: Duration) -> [u8; DEADLINE_LEN] {
+        let at = SystemTime::now() + lease;
+        let millis = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        u64::try_from(millis).unwrap_or(u64::MAX).to_be_bytes()
+    }
+
+    /// A new in-flight record.
+    pub(super) fn in_flight(
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Bytes, StoreError> {
+        let mut record = head(owner)?;
+        record.put_slice(fingerprint.as_bytes());
+        record.put_slice(&deadline(lease));
+        Ok(record.freeze())
+    }
+
+    /// A record as read back.
+    pub(super) struct Parsed {
+        pub(super) state: u8,
+        pub(super) owner: Bytes,
+        pub(super) fingerprint: [u8; 32],
+        /// Lease left by the writer's clock (in-flight records).
+        pub(super) lease_left: Duration,
+        pub(super) payload: Bytes,
+    }
+
+    pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
+        let take = |at: usize, len: usize| {
+            record
+                .get(at..at + len)
+                .ok_or_else(|| "a truncated record".to_string())
+        };
+        if take(0, 3)? != MAGIC {
+            return Err("the key holds a string that is not a record".into());
+        }
+        let version = take(3, 1)?[0];
+        if u32::from(version) != RECORD_VERSION {
+            return Err(format!(
+                "record layout version {version}, this version reads {RECORD_VERSION}"
+            ));
+        }
+        let state = take(4, 1)?[0];
+        if state != IN_FLIGHT && state != COMPLETED {
+            return Err("unknown record state".into());
+        }
+        let owner_len = usize::from(u16::from_be_bytes([take(5, 1)?[0], take(6, 1)?[0]]));
+        take(7, owner_len)?;
+        let owner = record.slice(7..7 + owner_len);
+        let at = 7 + owner_len;
+        let mut fingerprint = [0; 32];
+        fingerprint.copy_from_slice(take(at, 32)?);
+        let mut deadline = [0; DEADLINE_LEN];
+        deadline.copy_from_slice(take(at + 32, DEADLINE_LEN)?);
+        let deadline = UNIX_EPOCH + Duration::from_millis(u64::from_be_bytes(deadline));
+        // Another instance's clock set the deadline: a skew only shifts `Retry-After`.
+        let lease_left = deadline.duration_since(SystemTime::now()).unwrap_or_default();
+        let payload = record.slice(at + 32 + DEADLINE_LEN..);
+        if state == IN_FLIGHT && !payload.is_empty() {
+            return Err("an in-flight record with a payload".into());
+        }
+        Ok(Parsed {
+            state,
+            owner,
+            fingerprint,
+            lease_left,
+            payload,
+        })
     }
 }
 
@@ -291,32 +436,26 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
-            let args = vec![
-                owner_value(owner),
-                Value::Bytes(Bytes::copy_from_slice(fingerprint.as_bytes())),
-                millis(lease),
-                Value::from(i64::from(RECORD_VERSION)),
-            ];
-            let answer = self.run(&CLAIM, key, args).await?;
-            let mut fields = answer.clone().into_array().into_iter();
-            let (Some(kind), detail) = (fields.next(), fields.next()) else {
-                return Err(unexpected("claim", &answer));
+            let fresh = record::in_flight(owner, fingerprint, lease)?;
+            let existing = match self.set_if_absent(key, fresh, lease).await? {
+                Value::Null => return Ok(ClaimOutcome::Claimed),
+                value => into_bytes(value)
+                    .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
             };
-            match (tag(&kind).as_deref(), detail) {
-                (Some(b"claimed"), None) => Ok(ClaimOutcome::Claimed),
-                (Some(b"completed"), Some(payload)) => Ok(ClaimOutcome::Completed(into_payload(payload))),
-                (Some(b"in_flight"), Some(left)) => match left.as_i64() {
-                    Some(ms) if ms >= 0 => Ok(ClaimOutcome::InFlight {
-                        lease_left: Duration::from_millis(ms as u64),
-                    }),
-                    _ => Err(unexpected("claim", &answer)),
-                },
-                (Some(b"mismatch"), None) => Ok(ClaimOutcome::Mismatch),
-                (Some(b"corrupt"), Some(reason)) => Err(StoreError::Corrupt(
-                    reason.as_str().map(|s| s.into_owned()).unwrap_or_default(),
-                )),
-                _ => Err(unexpected("claim", &answer)),
-            }
+            let found = record::parse(&existing).map_err(StoreError::Corrupt)?;
+            let outcome = if found.state == record::IN_FLIGHT && found.owner == owner.as_str().as_bytes() {
+                // This claim, re-sent by the client library after a dropped connection.
+                ClaimOutcome::Claimed
+            } else if found.fingerprint != *fingerprint.as_bytes() {
+                ClaimOutcome::Mismatch
+            } else if found.state == record::IN_FLIGHT {
+                ClaimOutcome::InFlight {
+                    lease_left: found.lease_left.min(lease),
+                }
+            } else {
+                ClaimOutcome::Completed(found.payload)
+            };
+            Ok(outcome)
         })
     }
 
@@ -328,17 +467,16 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let args = vec![owner_value(owner), Value::Bytes(payload), millis(retention)];
-            as_flag("complete", self.run(&COMPLETE, key, args).await?)
+            let head = Value::Bytes(record::head(owner)?.freeze());
+            let args = [head, Value::Bytes(payload), millis(retention)];
+            as_flag("complete", self.run(&COMPLETE, key, &args).await?)
         })
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            as_flag(
-                "release",
-                self.run(&RELEASE, key, vec![owner_value(owner)]).await?,
-            )
+            let head = Value::Bytes(record::head(owner)?.freeze());
+            as_flag("release", self.run(&RELEASE, key, &[head]).await?)
         })
     }
 
@@ -349,43 +487,40 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            as_flag(
-                "renew",
-                self.run(&RENEW, key, vec![owner_value(owner), millis(lease)])
-                    .await?,
-            )
+            let head = record::head(owner)?.freeze();
+            let offset = Value::from(record::deadline_offset(&head) as i64);
+            let deadline = Value::Bytes(Bytes::copy_from_slice(&record::deadline(lease)));
+            let args = [Value::Bytes(head), offset, deadline, millis(lease)];
+            as_flag("renew", self.run(&RENEW, key, &args).await?)
         })
     }
 
     fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
         Box::pin(async move {
-            let answer = self
-                .run(&INSPECT, key, vec![Value::from(i64::from(RECORD_VERSION))])
-                .await?;
-            let fields = answer.clone().into_array();
-            let mut fields = fields.into_iter();
-            let (kind, second, third) = (fields.next(), fields.next(), fields.next());
-            let Some(kind) = kind else { return Ok(None) };
-            let state = match tag(&kind).as_deref() {
-                Some(b"in_flight") => RecordState::InFlight,
-                Some(b"completed") => RecordState::Completed,
-                Some(b"corrupt") => {
-                    let reason = second
-                        .and_then(|r| r.as_str().map(|s| s.into_owned()))
-                        .unwrap_or_default();
-                    return Err(StoreError::Corrupt(reason));
-                }
-                _ => return Err(unexpected("inspect", &answer)),
+            let mut fields = match self.run(&INSPECT, key, &[]).await? {
+                Value::Array(fields) => fields.into_iter(),
+                other => return Err(unexpected("inspect", &other)),
             };
-            let ttl = second
-                .and_then(|v| v.as_i64())
-                .ok_or_else(|| unexpected("inspect", &answer))?;
-            let payload = third.filter(|v| !v.is_null()).map(into_payload);
-            Ok(Some(RecordInfo::new(
-                state,
-                Duration::from_millis(ttl.max(0) as u64),
-                payload,
-            )))
+            let (Some(first), Some(second)) = (fields.next(), fields.next()) else {
+                return Ok(None);
+            };
+            if let (Some(b"wrongtype"), Some(kind)) = (first.as_bytes(), second.as_str()) {
+                return Err(StoreError::Corrupt(format!(
+                    "the key holds a {kind}, not a record"
+                )));
+            }
+            let (Some(stored), Some(ttl)) = (into_bytes(first), second.as_i64()) else {
+                return Err(StoreError::Corrupt(
+                    "unexpected answer from the inspect script".into(),
+                ));
+            };
+            let found = record::parse(&stored).map_err(StoreError::Corrupt)?;
+            let expires_in = Duration::from_millis(ttl.max(0) as u64);
+            Ok(Some(if found.state == record::IN_FLIGHT {
+                RecordInfo::new(RecordState::InFlight, expires_in, None)
+            } else {
+                RecordInfo::new(RecordState::Completed, expires_in, Some(found.payload))
+            }))
         })
     }
 

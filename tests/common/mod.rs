@@ -183,9 +183,12 @@ pub async fn command_calls(client: &Client, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// EVALSHA plus EVAL calls: the round trips the store made (inner `redis.call`s are not counted).
-pub async fn script_calls(client: &Client) -> u64 {
-    command_calls(client, "evalsha").await + command_calls(client, "eval").await
+/// The round trips the store made: its claims (`SET … NX GET`, a command no script calls) plus
+/// its EVALSHA and EVAL calls (the commands scripts run inside are not counted).
+pub async fn round_trips(client: &Client) -> u64 {
+    command_calls(client, "set").await
+        + command_calls(client, "evalsha").await
+        + command_calls(client, "eval").await
 }
 
 use std::sync::Arc;
