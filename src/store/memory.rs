@@ -17,7 +17,7 @@ const DEFAULT_MAX_ENTRIES: usize = 10_000;
 /// It protects one process only: instances behind a load balancer need a shared store such as
 /// `RedisStore`. When it holds `max_entries` records, expired ones are dropped first, then the
 /// completed record nearest its expiry (a later retry of that key runs again; a warning is
-/// logged). In-flight records are never evicted: when all entries are in flight a new claim fails
+/// logged the first time). In-flight records are never evicted: when all entries are in flight a new claim fails
 /// with [`StoreError::Full`], which the layer answers with 503.
 ///
 /// Clones share the same records.
@@ -40,6 +40,7 @@ struct Records {
     /// Expiry order, for eviction: (expires_at, sequence) → key.
     by_expiry: BTreeMap<(Instant, u64), [u8; 32]>,
     sequence: u64,
+    warned_of_eviction: bool,
 }
 
 #[derive(Debug)]
@@ -71,6 +72,7 @@ impl MemoryStore {
                 by_key: HashMap::new(),
                 by_expiry: BTreeMap::new(),
                 sequence: 0,
+                warned_of_eviction: false,
             })),
         }
     }
@@ -176,10 +178,16 @@ impl Records {
         match victim {
             Some(digest) => {
                 self.remove(&digest);
-                tracing::warn!(
-                    max_entries = self.max_entries,
-                    "memory store full: evicted a completed record before its retention ended"
-                );
+                // Once full, a store evicts on every new key: one warning says so, not one per
+                // request (which would cost more than the request).
+                if !self.warned_of_eviction {
+                    self.warned_of_eviction = true;
+                    tracing::warn!(
+                        max_entries = self.max_entries,
+                        "memory store full: evicting completed records before their retention ends \
+                         (logged once; raise with_max_entries)"
+                    );
+                }
                 Ok(())
             }
             None => Err(StoreError::Full),
@@ -353,6 +361,34 @@ mod tests {
         );
         assert!(store.inspect(&key("late")).await.unwrap().is_some());
         assert_eq!(store.len(), 3);
+    }
+
+    #[test]
+    fn an_early_eviction_is_logged_once_not_per_request() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tracing_subscriber::layer::SubscriberExt;
+
+        struct CountWarnings(Arc<AtomicUsize>);
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountWarnings {
+            fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+                if *event.metadata().level() == tracing::Level::WARN {
+                    self.0.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let warnings = Arc::new(AtomicUsize::new(0));
+        let subscriber = tracing_subscriber::registry().with(CountWarnings(warnings.clone()));
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            runtime.block_on(async {
+                let store = MemoryStore::new().with_max_entries(2);
+                for i in 0..20 {
+                    complete(&store, &format!("k{i}"), Duration::from_secs(60)).await;
+                }
+                assert_eq!(store.len(), 2);
+            })
+        });
+        assert_eq!(warnings.load(Ordering::Relaxed), 1, "18 evictions, one warning");
     }
 
     #[tokio::test]
