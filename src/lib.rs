@@ -60,6 +60,8 @@ mod future;
 mod key;
 mod layer;
 mod replay;
+#[cfg(feature = "redis")]
+mod replay_cache;
 mod response;
 mod service;
 mod store;

@@ -172,10 +172,10 @@ async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
         .unwrap();
     expect_unreadable(send(&app, payment("c-short", "{}")).await);
     // A record whose stored response is garbage: the record's own fields intact, the payload
-    // (after the owner, the 32-byte fingerprint and the 8-byte deadline) replaced.
+    // (after the owner, the state byte, the 8-byte deadline and the 32-byte fingerprint) replaced.
     send(&app, payment("c-payload", "{}")).await;
     let stored: Vec<u8> = client.get(redis_key("c-payload")).await.unwrap();
-    let payload_at = 7 + usize::from(u16::from_be_bytes([stored[5], stored[6]])) + 32 + 8;
+    let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32;
     let garbled = [&stored[..payload_at], b"not a stored response"].concat();
     let _: () = client
         .set(redis_key("c-payload"), garbled, None, None, false)
@@ -250,4 +250,105 @@ async fn a_pool_and_connect_work_like_a_client() {
     assert!(send(&app, payment("connected", "{}")).await.is_replay());
     assert_eq!(runs.get(), 1);
     assert!(RedisStore::connect("not a url").await.is_err());
+}
+
+// The replay cache: repeats answered from memory, bounded by the record's retention, and a purge
+// on one node honoured by every node's cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_cache_answers_repeats_without_redis_and_every_node_honours_a_purge() {
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let cached_store = || async {
+        RedisStore::new(client(&server.url()).await)
+            .with_replay_cache(1 << 20)
+            .await
+            .unwrap()
+    };
+    let layer_a = IdempotencyLayer::new(cached_store().await);
+    let layer_b = IdempotencyLayer::new(cached_store().await);
+    let (node_a, runs_a) = router(layer_a.clone());
+    let (node_b, runs_b) = router(layer_b);
+
+    assert_eq!(
+        send(&node_a, payment("cached", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    // Node B's first repeat is answered from Redis and keeps a copy; the next cost no round trip.
+    let first = send(&node_b, payment("cached", "{}")).await;
+    assert!(first.is_replay());
+    reset_stats(&stats).await;
+    for _ in 0..5 {
+        let again = send(&node_b, payment("cached", "{}")).await;
+        assert!(again.is_replay());
+        assert_eq!(again.body, first.body, "the same bytes");
+    }
+    let other = send(&node_b, payment("cached", "{\"other\":1}")).await;
+    assert_eq!(
+        other.extensions.get::<Rejection>().map(Rejection::status),
+        Some(StatusCode::CONFLICT)
+    );
+    assert_eq!(
+        round_trips(&stats).await,
+        0,
+        "replays and the mismatch came from node B's cache"
+    );
+
+    // A purge on node A reaches node B's copy.
+    assert!(layer_a.purge(None, "cached").await.unwrap());
+    let purged = std::time::Instant::now();
+    let honoured = loop {
+        let answer = send(&node_b, payment("cached", "{}")).await;
+        if !answer.is_replay() {
+            assert_eq!(answer.status, StatusCode::CREATED, "the purged key runs again");
+            break purged.elapsed();
+        }
+        assert!(
+            purged.elapsed() < Duration::from_millis(100),
+            "a purge is honoured within 100 ms"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    println!("node B stopped replaying its copy {honoured:?} after the purge on node A");
+    assert_eq!((runs_a.get(), runs_b.get()), (1, 1));
+
+    // If the cache's listening connection drops, its copies go (purges may have been missed), and
+    // it listens again once reconnected.
+    assert!(send(&node_b, payment("cached", "{}")).await.is_replay());
+    admin(&stats, &["CLIENT", "KILL", "TYPE", "pubsub"]).await;
+    reset_stats(&stats).await;
+    assert!(send(&node_b, payment("cached", "{}")).await.is_replay());
+    assert_eq!(
+        round_trips(&stats).await,
+        1,
+        "the copy was dropped with the connection"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(send(&node_b, payment("cached", "{}")).await.is_replay());
+    assert!(layer_a.purge(None, "cached").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !send(&node_b, payment("cached", "{}")).await.is_replay(),
+        "purges reach it again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_copy_never_outlives_the_record_retention() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(client(&server.url()).await)
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let retention = Duration::from_millis(400);
+    let (app, runs) = router(IdempotencyLayer::new(store).with_retention(retention));
+    send(&app, payment("short", "{}")).await;
+    assert!(send(&app, payment("short", "{}")).await.is_replay());
+    assert!(
+        send(&app, payment("short", "{}")).await.is_replay(),
+        "from the copy"
+    );
+    tokio::time::sleep(retention + Duration::from_millis(100)).await;
+    let after = send(&app, payment("short", "{}")).await;
+    assert!(!after.is_replay(), "the record and its copy are gone");
+    assert_eq!(runs.get(), 2);
 }

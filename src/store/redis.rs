@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fred::clients::{Client, Pool};
-use fred::interfaces::{ClientLike, KeysInterface, LuaInterface};
+use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
 use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use crate::replay_cache::ReplayCache;
 use crate::{Fingerprint, RecordKey};
 
 const DEFAULT_PREFIX: &str = "idempotency";
@@ -40,6 +41,8 @@ static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new("release", include_str!("../../scripts/release.lua")));
 static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new("renew", include_str!("../../scripts/renew.lua")));
+static PURGE: LazyLock<Script> =
+    LazyLock::new(|| Script::new("purge", include_str!("../../scripts/purge.lua")));
 static INSPECT: LazyLock<Script> =
     LazyLock::new(|| Script::new("inspect", include_str!("../../scripts/inspect.lua")));
 
@@ -68,6 +71,18 @@ pub struct RedisStore {
     connection: Connection,
     prefix: Arc<str>,
     options: Options,
+    cache: Option<Arc<ReplayCache>>,
+    /// Keeps the cache's invalidation listener running while any clone of the store lives.
+    _listener: Option<Arc<Listener>>,
+}
+
+/// The task that feeds a replay cache its invalidations; stopped with the last store clone.
+struct Listener(tokio::task::JoinHandle<()>);
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[derive(Clone)]
@@ -90,6 +105,7 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("prefix", &self.prefix)
             .field("command_timeout", &self.options.timeout)
+            .field("replay_cache", &self.cache.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -135,7 +151,51 @@ impl RedisStore {
                 timeout: Some(DEFAULT_COMMAND_TIMEOUT),
                 ..Options::default()
             },
+            cache: None,
+            _listener: None,
         }
+    }
+
+    /// Keeps copies of completed records in this process, up to `max_bytes`, so repeats of a key
+    /// are replayed (or answered as a mismatch) with no round trip to Redis (default: off).
+    ///
+    /// A completed record never changes until its retention ends or it is purged, so a copy is
+    /// safe to serve if it never outlives the record's retention (it does not: the record carries
+    /// its deadline) and every purge reaches it. Purges go through
+    /// [`purge`](crate::Store::purge) (`IdempotencyLayer::purge`, `Coordinator::purge`), which
+    /// publishes the purged record on the `<prefix>:purged` channel; every store with a cache
+    /// listens on it over a connection of its own and drops its copy. While that connection is
+    /// down no copy is served (purges could be missed), and every copy is dropped when it is back.
+    /// A record deleted by hand (`DEL`) is not seen: publish its digest on the channel too.
+    ///
+    /// A copy is made when a repeat is answered from Redis, so the second repeat on an instance is
+    /// the first served from memory. Call after [`with_prefix`](RedisStore::with_prefix).
+    ///
+    /// ```no_run
+    /// # use tower_idempotency::RedisStore;
+    /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .with_replay_cache(64 * 1024 * 1024)
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub async fn with_replay_cache(mut self, max_bytes: usize) -> Result<Self, StoreError> {
+        let cache = Arc::new(ReplayCache::new(max_bytes));
+        let subscriber = self.connection.client().clone_new();
+        subscriber.init().await.map_err(unavailable)?;
+        let channel = self.purge_channel();
+        subscriber.subscribe(channel.clone()).await.map_err(unavailable)?;
+        cache.set_live(true);
+        let task = tokio::spawn(listen_for_purges(subscriber, channel, cache.clone()));
+        self.cache = Some(cache);
+        self._listener = Some(Arc::new(Listener(task)));
+        Ok(self)
+    }
+
+    /// The channel purges are published on, for replay caches.
+    fn purge_channel(&self) -> String {
+        format!("{}:purged", self.prefix)
     }
 
     /// Connects to `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`) with
@@ -200,7 +260,7 @@ impl RedisStore {
     /// Optional: a missing script is loaded on first use.
     pub async fn load_scripts(&self) -> Result<(), StoreError> {
         let client = self.connection.client();
-        for script in [&*COMPLETE, &*RELEASE, &*RENEW, &*INSPECT] {
+        for script in [&*COMPLETE, &*RELEASE, &*RENEW, &*PURGE, &*INSPECT] {
             client
                 .script_load_cluster::<(), _>(script.source)
                 .await
@@ -316,12 +376,14 @@ fn into_bytes(value: Value) -> Option<Bytes> {
 /// The record layout: one Redis string.
 ///
 /// ```text
-/// "TIR" version(u8) | state: 'F' in flight, 'C' completed | owner length (u16 BE) | owner
-///   | fingerprint (32 bytes) | lease deadline (u64 BE, ms since the Unix epoch) | payload
+/// "TIR" version(u8) | owner length (u16 BE) | owner | state: 'F' in flight, 'C' completed
+///   | deadline (u64 BE, ms since the Unix epoch) | fingerprint (32 bytes) | payload
 /// ```
 ///
-/// The head (through the owner) is what the scripts compare to check ownership; the payload is
-/// appended on completion, so a replay is a slice of the bytes `SET … GET` hands back.
+/// The head (through the owner) is what the scripts compare, with the state byte after it, to
+/// check ownership. The deadline is the lease's end in flight and the retention's end once
+/// completed; the state and the deadline are rewritten together. The payload is appended on
+/// completion, so a replay is a slice of the bytes `SET … GET` hands back.
 mod record {
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -333,32 +395,28 @@ mod record {
     const MAGIC: &[u8; 3] = b"TIR";
     pub(super) const IN_FLIGHT: u8 = b'F';
     pub(super) const COMPLETED: u8 = b'C';
-    const DEADLINE_LEN: usize = 8;
 
-    /// The bytes through the owner, in flight: what only this claim's record starts with.
-    pub(super) fn head(owner: &OwnerToken) -> Result<BytesMut, StoreError> {
+    /// The bytes through the owner: what only this claim's record starts with.
+    pub(super) fn head(owner: &OwnerToken) -> Result<Bytes, StoreError> {
         let owner = owner.as_str().as_bytes();
         let len = u16::try_from(owner.len())
             .map_err(|_| StoreError::Unavailable("an owner token longer than 65 535 bytes".into()))?;
-        let mut head = BytesMut::with_capacity(6 + owner.len() + 32 + DEADLINE_LEN);
+        let mut head = BytesMut::with_capacity(6 + owner.len());
         head.put_slice(MAGIC);
         head.put_u8(RECORD_VERSION as u8);
-        head.put_u8(IN_FLIGHT);
         head.put_u16(len);
         head.put_slice(owner);
-        Ok(head)
+        Ok(head.freeze())
     }
 
-    /// Where the lease deadline sits in a record with this head.
-    pub(super) fn deadline_offset(head: &[u8]) -> usize {
-        head.len() + 32
-    }
-
-    /// The lease deadline `lease` from now, as stored.
-    pub(super) fn deadline(lease: Duration) -> [u8; DEADLINE_LEN] {
-        let at = SystemTime::now() + lease;
+    /// A state byte and the deadline `from_now` away, as the scripts write them after the head.
+    pub(super) fn state_until(state: u8, from_now: Duration) -> Bytes {
+        let at = SystemTime::now() + from_now;
         let millis = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        u64::try_from(millis).unwrap_or(u64::MAX).to_be_bytes()
+        let mut bytes = BytesMut::with_capacity(9);
+        bytes.put_u8(state);
+        bytes.put_u64(u64::try_from(millis).unwrap_or(u64::MAX));
+        bytes.freeze()
     }
 
     /// A new in-flight record.
@@ -367,9 +425,11 @@ mod record {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Bytes, StoreError> {
-        let mut record = head(owner)?;
+        let head = head(owner)?;
+        let mut record = BytesMut::with_capacity(head.len() + 9 + 32);
+        record.put_slice(&head);
+        record.put_slice(&state_until(IN_FLIGHT, lease));
         record.put_slice(fingerprint.as_bytes());
-        record.put_slice(&deadline(lease));
         Ok(record.freeze())
     }
 
@@ -378,8 +438,9 @@ mod record {
         pub(super) state: u8,
         pub(super) owner: Bytes,
         pub(super) fingerprint: [u8; 32],
-        /// Lease left by the writer's clock (in-flight records).
-        pub(super) lease_left: Duration,
+        /// Time to the deadline by this instance's clock: lease left (in flight) or retention
+        /// left (completed).
+        pub(super) time_left: Duration,
         pub(super) payload: Bytes,
     }
 
@@ -398,22 +459,23 @@ mod record {
                 "record layout version {version}, this version reads {RECORD_VERSION}"
             ));
         }
-        let state = take(4, 1)?[0];
+        let owner_len = usize::from(u16::from_be_bytes([take(4, 1)?[0], take(5, 1)?[0]]));
+        take(6, owner_len)?;
+        let owner = record.slice(6..6 + owner_len);
+        let at = 6 + owner_len;
+        let state = take(at, 1)?[0];
         if state != IN_FLIGHT && state != COMPLETED {
             return Err("unknown record state".into());
         }
-        let owner_len = usize::from(u16::from_be_bytes([take(5, 1)?[0], take(6, 1)?[0]]));
-        take(7, owner_len)?;
-        let owner = record.slice(7..7 + owner_len);
-        let at = 7 + owner_len;
-        let mut fingerprint = [0; 32];
-        fingerprint.copy_from_slice(take(at, 32)?);
-        let mut deadline = [0; DEADLINE_LEN];
-        deadline.copy_from_slice(take(at + 32, DEADLINE_LEN)?);
+        let mut deadline = [0; 8];
+        deadline.copy_from_slice(take(at + 1, 8)?);
         let deadline = UNIX_EPOCH + Duration::from_millis(u64::from_be_bytes(deadline));
-        // Another instance's clock set the deadline: a skew only shifts `Retry-After`.
-        let lease_left = deadline.duration_since(SystemTime::now()).unwrap_or_default();
-        let payload = record.slice(at + 32 + DEADLINE_LEN..);
+        // Another instance's clock set the deadline: a skew shifts `Retry-After` and how long a
+        // replay cache keeps a copy, never the record's own expiry (Redis's TTL).
+        let time_left = deadline.duration_since(SystemTime::now()).unwrap_or_default();
+        let mut fingerprint = [0; 32];
+        fingerprint.copy_from_slice(take(at + 9, 32)?);
+        let payload = record.slice(at + 9 + 32..);
         if state == IN_FLIGHT && !payload.is_empty() {
             return Err("an in-flight record with a payload".into());
         }
@@ -421,10 +483,62 @@ mod record {
             state,
             owner,
             fingerprint,
-            lease_left,
+            time_left,
             payload,
         })
     }
+}
+
+/// Feeds `cache` the purges published on `channel`. While the subscriber's connection is down
+/// the cache serves nothing; once it is back (and subscribed again) the cache starts empty.
+async fn listen_for_purges(subscriber: Client, channel: String, cache: Arc<ReplayCache>) {
+    use tokio::sync::broadcast::error::RecvError;
+
+    let mut messages = subscriber.message_rx();
+    let mut errors = subscriber.error_rx();
+    let mut reconnects = subscriber.reconnect_rx();
+    loop {
+        tokio::select! {
+            message = messages.recv() => match message {
+                Ok(message) if *message.channel == *channel => {
+                    let digest = message.value.as_bytes().and_then(digest_from_hex);
+                    match digest {
+                        Some(digest) => cache.invalidate(&digest),
+                        None => tracing::warn!(?message.value, "unreadable message on the purge channel; ignored"),
+                    }
+                }
+                Ok(_) => {}
+                Err(RecvError::Lagged(_)) => {
+                    tracing::warn!("replay cache fell behind on purges; dropping every copy");
+                    cache.set_live(false);
+                    cache.set_live(true);
+                }
+                Err(RecvError::Closed) => {
+                    cache.set_live(false);
+                    return;
+                }
+            },
+            _ = errors.recv() => cache.set_live(false),
+            _ = reconnects.recv() => {
+                cache.set_live(false);
+                match subscriber.subscribe(channel.clone()).await {
+                    Ok(()) => cache.set_live(true),
+                    Err(error) => tracing::warn!(%error, "replay cache could not listen for purges; it serves nothing until it can"),
+                }
+            }
+        }
+    }
+}
+
+fn digest_from_hex(hex: &[u8]) -> Option<[u8; 32]> {
+    let mut digest = [0; 32];
+    if hex.len() != 64 {
+        return None;
+    }
+    for (byte, pair) in digest.iter_mut().zip(hex.chunks(2)) {
+        *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+    }
+    Some(digest)
 }
 
 impl Store for RedisStore {
@@ -436,6 +550,15 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
+            let cache = self.cache.as_deref();
+            if let Some(copy) = cache.and_then(|cache| cache.get(key.digest())) {
+                return Ok(if copy.fingerprint == *fingerprint.as_bytes() {
+                    ClaimOutcome::Completed(copy.payload)
+                } else {
+                    ClaimOutcome::Mismatch
+                });
+            }
+            let epoch = cache.map(ReplayCache::epoch);
             let fresh = record::in_flight(owner, fingerprint, lease)?;
             let existing = match self.set_if_absent(key, fresh, lease).await? {
                 Value::Null => return Ok(ClaimOutcome::Claimed),
@@ -450,9 +573,13 @@ impl Store for RedisStore {
                 ClaimOutcome::Mismatch
             } else if found.state == record::IN_FLIGHT {
                 ClaimOutcome::InFlight {
-                    lease_left: found.lease_left.min(lease),
+                    lease_left: found.time_left.min(lease),
                 }
             } else {
+                if let (Some(cache), Some(epoch)) = (cache, epoch) {
+                    let payload = found.payload.clone();
+                    cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+                }
                 ClaimOutcome::Completed(found.payload)
             };
             Ok(outcome)
@@ -467,15 +594,19 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = Value::Bytes(record::head(owner)?.freeze());
-            let args = [head, Value::Bytes(payload), millis(retention)];
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::COMPLETED, retention)),
+                Value::Bytes(payload),
+                millis(retention),
+            ];
             as_flag("complete", self.run(&COMPLETE, key, &args).await?)
         })
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = Value::Bytes(record::head(owner)?.freeze());
+            let head = Value::Bytes(record::head(owner)?);
             as_flag("release", self.run(&RELEASE, key, &[head]).await?)
         })
     }
@@ -487,10 +618,11 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = record::head(owner)?.freeze();
-            let offset = Value::from(record::deadline_offset(&head) as i64);
-            let deadline = Value::Bytes(Bytes::copy_from_slice(&record::deadline(lease)));
-            let args = [Value::Bytes(head), offset, deadline, millis(lease)];
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                millis(lease),
+            ];
             as_flag("renew", self.run(&RENEW, key, &args).await?)
         })
     }
@@ -526,12 +658,11 @@ impl Store for RedisStore {
 
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let client = self.connection.client().with_options(&self.options);
-            let deleted: i64 = client
-                .del(self.redis_key(key))
-                .await
-                .map_err(|e| from_fred(e, &self.options))?;
-            Ok(deleted > 0)
+            if let Some(cache) = &self.cache {
+                cache.invalidate(key.digest());
+            }
+            let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
+            as_flag("purge", self.run(&PURGE, key, &args).await?)
         })
     }
 }

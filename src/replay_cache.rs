@@ -1,0 +1,293 @@
+//! An in-process cache of completed records, so repeats are replayed with no store round trip.
+//!
+//! A completed record never changes: it is replayed as it is until its retention ends or an
+//! operator purges it. So an instance may keep a copy and answer repeats from memory, provided
+//! (1) no copy outlives its record's retention, (2) a purge on any instance reaches every copy,
+//! and (3) a copy is never served while purges may be missed. The store that owns the cache keeps
+//! (2) and (3) with an invalidation feed: it calls [`ReplayCache::invalidate`] for each purge it
+//! hears of, and [`ReplayCache::set_live`] when the feed is lost or back.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+/// What an entry costs beyond its payload: key, fingerprint, bookkeeping.
+const ENTRY_OVERHEAD: usize = 128;
+
+/// A copy of a completed record.
+pub(crate) struct Cached {
+    pub(crate) fingerprint: [u8; 32],
+    pub(crate) payload: Bytes,
+}
+
+pub(crate) struct ReplayCache {
+    max_bytes: usize,
+    entries: Mutex<Entries>,
+    /// Bumped by every invalidation and every change of the feed, so an answer fetched before one
+    /// is not cached after it.
+    epoch: AtomicU64,
+    /// Whether the invalidation feed is listening: copies are served and added only then.
+    live: AtomicBool,
+}
+
+#[derive(Default)]
+struct Entries {
+    by_digest: HashMap<[u8; 32], Entry>,
+    /// Insertion order, for eviction; a digest whose entry was replaced or removed since is
+    /// skipped (its sequence no longer matches).
+    order: VecDeque<([u8; 32], u64)>,
+    bytes: usize,
+    sequence: u64,
+}
+
+struct Entry {
+    fingerprint: [u8; 32],
+    payload: Bytes,
+    expires_at: Instant,
+    sequence: u64,
+}
+
+impl Entry {
+    fn cost(&self) -> usize {
+        self.payload.len() + ENTRY_OVERHEAD
+    }
+}
+
+impl ReplayCache {
+    /// A cache of at most `max_bytes`, not live until the feed says so.
+    pub(crate) fn new(max_bytes: usize) -> Self {
+        Self {
+            max_bytes,
+            entries: Mutex::new(Entries::default()),
+            epoch: AtomicU64::new(0),
+            live: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Entries> {
+        // Every update leaves the map consistent, so a poisoned lock's data is still sound.
+        self.entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The copy of the record at `digest`, if there is a live one.
+    pub(crate) fn get(&self, digest: &[u8; 32]) -> Option<Cached> {
+        if !self.live.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut entries = self.lock();
+        let entry = entries.by_digest.get(digest)?;
+        if entry.expires_at <= Instant::now() {
+            entries.remove(digest);
+            return None;
+        }
+        Some(Cached {
+            fingerprint: entry.fingerprint,
+            payload: entry.payload.clone(),
+        })
+    }
+
+    /// The epoch to pass to [`insert`](ReplayCache::insert) for an answer about to be fetched.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Keeps a copy of a completed record for `retention_left` at most, unless an invalidation
+    /// (or a change of the feed) happened since `epoch` was read: the answer may predate a purge.
+    pub(crate) fn insert(
+        &self,
+        epoch: u64,
+        digest: [u8; 32],
+        fingerprint: [u8; 32],
+        payload: Bytes,
+        retention_left: Duration,
+    ) {
+        let cost = payload.len() + ENTRY_OVERHEAD;
+        if retention_left.is_zero() || cost > self.max_bytes || !self.live.load(Ordering::Acquire) {
+            return;
+        }
+        let mut entries = self.lock();
+        // Read under the lock: `invalidate` bumps the epoch under it too.
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            return;
+        }
+        entries.remove(&digest);
+        while entries.bytes + cost > self.max_bytes {
+            let Some((oldest, sequence)) = entries.order.pop_front() else {
+                break;
+            };
+            if entries
+                .by_digest
+                .get(&oldest)
+                .is_some_and(|e| e.sequence == sequence)
+            {
+                entries.remove(&oldest);
+            }
+        }
+        entries.sequence += 1;
+        let sequence = entries.sequence;
+        entries.order.push_back((digest, sequence));
+        entries.bytes += cost;
+        entries.by_digest.insert(
+            digest,
+            Entry {
+                fingerprint,
+                payload,
+                expires_at: Instant::now() + retention_left,
+                sequence,
+            },
+        );
+    }
+
+    /// Drops the copy at `digest`: its record was purged.
+    pub(crate) fn invalidate(&self, digest: &[u8; 32]) {
+        let mut entries = self.lock();
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        entries.remove(digest);
+    }
+
+    /// Drops every copy and serves again only once `live`: the feed was lost (purges may have been
+    /// missed) or is back.
+    pub(crate) fn set_live(&self, live: bool) {
+        let mut entries = self.lock();
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        *entries = Entries::default();
+        self.live.store(live, Ordering::Release);
+    }
+
+    /// Bytes held, by the cache's own accounting.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+}
+
+impl Entries {
+    fn remove(&mut self, digest: &[u8; 32]) {
+        if let Some(entry) = self.by_digest.remove(digest) {
+            self.bytes -= entry.cost();
+        }
+        // Its place in `order` is skipped when reached. Compact when stale places dominate.
+        if self.order.len() > 2 * self.by_digest.len() + 64 {
+            let by_digest = &self.by_digest;
+            self.order
+                .retain(|(digest, sequence)| by_digest.get(digest).is_some_and(|e| e.sequence == *sequence));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> [u8; 32] {
+        [n; 32]
+    }
+
+    fn live(max_bytes: usize) -> ReplayCache {
+        let cache = ReplayCache::new(max_bytes);
+        cache.set_live(true);
+        cache
+    }
+
+    #[test]
+    fn bounded_in_bytes_oldest_out_first() {
+        let cache = live(3 * (100 + ENTRY_OVERHEAD));
+        for n in 0..5 {
+            cache.insert(
+                cache.epoch(),
+                digest(n),
+                [n; 32],
+                Bytes::from(vec![n; 100]),
+                Duration::from_secs(60),
+            );
+            assert!(cache.bytes() <= 3 * (100 + ENTRY_OVERHEAD));
+        }
+        assert!(cache.get(&digest(0)).is_none());
+        assert!(cache.get(&digest(1)).is_none());
+        for n in 2..5 {
+            assert_eq!(cache.get(&digest(n)).unwrap().payload, vec![n; 100]);
+        }
+        // Larger than the whole cache: not kept.
+        cache.insert(
+            cache.epoch(),
+            digest(9),
+            [9; 32],
+            Bytes::from(vec![9; 1000]),
+            Duration::from_secs(60),
+        );
+        assert!(cache.get(&digest(9)).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn never_past_the_retention_left() {
+        let cache = live(1 << 20);
+        cache.insert(
+            cache.epoch(),
+            digest(1),
+            [1; 32],
+            Bytes::from_static(b"r"),
+            Duration::from_millis(50),
+        );
+        assert!(cache.get(&digest(1)).is_some());
+        tokio::time::advance(Duration::from_millis(51)).await;
+        assert!(cache.get(&digest(1)).is_none());
+        assert_eq!(cache.bytes(), 0);
+    }
+
+    #[test]
+    fn an_answer_fetched_before_an_invalidation_is_not_kept() {
+        let cache = live(1 << 20);
+        let before = cache.epoch();
+        cache.invalidate(&digest(1));
+        cache.insert(
+            before,
+            digest(1),
+            [1; 32],
+            Bytes::from_static(b"stale"),
+            Duration::from_secs(60),
+        );
+        assert!(cache.get(&digest(1)).is_none());
+        cache.insert(
+            cache.epoch(),
+            digest(1),
+            [1; 32],
+            Bytes::from_static(b"r"),
+            Duration::from_secs(60),
+        );
+        cache.invalidate(&digest(1));
+        assert!(cache.get(&digest(1)).is_none());
+    }
+
+    #[test]
+    fn nothing_is_served_or_kept_while_the_feed_is_down() {
+        let cache = live(1 << 20);
+        cache.insert(
+            cache.epoch(),
+            digest(1),
+            [1; 32],
+            Bytes::from_static(b"r"),
+            Duration::from_secs(60),
+        );
+        cache.set_live(false);
+        assert!(cache.get(&digest(1)).is_none());
+        cache.insert(
+            cache.epoch(),
+            digest(2),
+            [2; 32],
+            Bytes::from_static(b"r"),
+            Duration::from_secs(60),
+        );
+        cache.set_live(true);
+        assert!(
+            cache.get(&digest(1)).is_none(),
+            "copies from before the gap are dropped"
+        );
+        assert!(cache.get(&digest(2)).is_none());
+    }
+}
