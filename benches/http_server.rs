@@ -1,0 +1,172 @@
+//! Run with: scripts/bench.sh (it builds and starts this server itself)
+//!
+//! The HTTP server `scripts/bench.py` measures: `POST /payments` answers `201` with
+//! `{"id":"pay_<n>","bytes":<request body length>}` (`content-type: application/json`), after
+//! sleeping N ms when the request carries `x-bench-sleep-ms: N` (the bench uses it to hold a key
+//! in flight). The mode picks what wraps the route:
+//!
+//! - `plain`: nothing, the baseline;
+//! - `memory`: `IdempotencyLayer::new(MemoryStore::new())`, every setting at its default;
+//! - `redis`: `IdempotencyLayer::new(store)` over `RedisStore::connect(REDIS_URL)` with its
+//!   scripts loaded, every setting at its default;
+//! - `redis-cache`: the same with `RedisStore::with_replay_cache` (64 MiB), so repeats are replayed
+//!   from this process's memory.
+//!
+//! ```text
+//! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes
+//! ```
+//!
+//! An unknown mode exits with status 2 (the bench driver skips stores the server does not know).
+//! Request bodies up to 2 MiB get past axum; the layer itself takes at most 1 MiB, so the bench's
+//! "1 MiB" body is 1 000 000 bytes. Warnings are counted and only the first few printed, so a
+//! warning logged on every request measures the layer rather than the terminal; the count is
+//! printed at exit as `bench_server: warnings=<n>`. SIGTERM or SIGINT stops it with status 0.
+
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+use tracing_subscriber::filter::{filter_fn, LevelFilter};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Warnings and errors logged so far; only the first `PRINTED_WARNINGS` reach stderr.
+static WARNINGS: AtomicU64 = AtomicU64::new(0);
+const PRINTED_WARNINGS: u64 = 10;
+
+/// How long connections and handlers may take to finish after a signal before the server exits
+/// anyway (a request the bench holds in flight sleeps far longer).
+const GRACE: Duration = Duration::from_millis(250);
+
+struct CountWarnings;
+
+impl<S: tracing::Subscriber> Layer<S> for CountWarnings {
+    fn on_event(&self, _event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        WARNINGS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+async fn create_payment(headers: HeaderMap, body: Bytes) -> Response {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let sleep_ms = headers
+        .get("x-bench-sleep-ms")
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if let Some(ms) = sleep_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let id = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let json = format!("{{\"id\":\"pay_{id}\",\"bytes\":{}}}", body.len());
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        json,
+    )
+        .into_response()
+}
+
+/// The replay cache of the `redis-cache` mode: room for every key the bench replays.
+const REPLAY_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+async fn redis_store() -> Result<RedisStore, BoxError> {
+    let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let store = RedisStore::connect(&url).await?;
+    store.load_scripts().await?;
+    Ok(store)
+}
+
+/// The layer a mode puts in front of the route (`None`: plain), or `Err` for an unknown mode.
+/// A new mode is one arm here.
+async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
+    Ok(match mode {
+        "plain" => None,
+        "memory" => Some(IdempotencyLayer::new(MemoryStore::new())),
+        "redis" => Some(IdempotencyLayer::new(redis_store().await?)),
+        "redis-cache" => {
+            let store = redis_store().await?.with_replay_cache(REPLAY_CACHE_BYTES).await?;
+            Some(IdempotencyLayer::new(store))
+        }
+        other => {
+            eprintln!(
+                "bench_server: unknown mode `{other}` (this build knows: plain, memory, redis, redis-cache)"
+            );
+            std::process::exit(2);
+        }
+    })
+}
+
+async fn signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let printed = filter_fn(|_| WARNINGS.load(Ordering::Relaxed) <= PRINTED_WARNINGS);
+    tracing_subscriber::registry()
+        .with(LevelFilter::WARN)
+        .with(CountWarnings)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(false)
+                .with_filter(printed),
+        )
+        .init();
+
+    let mut args = std::env::args().skip(1);
+    let addr = args.next().unwrap_or_else(|| "127.0.0.1:3000".into());
+    let mode = args.next().unwrap_or_else(|| "plain".into());
+    let layer = layer_for(&mode).await?;
+
+    let route = Router::new().route("/payments", post(create_payment));
+    let router = match &layer {
+        Some(layer) => route.layer(layer.clone()),
+        None => route,
+    };
+    let router = router.layer(DefaultBodyLimit::max(2 * 1024 * 1024));
+
+    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    println!(
+        "bench_server: listening on http://{} (mode {mode})",
+        listener.local_addr()?
+    );
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        signal().await;
+        let _ = stop.send(true);
+    });
+    let mut on_signal = stopped.clone();
+    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
+        let _ = on_signal.wait_for(|stop| *stop).await;
+    });
+    let mut after_grace = stopped;
+    tokio::select! {
+        served = serve.into_future() => served?,
+        _ = async {
+            let _ = after_grace.wait_for(|stop| *stop).await;
+            tokio::time::sleep(GRACE).await;
+        } => {}
+    }
+    if let Some(layer) = layer {
+        // A handler held in flight by the bench sleeps on; do not wait for it.
+        let _ = layer.shutdown_handle().shutdown(GRACE).await;
+    }
+    eprintln!("bench_server: warnings={}", WARNINGS.load(Ordering::Relaxed));
+    Ok(())
+}

@@ -1,0 +1,1187 @@
+#!/usr/bin/env python3
+"""HTTP benchmark driver for tower-idempotency (python3, standard library only).
+
+Run it through scripts/bench.sh, which installs wrk and redis-server if missing and builds the
+server (`cargo build --release --example bench_server`, benches/http_server.rs) first.
+
+    scripts/bench.sh                      quick: 100 B bodies; plain + redis; fresh + replay;
+                                          c32 + c1; 3 rounds of 5 s cells -> bench/quick.{md,json}
+    scripts/bench.sh --full               every store x scenario x concurrency x body size;
+                                          -> bench/results.{md,json} and bench/chart.svg
+    scripts/bench.sh --soak [MINUTES]     one server under load for MINUTES (default 10); samples
+                                          its RSS and Redis used_memory -> bench/soak.md
+
+A cell is (store, scenario, concurrency, body size). Every round runs every cell once, in the
+same order (interleaved, so drift hits all cells alike); each cell gets a fresh server process
+and, for Redis stores, a FLUSHALL. The table shows medians over rounds; "x plain" is computed per
+round against the plain cell of the same concurrency and body size, then the median (min-max)
+is taken. See --help for filters and the BENCH_* environment overrides.
+"""
+
+import argparse
+import datetime
+import http.client
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# BENCH_SERVER points at another build of the server, e.g. one built from an earlier commit for a
+# before/after comparison (each run's ratios are to its own plain cells).
+SERVER_BIN = Path(os.environ.get("BENCH_SERVER") or ROOT / "target" / "release" / "examples" / "bench_server")
+
+STORES = ["plain", "memory", "redis", "redis-cache"]  # every store the driver knows
+REDIS_STORES = {"redis", "redis-cache"}
+LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
+CONCURRENCY = {"c32": (2, 32), "c1": (1, 1)}  # name -> (wrk threads, connections)
+BODIES = {"100": 100, "16k": 16 * 1024, "1m": 1_000_000}  # the layer's limit is 1 MiB = 1048576
+BODY_LABEL = {"100": "100 B", "16k": "16 KiB", "1m": "1 MiB"}
+EXPECTED_STATUS = {"plain": 201, "fresh": 201, "replay": 201, "inflight": 409}
+REPLAY_KEYS = 1000
+HOLD_MS = 600_000  # x-bench-sleep-ms of the request that holds the in-flight key
+BAD_FRACTION = 0.01  # more unexpected answers than this flags a cell
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(Exception):
+    """A failure that stops the run with a clear message."""
+
+
+class UnknownMode(BenchError):
+    """The server does not know the store mode (exit status 2)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+class Processes:
+    """Every process the driver starts, each in a session (process group) of its own, so it can
+    always be stopped, also on Ctrl-C and on errors."""
+
+    def __init__(self):
+        self.procs = []
+
+    def spawn(self, cmd, **kwargs):
+        proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc, timeout=5.0):
+        """SIGTERM to the process group, SIGKILL if it has not exited after `timeout` s."""
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if proc in self.procs:
+            self.procs.remove(proc)
+        return proc.returncode
+
+    def stop_all(self):
+        for proc in list(self.procs):
+            try:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.procs.clear()
+
+
+PROCS = Processes()
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port, proc, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.01)
+    raise BenchError(f"{what} did not accept connections on port {port} within {timeout:.0f} s")
+
+
+def cpu_ticks(pid):
+    """utime + stime of a process (all its threads), in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def proc_status_kib(pid, field):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise BenchError(f"no {field} in /proc/{pid}/status")
+
+
+def proc_meminfo_kib(field):
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise BenchError(f"no {field} in /proc/meminfo")
+
+
+def tool_version(cmd):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        return (out.stdout or out.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# redis
+
+
+class Redis:
+    """A minimal RESP2 client: enough for PING, FLUSHALL and INFO."""
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.reader = self.sock.makefile("rb")
+
+    def close(self):
+        self.reader.close()
+        self.sock.close()
+
+    def cmd(self, *args):
+        parts = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            data = str(arg).encode()
+            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        self.sock.sendall(b"".join(parts))
+        return self._read()
+
+    def _read(self):
+        line = self.reader.readline()
+        if not line:
+            raise BenchError("redis-server closed the connection")
+        kind, rest = line[:1], line[1:-2]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise BenchError(f"redis error: {rest.decode()}")
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            size = int(rest)
+            return None if size < 0 else self.reader.read(size + 2)[:-2].decode()
+        if kind == b"*":
+            size = int(rest)
+            return None if size < 0 else [self._read() for _ in range(size)]
+        raise BenchError(f"unexpected reply from redis-server: {line!r}")
+
+    def info(self, section):
+        values = {}
+        for line in self.cmd("INFO", section).splitlines():
+            if ":" in line and not line.startswith("#"):
+                name, value = line.split(":", 1)
+                values[name] = value
+        return values
+
+
+class RedisServer:
+    def __init__(self, tmp, maxmemory=None):
+        self.port = free_port()
+        self.dir = Path(tmp) / "redis"
+        self.dir.mkdir()
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+               "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
+        if maxmemory:
+            cmd += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "volatile-ttl"]
+        self.proc = PROCS.spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        if not wait_for_port(self.port, self.proc, "redis-server"):
+            raise BenchError(f"redis-server exited with status {self.proc.returncode}; "
+                             f"see {self.dir / 'redis.log'}")
+        self.client = Redis(self.port)
+        self.client.cmd("PING")
+        self.url = f"redis://127.0.0.1:{self.port}"
+
+    def stop(self):
+        try:
+            self.client.close()
+        except OSError:
+            pass
+        PROCS.stop(self.proc)
+
+
+INNER_CALL = re.compile(r"""(?:redis\.call\(\s*|pcall\(\s*redis\.call\s*,\s*)['"]([A-Za-z]+)['"]""")
+
+
+def inner_commands():
+    """Commands our Lua scripts call inside Redis (so the client does not send them), and where
+    they were found. The scripts are read from the server binary, which embeds the ones it runs;
+    scripts/*.lua in the work tree may differ from the build being measured (an A/B run of an
+    older build, a script being edited). The work tree is the fallback."""
+    names = {name.decode().lower() for name in
+             re.compile(INNER_CALL.pattern.encode()).findall(SERVER_BIN.read_bytes())}
+    if names:
+        return names, f"the Lua scripts embedded in {SERVER_BIN.relative_to(ROOT)}"
+    for script in sorted((ROOT / "scripts").glob("*.lua")):
+        names.update(name.lower() for name in INNER_CALL.findall(script.read_text()))
+    return names, "scripts/*.lua"
+
+
+def redis_snapshot(redis):
+    calls = {}
+    for name, value in redis.info("commandstats").items():
+        if name.startswith("cmdstat_"):
+            fields = dict(item.split("=", 1) for item in value.split(","))
+            calls[name[len("cmdstat_"):]] = int(fields["calls"])
+    total = int(redis.info("stats")["total_commands_processed"])
+    return {"calls": calls, "total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# requests
+
+
+def make_body(size):
+    """JSON-ish ASCII bytes of exactly `size` bytes."""
+    head, tail = '{"amount":42,"currency":"eur","note":"', '"}'
+    filler = "lorem ipsum dolor sit amet consectetur adipiscing elit "
+    room = size - len(head) - len(tail)
+    if room < 0:
+        raise BenchError(f"body size {size} is too small")
+    return (head + (filler * (room // len(filler) + 1))[:room] + tail).encode()
+
+
+def http_post(port, key, body, extra=None, timeout=30.0, conn=None):
+    headers = {"Host": f"127.0.0.1:{port}", "Content-Type": "application/json",
+               "Idempotency-Key": key}
+    headers.update(extra or {})
+    own = conn is None
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/payments", body=body, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status, response.getheader("idempotent-replayed")
+    finally:
+        if own:
+            conn.close()
+
+
+def complete_keys(port, body, keys, workers=4):
+    """Sends one request per key (keep-alive, a few connections) and checks each got 201."""
+    failures = []
+
+    def work(part):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            for key in part:
+                status, _ = http_post(port, key, body, conn=conn)
+                if status != 201:
+                    failures.append((key, status))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=work, args=(keys[i::workers],)) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise BenchError(f"completion pass: {len(failures)} keys did not get 201, e.g. {failures[:3]}")
+
+
+def hold_in_flight(port, key, body):
+    """Sends the request that holds `key` in flight (its handler sleeps HOLD_MS) and leaves its
+    connection open. Returns the open sockets; close them to let go."""
+    head = (f"POST /payments HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Idempotency-Key: {key}\r\nx-bench-sleep-ms: {HOLD_MS}\r\n\r\n").encode()
+    holders = []
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(head + body)
+    holders.append(sock)
+    # Until a plain request with the key gets 409, the claim is not there yet. The probe carries
+    # the sleep header too: if it arrives first it becomes the holder, which is just as good.
+    deadline = time.monotonic() + 10
+    time.sleep(0.05)
+    while time.monotonic() < deadline:
+        probe = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+        try:
+            status, _ = http_post(port, key, body, {"x-bench-sleep-ms": str(HOLD_MS)}, conn=probe)
+            probe.close()
+            if status == 409:
+                return holders
+            raise BenchError(f"in-flight probe got {status}, expected 409")
+        except (socket.timeout, TimeoutError):
+            holders.append(probe.sock)  # this probe holds the key now; keep its connection open
+    raise BenchError("could not hold a key in flight within 10 s")
+
+
+# ---------------------------------------------------------------------------------------------
+# wrk
+
+WRK_SCRIPT = r"""-- Generated by scripts/bench.py: key scheme %(scheme)s, body %(size)d bytes.
+-- Every cell runs this same code (request() and response() included), so the client-side cost
+-- is alike across cells; only the key differs.
+local body = [==[%(body)s]==]
+local scheme = "%(scheme)s"
+local threads = {}
+local next_id = 0
+
+function setup(thread)
+  next_id = next_id + 1
+  thread:set("id", next_id)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  prefix = args[1]
+  head = "POST /payments HTTP/1.1\r\nHost: " .. args[2] ..
+    "\r\nContent-Type: application/json\r\nContent-Length: " .. #body .. "\r\nIdempotency-Key: "
+  tail = "\r\n\r\n" .. body
+  n = 0
+  counts = {}
+  replayed = 0
+end
+
+function request()
+  n = n + 1
+  local key
+  if scheme == "unique" then
+    key = prefix .. "-" .. id .. "-" .. n
+  elseif scheme == "cycle" then
+    key = "r-" .. (n %% %(replay_keys)d)
+  else
+    key = prefix
+  end
+  return head .. key .. tail
+end
+
+function response(status, headers, body)
+  counts[status] = (counts[status] or 0) + 1
+  if headers["idempotent-replayed"] ~= nil then
+    replayed = replayed + 1
+  end
+end
+
+function done(summary, latency, requests)
+  local total, replays = {}, 0
+  for _, thread in ipairs(threads) do
+    for status, count in pairs(thread:get("counts")) do
+      total[status] = (total[status] or 0) + count
+    end
+    replays = replays + thread:get("replayed")
+  end
+  local parts = {}
+  for status, count in pairs(total) do
+    table.insert(parts, string.format("%%d=%%d", status, count))
+  end
+  io.write("BENCH_STATUS " .. table.concat(parts, " ") .. "\n")
+  io.write(string.format("BENCH_REPLAYED %%d\n", replays))
+end
+"""
+
+KEY_SCHEME = {"plain": "unique", "fresh": "unique", "replay": "cycle", "inflight": "fixed"}
+
+
+def write_wrk_script(tmp, scenario, body):
+    path = Path(tmp) / f"wrk-{scenario}-{len(body)}.lua"
+    if not path.exists():
+        text = body.decode()
+        assert "]==]" not in text
+        path.write_text(WRK_SCRIPT % {"scheme": KEY_SCHEME[scenario], "size": len(body),
+                                      "body": text, "replay_keys": REPLAY_KEYS})
+    return path
+
+
+UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "m": 60e6, "h": 3600e6}
+
+
+def parse_time_us(text):
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text)
+    if not match:
+        raise BenchError(f"cannot parse wrk time {text!r}")
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+def parse_wrk(out):
+    result = {"statuses": {}, "replayed": 0, "socket_errors": {}, "non2xx": 0}
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not match:
+        raise BenchError("wrk printed no Requests/sec line")
+    result["rps"] = float(match.group(1))
+    match = re.search(r"(\d+) requests in ([\d.]+\w+),", out)
+    result["requests"] = int(match.group(1))
+    result["duration_s"] = parse_time_us(match.group(2)) / 1e6
+    for pct, key in (("50", "p50_us"), ("99", "p99_us")):
+        match = re.search(rf"^\s+{pct}%\s+([\d.]+\w+)\s*$", out, re.M)
+        if not match:
+            raise BenchError(f"wrk printed no {pct}% latency (is --latency set?)")
+        result[key] = parse_time_us(match.group(1))
+    match = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if match:
+        result["socket_errors"] = dict(zip(("connect", "read", "write", "timeout"),
+                                           map(int, match.groups())))
+    match = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if match:
+        result["non2xx"] = int(match.group(1))
+    match = re.search(r"^BENCH_STATUS(.*)$", out, re.M)
+    if not match:
+        raise BenchError("the wrk script printed no status counts")
+    for item in match.group(1).split():
+        status, count = item.split("=")
+        result["statuses"][status] = int(count)
+    match = re.search(r"^BENCH_REPLAYED (\d+)$", out, re.M)
+    result["replayed"] = int(match.group(1))
+    return result
+
+
+def run_wrk(url, conc, duration, script, args, timeout_s="5s"):
+    threads, connections = CONCURRENCY[conc]
+    duration = max(1, round(duration))  # wrk takes whole seconds
+    cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", f"--timeout={timeout_s}",
+           "--latency", "-s", str(script), url, "--"] + list(args)
+    proc = PROCS.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=duration + 60)
+    except subprocess.TimeoutExpired:
+        PROCS.stop(proc)
+        raise BenchError(f"wrk did not finish: {shlex.join(cmd)}")
+    PROCS.procs.remove(proc)
+    if proc.returncode != 0:
+        raise BenchError(f"wrk failed with status {proc.returncode}: {shlex.join(cmd)}\n{err}{out}")
+    return out
+
+
+def check_answers(scenario, wrk):
+    """Problems with the answers wrk got, as short strings (empty: all as expected)."""
+    problems = []
+    expected = str(EXPECTED_STATUS[scenario])
+    answered = sum(wrk["statuses"].values())
+    if answered == 0:
+        return ["no answers"]
+    wrong = answered - wrk["statuses"].get(expected, 0)
+    if wrong > BAD_FRACTION * answered:
+        others = {s: c for s, c in wrk["statuses"].items() if s != expected}
+        problems.append(f"{wrong}/{answered} answers not {expected}: {others}")
+    if scenario == "replay" and wrk["replayed"] < (1 - BAD_FRACTION) * answered:
+        problems.append(f"only {wrk['replayed']}/{answered} answers were replays")
+    if scenario != "replay" and wrk["replayed"] > BAD_FRACTION * answered:
+        problems.append(f"{wrk['replayed']}/{answered} answers were replays")
+    errors = sum(wrk["socket_errors"].values())
+    if errors:
+        problems.append(f"socket errors {wrk['socket_errors']}")
+    expected_non2xx = wrk["statuses"].get(expected, 0) if int(expected) >= 300 else 0
+    if abs(wrk["non2xx"] - expected_non2xx) > BAD_FRACTION * answered:
+        problems.append(f"wrk counted {wrk['non2xx']} non-2xx answers")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# one cell
+
+
+class Server:
+    def __init__(self, tmp, store, redis):
+        self.port = free_port()
+        self.log = Path(tmp) / f"server-{store}-{self.port}.log"
+        env = dict(os.environ)
+        if redis is not None:
+            env["REDIS_URL"] = redis.url
+        self.log_file = open(self.log, "wb")
+        cmd = [str(SERVER_BIN), f"127.0.0.1:{self.port}", store]
+        self.proc = PROCS.spawn(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        if not wait_for_port(self.port, self.proc, "bench_server"):
+            self.log_file.close()
+            text = self.log.read_text(errors="replace")
+            if self.proc.returncode == 2 and "unknown mode" in text:
+                raise UnknownMode(text.strip())
+            raise BenchError(f"bench_server ({store}) exited with status {self.proc.returncode}:\n{text}")
+        self.url = f"http://127.0.0.1:{self.port}/payments"
+        self.host = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        """Stops the server; returns (exit status, warnings it logged)."""
+        status = PROCS.stop(self.proc, timeout=10)
+        self.log_file.close()
+        text = self.log.read_text(errors="replace")
+        match = re.search(r"bench_server: warnings=(\d+)", text)
+        warnings = int(match.group(1)) if match else None
+        # the first lines the server logged, without their timestamps
+        self.first_lines = [re.sub(r"^\d{4}-\d\d-\d\dT\S+\s+", "", line) for line in text.splitlines()
+                            if not line.startswith("bench_server:")][:3]
+        if status != 0:
+            raise BenchError(f"bench_server exited with status {status} after SIGTERM:\n{text[-2000:]}")
+        return warnings
+
+
+def run_cell(cfg, cell, tmp, redis, inner):
+    store, scenario, conc, body_name = cell
+    body = cfg.bodies_bytes[body_name]
+    duration = cfg.duration_for(body_name)
+    script = write_wrk_script(tmp, scenario, body)
+    run_id = "%08x" % random.getrandbits(32)
+    if redis is not None and store in REDIS_STORES:
+        redis.client.cmd("FLUSHALL")
+    server = Server(tmp, store, redis if store in REDIS_STORES else None)
+    holders = []
+    measured = False
+    try:
+        # warm-up (and the scenario's preparation)
+        if scenario == "replay":
+            complete_keys(server.port, body, [f"r-{i}" for i in range(REPLAY_KEYS)])
+            status, replayed = http_post(server.port, "r-0", body)
+            if status != 201 or replayed != "true":
+                raise BenchError(f"{store}: a completed key answered {status}, "
+                                 f"idempotent-replayed={replayed!r}; expected a 201 replay")
+            key_arg = "unused"
+        elif scenario == "inflight":
+            key_arg = f"inflight-{run_id}"
+            holders = hold_in_flight(server.port, key_arg, body)
+        else:
+            key_arg = f"k{run_id}"
+        if cfg.warmup > 0:
+            warm_arg = f"w{run_id}" if scenario in ("fresh", "plain") else key_arg
+            run_wrk(server.url, conc, cfg.warmup, script, [warm_arg, server.host])
+            time.sleep(0.2 if body_name != "1m" else 0.5)  # let the warm-up's last requests finish
+
+        before_server = cpu_ticks(server.proc.pid)
+        before_redis = cpu_ticks(redis.proc.pid) if redis else 0
+        before_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
+        out = run_wrk(server.url, conc, duration, script, [key_arg, server.host])
+        after_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
+        after_server = cpu_ticks(server.proc.pid)
+        after_redis = cpu_ticks(redis.proc.pid) if redis else 0
+        peak_rss_kib = proc_status_kib(server.proc.pid, "VmHWM")
+        measured = True
+    finally:
+        for sock in holders:
+            sock.close()
+        if measured:
+            warnings = server.stop()
+        else:
+            try:
+                server.stop()
+            except BenchError as error:  # the error on its way out matters more
+                print(f"bench: also: {error}", file=sys.stderr)
+
+    wrk = parse_wrk(out)
+    requests = max(wrk["requests"], 1)
+    tick_us = 1e6 / CLK_TCK
+    row = {
+        "store": store, "scenario": scenario, "conc": conc, "body": body_name,
+        "body_bytes": len(body), "duration_s": wrk["duration_s"],
+        "rps": wrk["rps"], "requests": wrk["requests"],
+        "p50_us": wrk["p50_us"], "p99_us": wrk["p99_us"],
+        "statuses": wrk["statuses"], "replayed": wrk["replayed"],
+        "socket_errors": wrk["socket_errors"], "non2xx": wrk["non2xx"],
+        "server_cpu_us_per_req": (after_server - before_server) * tick_us / requests,
+        "peak_rss_mib": peak_rss_kib / 1024,
+        "server_warnings": warnings,
+        "wrk_output": out,
+    }
+    if store in REDIS_STORES:
+        calls_before, calls_after = before_stats["calls"], after_stats["calls"]
+        delta = {name: calls - calls_before.get(name, 0) for name, calls in calls_after.items()}
+        delta = {name: calls for name, calls in delta.items() if calls}
+        own_info = delta.get("info", 0)
+        sent = sum(calls for name, calls in delta.items() if name not in inner and name != "info")
+        executed = after_stats["total"] - before_stats["total"] - own_info
+        row.update({
+            "redis_cpu_us_per_req": (after_redis - before_redis) * tick_us / requests,
+            "redis_sent_per_req": sent / requests,
+            "redis_executed_per_req": executed / requests,
+            "redis_command_calls": delta,
+        })
+    row["problems"] = check_answers(scenario, wrk)
+    row["notes"] = [f"the server logged {warnings} warnings: {server.first_lines[0].strip()}"
+                    if server.first_lines else f"the server logged {warnings} warnings"] if warnings else []
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation and output
+
+
+def cell_key(row):
+    return (row["store"], row["scenario"], row["conc"], row["body"])
+
+
+def aggregate(runs, cells):
+    plain = {(r["round"], r["conc"], r["body"]): r for r in runs if r["store"] == "plain"}
+    out = []
+    for cell in cells:
+        rows = [r for r in runs if cell_key(r) == cell]
+        if not rows:
+            continue
+        ratios, p50_ratios = [], []
+        for r in rows:
+            base = plain.get((r["round"], r["conc"], r["body"]))
+            if base and base["rps"] > 0:
+                ratios.append(r["rps"] / base["rps"])
+                p50_ratios.append(r["p50_us"] / base["p50_us"])
+
+        def med(name):
+            values = [r[name] for r in rows if r.get(name) is not None]
+            return statistics.median(values) if values else None
+
+        out.append({
+            "store": cell[0], "scenario": cell[1], "conc": cell[2], "body": cell[3],
+            "rounds": len(rows),
+            "rps": med("rps"), "rps_min": min(r["rps"] for r in rows),
+            "rps_max": max(r["rps"] for r in rows),
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio_min": min(ratios) if ratios else None,
+            "ratio_max": max(ratios) if ratios else None,
+            "p50_us": med("p50_us"), "p99_us": med("p99_us"),
+            "p50_ratio": statistics.median(p50_ratios) if p50_ratios else None,
+            "server_cpu_us_per_req": med("server_cpu_us_per_req"),
+            "redis_cpu_us_per_req": med("redis_cpu_us_per_req"),
+            "redis_sent_per_req": med("redis_sent_per_req"),
+            "redis_executed_per_req": med("redis_executed_per_req"),
+            "peak_rss_mib": med("peak_rss_mib"),
+            "problems": sorted({p for r in rows for p in r["problems"]}),
+            "flagged_rounds": sum(1 for r in rows if r["problems"]),
+            "notes": sorted({re.sub(r"logged \d+ warnings", "logged warnings", n)
+                             for r in rows for n in r["notes"]}),
+            "warnings_per_round": [r["server_warnings"] for r in rows],
+        })
+    return out
+
+
+def fmt_us(us):
+    if us is None:
+        return "–"
+    if us >= 10_000:
+        return f"{us / 1000:.0f} ms"
+    if us >= 1000:
+        return f"{us / 1000:.2f} ms"
+    return f"{us:.0f} µs"
+
+
+def fmt_num(value, digits=1):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_ratio(agg):
+    if agg["store"] == "plain":
+        return "1"
+    if agg["ratio"] is None:
+        return "–"
+    if agg["rounds"] == 1:
+        return f"{agg['ratio']:.2f}"
+    return f"{agg['ratio']:.2f} ({agg['ratio_min']:.2f}–{agg['ratio_max']:.2f})"
+
+
+def table(aggs):
+    header = ("| store | scenario | conc | body | req/s | × plain | p50 | p99 | p50 × plain "
+              "| server CPU µs/req | Redis CPU µs/req | Redis cmds/req sent / executed "
+              "| peak RSS MiB |")
+    lines = [header, "|" + "---|" * 13]
+    for a in aggs:
+        store = a["store"] + (" ⚠" if a["problems"] else "") + (" †" if a["notes"] else "")
+        cmds = "–" if a["redis_sent_per_req"] is None else \
+            f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
+        p50_ratio = "1" if a["store"] == "plain" else fmt_num(a["p50_ratio"], 2)
+        lines.append(
+            f"| {store} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
+            f"| {a['rps']:.0f} | {fmt_ratio(a)} | {fmt_us(a['p50_us'])} | {fmt_us(a['p99_us'])} "
+            f"| {p50_ratio} | {fmt_num(a['server_cpu_us_per_req'])} "
+            f"| {fmt_num(a['redis_cpu_us_per_req'])} | {cmds} | {fmt_num(a['peak_rss_mib'])} |")
+    return "\n".join(lines)
+
+
+def warning_lines(aggs):
+    lines = []
+    for a in aggs:
+        name = f"{a['store']} {a['scenario']} {a['conc']} {BODY_LABEL[a['body']]}"
+        if a["problems"]:
+            lines.append(f"⚠ {name}: wrong answers in {a['flagged_rounds']}/{a['rounds']} rounds: "
+                         + "; ".join(a["problems"]))
+        if a["notes"]:
+            counts = ", ".join(str(w) for w in a["warnings_per_round"])
+            lines.append(f"† {name}: {'; '.join(a['notes'])} (per round: {counts})")
+    return lines
+
+
+def ping_floor(redis):
+    cmd = ["redis-benchmark", "-p", str(redis.port), "-c", "1", "-n", "20000", "-t", "ping", "-q"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return {"error": str(error)}
+    floor = {}
+    for name, rps, p50 in re.findall(r"(PING_\w+): ([\d.]+) requests per second, p50=([\d.]+) msec",
+                                     out.replace("\r", "\n")):
+        floor[name] = {"rps": float(rps), "p50_us": float(p50) * 1000}
+    return floor
+
+
+def floor_text(floor):
+    if not floor or "error" in floor:
+        return f"one loopback round trip: not measured ({floor.get('error', 'no output') if floor else 'no redis'})"
+    parts = [f"{name} p50 {fmt_us(v['p50_us'])}, {v['rps']:.0f} req/s" for name, v in floor.items()]
+    return ("one loopback round trip (`redis-benchmark -c 1 -n 20000 -t ping`, same redis-server): "
+            + "; ".join(parts))
+
+
+SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b"}
+
+
+def chart_svg(aggs, rounds):
+    """A bar chart of "x plain" throughput for 100 B bodies: one panel per concurrency, bars
+    grouped by scenario, one bar per store, whiskers for the min-max over rounds."""
+    data = [a for a in aggs if a["body"] == "100" and a["store"] != "plain" and a["ratio"] is not None]
+    concs = [c for c in CONCURRENCY if any(a["conc"] == c for a in data)]
+    stores = [s for s in STORES if any(a["store"] == s for a in data)]
+    scenarios = [s for s in LAYERED_SCENARIOS if any(a["scenario"] == s for a in data)]
+    if not data:
+        return None
+    top = max([1.0] + [a["ratio_max"] for a in data])
+    step = 0.2 if top <= 1.6 else 0.5
+    y_max = math.ceil(top * 1.08 / step) * step
+    panel_w, panel_h, left, top_pad, gap = 380, 260, 60, 84, 40
+    width = left + len(concs) * panel_w + (len(concs) - 1) * gap + 20
+    height = top_pad + panel_h + 100
+    esc = lambda s: s.replace("&", "&amp;").replace("<", "&lt;")  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+           f'<text x="{width / 2}" y="24" text-anchor="middle" font-size="15" font-weight="bold">'
+           f'Throughput with the idempotency layer, × plain axum (100 B bodies)</text>',
+           f'<text x="{width / 2}" y="44" text-anchor="middle" fill="#555">median of {rounds} '
+           f'round{"s" if rounds != 1 else ""}, whiskers: min–max; plain axum = 1</text>']
+    y = lambda v: top_pad + panel_h - v / y_max * panel_h  # noqa: E731
+    for index, conc in enumerate(concs):
+        x0 = left + index * (panel_w + gap)
+        threads, connections = CONCURRENCY[conc]
+        out.append(f'<text x="{x0 + panel_w / 2}" y="{top_pad - 10}" text-anchor="middle" '
+                   f'font-weight="bold">{conc}: wrk -t{threads} -c{connections}</text>')
+        ticks = int(round(y_max / step))
+        for t in range(ticks + 1):
+            value = t * step
+            out.append(f'<line x1="{x0}" x2="{x0 + panel_w}" y1="{y(value):.1f}" y2="{y(value):.1f}" '
+                       f'stroke="#e5e5e5"/>')
+            out.append(f'<text x="{x0 - 6}" y="{y(value) + 4:.1f}" text-anchor="end" fill="#333">'
+                       f'{value:.1f}</text>')
+        out.append(f'<line x1="{x0}" x2="{x0 + panel_w}" y1="{y(1):.1f}" y2="{y(1):.1f}" '
+                   f'stroke="#333" stroke-dasharray="5,4"/>')
+        group_w = panel_w / max(len(scenarios), 1)
+        bar_w = min(36, (group_w - 24) / max(len(stores), 1))
+        for g, scenario in enumerate(scenarios):
+            gx = x0 + g * group_w
+            start = gx + (group_w - bar_w * len(stores)) / 2
+            for b, store in enumerate(stores):
+                match = [a for a in data if (a["store"], a["scenario"], a["conc"]) == (store, scenario, conc)]
+                if not match:
+                    continue
+                a = match[0]
+                bx = start + b * bar_w
+                out.append(f'<rect x="{bx + 2:.1f}" y="{y(a["ratio"]):.1f}" width="{bar_w - 4:.1f}" '
+                           f'height="{y(0) - y(a["ratio"]):.1f}" fill="{SVG_COLORS.get(store, "#999")}">'
+                           f'<title>{esc(store)} {scenario} {conc}: {a["ratio"]:.2f} × plain</title></rect>')
+                cx = bx + bar_w / 2
+                if a["rounds"] > 1:
+                    out.append(f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y(a["ratio_min"]):.1f}" '
+                               f'y2="{y(a["ratio_max"]):.1f}" stroke="#222"/>')
+                out.append(f'<text x="{cx:.1f}" y="{y(a["ratio_max"]) - 4:.1f}" text-anchor="middle" '
+                           f'font-size="10">{a["ratio"]:.2f}</text>')
+            out.append(f'<text x="{gx + group_w / 2:.1f}" y="{y(0) + 18:.1f}" text-anchor="middle">'
+                       f'{scenario}</text>')
+        out.append(f'<line x1="{x0}" x2="{x0 + panel_w}" y1="{y(0):.1f}" y2="{y(0):.1f}" stroke="#333"/>')
+        out.append(f'<line x1="{x0}" x2="{x0}" y1="{y(0):.1f}" y2="{y(y_max):.1f}" stroke="#333"/>')
+    out.append(f'<text transform="translate(16 {top_pad + panel_h / 2}) rotate(-90)" '
+               f'text-anchor="middle">req/s × plain</text>')
+    out.append(f'<text x="{left + (width - left) / 2}" y="{y(0) + 40:.1f}" text-anchor="middle" '
+               f'fill="#333">scenario</text>')
+    lx = left
+    ly = y(0) + 66
+    for store in stores:
+        out.append(f'<rect x="{lx}" y="{ly - 10:.1f}" width="12" height="12" fill="{SVG_COLORS.get(store, "#999")}"/>')
+        out.append(f'<text x="{lx + 18}" y="{ly:.1f}">{esc(store)}</text>')
+        lx += 30 + 8 * len(store) + 20
+    out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="{ly - 4:.1f}" y2="{ly - 4:.1f}" stroke="#333" '
+               f'stroke-dasharray="5,4"/>')
+    out.append(f'<text x="{lx + 30}" y="{ly:.1f}">plain axum (1.0)</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def environment(redis_started):
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": os.uname().release,
+        "wrk": tool_version(["wrk", "-v"]),
+        "redis": tool_version(["redis-server", "--version"]) if redis_started else None,
+        "rustc": tool_version(["rustc", "-V"]),
+    }
+
+
+def command_line():
+    env = " ".join(f"{name}={os.environ[name]}" for name in sorted(os.environ)
+                   if name.startswith("BENCH_"))
+    return " ".join(filter(None, [env, "scripts/bench.sh", shlex.join(sys.argv[1:])]))
+
+
+# ---------------------------------------------------------------------------------------------
+# modes
+
+
+class Config:
+    def __init__(self, args):
+        self.full = args.full
+        self.rounds = args.rounds or int(os.environ.get("BENCH_ROUNDS", 3))
+        self.duration = args.duration or float(os.environ.get("BENCH_DURATION", 5))
+        self.duration_1m = float(os.environ.get("BENCH_DURATION_1M", min(self.duration, 3)))
+        self.warmup = float(os.environ.get("BENCH_WARMUP", 1))
+        if args.full:
+            stores = ["plain", "memory", "redis", "redis-cache"]
+            scenarios, concs, bodies = LAYERED_SCENARIOS, ["c32", "c1"], ["100", "16k", "1m"]
+        else:
+            stores = ["plain", "redis", "redis-cache"]
+            scenarios, concs, bodies = ["fresh", "replay"], ["c32", "c1"], ["100"]
+        self.stores = pick("store", args.stores, stores, STORES)
+        if "plain" not in self.stores:
+            self.stores.insert(0, "plain")  # every ratio needs its plain baseline
+        self.scenarios = pick("scenario", args.scenarios, scenarios, LAYERED_SCENARIOS)
+        self.concs = pick("concurrency", args.conc, concs, list(CONCURRENCY))
+        self.bodies = pick("body", args.bodies, bodies, list(BODIES))
+        self.bodies_bytes = {name: make_body(BODIES[name]) for name in self.bodies}
+
+    def duration_for(self, body):
+        return self.duration_1m if body == "1m" else self.duration
+
+    def scenarios_of(self, store):
+        if store == "plain":
+            return ["plain"]
+        if store == "redis-cache":
+            # The cache serves completed records only: fresh keys and in-flight answers are the
+            # redis store's.
+            return [s for s in self.scenarios if s == "replay"]
+        return self.scenarios
+
+    def cells(self):
+        cells = []
+        for body in self.bodies:
+            for conc in self.concs:
+                for store in self.stores:
+                    for scenario in self.scenarios_of(store):
+                        cells.append((store, scenario, conc, body))
+        return cells
+
+
+def pick(what, given, default, known):
+    if not given:
+        return list(default)
+    aliases = {"100b": "100", "16kib": "16k", "1mib": "1m", "1": "c1", "32": "c32"}
+    chosen = [aliases.get(item.strip().lower(), item.strip().lower()) for item in given.split(",")]
+    unknown = [item for item in chosen if item not in known]
+    if unknown:
+        raise BenchError(f"unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
+    return [item for item in known if item in chosen]
+
+
+def probe_stores(cfg, tmp, redis):
+    """Drops stores this server build does not accept (e.g. redis-cache before it exists)."""
+    for store in list(cfg.stores):
+        if store in ("plain", "memory", "redis"):
+            continue
+        try:
+            server = Server(tmp, store, redis)
+            server.stop()
+        except UnknownMode as error:
+            print(f"note: skipping store {store}: {error}")
+            cfg.stores.remove(store)
+
+
+def run_matrix(args):
+    cfg = Config(args)
+    started = time.monotonic()
+    needs_redis = any(store in REDIS_STORES for store in cfg.stores)
+    out_dir = Path(args.out) if args.out else ROOT / "bench"
+    name = "results" if cfg.full else "quick"
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        redis = RedisServer(tmp) if needs_redis else None
+        try:
+            inner, inner_source = inner_commands()
+            probe_stores(cfg, tmp, redis)
+            cells = cfg.cells()
+            print(f"{'full' if cfg.full else 'quick'} mode: {len(cells)} cells × {cfg.rounds} rounds, "
+                  f"{cfg.duration:g} s per cell ({cfg.duration_1m:g} s for 1 MiB bodies), "
+                  f"warm-up {cfg.warmup:g} s; {os.cpu_count()} CPUs")
+            if redis:
+                print(f"redis-server on port {redis.port}; commands run inside the scripts "
+                      f"(from {inner_source}): {', '.join(sorted(inner))}")
+            runs = []
+            for rnd in range(1, cfg.rounds + 1):
+                for index, cell in enumerate(cells, 1):
+                    row = run_cell(cfg, cell, tmp, redis, inner)
+                    row["round"] = rnd
+                    runs.append(row)
+                    flag = "  ⚠ " + "; ".join(row["problems"]) if row["problems"] else ""
+                    print(f"round {rnd}/{cfg.rounds} cell {index:>2}/{len(cells)} "
+                          f"{cell[0]:>11} {cell[1]:>8} {cell[2]:>3} {BODY_LABEL[cell[3]]:>6}: "
+                          f"{row['rps']:>8.0f} req/s  p50 {fmt_us(row['p50_us']):>8}{flag}", flush=True)
+            floor = ping_floor(redis) if redis else {}
+            env = environment(redis is not None)
+        finally:
+            if redis:
+                redis.stop()
+            PROCS.stop_all()
+
+    aggs = aggregate(runs, cells)
+    elapsed = time.monotonic() - started
+    text = table(aggs)
+    warnings = warning_lines(aggs)
+    print()
+    print(text)
+    print()
+    print(floor_text(floor) if redis else "no Redis store in this run")
+    for line in warnings:
+        print(line)
+    print(f"\n{len(cells)} cells × {cfg.rounds} rounds in {elapsed / 60:.1f} min")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command_line(), "mode": "full" if cfg.full else "quick", "rounds": cfg.rounds,
+            "duration_s": cfg.duration, "duration_1m_s": cfg.duration_1m, "warmup_s": cfg.warmup,
+            "elapsed_s": round(elapsed, 1), "inner_commands": sorted(inner),
+            "inner_commands_from": inner_source, **env}
+    md = [f"# HTTP benchmark: axum with and without tower-idempotency ({meta['mode']} mode)", "",
+          f"- command: `{meta['command']}`",
+          f"- date: {env['date']}; elapsed {elapsed / 60:.1f} min",
+          f"- machine: `nproc` = {env['nproc']}, {env['cpu']}, Linux {env['kernel']}",
+          f"- tools: {env['wrk']}; {env['redis'] or 'no redis-server'}; {env['rustc']}",
+          f"- {cfg.rounds} rounds × {len(cells)} cells, interleaved; {cfg.duration:g} s per cell "
+          f"({cfg.duration_1m:g} s for 1 MiB bodies) after a {cfg.warmup:g} s warm-up; "
+          f"a fresh server per cell; medians over rounds",
+          "", text, ""]
+    md += ["- " + floor_text(floor)] if redis else []
+    md += ["- " + line for line in warnings]
+    md += ["", "Columns: *× plain* is req/s over the plain cell of the same concurrency and body "
+           "size in the same round, median (min–max) over rounds; *p50 × plain* likewise for the "
+           "median latency. CPU µs/req is utime+stime of the process over the measured run ÷ "
+           "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, EVAL, …): "
+           "every command in `INFO commandstats` but the driver's INFO and those the Lua scripts "
+           f"call ({', '.join(sorted(inner)) if redis else '–'}, read from "
+           f"{inner_source if redis else '–'}); a command both sent directly and called in a "
+           "script counts as called in the script. *executed* is the `total_commands_processed` "
+           "delta, which also counts the commands run inside the scripts. Both include the "
+           "requests still in flight when wrk stops (up to 32 per cell). Peak RSS is the server's VmHWM. Scenarios: *fresh* = a new "
+           "key per request; *replay* = cycling over 1000 completed keys; *inflight* = one key "
+           "held in flight, every answer 409. c32 = `wrk -t2 -c32`, c1 = `wrk -t1 -c1`. Every "
+           "cell runs the same wrk Lua script (a `request()` that sets the key, a `response()` "
+           "that counts statuses), plain included. ⚠ marks a cell whose answers were not all "
+           "as expected (more than 1% unexpected statuses, replays where none belong or the other "
+           "way round, socket errors); † a cell whose server logged warnings (the server counts "
+           "them and prints only the first few, so they cost no terminal I/O)."]
+    if cfg.full:
+        svg = chart_svg(aggs, cfg.rounds)
+        if svg:
+            (out_dir / "chart.svg").write_text(svg)
+            md += ["", "![× plain throughput, 100 B bodies](chart.svg)"]
+    (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+    (out_dir / f"{name}.json").write_text(json.dumps(
+        {"meta": meta, "ping_floor": floor, "cells": aggs, "runs": runs}, indent=1) + "\n")
+    print(f"wrote {out_dir / (name + '.md')}, {out_dir / (name + '.json')}"
+          + (f", {out_dir / 'chart.svg'}" if cfg.full else ""))
+    return 0
+
+
+def slope_per_minute(samples):
+    """Least-squares slope (value per minute) of (seconds, value) samples."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [s for s, _ in samples]
+    ys = [v for _, v in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in samples) / var * 60
+
+
+def run_soak(args):
+    minutes = args.soak
+    store = args.soak_store
+    if store not in ("redis", "memory"):
+        raise BenchError("--soak-store is redis or memory")
+    out_dir = Path(args.out) if args.out else ROOT / "bench"
+    body = make_body(100)
+    interval = float(os.environ.get("BENCH_SOAK_INTERVAL", 10))
+    samples = []
+    # Every fresh key leaves a record of about 0.6 KiB in Redis for 24 h: at ~20 000 req/s that is
+    # ~0.7 GiB a minute. Cap Redis so a long soak cannot exhaust the machine's memory; at the cap it
+    # evicts the records nearest their expiry (volatile-ttl).
+    cap = min(4 << 30, int(proc_meminfo_kib("MemAvailable") * 1024 * 0.4))
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        redis = RedisServer(tmp, maxmemory=cap) if store == "redis" else None
+        try:
+            server = Server(tmp, store, redis)
+            script = write_wrk_script(tmp, "fresh", body)
+            threads, connections = CONCURRENCY["c32"]
+            seconds = int(minutes * 60)
+            cmd = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout=5s",
+                   "--latency", "-s", str(script), server.url, "--", "soak%08x" % random.getrandbits(32),
+                   server.host]
+            print(f"soak: {store} store, wrk -t{threads} -c{connections}, fresh keys, 100 B bodies, "
+                  f"{minutes:g} min; a sample every {interval:g} s")
+            print(f"{'t (s)':>6} {'server RSS MiB':>15} {'redis used_memory MiB':>22}")
+            wrk = PROCS.spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            collected = {}
+            reader = threading.Thread(target=lambda: collected.update(zip(("out", "err"), wrk.communicate())))
+            reader.start()
+            start = time.monotonic()
+            next_sample = start
+            while True:
+                now = time.monotonic()
+                if now >= next_sample:
+                    rss = proc_status_kib(server.proc.pid, "VmRSS") / 1024
+                    used = int(redis.client.info("memory")["used_memory"]) / 2**20 if redis else None
+                    samples.append((now - start, rss, used))
+                    print(f"{now - start:>6.0f} {rss:>15.1f} {fmt_num(used):>22}", flush=True)
+                    next_sample += interval
+                if not reader.is_alive():
+                    break
+                reader.join(timeout=max(0.0, min(next_sample - time.monotonic(), 1.0)))
+            if time.monotonic() - start - samples[-1][0] >= 1:
+                rss = proc_status_kib(server.proc.pid, "VmRSS") / 1024
+                used = int(redis.client.info("memory")["used_memory"]) / 2**20 if redis else None
+                samples.append((time.monotonic() - start, rss, used))
+            if wrk in PROCS.procs:
+                PROCS.procs.remove(wrk)
+            if wrk.returncode != 0:
+                raise BenchError(f"wrk failed with status {wrk.returncode}: {collected.get('err')}")
+            result = parse_wrk(collected["out"])
+            peak = proc_status_kib(server.proc.pid, "VmHWM") / 1024
+            evicted = int(redis.client.info("stats")["evicted_keys"]) if redis else 0
+            warnings = server.stop()
+            env = environment(redis is not None)
+        finally:
+            if redis:
+                redis.stop()
+            PROCS.stop_all()
+
+    problems = ["⚠ " + p for p in check_answers("fresh", result)]
+    if warnings:
+        problems.append(f"† the server logged {warnings} warnings: "
+                        f"{server.first_lines[0].strip() if server.first_lines else '?'}")
+    rss = [(t, r) for t, r, _ in samples]
+    half = [(t, r) for t, r in rss if t >= rss[-1][0] / 2]
+    rss_slope = slope_per_minute(half)
+    lines = [f"# Soak: {store} store, {minutes:g} min", "",
+             f"- command: `{command_line()}`",
+             f"- date: {env['date']}; `nproc` = {env['nproc']}, {env['cpu']}",
+             f"- tools: {env['wrk']}; {env['redis'] or 'no redis-server'}",
+             f"- load: `wrk -t2 -c32`, a fresh key per request, 100 B bodies, default layer",
+             f"- {result['requests']} requests, {result['rps']:.0f} req/s, p50 {fmt_us(result['p50_us'])}, "
+             f"p99 {fmt_us(result['p99_us'])}; answers {result['statuses']}",
+             f"- server RSS: first {rss[0][1]:.1f} MiB, last {rss[-1][1]:.1f} MiB, max "
+             f"{max(r for _, r in rss):.1f} MiB, peak (VmHWM) {peak:.1f} MiB; slope over the second "
+             f"half {rss_slope:+.2f} MiB/min"]
+    if redis:
+        used = [(t, u) for t, _, u in samples]
+        used_slope = slope_per_minute([(t, u) for t, u in used if t >= used[-1][0] / 2])
+        lines.append(f"- Redis used_memory: first {used[0][1]:.1f} MiB, last {used[-1][1]:.1f} MiB, "
+                     f"slope over the second half {used_slope:+.2f} MiB/min. It grows by design: every "
+                     f"fresh key leaves a completed record for the 24 h retention. The server's RSS "
+                     f"should stay flat.")
+        lines.append(f"- Redis ran with `--maxmemory {cap >> 20}mb --maxmemory-policy volatile-ttl` "
+                     f"(40% of available memory, at most 4 GiB) so a long soak cannot exhaust the "
+                     f"machine; keys evicted at the cap: {evicted}.")
+    else:
+        lines.append("- The memory store holds at most 10 000 records (its default bound), so its "
+                     "RSS is bounded; once full, each fresh key evicts the completed record nearest "
+                     "its expiry and the store logs a warning (counted below).")
+    lines += ["- " + p for p in problems]
+    lines += ["", "| t (s) | server RSS MiB | Redis used_memory MiB |", "|---|---|---|"]
+    lines += [f"| {t:.0f} | {r:.1f} | {fmt_num(u)} |" for t, r, u in samples]
+    text = "\n".join(lines) + "\n"
+    print()
+    print(text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "soak.md").write_text(text)
+    print(f"wrote {out_dir / 'soak.md'}")
+    return 1 if any(p.startswith("⚠") for p in problems) else 0
+
+
+def on_sigterm(*_):
+    print("bench: terminated; stopping the servers", file=sys.stderr)
+    sys.exit(143)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench.sh", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="environment: BENCH_ROUNDS (3), BENCH_DURATION (5 s per cell), BENCH_DURATION_1M "
+               "(min(duration, 3) s for 1 MiB cells), BENCH_WARMUP (1 s), "
+               "BENCH_SOAK_INTERVAL (10 s), BENCH_SERVER (another build of bench_server, for a "
+               "before/after comparison)")
+    parser.add_argument("--full", action="store_true", help="the whole matrix; writes results.md, "
+                        "results.json and chart.svg")
+    parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
+                        help="one server under load for MINUTES (default 10); writes soak.md")
+    parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
+    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache (plain is always run)")
+    parser.add_argument("--scenarios", help="e.g. fresh,replay,inflight")
+    parser.add_argument("--conc", help="c32,c1")
+    parser.add_argument("--bodies", help="100,16k,1m")
+    parser.add_argument("--rounds", type=int, help="overrides BENCH_ROUNDS")
+    parser.add_argument("--duration", type=float, help="seconds per cell; overrides BENCH_DURATION")
+    parser.add_argument("--out", help="output directory (default: bench/)")
+    args = parser.parse_args()
+
+    if not SERVER_BIN.exists():
+        raise BenchError(f"{SERVER_BIN} is missing: run `cargo build --release --example bench_server` "
+                         "(scripts/bench.sh does)")
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks stop every process.
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if args.soak is not None:
+        return run_soak(args)
+    return run_matrix(args)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BenchError as error:
+        print(f"bench: error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        PROCS.stop_all()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# HTTP benchmark: a plain axum server against the same server with the idempotency layer, in one
+# interleaved run (every round runs every cell once; medians over rounds), printed as one table of
+# ratios to plain. Installs wrk, redis-server and redis-tools with apt-get if missing, builds
+# `cargo build --release --example bench_server` (benches/http_server.rs), then runs
+# scripts/bench.py, which starts its own redis-server on a free loopback port (never 6379) and a
+# fresh server process per cell, and stops them all at the end.
+#
+#   scripts/bench.sh                 quick (a few minutes): 100 B bodies; plain + redis; fresh +
+#                                    replay keys, and replays through the replay cache
+#                                    (redis-cache); c32 + c1; 3 rounds of 5 s cells.
+#                                    Prints the table; writes bench/quick.md and bench/quick.json.
+#   scripts/bench.sh --full          every store (plain, memory, redis, and redis-cache for
+#                                    replays) x scenario (fresh, replay, inflight) x concurrency (c1, c32) x body (100 B, 16 KiB,
+#                                    1 MiB); 3 rounds, about 15 minutes. Writes bench/results.md
+#                                    (table, command, date, machine, tool versions),
+#                                    bench/results.json (every round's raw numbers) and
+#                                    bench/chart.svg (x plain throughput, 100 B bodies).
+#   scripts/bench.sh --soak [MIN]    one redis-mode server under wrk -t2 -c32 with fresh keys for
+#                                    MIN minutes (default 10), sampling its RSS and Redis
+#                                    used_memory every 10 s. Writes bench/soak.md.
+#                                    --soak-store memory soaks the memory store instead.
+#
+# Filters and overrides (any mode): --stores plain,memory,redis[,redis-cache] --scenarios
+# fresh,replay,inflight --conc c32,c1 --bodies 100,16k,1m --rounds N --duration S --out DIR;
+# environment BENCH_ROUNDS, BENCH_DURATION, BENCH_DURATION_1M, BENCH_WARMUP, and BENCH_SERVER (a
+# server binary built elsewhere, e.g. from an earlier commit, for a before/after comparison; a
+# store that build does not know is skipped). `--help` lists them all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if ! command -v redis-cli >/dev/null 2>&1 || ! command -v redis-benchmark >/dev/null 2>&1; then
+  missing+=(redis-tools)
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing ${missing[*]} with apt-get"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+cargo build --release --example bench_server
+exec python3 scripts/bench.py "$@"
