@@ -378,7 +378,10 @@ mod tests {
         }
         let warnings = Arc::new(AtomicUsize::new(0));
         let subscriber = tracing_subscriber::registry().with(CountWarnings(warnings.clone()));
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
         tracing::subscriber::with_default(subscriber, || {
             runtime.block_on(async {
                 let store = MemoryStore::new().with_max_entries(2);
