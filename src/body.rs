@@ -363,3 +363,62 @@ impl Accumulator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A body in chunks that declares its size up front, as hyper does with `Content-Length`.
+    struct Chunked {
+        chunks: std::collections::VecDeque<Bytes>,
+        left: u64,
+    }
+
+    impl Body for Chunked {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            let chunk = self.chunks.pop_front();
+            if let Some(chunk) = &chunk {
+                self.left -= chunk.len() as u64;
+            }
+            Poll::Ready(chunk.map(|c| Ok(Frame::data(c))))
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.left)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_of_known_size_is_gathered_into_one_allocation_never_regrown() {
+        let chunk = Bytes::from(vec![7u8; 64 * 1024]);
+        let body = Chunked {
+            chunks: std::iter::repeat(chunk).take(16).collect(),
+            left: 1024 * 1024,
+        };
+        let Collected::Complete { data, .. } = collect_limited(body, 2 * 1024 * 1024).await else {
+            panic!("the whole body fits the limit");
+        };
+        assert_eq!(data.len(), 1024 * 1024);
+        // One buffer of the declared size: a regrown buffer would have been reallocated, and the
+        // bytes would not all sit in the allocation made for the second chunk.
+        let mut buffer = Accumulator {
+            expected: 1024 * 1024,
+            ..Accumulator::default()
+        };
+        buffer.push(Bytes::from(vec![1u8; 64 * 1024]));
+        buffer.push(Bytes::from(vec![2u8; 64 * 1024]));
+        let start = buffer.joined.as_ref().map(|j| j.as_ptr()).unwrap();
+        for _ in 0..14 {
+            buffer.push(Bytes::from(vec![3u8; 64 * 1024]));
+        }
+        let joined = buffer.joined.as_ref().unwrap();
+        assert_eq!(joined.as_ptr(), start, "never reallocated");
+        assert_eq!(joined.capacity(), 1024 * 1024);
+    }
+}

@@ -363,3 +363,32 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Full;
+
+    #[tokio::test]
+    async fn a_stored_response_is_sent_from_the_stored_copy_not_a_second_one() {
+        let body = Bytes::from(vec![9u8; 1024 * 1024]);
+        let response = Response::builder()
+            .status(201)
+            .header(CONTENT_LENGTH, body.len())
+            .body(Full::new(body))
+            .unwrap();
+        let Captured::Storable(response, payload) = capture(response, &Config::default()).await else {
+            panic!("a 1 MiB response fits the default cap");
+        };
+        let sent = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(sent.len(), 1024 * 1024);
+        let stored = payload.as_ptr_range();
+        assert!(
+            stored.contains(&sent.as_ptr()),
+            "the client's body is a slice of the stored payload"
+        );
+    }
+}
