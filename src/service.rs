@@ -203,7 +203,7 @@ where
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            return reject_or_replay(&key, &payload);
+            return replay_stored(&key, &payload);
         }
         Ok(Begin::InFlight { lease_left }) => {
             return reject(Rejection::InFlight {
@@ -237,7 +237,8 @@ where
     Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
 }
 
-fn reject_or_replay<B, E>(key: &RecordKey, payload: &Bytes) -> Step<B, E> {
+/// The stored response, replayed; a payload that cannot be decoded is answered 500, never replayed.
+fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes) -> Step<B, E> {
     Step::Done(Ok(match replay::decode(payload) {
         Ok(stored) => {
             tracing::debug!(?key, "replaying the stored response");
