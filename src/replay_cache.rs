@@ -189,6 +189,11 @@ mod tests {
         [n; 32]
     }
 
+    /// Keeps a copy of record `n` with `payload`, as if fetched just now.
+    fn keep(cache: &ReplayCache, n: u8, payload: Bytes, retention_left: Duration) {
+        cache.insert(cache.epoch(), digest(n), [n; 32], payload, retention_left);
+    }
+
     fn live(max_bytes: usize) -> ReplayCache {
         let cache = ReplayCache::new(max_bytes);
         cache.set_live(true);
@@ -199,13 +204,7 @@ mod tests {
     fn bounded_in_bytes_oldest_out_first() {
         let cache = live(3 * (100 + ENTRY_OVERHEAD));
         for n in 0..5 {
-            cache.insert(
-                cache.epoch(),
-                digest(n),
-                [n; 32],
-                Bytes::from(vec![n; 100]),
-                Duration::from_secs(60),
-            );
+            keep(&cache, n, Bytes::from(vec![n; 100]), Duration::from_secs(60));
             assert!(cache.bytes() <= 3 * (100 + ENTRY_OVERHEAD));
         }
         assert!(cache.get(&digest(0)).is_none());
@@ -214,26 +213,14 @@ mod tests {
             assert_eq!(cache.get(&digest(n)).unwrap().payload, vec![n; 100]);
         }
         // Larger than the whole cache: not kept.
-        cache.insert(
-            cache.epoch(),
-            digest(9),
-            [9; 32],
-            Bytes::from(vec![9; 1000]),
-            Duration::from_secs(60),
-        );
+        keep(&cache, 9, Bytes::from(vec![9; 1000]), Duration::from_secs(60));
         assert!(cache.get(&digest(9)).is_none());
     }
 
     #[tokio::test(start_paused = true)]
     async fn never_past_the_retention_left() {
         let cache = live(1 << 20);
-        cache.insert(
-            cache.epoch(),
-            digest(1),
-            [1; 32],
-            Bytes::from_static(b"r"),
-            Duration::from_millis(50),
-        );
+        keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_millis(50));
         assert!(cache.get(&digest(1)).is_some());
         tokio::time::advance(Duration::from_millis(51)).await;
         assert!(cache.get(&digest(1)).is_none());
@@ -253,13 +240,7 @@ mod tests {
             Duration::from_secs(60),
         );
         assert!(cache.get(&digest(1)).is_none());
-        cache.insert(
-            cache.epoch(),
-            digest(1),
-            [1; 32],
-            Bytes::from_static(b"r"),
-            Duration::from_secs(60),
-        );
+        keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_secs(60));
         cache.invalidate(&digest(1));
         assert!(cache.get(&digest(1)).is_none());
     }
@@ -267,22 +248,10 @@ mod tests {
     #[test]
     fn nothing_is_served_or_kept_while_the_feed_is_down() {
         let cache = live(1 << 20);
-        cache.insert(
-            cache.epoch(),
-            digest(1),
-            [1; 32],
-            Bytes::from_static(b"r"),
-            Duration::from_secs(60),
-        );
+        keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_secs(60));
         cache.set_live(false);
         assert!(cache.get(&digest(1)).is_none());
-        cache.insert(
-            cache.epoch(),
-            digest(2),
-            [2; 32],
-            Bytes::from_static(b"r"),
-            Duration::from_secs(60),
-        );
+        keep(&cache, 2, Bytes::from_static(b"r"), Duration::from_secs(60));
         cache.set_live(true);
         assert!(
             cache.get(&digest(1)).is_none(),
