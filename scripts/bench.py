@@ -246,7 +246,8 @@ def inner_commands():
     names = {name.decode().lower() for name in
              re.compile(INNER_CALL.pattern.encode()).findall(SERVER_BIN.read_bytes())}
     if names:
-        return names, f"the Lua scripts embedded in {SERVER_BIN.relative_to(ROOT)}"
+        shown = SERVER_BIN.relative_to(ROOT) if SERVER_BIN.is_relative_to(ROOT) else SERVER_BIN
+        return names, f"the Lua scripts embedded in {shown}"
     for script in sorted((ROOT / "scripts").glob("*.lua")):
         names.update(name.lower() for name in INNER_CALL.findall(script.read_text()))
     return names, "scripts/*.lua"

@@ -244,6 +244,13 @@ impl Coordinator {
         fingerprint: &Fingerprint,
         renewal: Renewal,
     ) -> Result<Begin, Error> {
+        // A copy held in this process answers before anything a claim needs (permit, owner
+        // token, store call): a replay is not new work, so neither the bound nor shutdown stops it.
+        match self.store.cached(key, fingerprint) {
+            Some(ClaimOutcome::Completed(payload)) => return Ok(Begin::Completed(payload)),
+            Some(ClaimOutcome::Mismatch) => return Ok(Begin::Mismatch),
+            Some(ClaimOutcome::Claimed | ClaimOutcome::InFlight { .. }) | None => {}
+        }
         if self.tracker.closing.load(Ordering::Acquire) {
             return Err(Error::ShuttingDown);
         }

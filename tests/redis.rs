@@ -352,3 +352,45 @@ async fn a_cached_copy_never_outlives_the_record_retention() {
     assert!(!after.is_replay(), "the record and its copy are gone");
     assert_eq!(runs.get(), 2);
 }
+
+// A cached replay is not new work: it needs no in-flight permit, so it is answered at the bound
+// while a new key is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_replay_is_answered_at_the_in_flight_bound() {
+    use tower_idempotency::{Begin, Coordinator, Error, Fingerprint};
+    let server = RedisServer::start();
+    let store = RedisStore::new(client(&server.url()).await)
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let coordinator = Coordinator::new(store).with_max_in_flight(1);
+    let key = |k: &str| RecordKey::new(None, IdempotencyKey::parse(k).unwrap());
+    let body = Fingerprint::new([b"body".as_slice()]);
+    let Begin::Claimed(claim) = coordinator.begin(&key("done"), &body).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    claim.complete("stored".into()).await.unwrap();
+    // The first repeat comes from Redis and leaves a copy.
+    assert!(matches!(
+        coordinator.begin(&key("done"), &body).await,
+        Ok(Begin::Completed(_))
+    ));
+
+    let Begin::Claimed(running) = coordinator.begin(&key("running"), &body).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    match coordinator.begin(&key("done"), &body).await {
+        Ok(Begin::Completed(stored)) => assert_eq!(stored, "stored"),
+        other => panic!("a cached replay at the bound: {other:?}"),
+    }
+    let other_body = Fingerprint::new([b"other".as_slice()]);
+    assert!(matches!(
+        coordinator.begin(&key("done"), &other_body).await,
+        Ok(Begin::Mismatch)
+    ));
+    assert!(matches!(
+        coordinator.begin(&key("new"), &body).await,
+        Err(Error::AtCapacity)
+    ));
+    running.release().await.unwrap();
+}

@@ -37,8 +37,11 @@ pub struct MemoryStore {
 struct Records {
     max_entries: usize,
     by_key: HashMap<[u8; 32], Entry>,
-    /// Expiry order, for eviction: (expires_at, sequence) → key.
-    by_expiry: BTreeMap<(Instant, u64), [u8; 32]>,
+    /// In-flight records in lease order: (expires_at, sequence) → key. Kept apart from the
+    /// completed ones so eviction never has to step over a running request's record.
+    leases: BTreeMap<(Instant, u64), [u8; 32]>,
+    /// Completed records in expiry order, the eviction order once the store is full.
+    retained: BTreeMap<(Instant, u64), [u8; 32]>,
     sequence: u64,
     warned_of_eviction: bool,
 }
@@ -70,7 +73,8 @@ impl MemoryStore {
             shared: Arc::new(Mutex::new(Records {
                 max_entries: DEFAULT_MAX_ENTRIES,
                 by_key: HashMap::new(),
-                by_expiry: BTreeMap::new(),
+                leases: BTreeMap::new(),
+                retained: BTreeMap::new(),
                 sequence: 0,
                 warned_of_eviction: false,
             })),
@@ -128,70 +132,104 @@ impl Records {
 
     fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
         let entry = self.by_key.remove(digest)?;
-        self.by_expiry.remove(&(entry.expires_at, entry.sequence));
+        let index = match entry.state {
+            State::InFlight { .. } => &mut self.leases,
+            State::Completed { .. } => &mut self.retained,
+        };
+        index.remove(&(entry.expires_at, entry.sequence));
         Some(entry)
     }
 
+    /// Moves the entry at `digest` to `expires_at` in its state's index.
     fn set_expiry(&mut self, digest: &[u8; 32], expires_at: Instant) {
         self.sequence += 1;
         let sequence = self.sequence;
         if let Some(entry) = self.by_key.get_mut(digest) {
-            self.by_expiry.remove(&(entry.expires_at, entry.sequence));
+            let index = match entry.state {
+                State::InFlight { .. } => &mut self.leases,
+                State::Completed { .. } => &mut self.retained,
+            };
+            index.remove(&(entry.expires_at, entry.sequence));
             entry.expires_at = expires_at;
             entry.sequence = sequence;
-            self.by_expiry.insert((expires_at, sequence), *digest);
+            index.insert((expires_at, sequence), *digest);
         }
     }
 
-    fn insert(&mut self, digest: [u8; 32], fingerprint: Fingerprint, state: State, expires_at: Instant) {
+    /// Inserts a new in-flight record.
+    fn insert_in_flight(
+        &mut self,
+        digest: [u8; 32],
+        fingerprint: Fingerprint,
+        owner: OwnerToken,
+        expires_at: Instant,
+    ) {
         self.sequence += 1;
         let entry = Entry {
             fingerprint,
-            state,
+            state: State::InFlight { owner },
             expires_at,
             sequence: self.sequence,
         };
-        self.by_expiry.insert((expires_at, self.sequence), digest);
+        self.leases.insert((expires_at, self.sequence), digest);
         self.by_key.insert(digest, entry);
     }
 
-    /// Makes room for one more record. Fails only when every record is in flight.
-    fn make_room(&mut self, now: Instant) -> Result<(), StoreError> {
-        while let Some((&(expires_at, _), &digest)) = self.by_expiry.first_key_value() {
-            if expires_at > now {
-                break;
+    /// Turns the in-flight entry at `digest` into a completed one kept until `expires_at`.
+    fn complete_in_flight(&mut self, digest: &[u8; 32], payload: Bytes, expires_at: Instant) {
+        self.sequence += 1;
+        let sequence = self.sequence;
+        let Some(entry) = self.by_key.get_mut(digest) else {
+            return;
+        };
+        let owner = match &entry.state {
+            State::InFlight { owner } => owner.clone(),
+            State::Completed { .. } => return,
+        };
+        self.leases.remove(&(entry.expires_at, entry.sequence));
+        entry.state = State::Completed { owner, payload };
+        entry.expires_at = expires_at;
+        entry.sequence = sequence;
+        self.retained.insert((expires_at, sequence), *digest);
+    }
+
+    /// Drops every record whose expiry has passed, in-flight and completed alike.
+    fn drop_expired(&mut self, now: Instant) {
+        for in_flight in [true, false] {
+            loop {
+                let index = if in_flight { &self.leases } else { &self.retained };
+                match index.first_key_value() {
+                    Some((&(expires_at, _), &digest)) if expires_at <= now => {
+                        self.remove(&digest);
+                    }
+                    _ => break,
+                }
             }
-            self.remove(&digest);
         }
+    }
+
+    /// Makes room for one more record, in O(log n): expired records go first, then the completed
+    /// record nearest its expiry. Fails only when every record is in flight.
+    fn make_room(&mut self, now: Instant) -> Result<(), StoreError> {
+        self.drop_expired(now);
         if self.by_key.len() < self.max_entries {
             return Ok(());
         }
-        let victim = self.by_expiry.values().copied().find(|digest| {
-            matches!(
-                self.by_key.get(digest),
-                Some(Entry {
-                    state: State::Completed { .. },
-                    ..
-                })
-            )
-        });
-        match victim {
-            Some(digest) => {
-                self.remove(&digest);
-                // Once full, a store evicts on every new key: one warning says so, not one per
-                // request (which would cost more than the request).
-                if !self.warned_of_eviction {
-                    self.warned_of_eviction = true;
-                    tracing::warn!(
-                        max_entries = self.max_entries,
-                        "memory store full: evicting completed records before their retention ends \
-                         (logged once; raise with_max_entries)"
-                    );
-                }
-                Ok(())
-            }
-            None => Err(StoreError::Full),
+        let Some((_, &victim)) = self.retained.first_key_value() else {
+            return Err(StoreError::Full);
+        };
+        self.remove(&victim);
+        // Once full, a store evicts on every new key: one warning says so, not one per request
+        // (which would cost more than the request).
+        if !self.warned_of_eviction {
+            self.warned_of_eviction = true;
+            tracing::warn!(
+                max_entries = self.max_entries,
+                "memory store full: evicting completed records before their retention ends \
+                 (logged once; raise with_max_entries)"
+            );
         }
+        Ok(())
     }
 }
 
@@ -223,12 +261,7 @@ impl Store for MemoryStore {
                 State::Completed { payload, .. } => Ok(ClaimOutcome::Completed(payload.clone())),
             },
             None => records.make_room(now).map(|()| {
-                records.insert(
-                    *digest,
-                    *fingerprint,
-                    State::InFlight { owner: owner.clone() },
-                    now + lease,
-                );
+                records.insert_in_flight(*digest, *fingerprint, owner.clone(), now + lease);
                 ClaimOutcome::Claimed
             }),
         };
@@ -245,20 +278,13 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut records = self.lock();
         let digest = key.digest();
-        let completed = match records.live(digest, now) {
-            Some(entry) => match &entry.state {
-                State::InFlight { owner: holder } if holder == owner => {
-                    entry.state = State::Completed {
-                        owner: owner.clone(),
-                        payload,
-                    };
-                    records.set_expiry(digest, now + retention);
-                    true
-                }
-                State::Completed { owner: holder, .. } => holder == owner,
-                State::InFlight { .. } => false,
-            },
-            None => false,
+        let completed = match records.live(digest, now).map(|entry| &entry.state) {
+            Some(State::InFlight { owner: holder }) if holder == owner => {
+                records.complete_in_flight(digest, payload, now + retention);
+                true
+            }
+            Some(State::Completed { owner: holder, .. }) => holder == owner,
+            Some(State::InFlight { .. }) | None => false,
         };
         ready(Ok(completed))
     }
@@ -392,6 +418,56 @@ mod tests {
             })
         });
         assert_eq!(warnings.load(Ordering::Relaxed), 1, "18 evictions, one warning");
+    }
+
+    #[tokio::test]
+    async fn a_completed_record_outlives_the_lease_it_was_claimed_with() {
+        let store = MemoryStore::new().with_max_entries(3);
+        let (owner, outcome) = claim(&store, "a", Duration::from_millis(30)).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        assert!(store
+            .complete(
+                &key("a"),
+                &owner,
+                Bytes::from_static(b"r"),
+                Duration::from_secs(3600)
+            )
+            .await
+            .unwrap());
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // Claims clear expired records first: the old lease must not take the completed record.
+        assert_eq!(
+            claim(&store, "b", Duration::from_secs(30)).await.1.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        let info = store.inspect(&key("a")).await.unwrap().expect("still retained");
+        assert_eq!(info.state, RecordState::Completed);
+    }
+
+    #[tokio::test]
+    async fn eviction_takes_a_completed_record_even_behind_earlier_leases() {
+        let store = MemoryStore::new().with_max_entries(3);
+        let short = Duration::from_secs(30);
+        assert_eq!(
+            claim(&store, "running-1", short).await.1.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        complete(&store, "done", Duration::from_secs(3600)).await;
+        assert_eq!(
+            claim(&store, "running-2", short).await.1.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        assert_eq!(
+            claim(&store, "new", short).await.1.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        assert!(store.inspect(&key("done")).await.unwrap().is_none());
+        for running in ["running-1", "running-2", "new"] {
+            assert!(
+                store.inspect(&key(running)).await.unwrap().is_some(),
+                "{running} kept"
+            );
+        }
     }
 
     #[tokio::test]

@@ -80,6 +80,19 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome>;
 
+    /// Answers a claim from a copy this process already holds, with no round trip:
+    /// `Some(`[`ClaimOutcome::Completed`]`)` or `Some(`[`ClaimOutcome::Mismatch`]`)` for a
+    /// completed record held in a local cache, `None` to ask the store with
+    /// [`claim`](Store::claim) (which does not look in the cache again).
+    ///
+    /// [`Coordinator`](crate::Coordinator) asks this first, before it takes an in-flight permit
+    /// or makes an owner token, so a cached replay costs neither; any other answer is ignored.
+    /// The default holds no copies.
+    fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
+        let _ = (key, fingerprint);
+        None
+    }
+
     /// Completes `owner`'s claim with `payload`, kept for `retention`.
     ///
     /// Answers `true` if the record is now completed by `owner` (also when it already was: a
@@ -121,6 +134,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         (**self).claim(key, fingerprint, owner, lease)
+    }
+
+    fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
+        (**self).cached(key, fingerprint)
     }
 
     fn complete<'a>(
@@ -258,7 +275,7 @@ impl OwnerToken {
     pub fn generate() -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        Self(format!("{}-{n:x}", process_nonce()).into_boxed_str())
+        Self(token_text(process_nonce(), n))
     }
 
     /// Wraps an existing token, for custom stores and tests.
@@ -270,6 +287,19 @@ impl OwnerToken {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+}
+
+/// `<nonce>-<n in hex>`, built at its exact length: one allocation per claim.
+fn token_text(nonce: &str, n: u64) -> Box<str> {
+    let digits = (64 - n.leading_zeros() as usize).div_ceil(4).max(1);
+    let mut token = String::with_capacity(nonce.len() + 1 + digits);
+    token.push_str(nonce);
+    token.push('-');
+    for shift in (0..digits).rev() {
+        let digit = ((n >> (shift * 4)) & 0xf) as u32;
+        token.push(char::from_digit(digit, 16).unwrap_or('0'));
+    }
+    token.into_boxed_str()
 }
 
 /// 128 bits that differ between processes. `RandomState` is seeded from the operating system's
@@ -290,4 +320,14 @@ fn process_nonce() -> &'static str {
             .unwrap_or_default();
         format!("{:016x}{:016x}", half(nanos), half(!nanos))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn owner_tokens_are_the_nonce_and_the_counter_in_hex() {
+        for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {
+            assert_eq!(&*super::token_text("nonce", n), format!("nonce-{n:x}"));
+        }
+    }
 }
