@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Where a request's server CPU goes, per store and scenario: system calls and context switches per
+# request (perf stat) and a perf record -g profile filed under headings (send, receive, wake-ups,
+# malloc, fred, hyper, this crate, ...), in microseconds per request. See scripts/profile.py.
+#
+#   scripts/profile.sh                          plain/plain memory/fresh redis/fresh redis/replay
+#   scripts/profile.sh redis/fresh --out F.md   chosen cells; also write the tables to F.md
+#
+# Installs wrk, redis-server, redis-tools and linux-perf with apt-get if missing, and builds the
+# bench server with line tables into target/profile (the benchmark's release build is untouched).
+# perf needs permission to profile another process: run as root or lower
+# /proc/sys/kernel/perf_event_paranoid.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
+command -v perf >/dev/null 2>&1 || missing+=(linux-perf)
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "installing ${missing[*]} with apt-get"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+  cargo build --release --example bench_server --target-dir target/profile
+exec python3 scripts/profile.py "$@"
