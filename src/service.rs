@@ -130,21 +130,49 @@ fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<Idemp
 
 /// What makes two requests the same request: method, authority (the URI's, else `Host`), path
 /// and query, `Content-Type` and body. The authority keeps tenants told apart by host name from
-/// colliding on one key.
+/// colliding on one key; it is normalised first, so a retry that spells the same host another
+/// way is still the same request.
 fn fingerprint(parts: &request::Parts, body: &[u8]) -> Fingerprint {
     let authority = match parts.uri.authority() {
         Some(authority) => authority.as_str().as_bytes(),
         None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
     };
+    let authority = normalized_authority(authority);
     let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
     let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
     Fingerprint::new([
         parts.method.as_str().as_bytes(),
-        authority,
+        &authority,
         path_and_query.as_bytes(),
         content_type,
         body,
     ])
+}
+
+/// `host[:port]` as DNS and HTTP treat it: host names are case-insensitive, `example.com.` is
+/// `example.com`, and `:80` and `:443` are the default ports (the layer cannot tell the scheme, and
+/// a server answers one of them per name). Borrows when there is nothing to change, as for nearly
+/// every request.
+fn normalized_authority(raw: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    // Split off the port: after the last `:`, unless that `:` is inside an IPv6 literal.
+    let (host, port) = match raw.iter().rposition(|&b| b == b':') {
+        Some(colon) if !raw[colon..].contains(&b']') && raw[colon + 1..].iter().all(u8::is_ascii_digit) => {
+            (&raw[..colon], Some(&raw[colon + 1..]))
+        }
+        _ => (raw, None),
+    };
+    let port = port.filter(|port| *port != b"80" && *port != b"443");
+    let host = host.strip_suffix(b".").unwrap_or(host);
+    let unchanged = host.len() + port.map_or(0, |p| p.len() + 1) == raw.len();
+    if unchanged && !host.iter().any(u8::is_ascii_uppercase) {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    let mut normalized = host.to_ascii_lowercase();
+    if let Some(port) = port {
+        normalized.push(b':');
+        normalized.extend_from_slice(port);
+    }
+    std::borrow::Cow::Owned(normalized)
 }
 
 fn declared_length(headers: &HeaderMap) -> Option<u64> {
@@ -367,6 +395,30 @@ where
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn authorities_that_name_the_same_host_normalise_alike() {
+        let norm =
+            |raw: &str| String::from_utf8(super::normalized_authority(raw.as_bytes()).into_owned()).unwrap();
+        for same in [
+            "API.Example.com",
+            "api.example.com.",
+            "api.example.com:443",
+            "Api.Example.Com.:80",
+        ] {
+            assert_eq!(norm(same), "api.example.com", "{same}");
+        }
+        assert_eq!(norm("api.example.com:8080"), "api.example.com:8080");
+        assert_eq!(norm("API.example.com.:8443"), "api.example.com:8443");
+        assert_eq!(norm("[::1]:443"), "[::1]");
+        assert_eq!(norm("[::1]"), "[::1]");
+        assert_eq!(norm("[2001:DB8::1]:8080"), "[2001:db8::1]:8080");
+        assert_eq!(norm(""), "");
+        assert!(matches!(
+            super::normalized_authority(b"api.example.com:8080"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
+
     use super::*;
     use http_body_util::Full;
 

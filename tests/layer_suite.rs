@@ -304,6 +304,39 @@ async fn a_different_request_with_the_same_key_is_a_mismatch(b: Backend) {
     assert_problem(&answer, StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
 }
 
+// Row 10: the host is compared as DNS and HTTP compare it.
+async fn a_host_spelled_another_way_is_the_same_request(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    let with_host = |host: &str| {
+        Request::post("/payments")
+            .header("idempotency-key", "host")
+            .header("host", host)
+            .header("content-type", "application/json")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    assert_eq!(
+        send(&app, with_host("Shop.Example.com")).await.status,
+        StatusCode::CREATED
+    );
+    for same in [
+        "shop.example.com",
+        "shop.example.com.",
+        "SHOP.example.com:443",
+        "shop.example.com:80",
+    ] {
+        assert!(
+            send(&app, with_host(same)).await.is_replay(),
+            "{same} is the same host"
+        );
+    }
+    for other in ["shop.example.com:8443", "other.example.com"] {
+        let answer = send(&app, with_host(other)).await;
+        assert_problem(&answer, StatusCode::CONFLICT, "Mismatch");
+    }
+    assert_eq!(runs.get(), 1);
+}
+
 // Row 11
 async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
     let (app, runs) = router(layer(&b));
@@ -496,6 +529,7 @@ on_both_stores!(
     stored_headers_are_configurable,
     a_running_request_answers_409_with_the_lease_left,
     a_different_request_with_the_same_key_is_a_mismatch,
+    a_host_spelled_another_way_is_the_same_request,
     answers_that_are_not_cacheable_release_the_key,
     responses_over_the_storage_cap_are_returned_but_not_stored,
     a_streamed_response_of_unknown_length_is_passed_on_not_stored,
