@@ -16,12 +16,13 @@ struct TenantId(String);
 
 fn app() -> (Router, IdempotencyLayer) {
     let base = IdempotencyLayer::new(MemoryStore::new());
-    // Payments: key required, kept a week, a short lease so a crashed node frees keys quickly,
-    // and keys scoped per tenant (set by an authentication layer that runs first).
+    // Payments: key required, kept a week, a short lease so a crashed node frees keys quickly
+    // (kept above three store timeouts, 3 × 2 s, so a renewal that times out twice still lands
+    // in time), and keys scoped per tenant (set by an authentication layer that runs first).
     let payments = base
         .clone()
         .with_retention(Duration::from_secs(7 * 24 * 3600))
-        .with_lease(Duration::from_secs(5))
+        .with_lease(Duration::from_secs(8))
         .with_scope(|parts| parts.extensions.get::<TenantId>().map(|t| t.0.clone()));
     // Comments: key optional, the IETF draft's 422 for a reused key.
     let comments = base

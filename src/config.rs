@@ -50,8 +50,9 @@ impl Config {
 }
 
 /// The default test of whether a handler's answer may be stored and replayed: everything but
-/// 5xx, 408, 409, 425 and 429 (answers a retry may well change), and answers the handler marked
-/// `Cache-Control: no-store`.
+/// 5xx, 401, 403, 408, 409, 425 and 429 (answers a retry may well change: 401 and 403 are given
+/// before the operation starts, and a retry with fixed credentials under the same key must run),
+/// and answers the handler marked `Cache-Control: no-store`.
 ///
 /// ```
 /// use http::{Response, StatusCode};
@@ -62,6 +63,8 @@ impl Config {
 /// let (private, _) = Response::builder().header("cache-control", "private, no-store").body(()).unwrap().into_parts();
 /// assert!(default_cacheable(&created));
 /// assert!(!default_cacheable(&busy));
+/// let (denied, _) = Response::builder().status(StatusCode::FORBIDDEN).body(()).unwrap().into_parts();
+/// assert!(!default_cacheable(&denied));
 /// assert!(!default_cacheable(&private));
 /// ```
 pub fn default_cacheable(parts: &response::Parts) -> bool {
@@ -69,7 +72,9 @@ pub fn default_cacheable(parts: &response::Parts) -> bool {
     let transient = status.is_server_error()
         || matches!(
             status,
-            StatusCode::REQUEST_TIMEOUT
+            StatusCode::UNAUTHORIZED
+                | StatusCode::FORBIDDEN
+                | StatusCode::REQUEST_TIMEOUT
                 | StatusCode::CONFLICT
                 | StatusCode::TOO_EARLY
                 | StatusCode::TOO_MANY_REQUESTS

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use crate::body::ResponseBody;
@@ -106,8 +106,8 @@ impl Rejection {
     /// The problem document's `title`: fixed per kind.
     pub fn title(&self) -> &'static str {
         match self {
-            Rejection::MissingKey => "Idempotency-Key required",
-            Rejection::InvalidKey(_) => "Invalid Idempotency-Key",
+            Rejection::MissingKey => "Idempotency key required",
+            Rejection::InvalidKey(_) => "Invalid idempotency key",
             Rejection::BodyTooLarge { .. } => "Request body too large",
             Rejection::BodyUnreadable => "Request body unreadable",
             Rejection::InFlight { .. } => "Request with this Idempotency-Key is in progress",
@@ -120,11 +120,19 @@ impl Rejection {
         }
     }
 
-    /// The problem document's `detail`: what happened and what the client should do.
+    /// The problem document's `detail`: what happened and what the client should do. Key
+    /// problems name the `Idempotency-Key` header; the layer names the header it is configured
+    /// to read.
     pub fn detail(&self) -> String {
+        self.detail_naming(DEFAULT_KEY_HEADER)
+    }
+
+    fn detail_naming(&self, key_header: &str) -> String {
         match self {
-            Rejection::MissingKey => "This endpoint requires an Idempotency-Key header.".into(),
-            Rejection::InvalidKey(error) => format!("{error}. Send 1 to 255 visible ASCII characters."),
+            Rejection::MissingKey => format!("This endpoint requires an {key_header} header."),
+            Rejection::InvalidKey(error) => {
+                format!("{key_header}: {error}. Send 1 to 255 visible ASCII characters.")
+            }
             Rejection::BodyTooLarge { limit } => format!("The request body exceeds {limit} bytes."),
             Rejection::BodyUnreadable => "The request body could not be read in full.".into(),
             Rejection::InFlight { retry_after } => format!(
@@ -162,6 +170,16 @@ impl Rejection {
     /// The whole response: status, `Content-Type: application/problem+json`, `Retry-After` where
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
+        self.into_response_naming(&HeaderName::from_static("idempotency-key"))
+    }
+
+    /// Like [`into_response`](Rejection::into_response), naming `key_header` in the detail of
+    /// key problems (the layer's configured header).
+    pub(crate) fn into_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
+        let key_header = match key_header.as_str() {
+            "idempotency-key" => DEFAULT_KEY_HEADER,
+            configured => configured,
+        };
         let status = self.status();
         // Members in RFC 9457's order; serde_json escapes the strings.
         let text = |s: &str| serde_json::Value::from(s).to_string();
@@ -170,7 +188,7 @@ impl Rejection {
             text(&self.problem_type()),
             text(self.title()),
             status.as_u16(),
-            text(&self.detail()),
+            text(&self.detail_naming(key_header)),
         );
         let mut response = Response::new(ResponseBody::full(Bytes::from(body)));
         *response.status_mut() = status;
@@ -183,6 +201,9 @@ impl Rejection {
         response
     }
 }
+
+/// The default key header as the IETF draft spells it (header names arrive lower-cased).
+const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
 
 /// Seconds for `Retry-After`: the lease left, rounded up, at least 1.
 pub(crate) fn retry_after(lease_left: Duration) -> Duration {

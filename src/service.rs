@@ -85,8 +85,14 @@ where
             Ok(None) if !config.key_required => {
                 return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
             }
-            Ok(None) => return ResponseFuture::ready(Rejection::MissingKey.into_response()),
-            Err(error) => return ResponseFuture::ready(Rejection::InvalidKey(error).into_response()),
+            Ok(None) => {
+                let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
+                return ResponseFuture::ready(rejection);
+            }
+            Err(error) => {
+                let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
+                return ResponseFuture::ready(rejection);
+            }
         };
         let (mut parts, body) = request.into_parts();
         parts.extensions.insert(Guarded);

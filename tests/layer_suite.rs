@@ -133,6 +133,25 @@ async fn the_key_header_is_configurable(b: Backend) {
     assert!(send(&app, request()).await.is_replay());
     let ignored = send(&app, payment("idempotency-key-is-not-read-now", "{}")).await;
     assert_problem(&ignored, StatusCode::BAD_REQUEST, "MissingKey");
+    let detail = |answer: &common::app::Answer| {
+        let json: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        json["detail"].as_str().unwrap().to_owned()
+    };
+    assert!(detail(&ignored).contains("x-request-key"), "{}", detail(&ignored));
+    let invalid = send(
+        &app,
+        post(None)
+            .header("x-request-key", "")
+            .body(Body::from("{}"))
+            .unwrap(),
+    )
+    .await;
+    assert_problem(&invalid, StatusCode::BAD_REQUEST, "InvalidKey");
+    assert!(
+        detail(&invalid).starts_with("x-request-key: "),
+        "{}",
+        detail(&invalid)
+    );
     assert_eq!(runs.get(), 1);
 }
 
@@ -348,6 +367,8 @@ async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
         ("409", None),
         ("425", None),
         ("429", None),
+        ("401", None),
+        ("403", None),
         ("200", Some("private, no-store")),
     ] {
         let key = format!("transient-{status}");

@@ -229,6 +229,11 @@ impl RedisStore {
     /// Prefixes every key this store writes (default: `idempotency`). Keys look like
     /// `idempotency:{<sha256 of scope and key>}`.
     ///
+    /// # Panics
+    ///
+    /// If `prefix` contains `{` or `}`: Redis Cluster hashes a key by its first `{…}`, so such a
+    /// prefix would put every record in one slot.
+    ///
     /// ```no_run
     /// # use tower_idempotency::RedisStore;
     /// # async fn run(client: fred::clients::Client) {
@@ -236,7 +241,13 @@ impl RedisStore {
     /// # }
     /// ```
     pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = Arc::from(prefix.into());
+        let prefix = prefix.into();
+        assert!(
+            !prefix.contains(['{', '}']),
+            "RedisStore::with_prefix: the prefix {prefix:?} contains a brace; Redis Cluster would \
+             hash every record by the braces in the prefix, putting all of them in one slot"
+        );
+        self.prefix = Arc::from(prefix);
         self
     }
 
@@ -672,5 +683,28 @@ impl Store for RedisStore {
             let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
             as_flag("purge", self.run(&PURGE, key, &args).await?)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unconnected() -> RedisStore {
+        RedisStore::new(Builder::default_centralized().build().expect("a client"))
+    }
+
+    #[test]
+    #[should_panic(expected = "contains a brace")]
+    fn a_prefix_with_a_brace_is_refused() {
+        let _ = unconnected().with_prefix("tenant-{a}");
+    }
+
+    #[test]
+    fn a_prefix_without_braces_names_the_keys() {
+        let store = unconnected().with_prefix("payments:idem");
+        let key = RecordKey::new(None, crate::IdempotencyKey::parse("k").unwrap());
+        let name = store.redis_key(&key);
+        assert_eq!(name, format!("payments:idem:{{{}}}", key.digest_hex()));
     }
 }
