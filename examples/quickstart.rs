@@ -92,11 +92,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("listening on http://{}", listener.local_addr()?);
 
     axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(shutdown_signal())
         .await?;
     // Handlers whose clients hung up still run; let them store their results.
     layer.shutdown_handle().shutdown(Duration::from_secs(10)).await?;
     Ok(())
+}
+
+/// Ctrl-C, or SIGTERM (what `docker stop`, Kubernetes and systemd send).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                terminate.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: finishing requests in progress");
 }

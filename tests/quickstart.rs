@@ -168,3 +168,40 @@ async fn the_quickstart_contract_on_redis() {
     assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
     check_contract(&demo).await;
 }
+
+// Containers stop with SIGTERM: the demo finishes the request in progress, then exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_the_request_in_progress_and_exits_0() {
+    let mut demo = start(None);
+    let addr = demo.addr;
+    let slow = tokio::spawn(call(
+        addr,
+        "/payments",
+        Some("qs-term"),
+        r#"{"amount": 7, "delay_ms": 700}"#,
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let sent = Command::new("kill")
+        .args(["-TERM", &demo.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(sent.success());
+    let answer = slow.await.unwrap();
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the request in progress finished"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = demo.child.try_wait().expect("wait for the demo") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the demo did not exit after SIGTERM"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.code(), Some(0), "exit status after SIGTERM");
+}

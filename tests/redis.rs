@@ -394,3 +394,87 @@ async fn a_cached_replay_is_answered_at_the_in_flight_bound() {
     ));
     running.release().await.unwrap();
 }
+
+/// Warnings logged while `run` is polled on this thread.
+async fn warnings_logged_by<F: std::future::Future>(run: F) -> (F::Output, Vec<String>) {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    struct Capture(Arc<Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    if field.name() == "message" {
+                        self.0 = format!("{value:?}");
+                    }
+                }
+            }
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                self.0.lock().unwrap().push(message.0);
+            }
+        }
+    }
+    let warnings = Arc::new(Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Capture(warnings.clone()));
+    let output = {
+        let _guard = tracing::subscriber::set_default(subscriber);
+        run.await
+    };
+    let logged = warnings.lock().unwrap().clone();
+    (output, logged)
+}
+
+// Records all have a TTL, so an evicting policy can drop a running request's record: connecting
+// says so, naming the policy.
+#[tokio::test(flavor = "current_thread")]
+async fn connecting_warns_when_redis_may_evict_records() {
+    let evicting = RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
+    let (store, warnings) = warnings_logged_by(RedisStore::connect(&evicting.url())).await;
+    store.unwrap();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("maxmemory-policy allkeys-lru")),
+        "{warnings:?}"
+    );
+    let safe = RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]);
+    let (store, warnings) = warnings_logged_by(RedisStore::connect(&safe.url())).await;
+    let store = store.unwrap();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    // A store built on a client of its own is checked when it loads its scripts.
+    let (loaded, warnings) =
+        warnings_logged_by(RedisStore::new(client(&evicting.url()).await).load_scripts()).await;
+    loaded.unwrap();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    drop(store);
+}
+
+// Under noeviction a full Redis refuses writes: a completion that fails so says "out of memory".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_refused_for_memory_says_so() {
+    use tower_idempotency::{Begin, Coordinator, Error, Fingerprint};
+    let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    let admin_client = client(&server.url()).await;
+    let coordinator = Coordinator::new(RedisStore::new(client(&server.url()).await));
+    let key = RecordKey::new(None, IdempotencyKey::parse("oom").unwrap());
+    let Begin::Claimed(claim) = coordinator
+        .begin(&key, &Fingerprint::new([b"body".as_slice()]))
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is claimed");
+    };
+    // Over maxmemory from here on (the check is made before each write).
+    admin(&admin_client, &["CONFIG", "SET", "maxmemory", "1"]).await;
+    match claim.complete("stored".into()).await {
+        Err(Error::Store(error)) => {
+            let text = error.to_string();
+            assert!(text.contains("out of memory"), "{text}");
+        }
+        other => panic!("a completion over maxmemory: {other:?}"),
+    }
+}

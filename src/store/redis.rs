@@ -200,7 +200,9 @@ impl RedisStore {
 
     /// Connects to `url` (`redis://`, `rediss://`, `redis-cluster://`, `redis-sentinel://`) with
     /// settings suited to this store: reconnect forever with backoff (1 ms to 2 s), connect
-    /// timeout 2 s, commands re-sent at most 3 times over a dropped connection.
+    /// timeout 2 s, commands re-sent at most 3 times over a dropped connection. Logs a warning
+    /// when the server's `maxmemory-policy` is not `noeviction`, under which Redis may evict a
+    /// running request's record.
     ///
     /// ```no_run
     /// use tower_idempotency::RedisStore;
@@ -223,6 +225,7 @@ impl RedisStore {
             .build()
             .map_err(unavailable)?;
         client.init().await.map_err(unavailable)?;
+        warn_if_records_can_be_evicted(&client).await;
         Ok(Self::new(client))
     }
 
@@ -268,9 +271,12 @@ impl RedisStore {
     }
 
     /// Loads every script on every node (`SCRIPT LOAD`), so the first requests need no reload.
-    /// Optional: a missing script is loaded on first use.
+    /// Optional: a missing script is loaded on first use. Like [`connect`](RedisStore::connect),
+    /// it logs a warning when the server's `maxmemory-policy` is not `noeviction` (a store built
+    /// with [`new`](RedisStore::new) or [`from_pool`](RedisStore::from_pool) is checked here).
     pub async fn load_scripts(&self) -> Result<(), StoreError> {
         let client = self.connection.client();
+        warn_if_records_can_be_evicted(client).await;
         for script in [&*COMPLETE, &*RELEASE, &*RENEW, &*PURGE, &*INSPECT] {
             client
                 .script_load_cluster::<(), _>(script.source)
@@ -361,8 +367,53 @@ fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreEr
 fn from_fred(error: fred::error::Error, options: &Options) -> StoreError {
     match error.kind() {
         fred::error::ErrorKind::Timeout => StoreError::Timeout(options.timeout.unwrap_or_default()),
+        // Also inside a script, where the reply wraps the server's `OOM` error.
+        _ if error.details().contains("OOM command not allowed") => unavailable(OutOfMemory(error)),
         _ => unavailable(error),
     }
+}
+
+/// Redis refused a write because it reached `maxmemory` under the `noeviction` policy.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "Redis is out of memory (maxmemory reached), so it refused to write the record: raise \
+     maxmemory or shorten the retention ({0})"
+)]
+struct OutOfMemory(#[source] fred::error::Error);
+
+/// Warns when the server may evict records: every record has a TTL, so under a `volatile-*` or
+/// `allkeys-*` policy Redis can evict a running request's record and let a retry run the
+/// handler again. Read from `INFO memory`, which managed services allow where `CONFIG` is often
+/// disabled; a server that refuses `INFO` is not checked.
+async fn warn_if_records_can_be_evicted(client: &Client) {
+    let info = CustomCommand::new_static("INFO", ClusterHash::Random, false);
+    let policy = match client
+        .custom::<String, Value>(info, vec![Value::from_static_str("memory")])
+        .await
+    {
+        Ok(text) => eviction_policy(&text).map(str::to_owned),
+        Err(error) => {
+            tracing::debug!(%error, "could not read maxmemory-policy with INFO; not checked");
+            return;
+        }
+    };
+    match policy.as_deref() {
+        Some("noeviction") => {}
+        Some(policy) => tracing::warn!(
+            maxmemory_policy = policy,
+            "Redis may evict idempotency records under maxmemory-policy {policy}: a running \
+             request's record can be evicted and its key run twice; set maxmemory-policy \
+             noeviction (README: Running Redis for this)"
+        ),
+        None => tracing::debug!("INFO memory names no maxmemory_policy; not checked"),
+    }
+}
+
+/// The `maxmemory_policy` field of an `INFO memory` answer.
+fn eviction_policy(info: &str) -> Option<&str> {
+    info.lines()
+        .find_map(|line| line.strip_prefix("maxmemory_policy:"))
+        .map(str::trim)
 }
 
 fn millis(duration: Duration) -> Value {
@@ -698,6 +749,14 @@ mod tests {
     #[should_panic(expected = "contains a brace")]
     fn a_prefix_with_a_brace_is_refused() {
         let _ = unconnected().with_prefix("tenant-{a}");
+    }
+
+    #[test]
+    fn the_eviction_policy_is_read_from_info_memory() {
+        let info =
+            "# Memory\r\nused_memory:1000\r\nmaxmemory_policy:allkeys-lru\r\nmem_fragmentation_ratio:1.2\r\n";
+        assert_eq!(eviction_policy(info), Some("allkeys-lru"));
+        assert_eq!(eviction_policy("# Memory\r\nused_memory:1\r\n"), None);
     }
 
     #[test]
