@@ -204,6 +204,11 @@ impl RedisStore {
     /// when the server's `maxmemory-policy` is not `noeviction`, under which Redis may evict a
     /// running request's record.
     ///
+    /// TLS URLs (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`) need the crate feature
+    /// `tls` (on by default); the server certificate is verified against the platform's trust
+    /// store, or the certificates in `SSL_CERT_FILE` when it is set. Without the feature they are
+    /// refused, never connected in plain text.
+    ///
     /// ```no_run
     /// use tower_idempotency::RedisStore;
     /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
@@ -211,6 +216,14 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        if !cfg!(feature = "tls") && asks_for_tls(url) {
+            // fred would connect in plain text, sending the password in the clear.
+            return Err(StoreError::Unavailable(
+                "this URL asks for TLS, but tower-idempotency was built without its `tls` feature \
+                 (on by default): enable it, or use a redis:// URL"
+                    .into(),
+            ));
+        }
         let config = Config::from_url(url).map_err(unavailable)?;
         let client = Builder::from_config(config)
             .with_connection_config(|connection| {
@@ -371,6 +384,14 @@ fn from_fred(error: fred::error::Error, options: &Options) -> StoreError {
         _ if error.details().contains("OOM command not allowed") => unavailable(OutOfMemory(error)),
         _ => unavailable(error),
     }
+}
+
+/// Whether `url`'s scheme asks for TLS (`rediss`, `rediss-cluster`, `rediss-sentinel`, and
+/// their `valkeys` spellings).
+fn asks_for_tls(url: &str) -> bool {
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    let base = scheme.split('-').next().unwrap_or_default();
+    base.eq_ignore_ascii_case("rediss") || base.eq_ignore_ascii_case("valkeys")
 }
 
 /// Redis refused a write because it reached `maxmemory` under the `noeviction` policy.
@@ -749,6 +770,37 @@ mod tests {
     #[should_panic(expected = "contains a brace")]
     fn a_prefix_with_a_brace_is_refused() {
         let _ = unconnected().with_prefix("tenant-{a}");
+    }
+
+    #[test]
+    fn tls_schemes_are_recognised() {
+        for url in [
+            "rediss://h:1",
+            "rediss-cluster://h:1",
+            "REDISS-SENTINEL://h",
+            "valkeys://h",
+        ] {
+            assert!(asks_for_tls(url), "{url}");
+        }
+        for url in [
+            "redis://h:1",
+            "redis-cluster://h:1",
+            "redis-sentinel://h",
+            "h:6379",
+            "",
+        ] {
+            assert!(!asks_for_tls(url), "{url}");
+        }
+    }
+
+    /// Without the feature, fred would connect to a `rediss://` URL in plain text.
+    #[cfg(not(feature = "tls"))]
+    #[tokio::test]
+    async fn without_the_tls_feature_a_tls_url_is_refused_naming_the_feature() {
+        let error = RedisStore::connect("rediss://:secret@127.0.0.1:1")
+            .await
+            .unwrap_err();
+        assert!(error.to_string().contains("`tls` feature"), "{error}");
     }
 
     #[test]

@@ -67,7 +67,8 @@ impl RedisServer {
             .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
             .arg("--dir")
             .arg(&self.dir)
-            .args(&self.extra)
+            // `{port}` in an extra argument is this server's port (a TLS-only server listens there).
+            .args(self.extra.iter().map(|arg| arg.replace("{port}", &self.port.to_string())))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
