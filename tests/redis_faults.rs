@@ -252,3 +252,56 @@ async fn a_restart_mid_load_fails_closed_and_recovers() {
     eventually_created(&app, "after-restart").await;
     assert!(runs.get() <= 41);
 }
+
+// Item 7.2: whatever client the user hands in, a Redis restart is ridden out. These clients are
+// built as fred's defaults build them: no reconnect policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_without_a_reconnect_policy_still_rides_out_a_restart() {
+    use fred::prelude::{Builder, ClientLike, Config};
+    let mut server = RedisServer::start();
+    let config = || Config::from_url(&server.url()).unwrap();
+    let plain_client = Builder::from_config(config()).build().unwrap();
+    plain_client.init().await.unwrap();
+    assert!(
+        plain_client.client_reconnect_policy().is_none(),
+        "fred's default: no policy"
+    );
+    let pool = Builder::from_config(config()).build_pool(2).unwrap();
+    pool.init().await.unwrap();
+    // The command timeout at or below the layer's store timeout, as README asks.
+    let stores = [
+        ("new", RedisStore::new(plain_client).with_command_timeout(TIMEOUT)),
+        (
+            "from_pool",
+            RedisStore::from_pool(pool).with_command_timeout(TIMEOUT),
+        ),
+    ];
+    let apps: Vec<_> = stores
+        .into_iter()
+        .map(|(name, store)| {
+            (
+                name,
+                router(IdempotencyLayer::new(store).with_store_timeout(TIMEOUT)).0,
+            )
+        })
+        .collect();
+    for (name, app) in &apps {
+        assert_eq!(
+            send(app, payment(&format!("{name}-before"), "{}")).await.status,
+            StatusCode::CREATED
+        );
+    }
+    server.kill();
+    for (name, app) in &apps {
+        let down = send(app, payment(&format!("{name}-down"), "{}")).await;
+        assert_eq!(
+            down.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{name}: fail closed while down"
+        );
+    }
+    server.restart();
+    for (name, app) in &apps {
+        eventually_created(app, &format!("{name}-after")).await;
+    }
+}

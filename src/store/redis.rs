@@ -1,5 +1,6 @@
 //! The shared store: Redis (standalone, with replicas, or Cluster) through `fred`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -74,6 +75,8 @@ pub struct RedisStore {
     cache: Option<Arc<ReplayCache>>,
     /// Keeps the cache's invalidation listener running while any clone of the store lives.
     _listener: Option<Arc<Listener>>,
+    /// Set while a task reconnects clients that fred will not reconnect by itself.
+    reviving: Arc<AtomicBool>,
 }
 
 /// The task that feeds a replay cache its invalidations; stopped with the last store clone.
@@ -98,6 +101,51 @@ impl Connection {
             Connection::Pool(pool) => pool.next(),
         }
     }
+
+    fn clients(&self) -> &[Client] {
+        match self {
+            Connection::Client(client) => std::slice::from_ref(client),
+            Connection::Pool(pool) => pool.clients(),
+        }
+    }
+}
+
+/// Reconnects `clients`, which have no reconnect policy (fred's default), until each answers a
+/// PING, with backoff (10 ms doubling to 2 s); `reviving` is cleared at the end.
+///
+/// Without a policy fred's connection task ends when its connection drops, leaving commands
+/// queued for a task that never comes. A client that still answers is left alone; one that does
+/// not is handed a new connection task (`connect`, which retires the old one if it lingers).
+async fn revive(clients: Vec<Client>, reviving: Arc<AtomicBool>) {
+    let answers = |client: &Client| {
+        let client = client.with_options(&Options {
+            timeout: Some(Duration::from_millis(500)),
+            max_attempts: Some(1),
+            ..Options::default()
+        });
+        async move { client.ping::<()>(None).await.is_ok() }
+    };
+    let mut delay = Duration::from_millis(10);
+    loop {
+        let mut dead = 0;
+        for client in &clients {
+            if answers(client).await {
+                continue;
+            }
+            let _connection_task = client.connect();
+            if answers(client).await {
+                tracing::info!("reconnected a Redis client that has no reconnect policy");
+            } else {
+                dead += 1;
+            }
+        }
+        if dead == 0 {
+            break;
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+    reviving.store(false, Ordering::Release);
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -113,6 +161,12 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// A store over a connected (or connecting) `fred` client.
     ///
+    /// A client built without a reconnect policy (fred's default) would stay disconnected after
+    /// a Redis restart; the store notices the first command that times out or fails on the
+    /// connection, logs a warning, and reconnects such clients itself (checking them with PING,
+    /// backoff 10 ms to 2 s). Keep the command timeout ([`with_command_timeout`](Self::with_command_timeout))
+    /// at or below the layer's store timeout, so the store sees the failure.
+    ///
     /// ```no_run
     /// use fred::prelude::*;
     /// use tower_idempotency::RedisStore;
@@ -127,7 +181,8 @@ impl RedisStore {
         Self::with_connection(Connection::Client(client))
     }
 
-    /// A store over a `fred` pool; each call goes to the pool's next client.
+    /// A store over a `fred` pool; each call goes to the pool's next client. Pool clients without
+    /// a reconnect policy are reconnected by the store, as for [`new`](Self::new).
     ///
     /// ```no_run
     /// use fred::prelude::*;
@@ -153,7 +208,39 @@ impl RedisStore {
             },
             cache: None,
             _listener: None,
+            reviving: Arc::new(AtomicBool::new(false)),
         }
+    }
+
+    /// Maps a failed command to a store error. A failure may mean the connection is gone for
+    /// good: a client built without a reconnect policy (fred's default, as `Builder` makes it)
+    /// stays disconnected after a Redis restart, so this store reconnects it itself.
+    fn failed(&self, error: fred::error::Error) -> StoreError {
+        use fred::error::ErrorKind;
+        let connection_trouble = matches!(
+            error.kind(),
+            ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled
+        );
+        if connection_trouble {
+            let orphans: Vec<Client> = (self.connection.clients().iter())
+                .filter(|client| client.client_reconnect_policy().is_none())
+                .cloned()
+                .collect();
+            if !orphans.is_empty() && !self.reviving.swap(true, Ordering::AcqRel) {
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        tracing::warn!(
+                            %error,
+                            "a Redis client without a reconnect policy failed; checking and reconnecting it \
+                             (give the client a ReconnectPolicy, as RedisStore::connect does, to have fred do it)"
+                        );
+                        runtime.spawn(revive(orphans, self.reviving.clone()));
+                    }
+                    Err(_) => self.reviving.store(false, Ordering::Release),
+                }
+            }
+        }
+        from_fred(error, &self.options)
     }
 
     /// Keeps copies of completed records in this process, up to `max_bytes`, so repeats of a key
@@ -182,7 +269,18 @@ impl RedisStore {
     /// ```
     pub async fn with_replay_cache(mut self, max_bytes: usize) -> Result<Self, StoreError> {
         let cache = Arc::new(ReplayCache::new(max_bytes));
-        let subscriber = self.connection.client().clone_new();
+        // A connection of its own, with the client's settings; one that reconnects even when the
+        // client was built without a reconnect policy (fred's default).
+        let base = self.connection.client();
+        let subscriber = Builder::from_config(base.client_config())
+            .set_connection_config(base.connection_config().clone())
+            .set_performance_config(base.perf_config())
+            .set_policy(
+                base.client_reconnect_policy()
+                    .unwrap_or_else(store_reconnect_policy),
+            )
+            .build()
+            .map_err(unavailable)?;
         subscriber.init().await.map_err(unavailable)?;
         let channel = self.purge_channel();
         subscriber.subscribe(channel.clone()).await.map_err(unavailable)?;
@@ -234,7 +332,7 @@ impl RedisStore {
             .with_performance_config(|performance| {
                 performance.default_command_timeout = DEFAULT_COMMAND_TIMEOUT;
             })
-            .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+            .set_policy(store_reconnect_policy())
             .build()
             .map_err(unavailable)?;
         client.init().await.map_err(unavailable)?;
@@ -335,7 +433,7 @@ impl RedisStore {
                 details if details.starts_with("WRONGTYPE") => {
                     StoreError::Corrupt("the key holds something other than a record".into())
                 }
-                _ => from_fred(e, &self.options),
+                _ => self.failed(e),
             })
     }
 
@@ -366,9 +464,9 @@ impl RedisStore {
                 client
                     .custom::<Value, Value>(eval, command(script.source))
                     .await
-                    .map_err(|e| from_fred(e, &self.options))
+                    .map_err(|e| self.failed(e))
             }
-            result => result.map_err(|e| from_fred(e, &self.options)),
+            result => result.map_err(|e| self.failed(e)),
         }
     }
 }
@@ -384,6 +482,11 @@ fn from_fred(error: fred::error::Error, options: &Options) -> StoreError {
         _ if error.details().contains("OOM command not allowed") => unavailable(OutOfMemory(error)),
         _ => unavailable(error),
     }
+}
+
+/// Reconnect forever, with backoff from 1 ms to 2 s.
+fn store_reconnect_policy() -> ReconnectPolicy {
+    ReconnectPolicy::new_exponential(0, 1, 2_000, 2)
 }
 
 /// Whether `url`'s scheme asks for TLS (`rediss`, `rediss-cluster`, `rediss-sentinel`, and
