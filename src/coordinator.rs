@@ -9,6 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use crate::store::{ClaimOutcome, OwnerToken, RecordInfo, Store, StoreError};
 use crate::{Fingerprint, RecordKey};
@@ -325,7 +326,7 @@ impl Coordinator {
             return;
         };
         let coordinator = self.clone();
-        runtime.spawn(async move {
+        let releasing = async move {
             for delay_ms in RELEASE_RETRY_DELAYS_MS {
                 tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                 match coordinator.bounded(coordinator.store.release(&key, &owner)).await {
@@ -334,7 +335,8 @@ impl Coordinator {
                     Err(error) => tracing::debug!(?key, %error, "could not release a claim; trying again"),
                 }
             }
-        });
+        };
+        runtime.spawn(releasing.instrument(tracing::Span::current()));
     }
 }
 
@@ -416,9 +418,8 @@ impl Claim {
             Renewal::Background => {
                 let (coordinator, key, owner, lost) =
                     (coordinator.clone(), key.clone(), owner.clone(), lost.clone());
-                Some(tokio::spawn(async move {
-                    renew_until_lost(&coordinator, &key, &owner, &lost).await
-                }))
+                let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost).await };
+                Some(tokio::spawn(renewing.instrument(tracing::Span::current())))
             }
             Renewal::Driven => None,
         };

@@ -54,7 +54,7 @@ pin_project! {
     enum Kind<F, B, E> {
         Passthrough { #[pin] future: F },
         Ready { response: Option<Response<ResponseBody<B>>> },
-        Begin { future: BoxFuture<Step<B, E>>, detach: Option<fn(BoxFuture<Answer<B, E>>)> },
+        Begin { future: BoxFuture<Step<B, E>>, detach: Option<fn(BoxFuture<Answer<B, E>>, tracing::Span)> },
         Run { run: Detachable<Answer<B, E>> },
     }
 }
@@ -83,7 +83,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     {
         // The function pointer carries the `Send + 'static` bounds the spawn needs, so the
         // future's type (and its `Drop`) need none.
-        let detach = (!cancel_on_disconnect).then_some(spawn_detached::<Answer<B, E>> as fn(_));
+        let detach = (!cancel_on_disconnect).then_some(spawn_detached::<Answer<B, E>> as fn(_, _));
         Self {
             kind: Kind::Begin {
                 future: begin,
@@ -121,6 +121,9 @@ where
                     Step::Run(run) => Detachable {
                         future: Some(run),
                         detach: *detach,
+                        // Polled here, the run is inside whatever span the request's future is
+                        // instrumented with; a detached run takes that span along.
+                        span: detach.map(|_| tracing::Span::current()),
                     },
                 },
                 KindProj::Run { run } => return run.poll(cx),
@@ -134,7 +137,9 @@ where
 /// (when `detach` is set) instead of being cancelled.
 struct Detachable<T> {
     future: Option<BoxFuture<T>>,
-    detach: Option<fn(BoxFuture<T>)>,
+    detach: Option<fn(BoxFuture<T>, tracing::Span)>,
+    /// The request's span, for the task a detached run continues in.
+    span: Option<tracing::Span>,
 }
 
 impl<T> Detachable<T> {
@@ -151,15 +156,16 @@ impl<T> Detachable<T> {
 impl<T> Drop for Detachable<T> {
     fn drop(&mut self) {
         if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
-            detach(future);
+            detach(future, self.span.take().unwrap_or_else(tracing::Span::none));
         }
     }
 }
 
-fn spawn_detached<T: Send + 'static>(future: BoxFuture<T>) {
+fn spawn_detached<T: Send + 'static>(future: BoxFuture<T>, span: tracing::Span) {
+    use tracing::Instrument;
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            runtime.spawn(future);
+            runtime.spawn(future.instrument(span));
         }
         // Dropping it drops its claim, which logs that it cannot be released without a runtime.
         Err(_) => tracing::warn!("no Tokio runtime to finish a claimed request whose client left"),
