@@ -15,9 +15,11 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 
 /// Every event's message with the names of the spans it was logged in, innermost first.
-static EVENTS: OnceLock<Arc<Mutex<Vec<(String, Vec<String>)>>>> = OnceLock::new();
+type Events = Arc<Mutex<Vec<(String, Vec<String>)>>>;
 
-struct Capture(Arc<Mutex<Vec<(String, Vec<String>)>>>);
+static EVENTS: OnceLock<Events> = OnceLock::new();
+
+struct Capture(Events);
 
 impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Capture {
     fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
@@ -39,7 +41,7 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
     }
 }
 
-fn events() -> Arc<Mutex<Vec<(String, Vec<String>)>>> {
+fn events() -> Events {
     EVENTS
         .get_or_init(|| {
             let events = Arc::new(Mutex::new(Vec::new()));
