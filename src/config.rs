@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use crate::response::TypicalDuration;
+
 use http::header::{self, HeaderName};
 use http::{request, response, Method, StatusCode};
 
@@ -23,6 +25,9 @@ pub(crate) struct Config {
     pub(crate) mismatch_status: StatusCode,
     pub(crate) unstored_headers: Vec<HeaderName>,
     pub(crate) cancel_on_disconnect: bool,
+    /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
+    /// own (its handlers may differ), clones share it.
+    pub(crate) typical_duration: Arc<TypicalDuration>,
 }
 
 impl Default for Config {
@@ -39,6 +44,7 @@ impl Default for Config {
             mismatch_status: StatusCode::CONFLICT,
             unstored_headers: default_unstored_headers(),
             cancel_on_disconnect: false,
+            typical_duration: Arc::default(),
         }
     }
 }

@@ -90,7 +90,9 @@ impl IdempotencyLayer {
     }
 
     fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
-        change(Arc::make_mut(&mut self.config));
+        let config = Arc::make_mut(&mut self.config);
+        config.typical_duration = Arc::default();
+        change(config);
         self
     }
 

@@ -241,7 +241,7 @@ where
         }
         Ok(Begin::InFlight { lease_left }) => {
             return reject(Rejection::InFlight {
-                retry_after: retry_after(lease_left),
+                retry_after: retry_after(config.typical_duration.get(), lease_left),
             });
         }
         Ok(Begin::Mismatch) => {
@@ -298,12 +298,14 @@ where
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
+    let started = tokio::time::Instant::now();
     let work = AssertUnwindSafe(async {
         let response = inner.call(request).await?;
         Ok(capture(response, &config).await)
     })
     .catch_unwind();
     let produced = claim.keep_alive(work).await;
+    config.typical_duration.record(started.elapsed());
     match produced {
         Ok(Ok(Captured::Storable(response, payload))) => {
             // Errors are logged by `complete`; the client gets its response either way.

@@ -252,25 +252,33 @@ async fn stored_headers_are_configurable(b: Backend) {
     assert!(retry.headers.get("x-multi").is_none());
 }
 
-// Row 9
-async fn a_running_request_answers_409_with_the_lease_left(b: Backend) {
+// Row 9: Retry-After follows how long this layer's handlers take, not the lease.
+async fn a_running_request_answers_409_with_a_retry_after_that_fits_the_handler(b: Backend) {
     let (app, runs) = router(layer(&b).with_lease(Duration::from_secs(20)));
-    let slow = {
+    let busy_while_running = |key: &'static str, delay_ms: &'static str| {
         let app = app.clone();
-        tokio::spawn(async move { send(&app, payment_with("busy", &[("x-delay-ms", "700")])).await })
+        async move {
+            let slow = {
+                let app = app.clone();
+                tokio::spawn(async move { send(&app, payment_with(key, &[("x-delay-ms", delay_ms)])).await })
+            };
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let busy = send(&app, payment(key, "{}")).await;
+            assert_problem(&busy, StatusCode::CONFLICT, "InFlight");
+            assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+            assert!(send(&app, payment(key, "{}")).await.is_replay());
+            busy.headers["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        }
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let busy = send(&app, payment("busy", "{}")).await;
-    assert_problem(&busy, StatusCode::CONFLICT, "InFlight");
-    let retry_after: u64 = busy.headers["retry-after"].to_str().unwrap().parse().unwrap();
-    assert!(
-        (19..=20).contains(&retry_after),
-        "Retry-After {retry_after} is the lease left, rounded up"
-    );
-    let first = slow.await.unwrap();
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert!(send(&app, payment("busy", "{}")).await.is_replay());
-    assert_eq!(runs.get(), 1);
+    // No history yet: 1 s, not the 20 s left on the lease.
+    assert_eq!(busy_while_running("busy-1", "1600").await, 1);
+    // The handler took about 1.6 s: the next 409 says 2.
+    assert_eq!(busy_while_running("busy-2", "700").await, 2);
+    assert_eq!(runs.get(), 2);
 }
 
 // Row 10
@@ -548,7 +556,7 @@ on_both_stores!(
     a_body_that_fails_mid_upload_is_refused_and_claims_nothing,
     the_first_response_is_unchanged_and_retries_replay_it_byte_for_byte,
     stored_headers_are_configurable,
-    a_running_request_answers_409_with_the_lease_left,
+    a_running_request_answers_409_with_a_retry_after_that_fits_the_handler,
     a_different_request_with_the_same_key_is_a_mismatch,
     a_host_spelled_another_way_is_the_same_request,
     answers_that_are_not_cacheable_release_the_key,
