@@ -35,13 +35,8 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 if ! command -v redis-cli >/dev/null 2>&1 || ! command -v redis-benchmark >/dev/null 2>&1; then
   missing+=(redis-tools)
 fi
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing ${missing[*]} with apt-get"
-  sudo=""
-  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+source scripts/apt-install.sh
+apt_install ${missing[@]+"${missing[@]}"}
 
 cargo build --release --example bench_server
 exec python3 scripts/bench.py "$@"

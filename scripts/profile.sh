@@ -18,13 +18,8 @@ command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 command -v perf >/dev/null 2>&1 || missing+=(linux-perf)
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "installing ${missing[*]} with apt-get"
-  sudo=""
-  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+source scripts/apt-install.sh
+apt_install ${missing[@]+"${missing[@]}"}
 
 CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
   cargo build --release --example bench_server --target-dir target/profile

@@ -6,13 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server is not installed; installing it with apt-get"
-  sudo=""
-  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
-fi
+source scripts/apt-install.sh
+command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 echo "using $(redis-server --version)"
 
 cargo test --all-features "$@"

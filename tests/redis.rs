@@ -403,18 +403,8 @@ async fn warnings_logged_by<F: std::future::Future>(run: F) -> (F::Output, Vec<S
     struct Capture(Arc<Mutex<Vec<String>>>);
     impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
         fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-            struct Message(String);
-            impl tracing::field::Visit for Message {
-                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                    if field.name() == "message" {
-                        self.0 = format!("{value:?}");
-                    }
-                }
-            }
             if *event.metadata().level() == tracing::Level::WARN {
-                let mut message = Message(String::new());
-                event.record(&mut message);
-                self.0.lock().unwrap().push(message.0);
+                self.0.lock().unwrap().push(common::event_message(event));
             }
         }
     }

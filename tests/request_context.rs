@@ -1,6 +1,8 @@
 //! The request's tracing span goes with its work: a handler whose client hung up finishes in a
 //! task of its own, still inside the span the request's future was instrumented with.
 
+mod common;
+
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -23,21 +25,12 @@ struct Capture(Events);
 
 impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Capture {
     fn on_event(&self, event: &tracing::Event<'_>, ctx: Context<'_, S>) {
-        struct Message(String);
-        impl tracing::field::Visit for Message {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                if field.name() == "message" {
-                    self.0 = format!("{value:?}");
-                }
-            }
-        }
-        let mut message = Message(String::new());
-        event.record(&mut message);
+        let message = common::event_message(event);
         let spans = ctx
             .event_scope(event)
             .map(|scope| scope.map(|span| span.name().to_owned()).collect())
             .unwrap_or_default();
-        self.0.lock().unwrap().push((message.0, spans));
+        self.0.lock().unwrap().push((message, spans));
     }
 }
 

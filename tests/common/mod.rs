@@ -255,6 +255,21 @@ macro_rules! on_both_stores {
     };
 }
 
+/// The `message` field of a tracing event, for tests that capture logs.
+pub fn event_message(event: &tracing::Event<'_>) -> String {
+    struct Message(String);
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+    let mut message = Message(String::new());
+    event.record(&mut message);
+    message.0
+}
+
 pub mod app {
     //! A test application: an axum router whose handler counts its runs and answers as the
     //! request's `x-*` headers ask.
