@@ -9,6 +9,8 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
+use crate::capture::Storing;
+
 /// A boxed error, as tower and axum use them.
 ///
 /// ```
@@ -135,12 +137,24 @@ pin_project! {
         Buffered { data: Option<Bytes>, trailers: Option<HeaderMap>, error: Option<BoxError> },
         Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
         Streaming { #[pin] body: B },
+        Storing { storing: Storing<B> },
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn full(data: Bytes) -> Self {
         Self::buffered(data, None, None)
+    }
+
+    pub(crate) fn with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        Self::buffered(data, trailers, None)
+    }
+
+    /// A body of unknown length stored as it streams; see [`Storing`].
+    pub(crate) fn storing(storing: Storing<B>) -> Self {
+        Self {
+            kind: ResponseKind::Storing { storing },
+        }
     }
 
     fn buffered(data: Bytes, trailers: Option<HeaderMap>, error: Option<BoxError>) -> Self {
@@ -209,6 +223,7 @@ where
                 rest.as_mut().poll_frame(cx).map_err(Into::into)
             }
             ResponseKindProj::Streaming { body } => body.poll_frame(cx).map_err(Into::into),
+            ResponseKindProj::Storing { storing } => storing.poll_frame(cx),
         }
     }
 
@@ -221,6 +236,7 @@ where
             } => data.is_none() && trailers.is_none() && error.is_none(),
             ResponseKind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
             ResponseKind::Streaming { body } => body.is_end_stream(),
+            ResponseKind::Storing { storing } => storing.is_end_stream(),
         }
     }
 
@@ -240,6 +256,7 @@ where
                 hint
             }
             ResponseKind::Streaming { body } => body.size_hint(),
+            ResponseKind::Storing { storing } => storing.size_hint(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Every HTTP-side setting of the layer, with its default, in one place.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::response::TypicalDuration;
 
@@ -11,6 +12,10 @@ pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send +
 pub(crate) type CacheableFn = Arc<dyn Fn(&response::Parts) -> bool + Send + Sync>;
 
 pub(crate) const MIB: usize = 1024 * 1024;
+
+/// A minute: past the timeouts of most clients and proxies in front of a service (so its
+/// client has given up anyway), and far past what a create-this-resource handler takes.
+pub(crate) const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -25,6 +30,13 @@ pub(crate) struct Config {
     pub(crate) mismatch_status: StatusCode,
     pub(crate) unstored_headers: Vec<HeaderName>,
     pub(crate) cancel_on_disconnect: bool,
+    /// Release the key of a response that could not be stored, instead of keeping it as not
+    /// replayable.
+    pub(crate) release_not_stored: bool,
+    /// The status a retry gets for a key whose response was not stored.
+    pub(crate) not_stored_status: StatusCode,
+    /// The longest a handler may take to give its response head.
+    pub(crate) handler_timeout: Duration,
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
@@ -44,6 +56,9 @@ impl Default for Config {
             mismatch_status: StatusCode::CONFLICT,
             unstored_headers: default_unstored_headers(),
             cancel_on_disconnect: false,
+            release_not_stored: false,
+            not_stored_status: StatusCode::CONFLICT,
+            handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             typical_duration: Arc::default(),
         }
     }

@@ -413,25 +413,36 @@ impl Claim {
         permit: OwnedSemaphorePermit,
         renewal: Renewal,
     ) -> Self {
-        let lost = Arc::new(AtomicBool::new(false));
-        let renewal = match renewal {
-            Renewal::Background => {
-                let (coordinator, key, owner, lost) =
-                    (coordinator.clone(), key.clone(), owner.clone(), lost.clone());
-                let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost).await };
-                Some(tokio::spawn(renewing.instrument(tracing::Span::current())))
-            }
-            Renewal::Driven => None,
-        };
-        Self {
+        let mut claim = Self {
             coordinator,
             key,
             owner,
-            lost,
-            renewal,
+            lost: Arc::new(AtomicBool::new(false)),
+            renewal: None,
             settled: false,
             _permit: permit,
+        };
+        if let Renewal::Background = renewal {
+            claim.renew_in_background();
         }
+        claim
+    }
+
+    /// Hands the renewal of a claim from [`begin_driven`](Coordinator::begin_driven) to a task
+    /// of its own, for work that goes on outside [`keep_alive`](Claim::keep_alive) (a response
+    /// body stored as it streams). Does nothing if a task renews it already.
+    pub(crate) fn renew_in_background(&mut self) {
+        if self.renewal.is_some() {
+            return;
+        }
+        let (coordinator, key, owner, lost) = (
+            self.coordinator.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.lost.clone(),
+        );
+        let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost).await };
+        self.renewal = Some(tokio::spawn(renewing.instrument(tracing::Span::current())));
     }
 
     /// The key this claim holds.

@@ -9,6 +9,7 @@ use tower_layer::Layer;
 
 use crate::config::Config;
 use crate::coordinator::{Coordinator, Error, ShutdownHandle};
+use crate::replay::NotStored;
 use crate::service::Idempotency;
 use crate::store::{RecordState, Store};
 use crate::{replay, IdempotencyKey, RecordKey};
@@ -70,8 +71,11 @@ pub struct Inspection {
     pub state: RecordState,
     /// Lease left (in flight) or retention left (completed).
     pub expires_in: Duration,
-    /// The stored response's status (completed records).
+    /// The stored response's status (completed records), or the status the first client was
+    /// sent when its response was not stored.
     pub status: Option<StatusCode>,
+    /// Why the response was not stored, for a key kept as not replayable.
+    pub not_stored: Option<NotStored>,
 }
 
 impl IdempotencyLayer {
@@ -145,7 +149,12 @@ impl IdempotencyLayer {
     }
 
     /// The largest response body stored for replay (default: 1 MiB). A larger response goes to
-    /// the client unchanged, is not stored, and its key is released (a warning is logged).
+    /// the client unchanged and is not stored: its key is kept as *not replayable* for the
+    /// retention period, so a retry is told so (see
+    /// [`with_not_stored_status`](Self::with_not_stored_status)) and never runs the handler
+    /// again, unless [`with_release_not_stored`](Self::with_release_not_stored). A warning is
+    /// logged. A body of unknown length streams to the client and is stored as it passes, up to
+    /// this limit.
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -292,6 +301,54 @@ impl IdempotencyLayer {
         self.config(|c| c.cancel_on_disconnect = cancel)
     }
 
+    /// What a key whose response could not be stored (larger than the response limit, a body
+    /// that failed part way, a handler past its timeout) becomes (default: `false`: it is kept
+    /// completed as *not replayable* for the retention period, and a retry gets
+    /// [`Rejection::ResponseNotStored`](crate::Rejection::ResponseNotStored), never a second
+    /// run). With `true` the key is released instead, so a retry runs the handler again: choose
+    /// it only for handlers that are safe to run twice. Either way a warning is logged.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_release_not_stored(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_release_not_stored(self, release: bool) -> Self {
+        self.config(|c| c.release_not_stored = release)
+    }
+
+    /// The status a retry gets for a key whose first response was not stored (default: 409
+    /// Conflict, as for any key the retry cannot use again).
+    ///
+    /// ```
+    /// # use http::StatusCode;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_not_stored_status(StatusCode::UNPROCESSABLE_ENTITY);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_not_stored_status(self, status: StatusCode) -> Self {
+        self.config(|c| c.not_stored_status = status)
+    }
+
+    /// The longest a handler may take to give its response head (default: 60 s). Past it the
+    /// handler is cancelled, the client gets
+    /// [`Rejection::HandlerTimedOut`](crate::Rejection::HandlerTimedOut) (504), and the key is
+    /// kept as not replayable (or released, see
+    /// [`with_release_not_stored`](Self::with_release_not_stored)): a hung handler no longer
+    /// holds its key and a running-request slot for ever. The clock covers the handler and the
+    /// reading of a response body of known length; a body of unknown length streams on,
+    /// bounded by the response limit instead. `Duration::MAX` turns the bound off.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_handler_timeout(Duration::from_secs(20));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_handler_timeout(self, timeout: Duration) -> Self {
+        self.config(|c| c.handler_timeout = timeout)
+    }
+
     /// Bounds how many keyed requests may run their handler at once (default: 10 000); over it
     /// they are answered 503 and nothing is claimed. Starts a new tracker, shared by the clones
     /// made afterwards.
@@ -333,18 +390,20 @@ impl IdempotencyLayer {
         let Some(info) = self.coordinator.inspect(&key).await? else {
             return Ok(None);
         };
-        let status = match &info.payload {
+        let decoded = match &info.payload {
             Some(payload) => Some(
-                replay::decode(payload)
-                    .map_err(|reason| Error::Store(crate::StoreError::Corrupt(reason)))?
-                    .status,
+                replay::decode(payload).map_err(|reason| Error::Store(crate::StoreError::Corrupt(reason)))?,
             ),
             None => None,
         };
         Ok(Some(Inspection {
             state: info.state,
             expires_in: info.expires_in,
-            status,
+            status: decoded.as_ref().and_then(replay::Decoded::status),
+            not_stored: match decoded {
+                Some(replay::Decoded::NotStored { why, .. }) => Some(why),
+                _ => None,
+            },
         }))
     }
 

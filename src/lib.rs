@@ -53,6 +53,7 @@
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 mod body;
+mod capture;
 mod config;
 mod coordinator;
 mod fingerprint;
@@ -73,7 +74,7 @@ pub use fingerprint::Fingerprint;
 pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use layer::{IdempotencyLayer, Inspection};
-pub use replay::IDEMPOTENT_REPLAYED;
+pub use replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use response::Rejection;
 pub use service::Idempotency;
 pub use store::memory::MemoryStore;

@@ -6,8 +6,17 @@ use http::{HeaderMap, Response, StatusCode};
 
 use crate::body::ResponseBody;
 
-/// Marks the stored layout, so bytes that are not a stored response are never replayed.
-const MAGIC: &[u8; 4] = b"TIR\x01";
+/// Every stored payload starts with these three bytes and a layout version.
+const MAGIC: &[u8; 3] = b"TIR";
+
+/// The layout this release writes. Version 1 (a response without trailers) is still read, so
+/// records written by the release before this one replay during a rolling upgrade; a version
+/// above this one was written by a newer release and is answered like a request in flight.
+pub(crate) const PAYLOAD_VERSION: u8 = 2;
+
+/// The kind byte of a version 2 payload.
+const RESPONSE: u8 = b'R';
+const NOT_STORED: u8 = b'N';
 
 /// The header added to every replayed response, as Stripe does.
 ///
@@ -16,30 +25,154 @@ const MAGIC: &[u8; 4] = b"TIR\x01";
 /// ```
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// Encodes status, headers (all values, in order, as raw bytes) and body:
-/// `MAGIC | status u16 | count u32 | (name_len u32, name, value_len u32, value)* | body`.
-pub(crate) fn encode(
-    status: StatusCode,
-    headers: &HeaderMap,
-    keep: impl Fn(&HeaderName) -> bool,
-    body: &[u8],
-) -> Bytes {
-    let kept: Vec<_> = headers.iter().filter(|(name, _)| keep(name)).collect();
-    let size = kept
-        .iter()
-        .map(|(n, v)| 8 + n.as_str().len() + v.len())
-        .sum::<usize>();
-    let mut out = BytesMut::with_capacity(MAGIC.len() + 6 + size + body.len());
-    out.put_slice(MAGIC);
-    out.put_u16(status.as_u16());
-    out.put_u32(kept.len() as u32);
-    for (name, value) in kept {
+/// Why a request ran but its response was not stored: its key is then kept completed, as
+/// *not replayable*, so a retry is told so instead of running the operation a second time.
+///
+/// ```
+/// use tower_idempotency::NotStored;
+/// assert_eq!(NotStored::TooLarge.to_string(), "the response was larger than the storage cap");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotStored {
+    /// The response body was larger than the layer's response limit.
+    #[error("the response was larger than the storage cap")]
+    TooLarge,
+    /// The response body failed part way (an upstream connection broke, say).
+    #[error("the response body failed part way")]
+    BodyFailed,
+    /// The handler gave no response head within the handler timeout and was cancelled.
+    #[error("the handler did not answer in time and was cancelled")]
+    TimedOut,
+}
+
+impl NotStored {
+    fn code(self) -> u8 {
+        match self {
+            NotStored::TooLarge => b'L',
+            NotStored::BodyFailed => b'F',
+            NotStored::TimedOut => b'T',
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        match code {
+            b'L' => Some(NotStored::TooLarge),
+            b'F' => Some(NotStored::BodyFailed),
+            b'T' => Some(NotStored::TimedOut),
+            _ => None,
+        }
+    }
+}
+
+/// A stored response written as it streams, in the version 2 layout:
+///
+/// ```text
+/// "TIR" 2 'R' | status u16 | count u32 | (name_len u32, name, value_len u32, value)*
+///   | body_len u64 | body | trailer count u32 | (name_len u32, name, value_len u32, value)*
+/// ```
+///
+/// Head and body go into one buffer, sized up front when the body's size is known; the body's
+/// length is filled in once it has ended, so a body of unknown length is copied once, as it
+/// passes, and never held twice.
+pub(crate) struct StoredResponse {
+    out: BytesMut,
+    body_len_at: usize,
+    limit: usize,
+}
+
+impl StoredResponse {
+    /// Starts a payload for `status` and the `headers` that `keep` accepts, for a body of about
+    /// `expected_body` bytes and at most `limit`.
+    pub(crate) fn start(
+        status: StatusCode,
+        headers: &HeaderMap,
+        keep: impl Fn(&HeaderName) -> bool,
+        expected_body: usize,
+        limit: usize,
+    ) -> Self {
+        let kept = || headers.iter().filter(|(name, _)| keep(name));
+        let size: usize = kept().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
+        let mut out = BytesMut::with_capacity(MAGIC.len() + 2 + 6 + size + 8 + expected_body.min(limit) + 4);
+        out.put_slice(MAGIC);
+        out.put_u8(PAYLOAD_VERSION);
+        out.put_u8(RESPONSE);
+        out.put_u16(status.as_u16());
+        put_fields(&mut out, kept().count(), kept());
+        let body_len_at = out.len();
+        out.put_u64(0);
+        Self {
+            out,
+            body_len_at,
+            limit,
+        }
+    }
+
+    /// Appends a piece of the body; `false` (and nothing appended) if it would go over the limit.
+    pub(crate) fn push(&mut self, chunk: &[u8]) -> bool {
+        if self.body_len() + chunk.len() > self.limit {
+            return false;
+        }
+        self.out.extend_from_slice(chunk);
+        true
+    }
+
+    fn body_len(&self) -> usize {
+        self.out.len() - self.body_len_at - 8
+    }
+
+    /// The payload, and where the body sits in it (so the client can be sent a slice of the
+    /// stored copy rather than a second one).
+    pub(crate) fn finish(mut self, trailers: Option<&HeaderMap>) -> (Bytes, std::ops::Range<usize>) {
+        let body_len = self.body_len();
+        let body_at = self.body_len_at + 8;
+        self.out[self.body_len_at..body_at].copy_from_slice(&(body_len as u64).to_be_bytes());
+        match trailers {
+            Some(trailers) => put_fields(&mut self.out, trailers.len(), trailers.iter()),
+            None => self.out.put_u32(0),
+        }
+        (self.out.freeze(), body_at..body_at + body_len)
+    }
+}
+
+fn put_fields<'a>(
+    out: &mut BytesMut,
+    count: usize,
+    fields: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) {
+    out.put_u32(count as u32);
+    for (name, value) in fields {
         out.put_u32(name.as_str().len() as u32);
         out.put_slice(name.as_str().as_bytes());
         out.put_u32(value.len() as u32);
         out.put_slice(value.as_bytes());
     }
-    out.put_slice(body);
+}
+
+/// Encodes a whole response (status, the headers `keep` accepts, all values in order as raw
+/// bytes, the body and any trailers) in one go.
+#[cfg(test)]
+pub(crate) fn encode(
+    status: StatusCode,
+    headers: &HeaderMap,
+    keep: impl Fn(&HeaderName) -> bool,
+    body: &[u8],
+    trailers: Option<&HeaderMap>,
+) -> Bytes {
+    let mut stored = StoredResponse::start(status, headers, keep, body.len(), usize::MAX);
+    stored.push(body);
+    stored.finish(trailers).0
+}
+
+/// The record of a request that ran but whose response was not stored: why, and the status
+/// the client was sent, if it got that far.
+pub(crate) fn encode_not_stored(why: NotStored, status: Option<StatusCode>) -> Bytes {
+    let mut out = BytesMut::with_capacity(MAGIC.len() + 1 + 1 + 1 + 2);
+    out.put_slice(MAGIC);
+    out.put_u8(PAYLOAD_VERSION);
+    out.put_u8(NOT_STORED);
+    out.put_u8(why.code());
+    out.put_u16(status.map_or(0, |s| s.as_u16()));
     out.freeze()
 }
 
@@ -49,36 +182,117 @@ pub(crate) struct Stored {
     pub(crate) status: StatusCode,
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
+    pub(crate) trailers: Option<HeaderMap>,
 }
 
-/// Decodes what [`encode`] wrote; anything else is refused with a reason.
-pub(crate) fn decode(payload: &Bytes) -> Result<Stored, String> {
+/// What a stored payload holds.
+// Decoded once per replay and moved once; boxing the response would cost an allocation each time.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum Decoded {
+    /// A response to replay.
+    Response(Stored),
+    /// The request ran; its response was not stored.
+    NotStored {
+        why: NotStored,
+        status: Option<StatusCode>,
+    },
+    /// Written by a newer release in a layout this one does not know.
+    Newer { version: u8 },
+}
+
+impl Decoded {
+    /// The status of the stored response, or the one the first client was sent.
+    pub(crate) fn status(&self) -> Option<StatusCode> {
+        match self {
+            Decoded::Response(stored) => Some(stored.status),
+            Decoded::NotStored { status, .. } => *status,
+            Decoded::Newer { .. } => None,
+        }
+    }
+}
+
+/// Decodes what this release or the one before wrote; anything else is refused with a reason.
+pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
     let mut reader = Reader { payload, at: 0 };
-    if reader.take(MAGIC.len())? != MAGIC {
+    if reader.take(MAGIC.len()).ok() != Some(&MAGIC[..]) {
         return Err("not a stored response (unknown layout)".into());
     }
+    let version = reader.array::<1>()?[0];
+    match version {
+        1 => {
+            // Version 1: status, headers, and the rest is the body; no trailers.
+            let status = read_status(&mut reader)?;
+            let headers = read_fields(&mut reader)?;
+            Ok(Decoded::Response(Stored {
+                status,
+                headers,
+                body: payload.slice(reader.at..),
+                trailers: None,
+            }))
+        }
+        PAYLOAD_VERSION => match reader.array::<1>()?[0] {
+            RESPONSE => {
+                let status = read_status(&mut reader)?;
+                let headers = read_fields(&mut reader)?;
+                let body_len = u64::from_be_bytes(reader.array()?);
+                let body_len =
+                    usize::try_from(body_len).map_err(|_| "stored body length exceeds the record")?;
+                let body_at = reader.at;
+                reader.take(body_len)?;
+                let body = payload.slice(body_at..reader.at);
+                let trailers = read_fields(&mut reader)?;
+                if reader.at != payload.len() {
+                    return Err("bytes after the stored response".into());
+                }
+                Ok(Decoded::Response(Stored {
+                    status,
+                    headers,
+                    body,
+                    trailers: (!trailers.is_empty()).then_some(trailers),
+                }))
+            }
+            NOT_STORED => {
+                let why = NotStored::from_code(reader.array::<1>()?[0])
+                    .ok_or("unknown reason for an unstored response")?;
+                let status = u16::from_be_bytes(reader.array()?);
+                let status = match status {
+                    0 => None,
+                    code => Some(
+                        StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?,
+                    ),
+                };
+                Ok(Decoded::NotStored { why, status })
+            }
+            _ => Err("unknown kind of stored payload".into()),
+        },
+        0 => Err("not a stored response (layout version 0)".into()),
+        newer => Ok(Decoded::Newer { version: newer }),
+    }
+}
+
+fn read_status(reader: &mut Reader<'_>) -> Result<StatusCode, String> {
     let status = u16::from_be_bytes(reader.array()?);
-    let status = StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))?;
+    StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))
+}
+
+fn read_fields(reader: &mut Reader<'_>) -> Result<HeaderMap, String> {
     let count = u32::from_be_bytes(reader.array()?);
-    // Each header takes at least 9 bytes; a count the payload cannot hold is garbage.
-    if count as usize > payload.len() / 9 {
+    // Each field takes at least 9 bytes; a count the payload cannot hold is garbage.
+    if count as usize > reader.payload.len() / 9 {
         return Err("stored header count exceeds the record".into());
     }
-    let mut headers = HeaderMap::new();
+    let mut fields = HeaderMap::new();
     for _ in 0..count {
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let name = HeaderName::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header name")?;
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let value = HeaderValue::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header value")?;
-        headers
+        fields
             .try_append(name, value)
             .map_err(|_| "too many stored headers")?;
     }
-    Ok(Stored {
-        status,
-        headers,
-        body: payload.slice(reader.at..),
-    })
+    Ok(fields)
 }
 
 struct Reader<'a> {
@@ -104,7 +318,7 @@ impl Reader<'_> {
 
 /// The response a retry gets: the stored one, plus `Idempotent-Replayed: true`.
 pub(crate) fn into_response<B>(stored: Stored) -> Response<ResponseBody<B>> {
-    let mut response = Response::new(ResponseBody::full(stored.body));
+    let mut response = Response::new(ResponseBody::with_trailers(stored.body, stored.trailers));
     *response.status_mut() = stored.status;
     *response.headers_mut() = stored.headers;
     response
@@ -117,8 +331,15 @@ pub(crate) fn into_response<B>(stored: Stored) -> Response<ResponseBody<B>> {
 mod tests {
     use super::*;
 
+    fn response(payload: &Bytes) -> Stored {
+        match decode(payload) {
+            Ok(Decoded::Response(stored)) => stored,
+            other => panic!("not a stored response: {other:?}"),
+        }
+    }
+
     #[test]
-    fn round_trips_repeated_and_non_utf8_headers_and_any_body() {
+    fn round_trips_repeated_and_non_utf8_headers_trailers_and_any_body() {
         let mut headers = HeaderMap::new();
         headers.append("x-multi", HeaderValue::from_static("one"));
         headers.append("x-multi", HeaderValue::from_static("two"));
@@ -128,34 +349,105 @@ mod tests {
             HeaderValue::from_static("text/plain; charset=ISO-8859-1"),
         );
         let body = [0u8, 159, 146, 150, 255, b'\r', b'\n'];
-        let payload = encode(StatusCode::CREATED, &headers, |_| true, &body);
-        let stored = decode(&payload).unwrap();
+        let trailers = HeaderMap::from_iter([(
+            HeaderName::from_static("grpc-status"),
+            HeaderValue::from_static("0"),
+        )]);
+        for trailers in [None, Some(&trailers)] {
+            let payload = encode(StatusCode::CREATED, &headers, |_| true, &body, trailers);
+            let stored = response(&payload);
+            assert_eq!(stored.status, StatusCode::CREATED);
+            assert_eq!(stored.headers, headers);
+            let multi: Vec<_> = stored.headers.get_all("x-multi").iter().collect();
+            assert_eq!(multi, ["one", "two"]);
+            assert_eq!(&stored.body[..], &body);
+            assert_eq!(stored.trailers.as_ref(), trailers);
+        }
+    }
+
+    #[test]
+    fn a_body_written_as_it_streams_stops_at_the_limit() {
+        let mut stored = StoredResponse::start(StatusCode::OK, &HeaderMap::new(), |_| true, 0, 10);
+        assert!(stored.push(b"hello"));
+        assert!(stored.push(b"world"));
+        assert!(!stored.push(b"!"), "over the limit");
+        let (payload, body) = stored.finish(None);
+        assert_eq!(&payload[body.clone()], b"helloworld");
+        assert_eq!(response(&payload).body, payload.slice(body));
+    }
+
+    /// A payload exactly as the release before this one wrote it (layout version 1): status 201,
+    /// `x-old: 1`, body `old`. Kept byte for byte so that release's records always replay.
+    const VERSION_1: &[u8] = b"TIR\x01\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x05x-old\x00\x00\x00\x011old";
+
+    #[test]
+    fn reads_the_previous_layout() {
+        let stored = response(&Bytes::from_static(VERSION_1));
         assert_eq!(stored.status, StatusCode::CREATED);
-        assert_eq!(stored.headers, headers);
-        let multi: Vec<_> = stored.headers.get_all("x-multi").iter().collect();
-        assert_eq!(multi, ["one", "two"]);
-        assert_eq!(&stored.body[..], &body);
+        assert_eq!(stored.headers.get("x-old").unwrap(), "1");
+        assert_eq!(&stored.body[..], b"old");
+        assert!(stored.trailers.is_none());
+    }
+
+    #[test]
+    fn a_newer_layout_is_recognised_not_called_corrupt() {
+        for version in [3u8, 9, 255] {
+            let payload = Bytes::from([&MAGIC[..], &[version], b"anything at all"].concat());
+            assert!(matches!(decode(&payload), Ok(Decoded::Newer { version: v }) if v == version));
+        }
+    }
+
+    #[test]
+    fn records_why_a_response_was_not_stored() {
+        for (why, status) in [
+            (NotStored::TooLarge, Some(StatusCode::OK)),
+            (NotStored::BodyFailed, Some(StatusCode::CREATED)),
+            (NotStored::TimedOut, None),
+        ] {
+            let decoded = decode(&encode_not_stored(why, status)).unwrap();
+            assert!(matches!(decoded, Decoded::NotStored { why: w, status: s } if w == why && s == status));
+        }
     }
 
     #[test]
     fn refuses_garbage_and_truncation() {
         assert!(decode(&Bytes::from_static(b"garbage")).is_err());
         assert!(decode(&Bytes::new()).is_err());
+        assert!(decode(&Bytes::from_static(b"TIR\x00")).is_err());
+        let trailers = HeaderMap::from_iter([(http::header::EXPIRES, HeaderValue::from_static("0"))]);
         let payload = encode(
             StatusCode::OK,
             &HeaderMap::from_iter([(http::header::ETAG, HeaderValue::from_static("x"))]),
             |_| true,
-            b"",
+            b"body",
+            Some(&trailers),
         );
         for cut in 0..payload.len() {
             assert!(decode(&payload.slice(..cut)).is_err(), "cut at {cut}");
         }
+        for cut in 0..VERSION_1.len() - 3 {
+            assert!(
+                decode(&Bytes::from_static(&VERSION_1[..cut])).is_err(),
+                "v1 cut at {cut}"
+            );
+        }
+        let not_stored = encode_not_stored(NotStored::TimedOut, None);
+        for cut in 0..not_stored.len() {
+            assert!(decode(&not_stored.slice(..cut)).is_err(), "cut at {cut}");
+        }
+        let mut extra = payload.to_vec();
+        extra.push(0);
+        assert!(decode(&Bytes::from(extra)).is_err(), "trailing bytes");
         let mut too_many = payload.to_vec();
-        too_many[6..10].copy_from_slice(&u32::MAX.to_be_bytes());
+        too_many[7..11].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(decode(&Bytes::from(too_many)).is_err());
+        let mut long_body = payload.to_vec();
+        let body_len_at = 11 + 8 + 4 + 1;
+        long_body[body_len_at..body_len_at + 8].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert!(decode(&Bytes::from(long_body)).is_err());
         // More distinct names than a HeaderMap holds is refused, not a panic.
         let names = 40_000u32;
-        let mut many = BytesMut::from(&MAGIC[..]);
+        let mut many = BytesMut::from(&b"TIR\x02R"[..]);
         many.put_u16(200);
         many.put_u32(names);
         for i in 0..names {
@@ -167,7 +459,10 @@ mod tests {
         }
         assert!(decode(&many.freeze()).is_err());
         let mut bad_status = payload.to_vec();
-        bad_status[4..6].copy_from_slice(&42u16.to_be_bytes());
+        bad_status[5..7].copy_from_slice(&42u16.to_be_bytes());
         assert!(decode(&Bytes::from(bad_status)).is_err());
+        let mut bad_kind = payload.to_vec();
+        bad_kind[4] = b'?';
+        assert!(decode(&Bytes::from(bad_kind)).is_err());
     }
 }

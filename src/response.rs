@@ -7,6 +7,7 @@ use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use crate::body::ResponseBody;
+use crate::replay::NotStored;
 use crate::KeyError;
 
 const TYPE_BASE: &str =
@@ -63,6 +64,23 @@ pub enum Rejection {
     /// 500: a scope function is configured but gave no scope for this request (is the layer
     /// placed before authentication?). Nothing was run.
     MissingScope,
+    /// 409 by default (configurable): a request with this key already ran, but its response
+    /// could not be stored (too large, its body failed, or the handler timed out). The key is
+    /// kept for its retention period so the operation never runs twice; do not retry it.
+    ResponseNotStored {
+        /// The status sent.
+        status: StatusCode,
+        /// Why the response was not stored.
+        why: NotStored,
+    },
+    /// 504: the handler gave no response within the layer's handler timeout and was cancelled.
+    /// Whether it had done its work is unknown, so its key is kept as not replayable (a retry
+    /// gets [`ResponseNotStored`](Rejection::ResponseNotStored)) unless the layer releases such
+    /// keys.
+    HandlerTimedOut {
+        /// The timeout.
+        after: Duration,
+    },
 }
 
 impl Rejection {
@@ -79,6 +97,8 @@ impl Rejection {
             Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
+            Rejection::ResponseNotStored { status, .. } => *status,
+            Rejection::HandlerTimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -95,6 +115,8 @@ impl Rejection {
             Rejection::Overloaded => "Overloaded",
             Rejection::HandlerPanicked => "HandlerPanicked",
             Rejection::MissingScope => "MissingScope",
+            Rejection::ResponseNotStored { .. } => "ResponseNotStored",
+            Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
         }
     }
 
@@ -117,6 +139,8 @@ impl Rejection {
             Rejection::Overloaded => "Too many requests in progress",
             Rejection::HandlerPanicked => "Internal server error",
             Rejection::MissingScope => "Idempotency scope unavailable",
+            Rejection::ResponseNotStored { .. } => "Response to this Idempotency-Key was not stored",
+            Rejection::HandlerTimedOut { .. } => "Request timed out",
         }
     }
 
@@ -156,6 +180,16 @@ impl Rejection {
                 "The request failed and was not stored; it may be retried with the same key.".into()
             }
             Rejection::MissingScope => "The request has no idempotency scope; it was not processed.".into(),
+            Rejection::ResponseNotStored { why, .. } => format!(
+                "A request with this Idempotency-Key was already processed, but its response was not \
+                 stored ({why}). It will not be processed again with this key: look up its outcome, \
+                 and use a new key only for a request that must run again."
+            ),
+            Rejection::HandlerTimedOut { after } => format!(
+                "The request was not answered within {} s and was cancelled; whether it took effect \
+                 is unknown.",
+                after.as_secs()
+            ),
         }
     }
 

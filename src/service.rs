@@ -1,23 +1,27 @@
 //! [`Idempotency`]: the service, a thin adapter from HTTP to the [`Coordinator`].
 
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST};
+use http::header::{CONTENT_TYPE, HOST};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
 use crate::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
+use crate::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
 use crate::config::Config;
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::future::{BoxFuture, ResponseFuture};
+use crate::replay::{self, Decoded, NotStored};
 use crate::response::{retry_after, Rejection};
 use crate::store::StoreError;
-use crate::{replay, Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
+use crate::{Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
 ///
@@ -181,10 +185,6 @@ fn normalized_authority(raw: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(normalized)
 }
 
-fn declared_length(headers: &HeaderMap) -> Option<u64> {
-    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
-}
-
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 /// Where a keyed request stands once its claim has answered.
@@ -237,7 +237,7 @@ where
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            return replay_stored(&key, &payload);
+            return replay_stored(&key, &payload, &config);
         }
         Ok(Begin::InFlight { lease_left }) => {
             return reject(Rejection::InFlight {
@@ -271,31 +271,49 @@ where
     Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
 }
 
-/// The stored response, replayed; a payload that cannot be decoded is answered 500, never replayed.
-fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes) -> Step<B, E> {
-    Step::Done(Ok(match replay::decode(payload) {
-        Ok(stored) => {
+/// The stored response, replayed. A key whose response was not stored is answered so; a
+/// payload from a newer release (a rolling upgrade under way) like a request in flight, to be
+/// retried; one that cannot be decoded 500, never replayed.
+fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> Step<B, E> {
+    let rejection = match replay::decode(payload) {
+        Ok(Decoded::Response(stored)) => {
             tracing::debug!(?key, "replaying the stored response");
-            replay::into_response(stored)
+            return Step::Done(Ok(replay::into_response(stored)));
+        }
+        Ok(Decoded::NotStored { why, .. }) => Rejection::ResponseNotStored {
+            status: config.not_stored_status,
+            why,
+        },
+        Ok(Decoded::Newer { version }) => {
+            tracing::info!(
+                ?key,
+                version,
+                "record written by a newer release; answering as if in flight"
+            );
+            Rejection::InFlight {
+                retry_after: Duration::from_secs(1),
+            }
         }
         Err(reason) => {
             tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
-            Rejection::UnreadableRecord.into_response()
+            Rejection::UnreadableRecord
         }
-    }))
+    };
+    Step::Done(Ok(rejection.into_response()))
 }
 
-/// Runs the handler under a claim, renewing its lease meanwhile, then stores its answer or
-/// releases the key.
+/// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its
+/// response head, then stores its answer (now, or as it streams), keeps the key as not
+/// replayable, or releases it.
 async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
-    claim: Claim,
+    mut claim: Claim,
     config: Arc<Config>,
     request: Request<RequestBody<ReqBody>>,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
     let started = tokio::time::Instant::now();
@@ -304,100 +322,73 @@ where
         Ok(capture(response, &config).await)
     })
     .catch_unwind();
-    let produced = claim.keep_alive(work).await;
+    let produced = claim
+        .keep_alive(within(started.checked_add(config.handler_timeout), work))
+        .await;
     config.typical_duration.record(started.elapsed());
+    let release_not_stored = config.release_not_stored;
     match produced {
-        Ok(Ok(Captured::Storable(response, payload))) => {
+        Some(Ok(Ok(Captured::Stored(response, payload)))) => {
             // Errors are logged by `complete`; the client gets its response either way.
             let _ = claim.complete(payload).await;
             Ok(response)
         }
-        Ok(Ok(Captured::NotStorable(response))) => {
+        Some(Ok(Ok(Captured::Streaming(parts, body, record)))) => {
+            // The body outlives this future: its lease is renewed by a task from now on.
+            claim.renew_in_background();
+            let storing = Storing::new(body, record, parts.status, claim, &config);
+            Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
+        }
+        Some(Ok(Ok(Captured::NotStored(response, why)))) => {
+            settle_not_stored(claim, why, Some(response.status()), release_not_stored).await;
+            Ok(response)
+        }
+        Some(Ok(Ok(Captured::NotCacheable(response)))) => {
             release(claim).await;
             Ok(response)
         }
-        Ok(Err(error)) => {
+        Some(Ok(Err(error))) => {
             release(claim).await;
             Err(error)
         }
-        Err(_panic) => {
+        Some(Err(_panic)) => {
             tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
             release(claim).await;
             Ok(Rejection::HandlerPanicked.into_response())
         }
+        None => {
+            let after = config.handler_timeout;
+            tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
+            settle_not_stored(claim, NotStored::TimedOut, None, release_not_stored).await;
+            Ok(Rejection::HandlerTimedOut { after }.into_response())
+        }
     }
+}
+
+/// `work`'s output, or `None` if it is not done by `deadline` (never, without one). The timer
+/// is set only if `work` is not done at its first poll, so a quick handler costs none.
+async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Option<F::Output> {
+    let mut work = std::pin::pin!(work);
+    let mut timer = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = work.as_mut().poll(cx) {
+            return Poll::Ready(Some(output));
+        }
+        if let Some(deadline) = deadline {
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if timer.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+        }
+        Poll::Pending
+    })
+    .await
 }
 
 async fn release(claim: Claim) {
     let key = claim.key().clone();
     if let Err(error) = claim.release().await {
         tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
-    }
-}
-
-enum Captured<B> {
-    Storable(Response<ResponseBody<B>>, Bytes),
-    NotStorable(Response<ResponseBody<B>>),
-}
-
-/// Reads the handler's response, as far as the storage cap allows, into what the client gets
-/// and, if it may be stored, what is stored.
-///
-/// Only a body whose length is known up front (`Content-Length`, or an exact size hint) is
-/// buffered: a stream of unknown length (server-sent events, say) goes to the client as it
-/// comes, because holding it back could hold the client and the key for as long as it runs.
-async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    let (parts, body) = response.into_parts();
-    let stream_on =
-        |parts, body| Captured::NotStorable(Response::from_parts(parts, ResponseBody::streaming(body)));
-    if !(config.cacheable)(&parts) {
-        return stream_on(parts, body);
-    }
-    match declared_length(&parts.headers).or(body.size_hint().exact()) {
-        None => {
-            tracing::debug!("response of unknown length; streamed on, not stored");
-            return stream_on(parts, body);
-        }
-        Some(len) if len > config.response_limit as u64 => {
-            tracing::warn!(
-                limit = config.response_limit,
-                "response larger than the storage cap; not stored"
-            );
-            return stream_on(parts, body);
-        }
-        Some(_) => {}
-    }
-    match collect_limited(body, config.response_limit).await {
-        Collected::Complete { data, trailers: None } => {
-            let body_len = data.len();
-            let payload = replay::encode(
-                parts.status,
-                &parts.headers,
-                |name| config.stores_header(name),
-                &data,
-            );
-            // The client gets the stored copy of the body, so a large body is held once, not twice.
-            drop(data);
-            let body = payload.slice(payload.len() - body_len..);
-            Captured::Storable(Response::from_parts(parts, ResponseBody::full(body)), payload)
-        }
-        collected => {
-            match &collected {
-                Collected::TooLarge { .. } => {
-                    tracing::warn!(
-                        limit = config.response_limit,
-                        "response larger than the storage cap; not stored"
-                    )
-                }
-                Collected::Failed { .. } => tracing::warn!("the response body failed; not stored"),
-                Collected::Complete { .. } => tracing::debug!("responses with trailers are not stored"),
-            }
-            Captured::NotStorable(Response::from_parts(parts, collected.into_response_body()))
-        }
     }
 }
 
@@ -425,31 +416,5 @@ mod tests {
             super::normalized_authority(b"api.example.com:8080"),
             std::borrow::Cow::Borrowed(_)
         ));
-    }
-
-    use super::*;
-    use http_body_util::Full;
-
-    #[tokio::test]
-    async fn a_stored_response_is_sent_from_the_stored_copy_not_a_second_one() {
-        let body = Bytes::from(vec![9u8; 1024 * 1024]);
-        let response = Response::builder()
-            .status(201)
-            .header(CONTENT_LENGTH, body.len())
-            .body(Full::new(body))
-            .unwrap();
-        let Captured::Storable(response, payload) = capture(response, &Config::default()).await else {
-            panic!("a 1 MiB response fits the default cap");
-        };
-        let sent = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .unwrap()
-            .to_bytes();
-        assert_eq!(sent.len(), 1024 * 1024);
-        let stored = payload.as_ptr_range();
-        assert!(
-            stored.contains(&sent.as_ptr()),
-            "the client's body is a slice of the stored payload"
-        );
     }
 }

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use common::app::{payment, payment_with, post, router, send};
 use common::Backend;
 use http::{Request, StatusCode};
-use tower_idempotency::{IdempotencyLayer, Rejection};
+use tower_idempotency::{IdempotencyLayer, NotStored, Rejection};
 
 fn layer(b: &Backend) -> IdempotencyLayer {
     IdempotencyLayer::new(b.store.clone())
@@ -406,65 +406,257 @@ async fn answers_that_are_not_cacheable_release_the_key(b: Backend) {
     assert_eq!(runs.get(), 2);
 }
 
-// Row 12
-async fn responses_over_the_storage_cap_are_returned_but_not_stored(b: Backend) {
-    let (app, runs) = router(layer(&b).with_response_limit(1000));
-    for _ in 0..2 {
-        let answer = send(&app, payment_with("huge", &[("x-body-size", "5000")])).await;
-        assert_eq!(answer.status, StatusCode::CREATED);
-        assert_eq!(answer.body.len(), 5000, "returned unchanged");
-        assert!(answer.body.iter().all(|&b| b == b'x'));
-        assert!(!answer.is_replay());
-    }
-    assert_eq!(runs.get(), 2, "not stored, key released");
+// Row 12: a response over the storage cap goes to the client unchanged; its key is kept as not
+// replayable, so a retry is told so and never runs the handler again (unless configured).
+async fn responses_over_the_storage_cap_are_kept_as_not_replayable(b: Backend) {
+    let layer = layer(&b).with_response_limit(1000);
+    let (app, runs) = router(layer.clone());
+    let huge = || payment_with("huge", &[("x-body-size", "5000")]);
+    let first = send(&app, huge()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 5000, "returned unchanged");
+    assert!(first.body.iter().all(|&b| b == b'x'));
+    assert!(!first.is_replay());
+    let retry = send(&app, huge()).await;
+    assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+    assert_eq!(
+        retry.extensions.get::<Rejection>(),
+        Some(&Rejection::ResponseNotStored {
+            status: StatusCode::CONFLICT,
+            why: NotStored::TooLarge
+        })
+    );
+    assert_eq!(runs.get(), 1, "never run twice");
+    let seen = layer.inspect(None, "huge").await.unwrap().expect("a record");
+    assert_eq!(seen.state, tower_idempotency::RecordState::Completed);
+    assert_eq!(
+        seen.status,
+        Some(StatusCode::CREATED),
+        "what the first client got"
+    );
+    assert_eq!(seen.not_stored, Some(NotStored::TooLarge));
+    assert!(
+        seen.expires_in > Duration::from_secs(23 * 3600),
+        "for the retention"
+    );
     // Exactly at the cap is stored.
     send(&app, payment_with("at-cap", &[("x-body-size", "1000")])).await;
     let retry = send(&app, payment_with("at-cap", &[("x-body-size", "1000")])).await;
     assert!(retry.is_replay());
     assert_eq!(retry.body.len(), 1000);
+    // The status is configurable, and releasing is an opt-in.
+    let (app, _) = router(
+        layer
+            .clone()
+            .with_not_stored_status(StatusCode::UNPROCESSABLE_ENTITY),
+    );
+    send(&app, payment_with("huge-422", &[("x-body-size", "5000")])).await;
+    let retry = send(&app, payment_with("huge-422", &[("x-body-size", "5000")])).await;
+    assert_problem(&retry, StatusCode::UNPROCESSABLE_ENTITY, "ResponseNotStored");
+    let (app, runs) = router(layer.with_release_not_stored(true));
+    for _ in 0..2 {
+        let answer = send(&app, payment_with("huge-released", &[("x-body-size", "5000")])).await;
+        assert_eq!((answer.status, answer.body.len()), (StatusCode::CREATED, 5000));
+    }
+    assert_eq!(runs.get(), 2, "released: the retry ran again");
 }
 
-// Row 7: a response of unknown length (a stream) goes to the client as it comes, is not
-// stored, and releases the key.
-async fn a_streamed_response_of_unknown_length_is_passed_on_not_stored(b: Backend) {
+// Row 7: a response of unknown length (a compression layer inside this one, a proxied chunked
+// upstream, `Body::from_stream`) goes to the client as it comes and is stored as it passes; the
+// key completes when the body ends.
+async fn a_response_of_unknown_length_streams_on_and_is_stored_as_it_passes(b: Backend) {
     use axum::routing::post as route_post;
-    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counter = runs.clone();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (opened, counter) = (gate.clone(), runs.clone());
     let app = axum::Router::new()
         .route(
             "/payments",
             route_post(move || {
                 counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                // An endless server-sent-event stream: one event every 10 ms.
+                // The first chunk at once; the second only once the test has seen the first.
+                let gate = opened.clone();
+                let chunks = futures_util::stream::unfold(0u8, move |n| {
+                    let gate = gate.clone();
+                    async move {
+                        match n {
+                            0 => {}
+                            1 => gate.acquire().await.ok()?.forget(),
+                            _ => return None,
+                        }
+                        Some((Ok::<_, std::io::Error>(Bytes::from(format!("part {n};"))), n + 1))
+                    }
+                });
+                async move { ([("content-type", "text/plain")], Body::from_stream(chunks)) }
+            }),
+        )
+        .layer(layer(&b));
+    let response = tower::ServiceExt::oneshot(app.clone(), payment("stream", "{}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+    assert_eq!(
+        first.into_data().unwrap(),
+        "part 0;",
+        "sent before the body ended"
+    );
+    // Still streaming: the key is in flight.
+    let retry = send(&app, payment("stream", "{}")).await;
+    assert_problem(&retry, StatusCode::CONFLICT, "InFlight");
+    gate.add_permits(1);
+    let rest = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+    assert_eq!(rest, "part 1;");
+    // The end of the body reached the client only once the record was stored.
+    let retry = send(&app, payment("stream", "{}")).await;
+    assert!(retry.is_replay(), "{:?}", retry.body);
+    assert_eq!(retry.body, "part 0;part 1;");
+    assert_eq!(retry.headers["content-type"], "text/plain");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+// Row 7: trailers are stored and replayed with the response, whether its length is known or not.
+async fn trailers_are_stored_and_replayed(b: Backend) {
+    let (app, runs) = router(layer(&b));
+    for (key, length) in [("trailers-streamed", None), ("trailers-sized", Some("16"))] {
+        let mut headers = vec![("x-stream", "2,0"), ("x-trailer", "sum-42")];
+        headers.extend(length.map(|length| ("x-stream-length", length)));
+        let first = send(&app, payment_with(key, &headers)).await;
+        assert_eq!(first.body, "chunk 0\nchunk 1\n");
+        let trailers = first.trailers.clone().expect("trailers");
+        assert_eq!(trailers["x-checksum"], "sum-42");
+        let retry = send(&app, payment_with(key, &headers)).await;
+        assert!(retry.is_replay(), "{key}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.trailers, Some(trailers), "{key}");
+    }
+    assert_eq!(runs.get(), 2);
+}
+
+// Row 7: a client that leaves mid-stream: the rest is still read and stored for its retry, unless
+// the layer cancels on disconnect (the key is then released).
+async fn a_client_that_leaves_mid_stream_still_gets_its_response_stored(b: Backend) {
+    let layer = layer(&b);
+    for cancel in [false, true] {
+        let key = format!("left-mid-stream-{cancel}");
+        let (app, runs) = router(layer.clone().with_cancel_on_disconnect(cancel));
+        let request = || payment_with(&key, &[("x-stream", "4,30")]);
+        let response = tower::ServiceExt::oneshot(app.clone(), request()).await.unwrap();
+        let mut body = response.into_body();
+        let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap(), "chunk 0\n");
+        drop(body);
+        // Wait for the key to settle: stored, or released.
+        let started = std::time::Instant::now();
+        let retry = loop {
+            let retry = send(&app, request()).await;
+            if retry.status != StatusCode::CONFLICT {
+                break retry;
+            }
+            assert!(started.elapsed() < Duration::from_secs(3), "the key settles");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if cancel {
+            assert!(!retry.is_replay(), "released: the retry ran");
+            assert_eq!(runs.get(), 2);
+        } else {
+            assert!(retry.is_replay());
+            assert_eq!(retry.body, "chunk 0\nchunk 1\nchunk 2\nchunk 3\n", "all of it");
+            assert_eq!(runs.get(), 1);
+        }
+    }
+}
+
+// Row 7: a response body that fails part way reaches the client as an error; its key is kept as
+// not replayable.
+async fn a_response_body_that_fails_is_kept_as_not_replayable(b: Backend) {
+    let layer = layer(&b);
+    let (app, runs) = router(layer.clone());
+    for (key, length) in [("fails-streamed", None), ("fails-sized", Some("100"))] {
+        let mut headers = vec![("x-stream", "2,0,fail")];
+        headers.extend(length.map(|length| ("x-stream-length", length)));
+        let response = tower::ServiceExt::oneshot(app.clone(), payment_with(key, &headers))
+            .await
+            .unwrap();
+        assert!(
+            http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .is_err(),
+            "the client sees the failure"
+        );
+        let retry = send(&app, payment_with(key, &headers)).await;
+        assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+        let seen = layer.inspect(None, key).await.unwrap().expect("a record");
+        assert_eq!(seen.not_stored, Some(NotStored::BodyFailed), "{key}");
+    }
+    assert_eq!(runs.get(), 2, "never run twice");
+}
+
+// Row 7: an endless stream holds its key only until its copy passes the storage cap; it then
+// streams on, and the key is kept as not replayable.
+async fn an_endless_stream_holds_its_key_only_up_to_the_cap(b: Backend) {
+    use axum::routing::post as route_post;
+    let layer = layer(&b).with_response_limit(100);
+    let app = axum::Router::new()
+        .route(
+            "/payments",
+            route_post(|| async {
                 let events = futures_util::stream::unfold(0u64, |n| async move {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
                     Some((
                         Ok::<_, std::io::Error>(Bytes::from(format!("data: {n}\n\n"))),
                         n + 1,
                     ))
                 });
-                async move { ([("content-type", "text/event-stream")], Body::from_stream(events)) }
+                ([("content-type", "text/event-stream")], Body::from_stream(events))
             }),
         )
-        .layer(layer(&b));
-    for _ in 0..2 {
-        let response = tower::ServiceExt::oneshot(app.clone(), payment("sse", "{}"))
-            .await
-            .unwrap();
-        assert_eq!(response.status(), StatusCode::OK);
-        let mut body = response.into_body();
-        let first = tokio::time::timeout(Duration::from_secs(1), http_body_util::BodyExt::frame(&mut body))
-            .await
-            .expect("the first event arrives at once, not after the stream ends");
-        assert_eq!(first.unwrap().unwrap().into_data().unwrap(), "data: 0\n\n");
-        drop(body);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        .layer(layer.clone());
+    let response = tower::ServiceExt::oneshot(app.clone(), payment("sse", "{}"))
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let mut received = 0;
+    while received < 200 {
+        let frame = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+        received += frame.into_data().unwrap().len();
     }
     assert_eq!(
-        runs.load(std::sync::atomic::Ordering::SeqCst),
-        2,
-        "not stored: the retry ran again"
+        layer.shutdown_handle().running(),
+        0,
+        "the stream no longer holds a slot"
     );
+    let retry = send(&app, payment("sse", "{}")).await;
+    assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+    let more = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+    assert!(more.is_data(), "and it streams on");
+}
+
+// Row 7: a handler that gives no response head within the handler timeout is cancelled; the
+// client gets 504 and the key is kept as not replayable (or released, if configured).
+async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
+    let layer = layer(&b).with_handler_timeout(Duration::from_millis(200));
+    let (app, runs) = router(layer.clone());
+    let hung = || payment_with("hung", &[("x-delay-ms", "600000")]);
+    let started = std::time::Instant::now();
+    let first = send(&app, hung()).await;
+    assert_problem(&first, StatusCode::GATEWAY_TIMEOUT, "HandlerTimedOut");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!((runs.get(), runs.finished()), (1, 0), "cancelled");
+    assert_eq!(layer.shutdown_handle().running(), 0, "its slot is free");
+    let retry = send(&app, payment("hung", "{}")).await;
+    assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+    let seen = layer.inspect(None, "hung").await.unwrap().expect("a record");
+    assert_eq!(seen.not_stored, Some(NotStored::TimedOut));
+    assert_eq!(runs.get(), 1);
+    // Released instead, on request: the retry runs.
+    let (app, runs) = router(layer.with_release_not_stored(true));
+    let first = send(&app, payment_with("hung-released", &[("x-delay-ms", "600000")])).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    let retry = send(&app, payment("hung-released", "{}")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
 }
 
 // Row 13
@@ -560,8 +752,13 @@ on_both_stores!(
     a_different_request_with_the_same_key_is_a_mismatch,
     a_host_spelled_another_way_is_the_same_request,
     answers_that_are_not_cacheable_release_the_key,
-    responses_over_the_storage_cap_are_returned_but_not_stored,
-    a_streamed_response_of_unknown_length_is_passed_on_not_stored,
+    responses_over_the_storage_cap_are_kept_as_not_replayable,
+    a_response_of_unknown_length_streams_on_and_is_stored_as_it_passes,
+    trailers_are_stored_and_replayed,
+    a_client_that_leaves_mid_stream_still_gets_its_response_stored,
+    a_response_body_that_fails_is_kept_as_not_replayable,
+    an_endless_stream_holds_its_key_only_up_to_the_cap,
+    a_hung_handler_is_cancelled_at_its_timeout,
     a_store_slower_than_its_timeout_fails_closed_or_open,
     scoped_keys_never_replay_across_scopes,
     retention_is_configurable,

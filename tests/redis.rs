@@ -156,11 +156,12 @@ async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
     let _: () = client.hset(redis_key("c-hash"), ("foo", "bar")).await.unwrap();
     expect_unreadable(send(&app, payment("c-hash", "{}")).await);
     assert!(layer.inspect(None, "c-hash").await.is_err());
-    // A record from an incompatible layout version, and a truncated record.
+    // A record in a layout no release wrote (1 was never released; 0 never existed), and a
+    // truncated record. (A newer layout is answered as in flight: see the rolling-upgrade test.)
     send(&app, payment("c-version", "{}")).await;
     let stored: Vec<u8> = client.get(redis_key("c-version")).await.unwrap();
     let mut other_version = stored.clone();
-    other_version[3] = 99;
+    other_version[3] = 1;
     let _: () = client
         .set(redis_key("c-version"), other_version, None, None, false)
         .await
@@ -189,6 +190,74 @@ async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
         send(&app, payment("c-payload", "{}")).await.status,
         StatusCode::CREATED
     );
+}
+
+/// A stored response exactly as the release before this one wrote it (response layout version 1):
+/// status 201, `x-old: 1`, body `old`.
+const PREVIOUS_RELEASE_RESPONSE: &[u8] =
+    b"TIR\x01\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x05x-old\x00\x00\x00\x011old";
+
+// Rolling upgrades: old and new instances side by side. This release replays what the previous
+// one stored, and answers a record from a newer release like one in flight (retry later),
+// never as corrupt and never by running the handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_the_previous_and_of_a_newer_release_are_never_called_corrupt() {
+    let (_server, client, store) = setup().await;
+    let layer = IdempotencyLayer::new(store.clone());
+    let (app, runs) = router(layer.clone());
+    let redis_key = |k: &str| store.redis_key(&RecordKey::new(None, IdempotencyKey::parse(k).unwrap()));
+    // Completes `key`, then rewrites its record with `edit` applied to (record, payload offset).
+    let rewrite = |key: &'static str, edit: fn(&mut Vec<u8>, usize)| {
+        let (app, client, redis_key) = (app.clone(), client.clone(), redis_key(key));
+        async move {
+            assert_eq!(send(&app, payment(key, "{}")).await.status, StatusCode::CREATED);
+            let mut stored: Vec<u8> = client.get(&redis_key).await.unwrap();
+            let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32;
+            edit(&mut stored, payload_at);
+            let _: () = client.set(&redis_key, stored, None, None, false).await.unwrap();
+        }
+    };
+    let expect_in_flight = |answer: common::app::Answer| {
+        assert_eq!(answer.status, StatusCode::CONFLICT, "{:?}", answer.body);
+        assert_eq!(answer.headers["retry-after"], "1");
+        assert!(matches!(
+            answer.extensions.get::<Rejection>(),
+            Some(Rejection::InFlight { .. })
+        ));
+    };
+
+    // The previous release's stored response replays, byte for byte.
+    rewrite("from-previous", |record, at| {
+        record.truncate(at);
+        record.extend_from_slice(PREVIOUS_RELEASE_RESPONSE);
+    })
+    .await;
+    let replay = send(&app, payment("from-previous", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.headers["x-old"], "1");
+    assert_eq!(replay.body, "old");
+    assert_eq!(
+        layer
+            .inspect(None, "from-previous")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        Some(StatusCode::CREATED)
+    );
+
+    // A record in a newer record layout, and a newer response layout in a record this release
+    // reads: both "in flight, retry in 1 s".
+    rewrite("from-newer-record", |record, _| record[3] = 3).await;
+    expect_in_flight(send(&app, payment("from-newer-record", "{}")).await);
+    rewrite("from-newer-response", |record, at| {
+        record.truncate(at);
+        record.extend_from_slice(b"TIR\x03 a layout this release does not know");
+    })
+    .await;
+    expect_in_flight(send(&app, payment("from-newer-response", "{}")).await);
+    assert_eq!(runs.get(), 3, "no handler ran for a record it could not read");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -31,8 +31,11 @@ pub(crate) mod redis;
 /// ```
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
-/// The version of the record layout. A record written by an incompatible version is reported as
-/// [`StoreError::Corrupt`], never read as if it were ours.
+/// The version of the record layout. A record in a newer layout (written by a newer release,
+/// during a rolling upgrade) is answered like one in flight, to be retried; one in an unknown
+/// layout is reported as [`StoreError::Corrupt`], never read as if it were ours. Within a
+/// record, the stored response has a layout version of its own, read the same way: this
+/// release reads the previous release's responses.
 ///
 /// ```
 /// assert_eq!(tower_idempotency::RECORD_VERSION, 2);

@@ -636,6 +636,12 @@ mod record {
         pub(super) payload: Bytes,
     }
 
+    /// The layout version of a record written by a newer release than this one, if it is one.
+    pub(super) fn newer_version(record: &Bytes) -> Option<u8> {
+        let version = *record.strip_prefix(MAGIC)?.first()?;
+        (u32::from(version) > RECORD_VERSION).then_some(version)
+    }
+
     pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
         let take = |at: usize, len: usize| {
             record
@@ -759,6 +765,18 @@ impl Store for RedisStore {
                 value => into_bytes(value)
                     .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
             };
+            if let Some(version) = record::newer_version(&existing) {
+                // A rolling upgrade is under way: a newer release wrote this. Retry later (on an
+                // instance of that release, or once this one is upgraded), never "corrupt".
+                tracing::info!(
+                    ?key,
+                    version,
+                    "record written by a newer release; answering as if in flight"
+                );
+                return Ok(ClaimOutcome::InFlight {
+                    lease_left: Duration::from_secs(1).min(lease),
+                });
+            }
             let found = record::parse(&existing).map_err(StoreError::Corrupt)?;
             let outcome = if found.state == record::IN_FLIGHT && found.owner == owner.as_str().as_bytes() {
                 // This claim, re-sent by the client library after a dropped connection.
@@ -840,6 +858,11 @@ impl Store for RedisStore {
                     "unexpected answer from the inspect script".into(),
                 ));
             };
+            if let Some(version) = record::newer_version(&stored) {
+                return Err(StoreError::Corrupt(format!(
+                    "a record in layout version {version}, written by a newer release: inspect it with that release"
+                )));
+            }
             let found = record::parse(&stored).map_err(StoreError::Corrupt)?;
             let expires_in = Duration::from_millis(ttl.max(0) as u64);
             Ok(Some(if found.state == record::IN_FLIGHT {

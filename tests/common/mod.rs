@@ -319,9 +319,17 @@ pub mod app {
         let status = header("x-status").and_then(|s| s.parse().ok()).unwrap_or(201);
         let body = match header("x-body-size").and_then(|v| v.parse::<usize>().ok()) {
             Some(size) => Body::from(vec![b'x'; size]),
-            None => Body::from(format!("run {run}; echo {}", String::from_utf8_lossy(&body))),
+            None => match header("x-stream") {
+                Some(spec) => stream(&spec, header("x-trailer")),
+                None => Body::from(format!("run {run}; echo {}", String::from_utf8_lossy(&body))),
+            },
         };
         let mut response = Response::new(body);
+        if let Some(length) = header("x-stream-length") {
+            response
+                .headers_mut()
+                .insert("content-length", HeaderValue::from_str(&length).unwrap());
+        }
         *response.status_mut() = StatusCode::from_u16(status).unwrap();
         let h = response.headers_mut();
         h.insert(
@@ -336,6 +344,39 @@ pub mod app {
             h.insert("cache-control", HeaderValue::from_str(&cc).unwrap());
         }
         response
+    }
+
+    /// A body of unknown length, as `x-stream: <chunks>,<ms between>[,fail]` asks: `chunk 0\n`,
+    /// `chunk 1\n`, ..., then an error (`fail`) or the end, with an `x-checksum` trailer holding
+    /// `trailer` if given.
+    fn stream(spec: &str, trailer: Option<String>) -> Body {
+        use http_body::Frame;
+        let mut spec = spec.split(',');
+        let chunks: u64 = spec.next().and_then(|n| n.parse().ok()).unwrap_or(1);
+        let gap = Duration::from_millis(spec.next().and_then(|n| n.parse().ok()).unwrap_or(0));
+        let fail = spec.next() == Some("fail");
+        let frames = futures_util::stream::unfold(0u64, move |i| {
+            let trailer = trailer.clone();
+            async move {
+                if i > 0 && i <= chunks {
+                    tokio::time::sleep(gap).await;
+                }
+                let frame = match i {
+                    i if i < chunks => Ok(Frame::data(Bytes::from(format!("chunk {i}\n")))),
+                    i if i == chunks && fail => Err(std::io::Error::other("the upstream broke")),
+                    i if i == chunks => {
+                        let value = HeaderValue::from_str(&trailer?).unwrap();
+                        Ok(Frame::trailers(HeaderMap::from_iter([(
+                            http::HeaderName::from_static("x-checksum"),
+                            value,
+                        )])))
+                    }
+                    _ => return None,
+                };
+                Some((frame, i + 1))
+            }
+        });
+        Body::new(http_body_util::StreamBody::new(frames))
     }
 
     /// `POST /payments` and `PATCH /payments` behind `layer`; `GET` and `PUT /payments` too.
@@ -358,6 +399,7 @@ pub mod app {
         pub status: StatusCode,
         pub headers: HeaderMap,
         pub body: Bytes,
+        pub trailers: Option<HeaderMap>,
         pub extensions: http::Extensions,
     }
 
@@ -377,11 +419,13 @@ pub mod app {
     pub async fn send(router: &Router, request: Request<Body>) -> Answer {
         let response = router.clone().oneshot(request).await.expect("infallible");
         let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("a readable body").to_bytes();
+        let collected = body.collect().await.expect("a readable body");
+        let trailers = collected.trailers().cloned();
         Answer {
             status: parts.status,
             headers: parts.headers,
-            body,
+            body: collected.to_bytes(),
+            trailers,
             extensions: parts.extensions,
         }
     }

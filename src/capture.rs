@@ -1,0 +1,323 @@
+//! Capturing a claimed request's response: stored whole before it is sent, stored as it streams
+//! to the client, or recorded as *not stored*, so that a retry is never run a second time
+//! because the first response could not be kept.
+
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::header::CONTENT_LENGTH;
+use http::{response, HeaderMap, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+
+use crate::body::{collect_limited, BoxError, Collected, ResponseBody};
+use crate::config::Config;
+use crate::coordinator::Claim;
+use crate::future::BoxFuture;
+use crate::replay::{self, NotStored, StoredResponse};
+
+/// What became of a handler's response once its head was in.
+pub(crate) enum Captured<B> {
+    /// Read whole within the cap: store the payload, send the response (whose body is a slice
+    /// of the payload, so a large body is held once).
+    Stored(Response<ResponseBody<B>>, Bytes),
+    /// The cacheable rule says a retry should run again (a 5xx, say): release the key.
+    NotCacheable(Response<ResponseBody<B>>),
+    /// It could not be stored: the key is kept completed as not replayable (or released, if the
+    /// layer is configured so).
+    NotStored(Response<ResponseBody<B>>, NotStored),
+    /// Of unknown length: it is stored as it streams to the client, by a [`Storing`] body that
+    /// takes over the claim.
+    Streaming(response::Parts, B, StoredResponse),
+}
+
+/// Reads the handler's response, as far as the storage cap allows, into what the client gets
+/// and what is stored.
+///
+/// A body whose length is known up front (`Content-Length`, or an exact size hint) and fits the
+/// cap is read whole and stored before the response is sent; one known to be over the cap is
+/// sent on and recorded as not stored; one of unknown length (a compression layer inside this
+/// one, a proxied chunked upstream) is sent as it comes and stored as it passes.
+pub(crate) async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    if !(config.cacheable)(&parts) {
+        return Captured::NotCacheable(Response::from_parts(parts, ResponseBody::streaming(body)));
+    }
+    let limit = config.response_limit;
+    let record = |parts: &response::Parts, expected: usize| {
+        StoredResponse::start(
+            parts.status,
+            &parts.headers,
+            |name| config.stores_header(name),
+            expected,
+            limit,
+        )
+    };
+    match declared_length(&parts.headers).or(body.size_hint().exact()) {
+        None => {
+            let record = record(&parts, 0);
+            return Captured::Streaming(parts, body, record);
+        }
+        Some(len) if len > limit as u64 => {
+            let response = Response::from_parts(parts, ResponseBody::streaming(body));
+            return Captured::NotStored(response, NotStored::TooLarge);
+        }
+        Some(_) => {}
+    }
+    match collect_limited(body, limit).await {
+        Collected::Complete { data, trailers } => {
+            let mut stored = record(&parts, data.len());
+            // Within the limit by construction: `collect_limited` read no more than it.
+            stored.push(&data);
+            drop(data);
+            let (payload, body) = stored.finish(trailers.as_ref());
+            // The client gets the stored copy of the body, so a large body is held once, not twice.
+            let body = ResponseBody::with_trailers(payload.slice(body), trailers);
+            Captured::Stored(Response::from_parts(parts, body), payload)
+        }
+        collected => {
+            let why = match &collected {
+                Collected::Failed { .. } => NotStored::BodyFailed,
+                _ => NotStored::TooLarge,
+            };
+            Captured::NotStored(Response::from_parts(parts, collected.into_response_body()), why)
+        }
+    }
+}
+
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// Settles a claim whose response was not stored: keeps the key completed as not replayable, so
+/// a retry is told so rather than run again, or releases it when the layer is configured to.
+pub(crate) async fn settle_not_stored(
+    claim: Claim,
+    why: NotStored,
+    status: Option<StatusCode>,
+    release: bool,
+) {
+    let key = claim.key().clone();
+    if release {
+        tracing::warn!(?key, %why, "response not stored; the key is released, so a retry runs the handler again");
+        if let Err(error) = claim.release().await {
+            tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
+        }
+    } else {
+        tracing::warn!(?key, %why, "response not stored; the key is kept as not replayable for its retention");
+        // Errors are logged by `complete`.
+        let _ = claim.complete(replay::encode_not_stored(why, status)).await;
+    }
+}
+
+/// The body of a response of unknown length whose key is still claimed: it passes every frame
+/// on as it comes and keeps a copy up to the cap, then completes the claim when the body ends
+/// (before the client sees the end), with trailers. A body over the cap, or one that fails,
+/// settles the claim as not stored at that point and streams on.
+///
+/// Dropped before it has settled (the client left), it carries on in a task of its own, which
+/// reads the rest and stores it as if the client were there, unless the layer cancels on
+/// disconnect (the claim is then released).
+pub(crate) struct Storing<B> {
+    /// The handler's body, until it has ended.
+    body: Option<Pin<Box<B>>>,
+    /// The copy, until it is stored or found too large.
+    record: Option<StoredResponse>,
+    status: StatusCode,
+    /// The claim, until the copy is stored or the key settled otherwise.
+    claim: Option<Claim>,
+    release_not_stored: bool,
+    /// The completion or release under way; the client's next frame waits for it.
+    settling: Option<BoxFuture<()>>,
+    /// What to hand the client once `settling` is done: a frame, or the end.
+    then: Option<Option<Result<Frame<Bytes>, BoxError>>>,
+    /// Set unless the layer cancels on disconnect; carries the `Send + 'static` bounds a spawn
+    /// needs, so this type needs none.
+    detach: Option<fn(Storing<B>)>,
+    span: tracing::Span,
+}
+
+impl<B> Storing<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    /// Takes over `claim`, whose lease must be renewed in the background meanwhile.
+    pub(crate) fn new(
+        body: B,
+        record: StoredResponse,
+        status: StatusCode,
+        claim: Claim,
+        config: &Config,
+    ) -> Self
+    where
+        B: Send + 'static,
+    {
+        Self {
+            body: Some(Box::pin(body)),
+            record: Some(record),
+            status,
+            claim: Some(claim),
+            release_not_stored: config.release_not_stored,
+            settling: None,
+            then: None,
+            detach: (!config.cancel_on_disconnect).then_some(drain_detached::<B> as fn(_)),
+            span: tracing::Span::current(),
+        }
+    }
+
+    pub(crate) fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            if let Some(settling) = &mut self.settling {
+                ready!(settling.as_mut().poll(cx));
+                self.settling = None;
+                match self.then.take() {
+                    Some(next) => return Poll::Ready(next),
+                    None => continue,
+                }
+            }
+            let Some(body) = &mut self.body else {
+                return Poll::Ready(None);
+            };
+            let next = match ready!(body.as_mut().poll_frame(cx)) {
+                None => {
+                    self.body = None;
+                    self.settle(Ok(None));
+                    None
+                }
+                Some(Err(error)) => {
+                    self.body = None;
+                    self.settle(Err(NotStored::BodyFailed));
+                    Some(Err(error.into()))
+                }
+                Some(Ok(frame)) => match frame.data_ref() {
+                    Some(data) => {
+                        let kept = self.record.as_mut().map_or(true, |record| record.push(data));
+                        if !kept {
+                            self.settle(Err(NotStored::TooLarge));
+                        }
+                        Some(Ok(frame))
+                    }
+                    None => {
+                        // Trailers end the body.
+                        self.body = None;
+                        self.settle(Ok(frame.trailers_ref()));
+                        Some(Ok(frame))
+                    }
+                },
+            };
+            if self.settling.is_none() {
+                return Poll::Ready(next);
+            }
+            self.then = Some(next);
+        }
+    }
+
+    /// Starts settling the claim, if it is still held: stores the copy with `trailers`, or
+    /// records why it could not be stored.
+    fn settle(&mut self, outcome: Result<Option<&HeaderMap>, NotStored>) {
+        let Some(claim) = self.claim.take() else {
+            return;
+        };
+        let record = self.record.take();
+        self.settling = Some(match (outcome, record) {
+            (Ok(trailers), Some(record)) => {
+                let (payload, _) = record.finish(trailers);
+                Box::pin(async move {
+                    // Errors are logged by `complete`.
+                    let _ = claim.complete(payload).await;
+                })
+            }
+            (outcome, _) => {
+                let why = outcome.err().unwrap_or(NotStored::TooLarge);
+                Box::pin(settle_not_stored(
+                    claim,
+                    why,
+                    Some(self.status),
+                    self.release_not_stored,
+                ))
+            }
+        });
+    }
+
+    pub(crate) fn is_end_stream(&self) -> bool {
+        self.body.is_none() && self.settling.is_none() && self.then.is_none()
+    }
+
+    pub(crate) fn size_hint(&self) -> SizeHint {
+        match &self.body {
+            Some(body) => body.size_hint(),
+            None => SizeHint::with_exact(0),
+        }
+    }
+}
+
+impl<B> Drop for Storing<B> {
+    fn drop(&mut self) {
+        let unsettled = self.claim.is_some() || self.settling.is_some();
+        if let (true, Some(detach)) = (unsettled, self.detach.take()) {
+            detach(Storing {
+                body: self.body.take(),
+                record: self.record.take(),
+                status: self.status,
+                claim: self.claim.take(),
+                release_not_stored: self.release_not_stored,
+                settling: self.settling.take(),
+                then: None,
+                detach: None,
+                span: self.span.clone(),
+            });
+        }
+    }
+}
+
+/// Reads the rest of a body whose client left, so its response is stored for the retry.
+fn drain_detached<B>(mut storing: Storing<B>)
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    use tracing::Instrument;
+    let span = storing.span.clone();
+    let draining = async move { while std::future::poll_fn(|cx| storing.poll_frame(cx)).await.is_some() {} };
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(draining.instrument(span));
+        }
+        // Dropping it drops its claim, which logs that it cannot be released without a runtime.
+        Err(_) => tracing::warn!("no Tokio runtime to finish storing a response whose client left"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full};
+
+    #[tokio::test]
+    async fn a_stored_response_is_sent_from_the_stored_copy_not_a_second_one() {
+        let body = Bytes::from(vec![9u8; 1024 * 1024]);
+        let response = Response::builder()
+            .status(201)
+            .header(CONTENT_LENGTH, body.len())
+            .body(Full::new(body))
+            .unwrap();
+        let Captured::Stored(response, payload) = capture(response, &Config::default()).await else {
+            panic!("a 1 MiB response fits the default cap");
+        };
+        let sent = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(sent.len(), 1024 * 1024);
+        let stored = payload.as_ptr_range();
+        assert!(
+            stored.contains(&sent.as_ptr()),
+            "the client's body is a slice of the stored payload"
+        );
+    }
+}
