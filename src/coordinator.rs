@@ -1,13 +1,13 @@
 //! The HTTP-free protocol: claim a key, run the operation once, then complete or release.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
@@ -116,9 +116,13 @@ pub enum Error {
     ClaimLost,
 }
 
+/// Counts the operations running under one coordinator (and its clones), bounds them, and
+/// tells a shutdown when the last one has finished.
 struct Tracker {
     closing: AtomicBool,
-    permits: Arc<Semaphore>,
+    running: AtomicUsize,
+    /// Woken when `running` drops to zero.
+    idle: Notify,
     max: u32,
 }
 
@@ -126,8 +130,40 @@ impl Tracker {
     fn new(max: u32) -> Self {
         Self {
             closing: AtomicBool::new(false),
-            permits: Arc::new(Semaphore::new(max as usize)),
+            running: AtomicUsize::new(0),
+            idle: Notify::new(),
             max,
+        }
+    }
+}
+
+/// One running operation's place under the bound; counted until dropped.
+pub(crate) struct Slot {
+    tracker: Arc<Tracker>,
+}
+
+impl Slot {
+    /// A place for new work, unless shutting down or at the bound.
+    fn take(tracker: &Arc<Tracker>) -> Result<Self, Error> {
+        if tracker.closing.load(Ordering::Acquire) {
+            return Err(Error::ShuttingDown);
+        }
+        let before = tracker.running.fetch_add(1, Ordering::AcqRel);
+        // Built first, so an over-count is undone by its drop.
+        let slot = Self {
+            tracker: tracker.clone(),
+        };
+        if before >= tracker.max as usize {
+            return Err(Error::AtCapacity);
+        }
+        Ok(slot)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.tracker.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.tracker.idle.notify_waiters();
         }
     }
 }
@@ -193,7 +229,8 @@ impl Coordinator {
     }
 
     /// Bounds how many claimed operations may run at once (default: 10 000); over it
-    /// [`begin`](Coordinator::begin) fails with [`Error::AtCapacity`] and claims nothing.
+    /// [`begin`](Coordinator::begin) claims nothing: it still reports a completed, running or
+    /// mismatched key (from [`Store::peek`]) and fails with [`Error::AtCapacity`] otherwise.
     /// Setting it starts a new tracker: coordinators cloned afterwards share it and its
     /// [`ShutdownHandle`].
     ///
@@ -245,22 +282,17 @@ impl Coordinator {
         fingerprint: &Fingerprint,
         renewal: Renewal,
     ) -> Result<Begin, Error> {
-        // A copy held in this process answers before anything a claim needs (permit, owner
-        // token, store call): a replay is not new work, so neither the bound nor shutdown stops it.
+        // A copy held in this process answers before anything a claim needs (a slot, an owner
+        // token, a store call): a replay is not new work, so neither the bound nor shutdown stops it.
         match self.store.cached(key, fingerprint) {
             Some(ClaimOutcome::Completed(payload)) => return Ok(Begin::Completed(payload)),
             Some(ClaimOutcome::Mismatch) => return Ok(Begin::Mismatch),
             Some(ClaimOutcome::Claimed | ClaimOutcome::InFlight { .. }) | None => {}
         }
-        if self.tracker.closing.load(Ordering::Acquire) {
-            return Err(Error::ShuttingDown);
-        }
-        let permit = self
-            .tracker
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::AtCapacity)?;
+        let slot = match Slot::take(&self.tracker) {
+            Ok(slot) => slot,
+            Err(refusal) => return self.answer_without_claiming(key, fingerprint, refusal).await,
+        };
         let owner = OwnerToken::generate();
         // If this future is dropped while the claim is on its way (the client hung up) or the
         // claim fails in transit, it may still land; a release queued behind it keeps it from
@@ -281,13 +313,38 @@ impl Coordinator {
                 self.clone(),
                 key.clone(),
                 owner,
-                permit,
+                slot,
                 renewal,
             ))),
             ClaimOutcome::Completed(payload) => Ok(Begin::Completed(payload)),
             ClaimOutcome::InFlight { lease_left } => Ok(Begin::InFlight { lease_left }),
             ClaimOutcome::Mismatch => Ok(Begin::Mismatch),
         }
+    }
+
+    /// Taking no new work (at the bound, or shutting down), still answers a key that is done,
+    /// running or used with another request, from one read of the store; anything else, and
+    /// a store that cannot say, gets `refusal`.
+    async fn answer_without_claiming(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        refusal: Error,
+    ) -> Result<Begin, Error> {
+        match self.bounded(self.store.peek(key, fingerprint)).await {
+            Ok(Some(ClaimOutcome::Completed(payload))) => Ok(Begin::Completed(payload)),
+            Ok(Some(ClaimOutcome::InFlight { lease_left })) => Ok(Begin::InFlight { lease_left }),
+            Ok(Some(ClaimOutcome::Mismatch)) => Ok(Begin::Mismatch),
+            Err(StoreError::Corrupt(reason)) => Err(Error::Store(StoreError::Corrupt(reason))),
+            // A store failure here must not become a fail-open run past the bound.
+            Ok(Some(ClaimOutcome::Claimed) | None) | Err(_) => Err(refusal),
+        }
+    }
+
+    /// A counted place for work run outside a claim (a fail-open run), so that the bound and
+    /// a shutdown see it.
+    pub(crate) fn slot(&self) -> Result<Slot, Error> {
+        Slot::take(&self.tracker)
     }
 
     /// Reads the record at `key` (state, time left, stored payload), for operators.
@@ -384,7 +441,7 @@ pub struct Claim {
     /// The background renewal task, or `None` when the holder renews through `keep_alive`.
     renewal: Option<JoinHandle<()>>,
     settled: bool,
-    _permit: OwnedSemaphorePermit,
+    _slot: Slot,
 }
 
 /// Who renews a claim's lease while its operation runs.
@@ -410,7 +467,7 @@ impl Claim {
         coordinator: Coordinator,
         key: RecordKey,
         owner: OwnerToken,
-        permit: OwnedSemaphorePermit,
+        slot: Slot,
         renewal: Renewal,
     ) -> Self {
         let mut claim = Self {
@@ -420,7 +477,7 @@ impl Claim {
             lost: Arc::new(AtomicBool::new(false)),
             renewal: None,
             settled: false,
-            _permit: permit,
+            _slot: slot,
         };
         if let Renewal::Background = renewal {
             claim.renew_in_background();
@@ -632,7 +689,7 @@ pub struct ShutdownTimedOut {
 impl ShutdownHandle {
     /// How many claimed operations are running now.
     pub fn running(&self) -> usize {
-        (self.tracker.max as usize).saturating_sub(self.tracker.permits.available_permits())
+        self.tracker.running.load(Ordering::Acquire)
     }
 
     /// Whether [`shutdown`](ShutdownHandle::shutdown) was called.
@@ -640,15 +697,26 @@ impl ShutdownHandle {
         self.tracker.closing.load(Ordering::Acquire)
     }
 
-    /// Stops taking new keys (they get [`Error::ShuttingDown`], over HTTP a 503) and waits up to
-    /// `deadline` for the running operations to finish and store their results.
+    /// Stops taking new keys (they get [`Error::ShuttingDown`], over HTTP a 503; keys already
+    /// done or running are still answered) and waits up to `deadline` for the running
+    /// operations to finish and store their results. [`running`](ShutdownHandle::running) stays
+    /// exact meanwhile.
     pub async fn shutdown(&self, deadline: Duration) -> Result<(), ShutdownTimedOut> {
         self.tracker.closing.store(true, Ordering::Release);
-        match tokio::time::timeout(deadline, self.tracker.permits.acquire_many(self.tracker.max)).await {
-            Ok(_) => Ok(()),
-            Err(_) => Err(ShutdownTimedOut {
-                running: self.running(),
-            }),
+        let deadline = tokio::time::Instant::now() + deadline;
+        loop {
+            // Registered before the count is read, so the last operation's wake-up is not missed.
+            let idle = self.tracker.idle.notified();
+            let mut idle = std::pin::pin!(idle);
+            idle.as_mut().enable();
+            if self.running() == 0 {
+                return Ok(());
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return Err(ShutdownTimedOut {
+                    running: self.running(),
+                });
+            }
         }
     }
 }

@@ -349,9 +349,10 @@ impl IdempotencyLayer {
         self.config(|c| c.handler_timeout = timeout)
     }
 
-    /// Bounds how many keyed requests may run their handler at once (default: 10 000); over it
-    /// they are answered 503 and nothing is claimed. Starts a new tracker, shared by the clones
-    /// made afterwards.
+    /// Bounds how many keyed requests may run their handler at once, fail-open runs included
+    /// (default: 10 000); over it new keys are answered 503 and nothing is claimed, while a key
+    /// already done still replays and one running still gets its 409 (one read of the store).
+    /// Starts a new tracker, shared by the clones made afterwards.
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};

@@ -254,13 +254,14 @@ where
             return reject(Rejection::UnreadableRecord);
         }
         Err(Error::Store(error)) if config.fail_open => {
+            // Counted like a claimed run, so the bound holds and a shutdown waits for it.
+            let Ok(slot) = coordinator.slot() else {
+                return reject(Rejection::Overloaded);
+            };
             tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
-            return Step::Done(
-                inner
-                    .call(request)
-                    .await
-                    .map(|response| response.map(ResponseBody::streaming)),
-            );
+            let answer = inner.call(request).await;
+            drop(slot);
+            return Step::Done(answer.map(|response| response.map(ResponseBody::streaming)));
         }
         Err(Error::Store(error)) => {
             tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");

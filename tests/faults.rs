@@ -256,6 +256,7 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
         tokio::spawn(async move { handle.shutdown(Duration::from_secs(5)).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(handle.running(), 3, "exact while the shutdown waits");
     let refused = send(&app, payment("s4", "{}")).await;
     assert_eq!(rejection(&refused), Some(&Rejection::Overloaded));
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -314,6 +315,95 @@ async fn over_the_in_flight_bound_answers_503_and_claims_nothing(b: Backend) {
         "b3 was never claimed"
     );
     assert_eq!(runs.get(), 3);
+}
+
+// Promise 8: only new work is refused. At the bound and while shutting down, a key already
+// done still replays and one running still gets its 409, from one read of the store; the
+// running count is exact while a shutdown waits.
+async fn at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered(b: Backend) {
+    let layer = layer(&b).with_max_in_flight(1);
+    let handle = layer.shutdown_handle();
+    let (app, runs) = router(layer.clone());
+    assert_eq!(
+        send(&app, payment("done", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    let busy = spawn_send(&app, slow("busy", 500));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(handle.running(), 1, "at the bound");
+    let check = |phase: &'static str| {
+        let app = app.clone();
+        async move {
+            let replay = send(&app, payment("done", "{}")).await;
+            assert!(
+                replay.is_replay(),
+                "{phase}: a done key replays: {} {:?}",
+                replay.status,
+                replay.body
+            );
+            let other = send(&app, payment("done", "{\"other\":1}")).await;
+            assert!(
+                matches!(rejection(&other), Some(Rejection::Mismatch { .. })),
+                "{phase}: a mismatch is a mismatch"
+            );
+            let running = send(&app, payment("busy", "{}")).await;
+            assert!(
+                matches!(rejection(&running), Some(Rejection::InFlight { .. })),
+                "{phase}: a running key answers 409"
+            );
+            let new = send(&app, payment(&format!("new-{phase}"), "{}")).await;
+            assert_eq!(
+                rejection(&new),
+                Some(&Rejection::Overloaded),
+                "{phase}: new work is refused"
+            );
+        }
+    };
+    check("bound").await;
+    let shutdown = {
+        let handle = handle.clone();
+        tokio::spawn(async move { handle.shutdown(Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(handle.is_shutting_down());
+    assert_eq!(handle.running(), 1, "exact while the shutdown waits");
+    check("shutdown").await;
+    assert!(shutdown.await.unwrap().is_ok());
+    assert_eq!(handle.running(), 0);
+    assert_eq!(busy.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2, "only done and busy ran");
+    for phase in ["bound", "shutdown"] {
+        assert!(
+            layer
+                .inspect(None, &format!("new-{phase}"))
+                .await
+                .unwrap()
+                .is_none(),
+            "nothing new claimed"
+        );
+    }
+}
+
+// Promise 8: a fail-open run (the store down, `with_fail_open`) is counted under the bound and
+// waited for at shutdown like a claimed one.
+async fn fail_open_runs_are_counted_and_waited_for(b: Backend) {
+    let down = Arc::new(common::FaultyStore::new(b.store.clone()).with_answer_delay(Duration::from_secs(5)));
+    let layer = IdempotencyLayer::new(down)
+        .with_store_timeout(Duration::from_millis(50))
+        .with_fail_open(true)
+        .with_max_in_flight(1);
+    let handle = layer.shutdown_handle();
+    let (app, runs) = router(layer);
+    let unprotected = spawn_send(&app, slow("open-1", 600));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(handle.running(), 1, "counted");
+    let over = send(&app, payment("open-2", "{}")).await;
+    assert_eq!(rejection(&over), Some(&Rejection::Overloaded), "the bound holds");
+    let started = std::time::Instant::now();
+    assert!(handle.shutdown(Duration::from_secs(5)).await.is_ok());
+    assert!(started.elapsed() >= Duration::from_millis(100), "waited for it");
+    assert_eq!(runs.finished(), 1);
+    assert_eq!(unprotected.await.unwrap().status, StatusCode::CREATED);
 }
 
 // Promise 9: in-flight records too
@@ -380,6 +470,8 @@ on_both_stores!(
     shutdown_refuses_new_keys_and_waits_for_running_handlers,
     shutdown_reports_handlers_still_running_at_the_deadline,
     over_the_in_flight_bound_answers_503_and_claims_nothing,
+    at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered,
+    fail_open_runs_are_counted_and_waited_for,
     operators_see_the_lease_left_on_a_running_key,
     an_unreadable_stored_response_is_an_error_never_a_replay,
 );

@@ -282,7 +282,39 @@ async fn scopes_are_separate_records(b: Backend) {
     );
 }
 
+async fn peek_reports_what_a_claim_would_find_and_writes_nothing(b: Backend) {
+    let s = &*b.store;
+    let (k, f, owner) = (key("peeked"), fp("body"), OwnerToken::generate());
+    assert_eq!(s.peek(&k, &f).await.unwrap(), None, "no record");
+    assert_eq!(
+        claim(s, &k, &f, &owner, LEASE).await,
+        ClaimOutcome::Claimed,
+        "the peek claimed nothing"
+    );
+    assert!(matches!(
+        s.peek(&k, &f).await.unwrap(),
+        Some(ClaimOutcome::InFlight { lease_left }) if lease_left <= LEASE && lease_left > LEASE - Duration::from_secs(5)
+    ));
+    assert_eq!(
+        s.peek(&k, &fp("other")).await.unwrap(),
+        Some(ClaimOutcome::Mismatch)
+    );
+    assert!(s
+        .complete(&k, &owner, Bytes::from_static(b"result"), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(
+        s.peek(&k, &f).await.unwrap(),
+        Some(ClaimOutcome::Completed(Bytes::from_static(b"result")))
+    );
+    assert_eq!(
+        s.peek(&k, &fp("other")).await.unwrap(),
+        Some(ClaimOutcome::Mismatch)
+    );
+}
+
 on_both_stores!(
+    peek_reports_what_a_claim_would_find_and_writes_nothing,
     claim_then_in_flight_then_completed,
     a_claim_sent_twice_does_not_conflict_with_itself,
     a_different_fingerprint_is_a_mismatch_in_either_state,

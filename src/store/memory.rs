@@ -268,6 +268,23 @@ impl Store for MemoryStore {
         ready(outcome)
     }
 
+    fn peek<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+    ) -> StoreFuture<'a, Option<ClaimOutcome>> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        let found = records.live(key.digest(), now).map(|entry| match &entry.state {
+            _ if entry.fingerprint != *fingerprint => ClaimOutcome::Mismatch,
+            State::InFlight { .. } => ClaimOutcome::InFlight {
+                lease_left: entry.expires_at - now,
+            },
+            State::Completed { payload, .. } => ClaimOutcome::Completed(payload.clone()),
+        });
+        ready(Ok(found))
+    }
+
     fn complete<'a>(
         &'a self,
         key: &'a RecordKey,

@@ -96,6 +96,24 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// Reports what [`claim`](Store::claim) would find at `key`, without claiming it: the answer
+    /// a claim would give for the record there ([`ClaimOutcome::Completed`],
+    /// [`ClaimOutcome::InFlight`] or [`ClaimOutcome::Mismatch`]), or `None` when there is no live
+    /// record. One round trip, and nothing written.
+    ///
+    /// [`Coordinator`](crate::Coordinator) asks this instead of `claim` when it may not take new
+    /// work (at its bound on running operations, or shutting down), so that a retry of a key
+    /// already done or running still gets its replay or its 409 there. The default knows nothing
+    /// (`Ok(None)`), so such retries get 503 like new work.
+    fn peek<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+    ) -> StoreFuture<'a, Option<ClaimOutcome>> {
+        let _ = (key, fingerprint);
+        Box::pin(std::future::ready(Ok(None)))
+    }
+
     /// Completes `owner`'s claim with `payload`, kept for `retention`.
     ///
     /// Answers `true` if the record is now completed by `owner` (also when it already was: a
@@ -141,6 +159,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
 
     fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
         (**self).cached(key, fingerprint)
+    }
+
+    fn peek<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+    ) -> StoreFuture<'a, Option<ClaimOutcome>> {
+        (**self).peek(key, fingerprint)
     }
 
     fn complete<'a>(

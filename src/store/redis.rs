@@ -410,6 +410,50 @@ impl RedisStore {
 
     /// Claims with one native command: `SET key <in-flight record> NX PX <lease> GET` answers nil
     /// when it created the record, or the record that is there (and leaves it as it is).
+    /// What a claim (or a peek, without an `owner`) found in the record `existing`. A completed
+    /// record is offered to the replay cache, if the cache heard no purge since `epoch`.
+    fn found(
+        &self,
+        key: &RecordKey,
+        existing: &Bytes,
+        fingerprint: &Fingerprint,
+        owner: Option<&OwnerToken>,
+        lease: Duration,
+        epoch: Option<u64>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        if let Some(version) = record::newer_version(existing) {
+            // A rolling upgrade is under way: a newer release wrote this. Retry later (on an
+            // instance of that release, or once this one is upgraded), never "corrupt".
+            tracing::info!(
+                ?key,
+                version,
+                "record written by a newer release; answering as if in flight"
+            );
+            return Ok(ClaimOutcome::InFlight {
+                lease_left: Duration::from_secs(1).min(lease),
+            });
+        }
+        let found = record::parse(existing).map_err(StoreError::Corrupt)?;
+        let ours = owner.is_some_and(|owner| found.owner == owner.as_str().as_bytes());
+        let outcome = if found.state == record::IN_FLIGHT && ours {
+            // This claim, re-sent by the client library after a dropped connection.
+            ClaimOutcome::Claimed
+        } else if found.fingerprint != *fingerprint.as_bytes() {
+            ClaimOutcome::Mismatch
+        } else if found.state == record::IN_FLIGHT {
+            ClaimOutcome::InFlight {
+                lease_left: found.time_left.min(lease),
+            }
+        } else {
+            if let (Some(cache), Some(epoch)) = (self.cache.as_deref(), epoch) {
+                let payload = found.payload.clone();
+                cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+            }
+            ClaimOutcome::Completed(found.payload)
+        };
+        Ok(outcome)
+    }
+
     async fn set_if_absent(
         &self,
         key: &RecordKey,
@@ -757,44 +801,49 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
-            let cache = self.cache.as_deref();
-            let epoch = cache.map(ReplayCache::epoch);
+            let epoch = self.cache.as_deref().map(ReplayCache::epoch);
             let fresh = record::in_flight(owner, fingerprint, lease)?;
             let existing = match self.set_if_absent(key, fresh, lease).await? {
                 Value::Null => return Ok(ClaimOutcome::Claimed),
                 value => into_bytes(value)
                     .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
             };
-            if let Some(version) = record::newer_version(&existing) {
-                // A rolling upgrade is under way: a newer release wrote this. Retry later (on an
-                // instance of that release, or once this one is upgraded), never "corrupt".
-                tracing::info!(
-                    ?key,
-                    version,
-                    "record written by a newer release; answering as if in flight"
-                );
-                return Ok(ClaimOutcome::InFlight {
-                    lease_left: Duration::from_secs(1).min(lease),
-                });
-            }
-            let found = record::parse(&existing).map_err(StoreError::Corrupt)?;
-            let outcome = if found.state == record::IN_FLIGHT && found.owner == owner.as_str().as_bytes() {
-                // This claim, re-sent by the client library after a dropped connection.
-                ClaimOutcome::Claimed
-            } else if found.fingerprint != *fingerprint.as_bytes() {
-                ClaimOutcome::Mismatch
-            } else if found.state == record::IN_FLIGHT {
-                ClaimOutcome::InFlight {
-                    lease_left: found.time_left.min(lease),
+            self.found(key, &existing, fingerprint, Some(owner), lease, epoch)
+        })
+    }
+
+    fn peek<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+    ) -> StoreFuture<'a, Option<ClaimOutcome>> {
+        Box::pin(async move {
+            let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+            let client = self.connection.client().with_options(&self.options);
+            let get = CustomCommand::new_static("GET", ClusterHash::FirstKey, false);
+            let existing = match client
+                .custom::<Value, Value>(get, vec![Value::from(self.redis_key(key))])
+                .await
+                .map_err(|e| match e.details() {
+                    details if details.starts_with("WRONGTYPE") => {
+                        StoreError::Corrupt("the key holds something other than a record".into())
+                    }
+                    _ => self.failed(e),
+                })? {
+                Value::Null => return Ok(None),
+                value => {
+                    into_bytes(value).ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?
                 }
-            } else {
-                if let (Some(cache), Some(epoch)) = (cache, epoch) {
-                    let payload = found.payload.clone();
-                    cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
-                }
-                ClaimOutcome::Completed(found.payload)
             };
-            Ok(outcome)
+            let lease = Duration::MAX;
+            Ok(Some(self.found(
+                key,
+                &existing,
+                fingerprint,
+                None,
+                lease,
+                epoch,
+            )?))
         })
     }
 

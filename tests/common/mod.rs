@@ -502,6 +502,13 @@ impl FaultyStore {
 }
 
 impl Store for FaultyStore {
+    fn peek<'a>(
+        &'a self,
+        key: &'a tower_idempotency::RecordKey,
+        fingerprint: &'a tower_idempotency::Fingerprint,
+    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::ClaimOutcome>> {
+        Box::pin(async move { self.late(self.inner.peek(key, fingerprint).await).await })
+    }
     fn claim<'a>(
         &'a self,
         key: &'a tower_idempotency::RecordKey,
