@@ -232,8 +232,9 @@ impl RecordInfo {
     }
 }
 
-/// A store failure. Every variant but `Corrupt` means "the answer is unknown": the layer fails
-/// closed on it (503), or open if configured. `Corrupt` is answered 500 and never failed open.
+/// A store failure. Every variant but `Corrupt` and `TooLarge` means "the answer is unknown": the
+/// layer fails closed on it (503), or open if configured. `Corrupt` is answered 500 and never
+/// failed open. `TooLarge` comes only from a completion, which is then not retried.
 ///
 /// ```
 /// use std::time::Duration;
@@ -256,6 +257,14 @@ pub enum StoreError {
     /// The store is full of in-flight claims and cannot take another.
     #[error("the idempotency store is full")]
     Full,
+    /// A result is larger than the store will ever hold, so it was not stored.
+    #[error("the result ({size} bytes) is larger than the idempotency store holds ({limit} bytes at most)")]
+    TooLarge {
+        /// The result's size in bytes.
+        size: usize,
+        /// The largest result the store holds, in bytes.
+        limit: usize,
+    },
 }
 
 /// A unique token naming one claim's owner. Completion, release and renewal must present it.
