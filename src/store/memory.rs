@@ -192,9 +192,21 @@ impl MemoryStore {
     /// too small for the traffic and the retention (the first eviction also logs a warning).
     ///
     /// ```
-    /// use tower_idempotency::MemoryStore;
-    /// let store = MemoryStore::new();
-    /// assert_eq!(store.evicted_early(), 0);
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, RecordKey, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = MemoryStore::new().with_max_entries(1);
+    /// let fingerprint = Fingerprint::new([b"body".as_slice()]);
+    /// for key in ["a", "b"] {
+    ///     let key = RecordKey::new(None, IdempotencyKey::parse(key).unwrap());
+    ///     let owner = OwnerToken::generate();
+    ///     store.claim(&key, &fingerprint, &owner, Duration::from_secs(30)).await?;
+    ///     store.complete(&key, &owner, "done".into(), Duration::from_secs(3600)).await?;
+    /// }
+    /// assert_eq!(store.evicted_early(), 1, "a's record made room for b's");
+    /// # Ok(()) }
     /// ```
     pub fn evicted_early(&self) -> u64 {
         self.lock().evicted_early

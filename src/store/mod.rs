@@ -241,6 +241,8 @@ impl RecordInfo {
 /// use tower_idempotency::StoreError;
 /// let error = StoreError::Timeout(Duration::from_secs(2));
 /// assert_eq!(error.to_string(), "the idempotency store did not answer within 2s");
+/// let refused = StoreError::TooLarge { size: 2_000_000, limit: 1_000_000 };
+/// assert!(refused.to_string().contains("(2000000 bytes)"));
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
