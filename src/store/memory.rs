@@ -30,14 +30,16 @@ const RECORD_OVERHEAD: usize = 384;
 ///
 /// Records are bounded in bytes (default 64 MiB, [`with_max_bytes`](MemoryStore::with_max_bytes)):
 /// each costs its stored response plus about 384 bytes of bookkeeping, so the default holds about
-/// 115 000 small JSON answers. When a new record would not fit, expired records are dropped
-/// first, then the completed records nearest their expiry, each in O(log n), without looking at
-/// the requests in flight. A retry of an evicted key runs its handler again, so an early eviction
-/// is logged once, naming how long records are really kept, and counted by
-/// [`evicted_early`](MemoryStore::evicted_early). In-flight records are never evicted: when only
-/// they are left, a new claim fails with [`StoreError::Full`], which the layer answers with 503.
-/// A response larger than the whole bound is not stored ([`StoreError::TooLarge`]): its client
-/// gets it, and a retry of its key is answered 409 until the lease ends, then runs again.
+/// 115 000 small JSON answers; [`with_max_entries`](MemoryStore::with_max_entries) adds a bound
+/// on their number, and a record is evicted when either bound would be exceeded. When a new
+/// record would not fit, expired records are dropped first, then the completed records nearest
+/// their expiry, each in O(log n), without looking at the requests in flight. A retry of an
+/// evicted key runs its handler again, so an early eviction is logged once, naming how long
+/// records are really kept, and counted by [`evicted_early`](MemoryStore::evicted_early).
+/// In-flight records are never evicted: when only they are left, a new claim fails with
+/// [`StoreError::Full`], which the layer answers with 503. A response larger than the whole
+/// bound is not stored ([`StoreError::TooLarge`]): its client gets it, and a retry of its key is
+/// answered 409 until the lease ends, then runs again.
 ///
 /// Clones share the same records.
 ///
