@@ -1130,9 +1130,9 @@ def run_soak(args):
                      f"(40% of available memory, at most 4 GiB) so a long soak cannot exhaust the "
                      f"machine; keys evicted at the cap: {evicted}.")
     else:
-        lines.append("- The memory store holds at most 10 000 records (its default bound), so its "
-                     "RSS is bounded; once full, each fresh key evicts the completed record nearest "
-                     "its expiry and the store logs a warning (counted below).")
+        lines.append("- The memory store holds at most 64 MiB of records (its default bound), so its "
+                     "RSS is bounded; once full, each fresh key evicts the completed records nearest "
+                     "their expiry and the store logs one warning (counted below).")
     lines += ["- " + p for p in problems]
     lines += ["", "| t (s) | server RSS MiB | Redis used_memory MiB |", "|---|---|---|"]
     lines += [f"| {t:.0f} | {r:.1f} | {fmt_num(u)} |" for t, r, u in samples]

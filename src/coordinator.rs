@@ -543,12 +543,13 @@ impl Claim {
 
     /// Stores `payload` as the key's result, for the retention period.
     ///
-    /// A store error is retried (3 attempts in all, each bounded by the store timeout). If the
-    /// claim was lost, nothing is written ([`Error::ClaimLost`]) and a warning is logged: a newer
-    /// owner's record is never overwritten. If every attempt fails, the claim is left to expire
-    /// with its lease and an error is logged. If this future is dropped before the outcome is
-    /// known, the claim is released in the background (a completion that landed is not undone:
-    /// release only removes in-flight records).
+    /// A store error is retried (3 attempts in all, each bounded by the store timeout), except
+    /// [`StoreError::TooLarge`], which another attempt would meet again. If the claim was lost,
+    /// nothing is written ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record
+    /// is never overwritten. If every attempt fails, the claim is left to expire with its lease
+    /// and an error is logged. If this future is dropped before the outcome is known, the claim
+    /// is released in the background (a completion that landed is not undone: release only
+    /// removes in-flight records).
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
         self.stop_renewal();
         if self.is_lost() {
@@ -564,15 +565,18 @@ impl Claim {
                     .store
                     .complete(&self.key, &self.owner, payload.clone(), coordinator.retention);
             let outcome = coordinator.bounded(call).await;
+            // A result too large for the store stays too large: trying again only delays the answer.
+            let retry = matches!(&outcome, Err(error)
+                if attempt < COMPLETE_ATTEMPTS && !matches!(error, StoreError::TooLarge { .. }));
             // Every outcome but a retry settles the claim: stored, fenced, or left to its lease.
-            self.settled = outcome.is_ok() || attempt >= COMPLETE_ATTEMPTS;
+            self.settled = !retry;
             match outcome {
                 Ok(true) => return Ok(()),
                 Ok(false) => {
                     tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
                     return Err(Error::ClaimLost);
                 }
-                Err(error) if attempt < COMPLETE_ATTEMPTS => {
+                Err(error) if retry => {
                     tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
                     tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
                     attempt += 1;

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 
 struct Demo {
@@ -75,18 +76,24 @@ struct Reply {
     json: serde_json::Value,
 }
 
-async fn call(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> Reply {
+/// A keep-alive connection to the demo.
+async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .expect("connect to the demo");
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .unwrap();
     tokio::spawn(connection);
+    sender
+}
+
+async fn send(sender: &mut SendRequest<Full<Bytes>>, path: &str, key: Option<&str>, body: &str) -> Reply {
     let mut request = Request::post(path).header("content-type", "application/json");
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
+    sender.ready().await.expect("the connection is open");
     let response = sender
         .send_request(request.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
         .await
@@ -99,6 +106,10 @@ async fn call(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> Re
         headers: parts.headers,
         json,
     }
+}
+
+async fn call(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> Reply {
+    send(&mut connect(addr).await, path, key, body).await
 }
 
 async fn check_contract(demo: &Demo) {
@@ -159,6 +170,47 @@ async fn the_quickstart_contract_in_memory() {
     let demo = start(None);
     assert!(demo.store_line.contains("in memory"), "{}", demo.store_line);
     check_contract(&demo).await;
+}
+
+// A store bounded at 10 000 records forgot the demo's first payment after 10 000 other keys, so
+// its retry paid twice; the memory store is bounded in bytes now, with room for far more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_store_still_replays_the_first_key_after_12_000_others() {
+    const OTHER_KEYS: usize = 12_000;
+    const CONNECTIONS: usize = 32;
+    let demo = start(None);
+    let addr = demo.addr;
+    let first = call(addr, "/payments", Some("qs-first"), r#"{"amount": 42}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let senders: Vec<_> = (0..CONNECTIONS)
+        .map(|connection| {
+            tokio::spawn(async move {
+                let mut sender = connect(addr).await;
+                for n in (connection..OTHER_KEYS).step_by(CONNECTIONS) {
+                    let key = format!("qs-other-{n}");
+                    let reply = send(&mut sender, "/payments", Some(&key), r#"{"amount": 1}"#).await;
+                    assert_eq!(reply.status, StatusCode::CREATED, "{key}");
+                }
+            })
+        })
+        .collect();
+    for sender in senders {
+        sender.await.unwrap();
+    }
+    let retry = call(addr, "/payments", Some("qs-first"), r#"{"amount": 42}"#).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(
+        retry
+            .headers
+            .get("idempotent-replayed")
+            .and_then(|v| v.to_str().ok()),
+        Some("true"),
+        "the first key is replayed"
+    );
+    assert_eq!(
+        retry.json, first.json,
+        "the same payment id: the handler did not run again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,22 +10,43 @@ use tokio::time::Instant;
 use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
 use crate::{Fingerprint, RecordKey};
 
-const DEFAULT_MAX_ENTRIES: usize = 10_000;
+/// 64 MiB: about 115 000 records of a small JSON answer (a stored response of ~200 bytes plus
+/// [`RECORD_OVERHEAD`]), a day's retention at 1.3 new keys a second, in a share of memory any
+/// service can spare; raised with `with_max_bytes` by those who need more.
+const DEFAULT_MAX_BYTES: usize = 64 * 1024 * 1024;
 
-/// An in-process [`Store`]: records expire like Redis keys, and the number of records is bounded.
+/// What one record costs besides its payload: the key digest and the fingerprint (32 bytes
+/// each), the owner token (a heap string of ~50 bytes), the expiry and sequence, its slot in the
+/// hash table (spare capacity included) and its entry in an expiry index. Measured with a
+/// counting allocator (`tests/memory_footprint.rs` checks it): 310 to 350 bytes per record while
+/// a store fills, 360 to 390 once a full store evicts, as removals leave the hash table emptier.
+/// The allocator's own headers come on top.
+const RECORD_OVERHEAD: usize = 384;
+
+/// An in-process [`Store`]: records expire like Redis keys, and the memory they take is bounded.
 ///
 /// It protects one process only: instances behind a load balancer need a shared store such as
-/// `RedisStore`. When it holds `max_entries` records, expired ones are dropped first, then the
-/// completed record nearest its expiry (a later retry of that key runs again; a warning is
-/// logged the first time). In-flight records are never evicted: when all entries are in flight a new claim fails
-/// with [`StoreError::Full`], which the layer answers with 503.
+/// `RedisStore`.
+///
+/// Records are bounded in bytes (default 64 MiB, [`with_max_bytes`](MemoryStore::with_max_bytes)):
+/// each costs its stored response plus about 384 bytes of bookkeeping, so the default holds about
+/// 115 000 small JSON answers; [`with_max_entries`](MemoryStore::with_max_entries) adds a bound
+/// on their number, and a record is evicted when either bound would be exceeded. When a new
+/// record would not fit, expired records are dropped first, then the completed records nearest
+/// their expiry, each in O(log n), without looking at the requests in flight. A retry of an
+/// evicted key runs its handler again, so an early eviction is logged once, naming how long
+/// records are really kept, and counted by [`evicted_early`](MemoryStore::evicted_early).
+/// In-flight records are never evicted: when only they are left, a new claim fails with
+/// [`StoreError::Full`], which the layer answers with 503. A response larger than the whole
+/// bound is not stored ([`StoreError::TooLarge`]): its client gets it, and a retry of its key is
+/// answered 409 until the lease ends, then runs again.
 ///
 /// Clones share the same records.
 ///
 /// ```
 /// use tower_idempotency::MemoryStore;
 ///
-/// let store = MemoryStore::new().with_max_entries(50_000);
+/// let store = MemoryStore::new().with_max_bytes(256 * 1024 * 1024);
 /// # let _ = store;
 /// ```
 #[derive(Clone, Debug)]
@@ -35,14 +56,21 @@ pub struct MemoryStore {
 
 #[derive(Debug)]
 struct Records {
+    max_bytes: usize,
     max_entries: usize,
-    by_key: HashMap<[u8; 32], Entry>,
+    /// What the records held cost: [`RECORD_OVERHEAD`] each, plus the payloads of completed ones.
+    bytes: usize,
+    /// Boxed: a hash table keeps spare slots (up to three per record once removals have left
+    /// deleted ones behind), and a slot holding a pointer is a quarter the size of one holding
+    /// the entry.
+    by_key: HashMap<[u8; 32], Box<Entry>>,
     /// In-flight records in lease order: (expires_at, sequence) → key. Kept apart from the
     /// completed ones so eviction never has to step over a running request's record.
     leases: BTreeMap<(Instant, u64), [u8; 32]>,
     /// Completed records in expiry order, the eviction order once the store is full.
     retained: BTreeMap<(Instant, u64), [u8; 32]>,
     sequence: u64,
+    evicted_early: u64,
     warned_of_eviction: bool,
 }
 
@@ -56,8 +84,31 @@ struct Entry {
 
 #[derive(Debug)]
 enum State {
-    InFlight { owner: OwnerToken },
-    Completed { owner: OwnerToken, payload: Bytes },
+    InFlight {
+        owner: OwnerToken,
+    },
+    Completed {
+        owner: OwnerToken,
+        payload: Bytes,
+        /// Kept so an early eviction can say how much of it the record got.
+        retention: Duration,
+    },
+}
+
+impl Entry {
+    fn cost(&self) -> usize {
+        match &self.state {
+            State::InFlight { .. } => RECORD_OVERHEAD,
+            State::Completed { payload, .. } => RECORD_OVERHEAD + payload.len(),
+        }
+    }
+}
+
+/// Which bound an eviction makes room under, to name the setting that raises it.
+#[derive(Clone, Copy)]
+enum Bound {
+    Bytes,
+    Entries,
 }
 
 impl Default for MemoryStore {
@@ -67,21 +118,46 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store holding at most 10 000 records.
+    /// An empty store holding at most 64 MiB of records.
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    /// assert!(MemoryStore::new().is_empty());
+    /// ```
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Mutex::new(Records {
-                max_entries: DEFAULT_MAX_ENTRIES,
+                max_bytes: DEFAULT_MAX_BYTES,
+                max_entries: usize::MAX,
+                bytes: 0,
                 by_key: HashMap::new(),
                 leases: BTreeMap::new(),
                 retained: BTreeMap::new(),
                 sequence: 0,
+                evicted_early: 0,
                 warned_of_eviction: false,
             })),
         }
     }
 
-    /// Bounds the number of records kept (default: 10 000; at least 1).
+    /// Bounds the memory records take (default: 64 MiB; never less than one record's
+    /// bookkeeping). A record costs its stored response (status, headers kept, body) plus about
+    /// 384 bytes, so size it as new keys per second × retention × (a typical response + 384 B):
+    /// 10 new keys a second of 500-byte answers kept 24 h need about 730 MiB.
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    /// let store = MemoryStore::new().with_max_bytes(16 * 1024 * 1024);
+    /// # let _ = store;
+    /// ```
+    pub fn with_max_bytes(self, max_bytes: usize) -> Self {
+        self.lock().max_bytes = max_bytes.max(RECORD_OVERHEAD);
+        self
+    }
+
+    /// Also bounds the number of records (default: none besides the byte bound, under which at
+    /// most 64 MiB / 384 B ≈ 175 000 fit; at least 1). Records are evicted when either bound
+    /// would be exceeded.
     ///
     /// ```
     /// use tower_idempotency::MemoryStore;
@@ -94,13 +170,48 @@ impl MemoryStore {
     }
 
     /// The number of records held, expired ones not yet dropped included.
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    /// assert_eq!(MemoryStore::new().len(), 0);
+    /// ```
     pub fn len(&self) -> usize {
         self.lock().by_key.len()
     }
 
     /// Whether the store holds no records.
+    ///
+    /// ```
+    /// use tower_idempotency::MemoryStore;
+    /// assert!(MemoryStore::new().is_empty());
+    /// ```
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How many completed records were evicted before their retention ended, to make room. Each
+    /// such key runs its handler again if it is retried; a count that grows means the bound is
+    /// too small for the traffic and the retention (the first eviction also logs a warning).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, RecordKey, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = MemoryStore::new().with_max_entries(1);
+    /// let fingerprint = Fingerprint::new([b"body".as_slice()]);
+    /// for key in ["a", "b"] {
+    ///     let key = RecordKey::new(None, IdempotencyKey::parse(key).unwrap());
+    ///     let owner = OwnerToken::generate();
+    ///     store.claim(&key, &fingerprint, &owner, Duration::from_secs(30)).await?;
+    ///     store.complete(&key, &owner, "done".into(), Duration::from_secs(3600)).await?;
+    /// }
+    /// assert_eq!(store.evicted_early(), 1, "a's record made room for b's");
+    /// # Ok(()) }
+    /// ```
+    pub fn evicted_early(&self) -> u64 {
+        self.lock().evicted_early
     }
 
     fn lock(&self) -> MutexGuard<'_, Records> {
@@ -119,7 +230,7 @@ impl Records {
         if expired {
             self.remove(digest);
         }
-        self.by_key.get_mut(digest)
+        self.by_key.get_mut(digest).map(|entry| &mut **entry)
     }
 
     /// Whether `owner` holds a live in-flight claim at `digest`.
@@ -131,12 +242,13 @@ impl Records {
     }
 
     fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
-        let entry = self.by_key.remove(digest)?;
+        let entry = *self.by_key.remove(digest)?;
         let index = match entry.state {
             State::InFlight { .. } => &mut self.leases,
             State::Completed { .. } => &mut self.retained,
         };
         index.remove(&(entry.expires_at, entry.sequence));
+        self.bytes -= entry.cost();
         Some(entry)
     }
 
@@ -172,11 +284,12 @@ impl Records {
             sequence: self.sequence,
         };
         self.leases.insert((expires_at, self.sequence), digest);
-        self.by_key.insert(digest, entry);
+        self.bytes += entry.cost();
+        self.by_key.insert(digest, Box::new(entry));
     }
 
-    /// Turns the in-flight entry at `digest` into a completed one kept until `expires_at`.
-    fn complete_in_flight(&mut self, digest: &[u8; 32], payload: Bytes, expires_at: Instant) {
+    /// Turns the in-flight entry at `digest` into a completed one kept for `retention` from `now`.
+    fn complete_in_flight(&mut self, digest: &[u8; 32], payload: Bytes, now: Instant, retention: Duration) {
         self.sequence += 1;
         let sequence = self.sequence;
         let Some(entry) = self.by_key.get_mut(digest) else {
@@ -187,10 +300,15 @@ impl Records {
             State::Completed { .. } => return,
         };
         self.leases.remove(&(entry.expires_at, entry.sequence));
-        entry.state = State::Completed { owner, payload };
-        entry.expires_at = expires_at;
+        self.bytes += payload.len();
+        entry.state = State::Completed {
+            owner,
+            payload,
+            retention,
+        };
+        entry.expires_at = now + retention;
         entry.sequence = sequence;
-        self.retained.insert((expires_at, sequence), *digest);
+        self.retained.insert((entry.expires_at, sequence), *digest);
     }
 
     /// Drops every record whose expiry has passed, in-flight and completed alike.
@@ -208,28 +326,76 @@ impl Records {
         }
     }
 
-    /// Makes room for one more record, in O(log n): expired records go first, then the completed
-    /// record nearest its expiry. Fails only when every record is in flight.
-    fn make_room(&mut self, now: Instant) -> Result<(), StoreError> {
+    /// Makes room for `entries` more records taking `bytes` more: expired records go first, then
+    /// the completed records nearest their expiry, each in O(log n). Fails, evicting nothing,
+    /// when the records in flight leave too little room even with every completed one gone.
+    fn make_room(&mut self, now: Instant, entries: usize, bytes: usize) -> Result<(), StoreError> {
         self.drop_expired(now);
-        if self.by_key.len() < self.max_entries {
-            return Ok(());
-        }
-        let Some((_, &victim)) = self.retained.first_key_value() else {
+        // In-flight records cost exactly the overhead each, so what eviction cannot free is known
+        // without looking at them.
+        let in_flight = self.leases.len();
+        if in_flight + entries > self.max_entries || in_flight * RECORD_OVERHEAD + bytes > self.max_bytes {
             return Err(StoreError::Full);
-        };
-        self.remove(&victim);
-        // Once full, a store evicts on every new key: one warning says so, not one per request
-        // (which would cost more than the request).
-        if !self.warned_of_eviction {
-            self.warned_of_eviction = true;
-            tracing::warn!(
-                max_entries = self.max_entries,
-                "memory store full: evicting completed records before their retention ends \
-                 (logged once; raise with_max_entries)"
-            );
         }
-        Ok(())
+        loop {
+            let bound = if self.by_key.len() + entries > self.max_entries {
+                Bound::Entries
+            } else if self.bytes + bytes > self.max_bytes {
+                Bound::Bytes
+            } else {
+                return Ok(());
+            };
+            // Popped first, so the loop moves on even if the index and the map ever disagreed.
+            let Some((_, victim)) = self.retained.pop_first() else {
+                return Err(StoreError::Full);
+            };
+            if let Some(evicted) = self.remove(&victim) {
+                self.note_early_eviction(&evicted, now, bound);
+            }
+        }
+    }
+
+    /// Counts an eviction before the record's retention ended. Once the store is full it evicts
+    /// on every new key: one warning says so, not one per request (which would cost more than
+    /// the request and bury the message).
+    fn note_early_eviction(&mut self, evicted: &Entry, now: Instant, bound: Bound) {
+        let State::Completed { retention, .. } = evicted.state else {
+            return;
+        };
+        self.evicted_early += 1;
+        let kept = retention.saturating_sub(evicted.expires_at.saturating_duration_since(now));
+        if self.warned_of_eviction {
+            tracing::debug!(
+                kept_secs = kept.as_secs(),
+                "memory store full: evicted a completed record early"
+            );
+            return;
+        }
+        self.warned_of_eviction = true;
+        let (setting, limit) = match bound {
+            Bound::Bytes => ("with_max_bytes", self.max_bytes),
+            Bound::Entries => ("with_max_entries", self.max_entries),
+        };
+        tracing::warn!(
+            kept_secs = kept.as_secs(),
+            retention_secs = retention.as_secs(),
+            limit,
+            "memory store full: completed records are kept about {} instead of their {} retention, \
+             so a retry after that runs its handler again; raise MemoryStore::{setting} (now {limit}). \
+             Logged once; MemoryStore::evicted_early counts the evictions",
+            approximately(kept),
+            approximately(retention),
+        );
+    }
+}
+
+/// `d` in its largest whole unit, for people: "17 min", not "1020.250137s".
+fn approximately(d: Duration) -> String {
+    match d.as_secs() {
+        secs if secs >= 2 * 3600 => format!("{} h", secs / 3600),
+        secs if secs >= 2 * 60 => format!("{} min", secs / 60),
+        secs if secs >= 2 => format!("{secs} s"),
+        _ => format!("{} ms", d.as_millis()),
     }
 }
 
@@ -260,7 +426,7 @@ impl Store for MemoryStore {
                 }),
                 State::Completed { payload, .. } => Ok(ClaimOutcome::Completed(payload.clone())),
             },
-            None => records.make_room(now).map(|()| {
+            None => records.make_room(now, 1, RECORD_OVERHEAD).map(|()| {
                 records.insert_in_flight(*digest, *fingerprint, owner.clone(), now + lease);
                 ClaimOutcome::Claimed
             }),
@@ -297,13 +463,23 @@ impl Store for MemoryStore {
         let digest = key.digest();
         let completed = match records.live(digest, now).map(|entry| &entry.state) {
             Some(State::InFlight { owner: holder }) if holder == owner => {
-                records.complete_in_flight(digest, payload, now + retention);
-                true
+                let limit = records.max_bytes - RECORD_OVERHEAD;
+                if payload.len() > limit {
+                    Err(StoreError::TooLarge {
+                        size: payload.len(),
+                        limit,
+                    })
+                } else {
+                    records.make_room(now, 0, payload.len()).map(|()| {
+                        records.complete_in_flight(digest, payload, now, retention);
+                        true
+                    })
+                }
             }
-            Some(State::Completed { owner: holder, .. }) => holder == owner,
-            Some(State::InFlight { .. }) | None => false,
+            Some(State::Completed { owner: holder, .. }) => Ok(holder == owner),
+            Some(State::InFlight { .. }) | None => Ok(false),
         };
-        ready(Ok(completed))
+        ready(completed)
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
@@ -376,12 +552,273 @@ mod tests {
     }
 
     async fn complete(store: &MemoryStore, k: &str, retention: Duration) {
+        complete_sized(store, k, 1, retention).await;
+    }
+
+    /// Claims and completes `k` with a payload of `size` bytes.
+    async fn complete_sized(store: &MemoryStore, k: &str, size: usize, retention: Duration) {
         let (owner, outcome) = claim(store, k, Duration::from_secs(30)).await;
         assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
         assert!(store
-            .complete(&key(k), &owner, Bytes::from_static(b"r"), retention)
+            .complete(&key(k), &owner, Bytes::from(vec![b'r'; size]), retention)
             .await
             .unwrap());
+        assert_accounted(store);
+    }
+
+    async fn held(store: &MemoryStore, k: &str) -> Option<RecordState> {
+        store.inspect(&key(k)).await.unwrap().map(|info| info.state)
+    }
+
+    /// The running byte count and the indexes agree with the records themselves.
+    fn assert_accounted(store: &MemoryStore) {
+        let records = store.lock();
+        let recounted: usize = records.by_key.values().map(|entry| entry.cost()).sum();
+        assert_eq!(records.bytes, recounted, "bytes accounted");
+        let in_flight = records
+            .by_key
+            .values()
+            .filter(|entry| matches!(entry.state, State::InFlight { .. }))
+            .count();
+        assert_eq!(records.leases.len(), in_flight, "lease index");
+        assert_eq!(
+            records.retained.len(),
+            records.by_key.len() - in_flight,
+            "retained index"
+        );
+    }
+
+    /// Runs `test` on a runtime of its own and returns the messages of the warnings it logged.
+    fn warnings_logged_by(test: impl std::future::Future<Output = ()>) -> Vec<String> {
+        use tracing_subscriber::layer::SubscriberExt;
+
+        struct CaptureWarnings(Arc<Mutex<Vec<String>>>);
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureWarnings {
+            fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+                struct Message(String);
+                impl tracing::field::Visit for Message {
+                    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                        if field.name() == "message" {
+                            self.0 = format!("{value:?}");
+                        }
+                    }
+                }
+                if *event.metadata().level() == tracing::Level::WARN {
+                    let mut message = Message(String::new());
+                    event.record(&mut message);
+                    self.0.lock().unwrap().push(message.0);
+                }
+            }
+        }
+        let warnings = Arc::new(Mutex::new(Vec::new()));
+        let subscriber = tracing_subscriber::registry().with(CaptureWarnings(warnings.clone()));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        tracing::subscriber::with_default(subscriber, || runtime.block_on(test));
+        let logged = warnings.lock().unwrap().clone();
+        logged
+    }
+
+    /// The bound that holds `records` completed records of `payload` bytes each, exactly.
+    fn bytes_for(records: usize, payload: usize) -> usize {
+        records * (RECORD_OVERHEAD + payload)
+    }
+
+    #[tokio::test]
+    async fn over_the_byte_bound_the_completed_records_nearest_expiry_go_first() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(3, 100));
+        complete_sized(&store, "soon", 100, Duration::from_secs(60)).await;
+        complete_sized(&store, "late", 100, Duration::from_secs(3600)).await;
+        complete_sized(&store, "middle", 100, Duration::from_secs(1800)).await;
+        complete_sized(&store, "new", 100, Duration::from_secs(3600)).await;
+        assert_eq!(held(&store, "soon").await, None, "nearest expiry evicted");
+        for kept in ["late", "middle", "new"] {
+            assert_eq!(held(&store, kept).await, Some(RecordState::Completed), "{kept}");
+        }
+        // A larger result evicts as many records as it needs room for, nearest expiry first.
+        complete_sized(&store, "large", 300, Duration::from_secs(3600)).await;
+        assert_eq!(held(&store, "middle").await, None);
+        assert_eq!(held(&store, "late").await, None);
+        assert_eq!(held(&store, "new").await, Some(RecordState::Completed));
+        assert_eq!(held(&store, "large").await, Some(RecordState::Completed));
+        assert_eq!(store.evicted_early(), 3);
+        assert!(store.lock().bytes <= bytes_for(3, 100));
+    }
+
+    #[tokio::test]
+    async fn in_flight_records_are_never_evicted_for_a_completion() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(2, 0) + 50);
+        let lease = Duration::from_secs(30);
+        let (owner, outcome) = claim(&store, "running", lease).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        let (other, outcome) = claim(&store, "other", lease).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        let result = Bytes::from(vec![b'r'; 60]);
+        assert!(matches!(
+            store
+                .complete(&key("running"), &owner, result.clone(), lease)
+                .await,
+            Err(StoreError::Full)
+        ));
+        assert_eq!(held(&store, "other").await, Some(RecordState::InFlight));
+        assert_eq!(
+            held(&store, "running").await,
+            Some(RecordState::InFlight),
+            "left to its lease"
+        );
+        assert_accounted(&store);
+        // Full is not final: once the other request is done, the same completion fits.
+        assert!(store.release(&key("other"), &other).await.unwrap());
+        assert!(store
+            .complete(&key("running"), &owner, result, lease)
+            .await
+            .unwrap());
+        assert_eq!(store.evicted_early(), 0);
+        assert_accounted(&store);
+    }
+
+    #[tokio::test]
+    async fn a_result_larger_than_the_whole_bound_is_refused_without_evicting_anything() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(4, 100));
+        complete_sized(&store, "done", 100, Duration::from_secs(60)).await;
+        let (owner, outcome) = claim(&store, "huge", Duration::from_secs(30)).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        let huge = Bytes::from(vec![b'r'; bytes_for(4, 100)]);
+        match store
+            .complete(&key("huge"), &owner, huge, Duration::from_secs(60))
+            .await
+        {
+            Err(StoreError::TooLarge { size, limit }) => {
+                assert_eq!(
+                    (size, limit),
+                    (bytes_for(4, 100), bytes_for(4, 100) - RECORD_OVERHEAD)
+                );
+            }
+            other => panic!("expected TooLarge, got {other:?}"),
+        }
+        assert_eq!(held(&store, "done").await, Some(RecordState::Completed));
+        assert_eq!(
+            held(&store, "huge").await,
+            Some(RecordState::InFlight),
+            "left to its lease"
+        );
+        assert_eq!(store.evicted_early(), 0);
+        assert_accounted(&store);
+    }
+
+    // The layer answers the client whatever the completion did; the coordinator must not make it
+    // wait for retries that cannot succeed.
+    #[tokio::test(start_paused = true)]
+    async fn the_coordinator_does_not_retry_a_result_too_large_to_store() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(1, 100));
+        let coordinator = crate::Coordinator::new(store.clone());
+        let (record_key, fingerprint) = (key("huge"), Fingerprint::new([b"huge".as_slice()]));
+        let crate::Begin::Claimed(claim) = coordinator.begin(&record_key, &fingerprint).await.unwrap() else {
+            panic!("expected a claim");
+        };
+        let started = Instant::now();
+        let outcome = claim.complete(Bytes::from(vec![b'r'; 1000])).await;
+        assert!(
+            matches!(outcome, Err(crate::Error::Store(StoreError::TooLarge { .. }))),
+            "{outcome:?}"
+        );
+        // Time is paused: only the coordinator's pauses between attempts can move it.
+        assert!(
+            started.elapsed() < Duration::from_millis(50),
+            "retried: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            held(&store, "huge").await,
+            Some(RecordState::InFlight),
+            "left to its lease"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_byte_count_stays_exact_through_every_transition() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(3, 10));
+        let (lease, short) = (Duration::from_secs(30), Duration::from_millis(20));
+        let (owner, _) = claim(&store, "a", lease).await;
+        assert_accounted(&store);
+        let again = store
+            .claim(&key("a"), &Fingerprint::new([b"a".as_slice()]), &owner, lease)
+            .await;
+        assert_eq!(again.unwrap(), ClaimOutcome::Claimed, "a claim sent twice");
+        assert!(store.renew(&key("a"), &owner, lease).await.unwrap());
+        assert_accounted(&store);
+        let payload = Bytes::from_static(b"0123456789");
+        for _ in 0..2 {
+            assert!(store
+                .complete(&key("a"), &owner, payload.clone(), lease)
+                .await
+                .unwrap());
+            assert_accounted(&store);
+        }
+        let (released, _) = claim(&store, "b", lease).await;
+        assert!(store.release(&key("b"), &released).await.unwrap());
+        assert_accounted(&store);
+        assert!(store.purge(&key("a")).await.unwrap());
+        assert_accounted(&store);
+        assert_eq!(
+            claim(&store, "lease-ends", short).await.1.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        complete_sized(&store, "retention-ends", 10, short).await;
+        tokio::time::sleep(short * 2).await;
+        assert_eq!(held(&store, "lease-ends").await, None, "dropped when read");
+        assert_accounted(&store);
+        for k in ["c", "d", "e", "f"] {
+            complete_sized(&store, k, 10, lease).await;
+        }
+        assert_eq!(
+            store.lock().bytes,
+            bytes_for(3, 10),
+            "expired dropped, then one evicted"
+        );
+        assert_eq!(store.evicted_early(), 1);
+        assert_eq!(store.len(), 3);
+    }
+
+    #[test]
+    fn an_early_eviction_is_warned_of_once_and_counted_every_time() {
+        let store = MemoryStore::new().with_max_bytes(bytes_for(2, 1));
+        let warnings = warnings_logged_by(async {
+            for i in 0..20 {
+                complete(&store, &format!("k{i}"), Duration::from_secs(3600)).await;
+            }
+        });
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.evicted_early(), 18);
+        assert_eq!(warnings.len(), 1, "18 evictions, one warning: {warnings:?}");
+        let warning = &warnings[0];
+        for names in ["instead of their 60 min retention", "MemoryStore::with_max_bytes"] {
+            assert!(warning.contains(names), "{warning}");
+        }
+        // Another store warns on its own account.
+        let count_bound = MemoryStore::new().with_max_entries(2);
+        let warnings = warnings_logged_by(async {
+            for i in 0..5 {
+                complete(&count_bound, &format!("k{i}"), Duration::from_secs(3600)).await;
+            }
+        });
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("MemoryStore::with_max_entries"),
+            "{}",
+            warnings[0]
+        );
+    }
+
+    #[test]
+    fn durations_are_told_in_their_largest_whole_unit() {
+        let told = |secs| approximately(Duration::from_secs(secs));
+        assert_eq!(told(86_400), "24 h");
+        assert_eq!(told(1_020), "17 min");
+        assert_eq!(told(59), "59 s");
+        assert_eq!(approximately(Duration::from_millis(1_500)), "1500 ms");
     }
 
     #[tokio::test]
@@ -404,37 +841,6 @@ mod tests {
         );
         assert!(store.inspect(&key("late")).await.unwrap().is_some());
         assert_eq!(store.len(), 3);
-    }
-
-    #[test]
-    fn an_early_eviction_is_logged_once_not_per_request() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use tracing_subscriber::layer::SubscriberExt;
-
-        struct CountWarnings(Arc<AtomicUsize>);
-        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountWarnings {
-            fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-                if *event.metadata().level() == tracing::Level::WARN {
-                    self.0.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let warnings = Arc::new(AtomicUsize::new(0));
-        let subscriber = tracing_subscriber::registry().with(CountWarnings(warnings.clone()));
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        tracing::subscriber::with_default(subscriber, || {
-            runtime.block_on(async {
-                let store = MemoryStore::new().with_max_entries(2);
-                for i in 0..20 {
-                    complete(&store, &format!("k{i}"), Duration::from_secs(60)).await;
-                }
-                assert_eq!(store.len(), 2);
-            })
-        });
-        assert_eq!(warnings.load(Ordering::Relaxed), 1, "18 evictions, one warning");
     }
 
     #[tokio::test]

@@ -261,14 +261,17 @@ impl RecordInfo {
     }
 }
 
-/// A store failure. Every variant but `Corrupt` means "the answer is unknown": the layer fails
-/// closed on it (503), or open if configured. `Corrupt` is answered 500 and never failed open.
+/// A store failure. Every variant but `Corrupt` and `TooLarge` means "the answer is unknown": the
+/// layer fails closed on it (503), or open if configured. `Corrupt` is answered 500 and never
+/// failed open. `TooLarge` comes only from a completion, which is then not retried.
 ///
 /// ```
 /// use std::time::Duration;
 /// use tower_idempotency::StoreError;
 /// let error = StoreError::Timeout(Duration::from_secs(2));
 /// assert_eq!(error.to_string(), "the idempotency store did not answer within 2s");
+/// let refused = StoreError::TooLarge { size: 2_000_000, limit: 1_000_000 };
+/// assert!(refused.to_string().contains("(2000000 bytes)"));
 /// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -285,6 +288,14 @@ pub enum StoreError {
     /// The store is full of in-flight claims and cannot take another.
     #[error("the idempotency store is full")]
     Full,
+    /// A result is larger than the store will ever hold, so it was not stored.
+    #[error("the result ({size} bytes) is larger than the idempotency store holds ({limit} bytes at most)")]
+    TooLarge {
+        /// The result's size in bytes.
+        size: usize,
+        /// The largest result the store holds, in bytes.
+        limit: usize,
+    },
 }
 
 /// A unique token naming one claim's owner. Completion, release and renewal must present it.
