@@ -52,31 +52,26 @@
 #![deny(unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
-mod body;
-mod capture;
-mod config;
+// The HTTP-free core: keys, fingerprints, the claim protocol and the stores.
 mod coordinator;
 mod fingerprint;
-mod future;
 mod key;
-mod layer;
-mod replay;
 #[cfg(feature = "redis")]
 mod replay_cache;
-mod response;
-mod service;
 mod store;
+// The tower adapter over it.
+mod http;
 
-pub use body::{BoxError, RequestBody, ResponseBody};
-pub use config::{default_cacheable, default_unstored_headers};
+pub use self::http::body::{BoxError, RequestBody, ResponseBody};
+pub use self::http::config::{default_cacheable, default_unstored_headers};
+pub use self::http::future::ResponseFuture;
+pub use self::http::layer::{IdempotencyLayer, Inspection};
+pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
+pub use self::http::response::Rejection;
+pub use self::http::service::Idempotency;
 pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
-pub use future::ResponseFuture;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
-pub use layer::{IdempotencyLayer, Inspection};
-pub use replay::{NotStored, IDEMPOTENT_REPLAYED};
-pub use response::Rejection;
-pub use service::Idempotency;
 pub use store::memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;

@@ -4,7 +4,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::body::ResponseBody;
+use crate::http::body::ResponseBody;
 
 /// Every stored payload starts with these three bytes and a layout version.
 const MAGIC: &[u8; 3] = b"TIR";

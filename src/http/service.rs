@@ -13,13 +13,13 @@ use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
-use crate::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
-use crate::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
-use crate::config::Config;
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
-use crate::future::{BoxFuture, ResponseFuture};
-use crate::replay::{self, Decoded, NotStored};
-use crate::response::{retry_after, Rejection};
+use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
+use crate::http::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
+use crate::http::config::Config;
+use crate::http::future::{BoxFuture, ResponseFuture};
+use crate::http::replay::{self, Decoded, NotStored};
+use crate::http::response::{retry_after, Rejection};
 use crate::store::StoreError;
 use crate::{Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 

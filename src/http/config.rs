@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::response::TypicalDuration;
+use crate::http::response::TypicalDuration;
 
 use http::header::{self, HeaderName};
 use http::{request, response, Method, StatusCode};

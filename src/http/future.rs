@@ -7,8 +7,8 @@ use std::task::{ready, Context, Poll};
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::body::ResponseBody;
-use crate::service::Step;
+use crate::http::body::ResponseBody;
+use crate::http::service::Step;
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 

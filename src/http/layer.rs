@@ -7,12 +7,13 @@ use http::header::HeaderName;
 use http::{request, response, Method, StatusCode};
 use tower_layer::Layer;
 
-use crate::config::Config;
 use crate::coordinator::{Coordinator, Error, ShutdownHandle};
-use crate::replay::NotStored;
-use crate::service::Idempotency;
+use crate::http::config::Config;
+use crate::http::replay;
+use crate::http::replay::NotStored;
+use crate::http::service::Idempotency;
 use crate::store::{RecordState, Store};
-use crate::{replay, IdempotencyKey, RecordKey};
+use crate::{IdempotencyKey, RecordKey};
 
 /// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
 /// behaviour, and each `with_*` setter for a setting and its default.

@@ -10,11 +10,11 @@ use http::header::CONTENT_LENGTH;
 use http::{response, HeaderMap, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 
-use crate::body::{collect_limited, BoxError, Collected, ResponseBody};
-use crate::config::Config;
 use crate::coordinator::Claim;
-use crate::future::BoxFuture;
-use crate::replay::{self, NotStored, StoredResponse};
+use crate::http::body::{collect_limited, BoxError, Collected, ResponseBody};
+use crate::http::config::Config;
+use crate::http::future::BoxFuture;
+use crate::http::replay::{self, NotStored, StoredResponse};
 
 /// What became of a handler's response once its head was in.
 pub(crate) enum Captured<B> {

@@ -9,7 +9,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
-use crate::capture::Storing;
+use crate::http::capture::Storing;
 
 /// A boxed error, as tower and axum use them.
 ///

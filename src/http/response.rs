@@ -6,8 +6,8 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-use crate::body::ResponseBody;
-use crate::replay::NotStored;
+use crate::http::body::ResponseBody;
+use crate::http::replay::NotStored;
 use crate::KeyError;
 
 const TYPE_BASE: &str =
