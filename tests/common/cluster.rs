@@ -39,6 +39,16 @@ pub fn cli(port: u16, args: &[&str]) -> String {
 pub struct Shard {
     pub master: SocketAddr,
     pub replicas: Vec<SocketAddr>,
+    /// The master's slot ranges, first and last slot included.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl Shard {
+    pub fn serves(&self, slot: u16) -> bool {
+        self.slots
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&slot))
+    }
 }
 
 /// One line of `CLUSTER NODES`.
@@ -284,6 +294,7 @@ impl Cluster {
         Shard {
             master: master.addr,
             replicas,
+            slots: master.slots.clone(),
         }
     }
 
