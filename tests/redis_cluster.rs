@@ -1,81 +1,27 @@
-//! A real Redis Cluster of three masters on loopback: records spread over the slots, each script
-//! runs on the node that owns its key, round trips stay at 2 and 1, and a script cache flushed on
-//! every node is refilled.
+//! A real Redis Cluster of three masters and three replicas on loopback: records spread over the
+//! slots, each script runs on the master that owns its key, round trips stay at 2 and 1, and a
+//! script cache flushed on every node is refilled.
 
 mod common;
 
-use std::process::Command;
-use std::time::{Duration, Instant};
-
 use common::app::{payment, router, send};
-use common::{admin, client, round_trips, RedisServer};
+use common::cluster::Cluster;
+use common::{admin, client, round_trips};
 use http::StatusCode;
 use tower_idempotency::{IdempotencyLayer, RedisStore};
 
-struct Cluster {
-    nodes: Vec<RedisServer>,
-}
-
-impl Cluster {
-    fn start() -> Self {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
-            })
-            .collect();
-        let cli = std::env::var("REDIS_CLI_BIN").unwrap_or_else(|_| "redis-cli".into());
-        let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
-        let output = Command::new(&cli)
-            .args(["--cluster", "create"])
-            .args(&addresses)
-            .arg("--cluster-yes")
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run `{cli}` ({e}); it comes with redis-server (redis-tools)"));
-        assert!(
-            output.status.success(),
-            "cluster create failed: {}",
-            String::from_utf8_lossy(&output.stdout)
-        );
-        let cluster = Self { nodes };
-        cluster.wait_until_ok(&cli);
-        cluster
-    }
-
-    fn wait_until_ok(&self, cli: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for node in &self.nodes {
-            loop {
-                let info = Command::new(cli)
-                    .args(["-p", &node.port().to_string(), "cluster", "info"])
-                    .output()
-                    .expect("cluster info");
-                if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
-                    break;
-                }
-                assert!(Instant::now() < deadline, "the cluster did not become ready");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_keeps_every_promise_across_slots() {
-    let cluster = Cluster::start();
-    let url = format!("redis-cluster://{}", cluster.nodes[0].addr());
-    let store = RedisStore::connect(&url).await.expect("connect to the cluster");
+    let cluster = Cluster::start(2000);
+    let store = RedisStore::connect(&cluster.url())
+        .await
+        .expect("connect to the cluster");
     store.load_scripts().await.unwrap();
     let (app, runs) = router(IdempotencyLayer::new(store));
+    // Replicas count the commands they replay from their master: only masters are counted.
     let mut admins = Vec::new();
-    for node in &cluster.nodes {
-        let admin_client = client(&node.url()).await;
+    for master in cluster.masters() {
+        let admin_client = client(&format!("redis://{master}")).await;
         admin(&admin_client, &["CONFIG", "RESETSTAT"]).await;
         admins.push(admin_client);
     }
@@ -112,8 +58,8 @@ async fn a_redis_cluster_keeps_every_promise_across_slots() {
     assert_eq!(replay_calls, KEYS as u64, "one round trip per replay");
 
     // A failover or restart leaves nodes without scripts: every node is refilled on demand.
-    for admin_client in &admins {
-        admin(admin_client, &["SCRIPT", "FLUSH"]).await;
+    for node in cluster.addrs() {
+        admin(&client(&format!("redis://{node}")).await, &["SCRIPT", "FLUSH"]).await;
     }
     for i in 0..KEYS {
         assert!(send(&app, payment(&format!("cluster-{i}"), "{}"))

@@ -2,6 +2,7 @@
 //! minimal HTTP harness. Never touches a Redis on 6379.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod proxy;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -107,6 +108,11 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's working directory (removed when it is dropped).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -252,6 +258,16 @@ macro_rules! on_both_stores {
                 }
             )*
         }
+    };
+}
+
+/// Generates each suite test for every store and topology: `memory::`, `redis::` (standalone)
+/// and `cluster::` (Redis Cluster, see `common::cluster`).
+#[macro_export]
+macro_rules! on_every_store {
+    ($($test:ident),* $(,)?) => {
+        $crate::on_both_stores!($($test),*);
+        $crate::on_cluster!($($test),*);
     };
 }
 

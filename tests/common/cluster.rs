@@ -1,0 +1,357 @@
+//! A Redis Cluster of 3 masters and 3 replicas on loopback, made of [`RedisServer`]s: started
+//! with `redis-cli --cluster create … --cluster-replicas 1`, ready once every node reports
+//! `cluster_state:ok` and every replica is in sync with its master.
+//!
+//! Suite tests share one cluster per test binary ([`Cluster::shared`]): six processes started
+//! once instead of once per test. Each test keeps to its own key prefix.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::RedisServer;
+
+const MASTERS: usize = 3;
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn redis_cli_binary() -> String {
+    std::env::var("REDIS_CLI_BIN").unwrap_or_else(|_| "redis-cli".into())
+}
+
+/// Runs `redis-cli -p <port> <args>` and returns its output (RESP2 answers as `redis-cli`
+/// prints them without a terminal: one value a line).
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let cli = redis_cli_binary();
+    let output = Command::new(&cli)
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run `{cli}` ({e}); it comes with redis-server (apt-get install redis-tools)")
+        });
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The nodes serving one slot range: its master and the master's replicas.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    pub master: SocketAddr,
+    pub replicas: Vec<SocketAddr>,
+    /// The master's slot ranges, first and last slot included.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl Shard {
+    pub fn serves(&self, slot: u16) -> bool {
+        self.slots
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&slot))
+    }
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug)]
+struct NodeLine {
+    id: String,
+    addr: SocketAddr,
+    is_master: bool,
+    failed: bool,
+    master_id: String,
+    slots: Vec<(u16, u16)>,
+}
+
+fn parse_cluster_nodes(text: &str) -> Vec<NodeLine> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 8 {
+                return None;
+            }
+            // `127.0.0.1:7000@17000` (the bus port after the `@`, a hostname after a `,`).
+            let addr = fields[1].split(['@', ',']).next()?.parse().ok()?;
+            let flags = fields[2];
+            let slots = fields[8..]
+                .iter()
+                .filter(|range| !range.starts_with('['))
+                .filter_map(|range| match range.split_once('-') {
+                    Some((first, last)) => Some((first.parse().ok()?, last.parse().ok()?)),
+                    None => range.parse().ok().map(|slot| (slot, slot)),
+                })
+                .collect();
+            Some(NodeLine {
+                id: fields[0].to_owned(),
+                addr,
+                is_master: flags.contains("master"),
+                failed: flags.contains("fail") && !flags.contains("fail?"),
+                master_id: fields[3].to_owned(),
+                slots,
+            })
+        })
+        .collect()
+}
+
+pub struct Cluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl Cluster {
+    /// Starts 3 masters and 3 replicas. `node_timeout_ms` is `cluster-node-timeout`: how long a
+    /// master may be unreachable before its replica takes over.
+    pub fn start(node_timeout_ms: u64) -> Self {
+        let started = Instant::now();
+        let node_timeout = node_timeout_ms.to_string();
+        let nodes: Vec<RedisServer> = (0..2 * MASTERS)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    &node_timeout,
+                    // A replica whose master is unreachable still takes over, however long its
+                    // link has been down (a test kills masters on purpose).
+                    "--cluster-replica-validity-factor",
+                    "0",
+                    // Replicas sync at once, not after the default 5 s wait for more replicas.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ])
+            })
+            .collect();
+        let cli = redis_cli_binary();
+        let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
+        let output = Command::new(&cli)
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("cannot run `{cli}` ({e}); it comes with redis-server (apt-get install redis-tools)")
+            });
+        assert!(
+            output.status.success(),
+            "cluster create failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = Self { nodes };
+        cluster.wait_until_ready();
+        eprintln!(
+            "cluster of {MASTERS} masters + {MASTERS} replicas ready in {:?}",
+            started.elapsed()
+        );
+        cluster
+    }
+
+    /// One cluster for the whole test binary, started on first use (node timeout 5 s: a loaded
+    /// CI machine must not trigger failovers by accident).
+    ///
+    /// Statics are never dropped, so a watchdog process kills the servers when this process
+    /// exits, however it exits.
+    pub fn shared() -> &'static Cluster {
+        static SHARED: OnceLock<Cluster> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            let cluster = Cluster::start(5000);
+            cluster.kill_on_exit();
+            cluster
+        })
+    }
+
+    /// Spawns `sh`, which polls this process and, once it is gone, kills the servers and removes
+    /// their directories.
+    fn kill_on_exit(&self) {
+        let pids: Vec<String> = self
+            .nodes
+            .iter()
+            .filter_map(|node| node.pid().map(|pid| pid.to_string()))
+            .collect();
+        let dirs: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|node| format!("'{}'", node.dir().display()))
+            .collect();
+        let script = format!(
+            "while kill -0 {parent} 2>/dev/null; do sleep 0.2; done; kill -9 {pids} 2>/dev/null; rm -rf {dirs}",
+            parent = std::process::id(),
+            pids = pids.join(" "),
+            dirs = dirs.join(" "),
+        );
+        // Never waited for: it outlives this process on purpose, and is reaped by whoever
+        // inherits it.
+        #[allow(clippy::zombie_processes)]
+        Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the watchdog that stops the shared cluster at exit");
+    }
+
+    /// Waits until every live node says `cluster_state:ok`, agrees on who serves every slot, and
+    /// every replica has finished its sync with its master.
+    pub fn wait_until_ready(&self) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        while !self.is_ready() {
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not become ready in {READY_TIMEOUT:?}:\n{}",
+                cli(self.live_ports()[0], &["CLUSTER", "NODES"])
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn is_ready(&self) -> bool {
+        self.live_ports().into_iter().all(|port| {
+            if !cli(port, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+                return false;
+            }
+            let nodes = parse_cluster_nodes(&cli(port, &["CLUSTER", "NODES"]));
+            let live_masters = nodes
+                .iter()
+                .filter(|n| n.is_master && !n.failed && !n.slots.is_empty());
+            if live_masters.count() != MASTERS {
+                return false;
+            }
+            let replication = cli(port, &["INFO", "replication"]);
+            if replication.contains("role:slave") {
+                replication.contains("master_link_status:up")
+                    && replication.contains("master_sync_in_progress:0")
+            } else {
+                true
+            }
+        })
+    }
+
+    fn live_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|node| node.pid().is_some())
+            .map(|node| node.port())
+            .collect()
+    }
+
+    /// Every node's address, killed ones included.
+    pub fn addrs(&self) -> Vec<SocketAddr> {
+        self.nodes.iter().map(RedisServer::addr).collect()
+    }
+
+    /// `redis-cluster://<node>?node=<node>&…`, every live node listed (any one is enough for a
+    /// client to learn the topology; the others are there if it is down).
+    pub fn url(&self) -> String {
+        let live: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|node| node.pid().is_some())
+            .map(|node| node.addr().to_string())
+            .collect();
+        let others: Vec<String> = live[1..].iter().map(|addr| format!("node={addr}")).collect();
+        format!("redis-cluster://{}?{}", live[0], others.join("&"))
+    }
+
+    /// The slot of each of `keys`, as the cluster computes it (`CLUSTER KEYSLOT`, all in one
+    /// `redis-cli` run).
+    pub fn slots_of(&self, keys: &[String]) -> Vec<u16> {
+        let port = self.live_ports()[0];
+        let commands: String = keys
+            .iter()
+            .map(|key| format!("CLUSTER KEYSLOT \"{key}\"\n"))
+            .collect();
+        let mut child = Command::new(redis_cli_binary())
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run redis-cli");
+        std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), commands.as_bytes())
+            .expect("write to redis-cli");
+        let output = child.wait_with_output().expect("redis-cli output");
+        let slots: Vec<u16> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|line| line.trim().parse().expect("CLUSTER KEYSLOT answers a number"))
+            .collect();
+        assert_eq!(slots.len(), keys.len(), "one slot per key");
+        slots
+    }
+
+    /// The master serving `slot` and its replicas, as a live node sees them now.
+    pub fn shard_of(&self, slot: u16) -> Shard {
+        let nodes = parse_cluster_nodes(&cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
+        let master = nodes
+            .iter()
+            .find(|n| n.is_master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+            .unwrap_or_else(|| panic!("no master serves slot {slot}"));
+        let replicas = nodes
+            .iter()
+            .filter(|n| !n.is_master && n.master_id == master.id)
+            .map(|n| n.addr)
+            .collect();
+        Shard {
+            master: master.addr,
+            replicas,
+            slots: master.slots.clone(),
+        }
+    }
+
+    /// The server listening at `addr`.
+    pub fn node_mut(&mut self, addr: SocketAddr) -> &mut RedisServer {
+        self.nodes
+            .iter_mut()
+            .find(|node| node.addr() == addr)
+            .unwrap_or_else(|| panic!("no node at {addr}"))
+    }
+
+    /// The masters serving slots now.
+    pub fn masters(&self) -> Vec<SocketAddr> {
+        let nodes = parse_cluster_nodes(&cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
+        nodes
+            .iter()
+            .filter(|n| n.is_master && !n.failed && !n.slots.is_empty())
+            .map(|n| n.addr)
+            .collect()
+    }
+
+    /// Whether the node at `addr` answers `INFO replication` with `role:master`.
+    pub fn is_master(&self, addr: SocketAddr) -> bool {
+        cli(addr.port(), &["INFO", "replication"]).contains("role:master")
+    }
+}
+
+impl super::Backend {
+    /// A Redis store on the binary's shared cluster, connected with `RedisStore::connect` and a
+    /// `redis-cluster://` URL, its keys under a prefix of `test`'s own.
+    pub async fn cluster(test: &str) -> Self {
+        let cluster = Cluster::shared();
+        let store = tower_idempotency::RedisStore::connect(&cluster.url())
+            .await
+            .expect("connect to the shared cluster with a redis-cluster:// URL")
+            .with_prefix(format!("suite:{test}"));
+        Self {
+            name: "cluster",
+            store: std::sync::Arc::new(store),
+            memory: None,
+            redis: None,
+        }
+    }
+}
+
+/// Generates, for each named `async fn test(backend: Backend)`, a test `cluster::<test>` on the
+/// binary's shared Redis Cluster (3 masters, 3 replicas).
+#[macro_export]
+macro_rules! on_cluster {
+    ($($test:ident),* $(,)?) => {
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::cluster(stringify!($test)).await).await
+                }
+            )*
+        }
+    };
+}
