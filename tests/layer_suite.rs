@@ -738,7 +738,7 @@ async fn operators_can_inspect_and_purge_a_key(b: Backend) {
     assert_eq!(runs.get(), 2);
 }
 
-on_both_stores!(
+on_both_stores!(and sentinel:
     uncovered_methods_pass_through,
     a_missing_key_passes_when_optional_and_is_refused_when_required,
     invalid_keys_are_refused,

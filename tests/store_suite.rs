@@ -313,7 +313,7 @@ async fn peek_reports_what_a_claim_would_find_and_writes_nothing(b: Backend) {
     );
 }
 
-on_both_stores!(
+on_both_stores!(and sentinel:
     peek_reports_what_a_claim_would_find_and_writes_nothing,
     claim_then_in_flight_then_completed,
     a_claim_sent_twice_does_not_conflict_with_itself,

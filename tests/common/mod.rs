@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod proxy;
+pub mod sentinel;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -227,6 +228,24 @@ impl Backend {
         }
     }
 
+    /// A Redis store built by `RedisStore::connect` from the `redis-sentinel://` URL (with both
+    /// passwords) of the topology shared by this binary's sentinel tests, under a prefix of its own.
+    pub async fn sentinel() -> Self {
+        let url = tokio::task::spawn_blocking(|| sentinel::shared().url())
+            .await
+            .expect("start the shared sentinel topology");
+        let store = RedisStore::connect(&url)
+            .await
+            .unwrap_or_else(|error| panic!("connect to {url}: {error}"))
+            .with_prefix(sentinel::unique_prefix());
+        Self {
+            name: "sentinel",
+            store: Arc::new(store),
+            memory: None,
+            redis: None,
+        }
+    }
+
     pub fn redis_client(&self) -> Option<&Client> {
         self.redis.as_ref().map(|(_, client)| client)
     }
@@ -235,6 +254,19 @@ impl Backend {
 /// Generates, for each named `async fn test(backend: Backend)`, one test per store.
 #[macro_export]
 macro_rules! on_both_stores {
+    // `on_both_stores!(and sentinel: a, b)` also runs each test as `sentinel::a` on the
+    // Sentinel topology shared by the binary (tests/common/sentinel.rs).
+    (and sentinel: $($test:ident),* $(,)?) => {
+        $crate::on_both_stores!($($test),*);
+        mod sentinel {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::sentinel().await).await
+                }
+            )*
+        }
+    };
     ($($test:ident),* $(,)?) => {
         mod memory {
             $(
