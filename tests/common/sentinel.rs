@@ -311,6 +311,8 @@ pub fn unique_prefix() -> String {
 }
 
 /// Kills `topology`'s processes and removes their directories once this process exits.
+// The reaper is never waited for: it is meant to outlive this process.
+#[allow(clippy::zombie_processes)]
 fn reap_when_this_process_exits(topology: &SentinelTopology) {
     let pids: Vec<String> = topology.pids().iter().map(u32::to_string).collect();
     let dirs: Vec<String> = (topology.sentinels.iter().map(|s| s.dir.display().to_string()))
