@@ -75,8 +75,133 @@ pub struct RedisStore {
     cache: Option<Arc<ReplayCache>>,
     /// Keeps the cache's invalidation listener running while any clone of the store lives.
     _listener: Option<Arc<Listener>>,
+    /// Keeps the `+switch-master` watch of a Sentinel-configured store running while any clone of
+    /// the store lives.
+    _switch_watch: Option<Arc<SwitchWatch>>,
     /// Set while a task reconnects clients that fred will not reconnect by itself.
     reviving: Arc<AtomicBool>,
+}
+
+/// The `+switch-master` subscriptions of a Sentinel-configured store; stopped, and their
+/// connections closed, with the last store clone.
+struct SwitchWatch {
+    task: tokio::task::JoinHandle<()>,
+    subscribers: Vec<Client>,
+}
+
+impl Drop for SwitchWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+        // fred's connection tasks outlive the client handles: close the connections.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            for subscriber in self.subscribers.drain(..) {
+                runtime.spawn(async move { subscriber.quit().await });
+            }
+        }
+    }
+}
+
+const SWITCH_MASTER_CHANNEL: &str = "+switch-master";
+
+/// For a client configured with Sentinel, subscribes to `+switch-master` on each sentinel it
+/// knows (`None` for other clients) and reconnects `client` when one names its service.
+async fn watch_for_switches(client: &Client) -> Result<Option<SwitchWatch>, fred::error::Error> {
+    use fred::types::config::ServerConfig;
+
+    let config = client.client_config();
+    let ServerConfig::Sentinel {
+        hosts,
+        service_name,
+        username,
+        password,
+    } = &config.server
+    else {
+        return Ok(None);
+    };
+    let mut subscribers = Vec::with_capacity(hosts.len());
+    for sentinel in hosts {
+        let sentinel_config = Config {
+            server: ServerConfig::Centralized {
+                server: sentinel.clone(),
+            },
+            username: username.clone(),
+            password: password.clone(),
+            #[cfg(feature = "tls")]
+            tls: config.tls.clone(),
+            ..Config::default()
+        };
+        let subscriber = Builder::from_config(sentinel_config)
+            .set_connection_config(client.connection_config().clone())
+            .set_policy(store_reconnect_policy())
+            .build()?;
+        subscribers.push(subscriber);
+    }
+    let task = tokio::spawn(follow_switches(
+        client.clone(),
+        subscribers.clone(),
+        service_name.clone(),
+    ));
+    Ok(Some(SwitchWatch { task, subscribers }))
+}
+
+/// Reconnects `client` (fred asks the sentinels for the master again) on each new
+/// `+switch-master` for `service`. Every sentinel announces the same switch: it is acted on once.
+async fn follow_switches(client: Client, subscribers: Vec<Client>, service: String) {
+    use tokio::sync::broadcast::error::RecvError;
+
+    let (switches, mut announced) = tokio::sync::mpsc::unbounded_channel();
+    let mut listeners = Vec::with_capacity(subscribers.len());
+    for subscriber in subscribers {
+        let switches = switches.clone();
+        listeners.push(tokio::spawn(async move {
+            let mut messages = subscriber.message_rx();
+            let mut reconnects = subscriber.reconnect_rx();
+            // Connected only now that its first connection cannot go unseen. A sentinel that is
+            // down is subscribed to when it is back (the reconnect policy retries forever); the
+            // others carry the announcements meanwhile.
+            let _connection_task = subscriber.connect();
+            loop {
+                tokio::select! {
+                    message = messages.recv() => match message {
+                        Ok(message) if *message.channel == *SWITCH_MASTER_CHANNEL => {
+                            if let Some(text) = message.value.as_string() {
+                                let _ = switches.send(text);
+                            }
+                        }
+                        Ok(_) | Err(RecvError::Lagged(_)) => {}
+                        Err(RecvError::Closed) => return,
+                    },
+                    // Also the first connection: subscriptions are (re)made on every connect.
+                    _ = reconnects.recv() => {
+                        if let Err(error) = subscriber.subscribe(SWITCH_MASTER_CHANNEL).await {
+                            tracing::warn!(%error, "cannot subscribe to +switch-master on a sentinel");
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    drop(switches);
+    // Aborted with this task, since they hold the channel's senders.
+    struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.iter().for_each(tokio::task::JoinHandle::abort);
+        }
+    }
+    let _listeners = AbortOnDrop(listeners);
+    let mut last_switch = String::new();
+    while let Some(switch) = announced.recv().await {
+        // "<service> <old ip> <old port> <new ip> <new port>"
+        if switch.split(' ').next() != Some(service.as_str()) || switch == last_switch {
+            continue;
+        }
+        tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
+        if let Err(error) = client.force_reconnection().await {
+            tracing::warn!(%error, "reconnecting after +switch-master failed; the reconnect policy retries");
+        }
+        last_switch = switch;
+    }
 }
 
 /// The task that feeds a replay cache its invalidations; stopped with the last store clone.
@@ -208,6 +333,7 @@ impl RedisStore {
             },
             cache: None,
             _listener: None,
+            _switch_watch: None,
             reviving: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -302,6 +428,14 @@ impl RedisStore {
     /// when the server's `maxmemory-policy` is not `noeviction`, under which Redis may evict a
     /// running request's record.
     ///
+    /// Sentinel: `redis-sentinel://[user:]password@host:port?node=host:port&…&sentinelServiceName=NAME`
+    /// lists the sentinels; the URL's credentials are the data nodes', and the sentinels' own go
+    /// in `sentinelUsername` and `sentinelPassword` (none if absent). After a failover, a master
+    /// that is still reachable keeps acknowledging writes until the sentinels demote it, seconds
+    /// later, and then throws them away. So the store listens for `+switch-master` on every
+    /// sentinel (one connection each) and reconnects to the new master as soon as one announces
+    /// it; a write refused with `READONLY` (a demoted master) also makes it reconnect.
+    ///
     /// TLS URLs (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`) need the crate feature
     /// `tls` (on by default); the server certificate is verified against the platform's trust
     /// store, or the certificates in `SSL_CERT_FILE` when it is set. Without the feature they are
@@ -337,7 +471,16 @@ impl RedisStore {
             .map_err(unavailable)?;
         client.init().await.map_err(unavailable)?;
         warn_if_records_can_be_evicted(&client).await;
-        Ok(Self::new(client))
+        let switch_watch = match watch_for_switches(&client).await {
+            Ok(watch) => watch.map(Arc::new),
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for +switch-master on the sentinels; the store follows a failover only once the old master refuses writes (READONLY)");
+                None
+            }
+        };
+        let mut store = Self::new(client);
+        store._switch_watch = switch_watch;
+        Ok(store)
     }
 
     /// Prefixes every key this store writes (default: `idempotency`). Keys look like

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod proxy;
+pub mod sentinel;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -233,6 +234,24 @@ impl Backend {
         }
     }
 
+    /// A Redis store built by `RedisStore::connect` from the `redis-sentinel://` URL (with both
+    /// passwords) of the topology shared by this binary's sentinel tests, under a prefix of its own.
+    pub async fn sentinel() -> Self {
+        let url = tokio::task::spawn_blocking(|| sentinel::shared().url())
+            .await
+            .expect("start the shared sentinel topology");
+        let store = RedisStore::connect(&url)
+            .await
+            .unwrap_or_else(|error| panic!("connect to {url}: {error}"))
+            .with_prefix(sentinel::unique_prefix());
+        Self {
+            name: "sentinel",
+            store: Arc::new(store),
+            memory: None,
+            redis: None,
+        }
+    }
+
     pub fn redis_client(&self) -> Option<&Client> {
         self.redis.as_ref().map(|(_, client)| client)
     }
@@ -241,6 +260,19 @@ impl Backend {
 /// Generates, for each named `async fn test(backend: Backend)`, one test per store.
 #[macro_export]
 macro_rules! on_both_stores {
+    // `on_both_stores!(and sentinel: a, b)` also runs each test as `sentinel::a` on the
+    // Sentinel topology shared by the binary (tests/common/sentinel.rs).
+    (and sentinel: $($test:ident),* $(,)?) => {
+        $crate::on_both_stores!($($test),*);
+        mod sentinel {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::sentinel().await).await
+                }
+            )*
+        }
+    };
     ($($test:ident),* $(,)?) => {
         mod memory {
             $(
@@ -262,11 +294,12 @@ macro_rules! on_both_stores {
 }
 
 /// Generates each suite test for every store and topology: `memory::`, `redis::` (standalone)
-/// and `cluster::` (Redis Cluster, see `common::cluster`).
+/// `sentinel::` (Redis behind Sentinel, see `common::sentinel`) and `cluster::` (Redis Cluster,
+/// see `common::cluster`).
 #[macro_export]
 macro_rules! on_every_store {
     ($($test:ident),* $(,)?) => {
-        $crate::on_both_stores!($($test),*);
+        $crate::on_both_stores!(and sentinel: $($test),*);
         $crate::on_cluster!($($test),*);
     };
 }

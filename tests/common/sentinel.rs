@@ -1,0 +1,334 @@
+//! A Sentinel topology on loopback: one master, one replica (`--replicaof`) and three sentinels,
+//! every data node and every sentinel behind a password, all on free ports.
+//!
+//! Admin commands go through `redis-cli` (blocking), so the harness needs no runtime and can be
+//! started from a process-wide `OnceLock` shared by every test of a binary.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::{free_port, RedisServer};
+
+pub const SERVICE: &str = "mymaster";
+/// The password of the master and the replica (`requirepass`, `masterauth`).
+pub const DATA_PASSWORD: &str = "data-secret";
+/// The password of the sentinels (`requirepass`, `sentinel sentinel-pass`).
+pub const SENTINEL_PASSWORD: &str = "sentinel-secret";
+
+/// A `redis-server --sentinel` with a config file of its own, killed when dropped.
+pub struct SentinelProcess {
+    port: u16,
+    child: Option<Child>,
+    dir: PathBuf,
+}
+
+impl SentinelProcess {
+    fn start(master_port: u16) -> Self {
+        for _ in 0..5 {
+            let port = free_port();
+            if let Some(sentinel) = Self::start_on(port, master_port) {
+                return sentinel;
+            }
+        }
+        panic!("could not start a sentinel on a free port after 5 tries");
+    }
+
+    fn start_on(port: u16, master_port: u16) -> Option<Self> {
+        assert_ne!(port, 26379, "tests never use the default Sentinel port");
+        let dir = std::env::temp_dir().join(format!(
+            "tower-idempotency-sentinel-{port}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("create a directory for a sentinel");
+        // Sentinels rewrite their config file as they learn the topology: it must be writable.
+        let config = dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nloglevel warning\n\
+                 requirepass {SENTINEL_PASSWORD}\n\
+                 sentinel resolve-hostnames no\n\
+                 sentinel sentinel-pass {SENTINEL_PASSWORD}\n\
+                 sentinel monitor {SERVICE} 127.0.0.1 {master_port} 2\n\
+                 sentinel auth-pass {SERVICE} {DATA_PASSWORD}\n\
+                 sentinel down-after-milliseconds {SERVICE} 1000\n\
+                 sentinel failover-timeout {SERVICE} 5000\n",
+                dir = dir.display()
+            ),
+        )
+        .expect("write a sentinel config");
+        let child = Command::new(super::redis_server_binary())
+            .arg(&config)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot run `{} <conf> --sentinel` ({error}). Install redis-server (apt-get install \
+                     redis-server) or run scripts/test.sh, which does.",
+                    super::redis_server_binary()
+                )
+            });
+        let mut sentinel = Self {
+            port,
+            child: Some(child),
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(child) = &mut sentinel.child {
+                if let Ok(Some(_status)) = child.try_wait() {
+                    sentinel.child = None;
+                    return None; // port taken, most likely
+                }
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(sentinel);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One master, one replica, three sentinels that agree on both (quorum 2, a node is down after
+/// 1 s without answers, a failover times out after 5 s).
+pub struct SentinelTopology {
+    /// The master and the replica as started; after a failover their roles are swapped.
+    pub nodes: Vec<RedisServer>,
+    pub sentinels: Vec<SentinelProcess>,
+}
+
+impl SentinelTopology {
+    /// Starts the five processes and waits until the replica is in sync and every sentinel sees
+    /// the master, the replica and the two other sentinels.
+    pub fn start() -> Self {
+        let started = Instant::now();
+        let auth = ["--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD];
+        let master = RedisServer::start_with(&auth);
+        let master_port = master.port().to_string();
+        let mut replica_args = auth.to_vec();
+        replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
+        let replica = RedisServer::start_with(&replica_args);
+        let sentinels = (0..3).map(|_| SentinelProcess::start(master.port())).collect();
+        let topology = Self {
+            nodes: vec![master, replica],
+            sentinels,
+        };
+        topology.wait_until_settled(Duration::from_secs(20));
+        eprintln!(
+            "sentinel topology (master {}, replica {}, sentinels {:?}) ready in {:?}",
+            topology.nodes[0].port(),
+            topology.nodes[1].port(),
+            topology
+                .sentinels
+                .iter()
+                .map(SentinelProcess::port)
+                .collect::<Vec<_>>(),
+            started.elapsed()
+        );
+        topology
+    }
+
+    /// Waits until the current master has an online replica and every sentinel sees it, one
+    /// replica and two other sentinels. Panics after `timeout`.
+    pub fn wait_until_settled(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let settled = self.settled();
+            match settled {
+                Ok(()) => return,
+                Err(why) if Instant::now() > deadline => {
+                    panic!("the sentinel topology did not settle: {why}")
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    fn settled(&self) -> Result<(), String> {
+        let master = self.master_port();
+        let replication = data_cli(master, &["INFO", "replication"]);
+        if !replication.contains("role:master") || !replication.contains("state=online") {
+            return Err(format!("master {master} has no online replica: {replication}"));
+        }
+        for sentinel in &self.sentinels {
+            let port = sentinel.port();
+            let seen = sentinel_cli(port, &["SENTINEL", "get-master-addr-by-name", SERVICE]);
+            if seen.lines().nth(1) != Some(master.to_string().as_str()) {
+                return Err(format!(
+                    "sentinel {port} sees the master at {seen:?}, not {master}"
+                ));
+            }
+            let replicas = sentinel_cli(port, &["SENTINEL", "replicas", SERVICE]);
+            if !replicas.lines().any(|line| line == "slave") || replicas.contains("s_down") {
+                return Err(format!("sentinel {port} sees no healthy replica: {replicas}"));
+            }
+            let others = sentinel_cli(port, &["SENTINEL", "sentinels", SERVICE]);
+            if others.lines().filter(|line| *line == "sentinel").count() < 2 {
+                return Err(format!(
+                    "sentinel {port} sees fewer than 2 other sentinels: {others}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The URL of this topology for `RedisStore::connect`: the data nodes' password as the
+    /// URL's credentials, the sentinels' in `sentinelPassword`.
+    pub fn url(&self) -> String {
+        let mut sentinels = self.sentinels.iter().map(SentinelProcess::port);
+        let first = sentinels.next().expect("three sentinels");
+        let nodes: String = sentinels.map(|port| format!("node=127.0.0.1:{port}&")).collect();
+        format!(
+            "redis-sentinel://:{DATA_PASSWORD}@127.0.0.1:{first}?{nodes}sentinelServiceName={SERVICE}&\
+             sentinelPassword={SENTINEL_PASSWORD}"
+        )
+    }
+
+    /// The port of the master, as the first sentinel that answers names it.
+    pub fn master_port(&self) -> u16 {
+        for sentinel in &self.sentinels {
+            if sentinel.child.is_none() {
+                continue;
+            }
+            let answer = sentinel_cli(sentinel.port(), &["SENTINEL", "get-master-addr-by-name", SERVICE]);
+            if let Some(port) = answer.lines().nth(1).and_then(|port| port.parse().ok()) {
+                return port;
+            }
+        }
+        panic!("no sentinel names a master");
+    }
+
+    /// The data node (master or replica) listening on `port`.
+    pub fn node_mut(&mut self, port: u16) -> &mut RedisServer {
+        (self.nodes.iter_mut())
+            .find(|node| node.port() == port)
+            .unwrap_or_else(|| panic!("no data node on port {port}"))
+    }
+
+    /// `SENTINEL FAILOVER`: a graceful failover, the replica promoted without agreement.
+    pub fn failover(&self) {
+        let answer = sentinel_cli(self.sentinels[0].port(), &["SENTINEL", "FAILOVER", SERVICE]);
+        assert_eq!(answer.trim(), "OK", "SENTINEL FAILOVER refused");
+    }
+
+    /// Waits until the sentinels name a master other than `old` and the new master has an
+    /// online replica again. Returns the new master's port.
+    pub fn wait_for_new_master(&self, old: u16, timeout: Duration) -> u16 {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            let master = self.master_port();
+            if master != old {
+                return master;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the sentinels still name {old} as master after {timeout:?}");
+    }
+
+    /// Pids of every process, for [`reap_when_this_process_exits`].
+    fn pids(&self) -> Vec<u32> {
+        (self.nodes.iter().filter_map(RedisServer::pid))
+            .chain(self.sentinels.iter().filter_map(SentinelProcess::pid))
+            .collect()
+    }
+}
+
+/// `redis-cli` against a data node, with its password. Returns the raw output.
+pub fn data_cli(port: u16, args: &[&str]) -> String {
+    cli(port, DATA_PASSWORD, args)
+}
+
+/// `redis-cli` against a sentinel, with its password. Returns the raw output.
+pub fn sentinel_cli(port: u16, args: &[&str]) -> String {
+    cli(port, SENTINEL_PASSWORD, args)
+}
+
+fn cli(port: u16, password: &str, args: &[&str]) -> String {
+    let output = Command::new("redis-cli")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "--no-auth-warning",
+            "-a",
+            password,
+        ])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|error| {
+            panic!(
+                "cannot run `redis-cli` ({error}); it comes with redis-server (apt-get install redis-server)"
+            )
+        });
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The topology shared by every sentinel test of this binary, started on first use.
+///
+/// A static is never dropped, so its processes would outlive the test binary: a reaper (a
+/// `sh` loop, see [`reap_when_this_process_exits`]) kills them once this process is gone,
+/// however it ends (success, panic, abort, SIGKILL). `PR_SET_PDEATHSIG` would need `unsafe`
+/// and fires when the spawning *thread* ends, which in a test harness is the first test's thread.
+pub fn shared() -> &'static SentinelTopology {
+    static SHARED: OnceLock<SentinelTopology> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        let topology = SentinelTopology::start();
+        reap_when_this_process_exits(&topology);
+        topology
+    })
+}
+
+/// A key prefix no other test of this binary uses, so tests can share one topology.
+pub fn unique_prefix() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!("sentinel-test-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Kills `topology`'s processes and removes their directories once this process exits.
+// The reaper is never waited for: it is meant to outlive this process.
+#[allow(clippy::zombie_processes)]
+fn reap_when_this_process_exits(topology: &SentinelTopology) {
+    let pids: Vec<String> = topology.pids().iter().map(u32::to_string).collect();
+    let dirs: Vec<String> = (topology.sentinels.iter().map(|s| s.dir.display().to_string()))
+        .chain(topology.nodes.iter().map(|node| node.dir.display().to_string()))
+        .collect();
+    let script = format!(
+        "while kill -0 {parent} 2>/dev/null; do sleep 0.2; done; kill -9 {pids} 2>/dev/null; rm -rf {dirs}",
+        parent = std::process::id(),
+        pids = pids.join(" "),
+        dirs = dirs.join(" "),
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the reaper of the shared sentinel topology (`sh`)");
+}

@@ -1,0 +1,313 @@
+//! Failover under a retry storm on Redis Sentinel (1 master, 1 replica, 3 sentinels).
+//!
+//! Two layer "nodes", each over its own `RedisStore::connect(<redis-sentinel:// URL>)`, take a
+//! storm of clients that retry every key until they get an answer other than 409 or 503, while the
+//! master fails over: gracefully (`SENTINEL FAILOVER`) or by force (`kill -9` of the master, the
+//! replica promoted after `down-after-milliseconds`). A ledger counts the handler's executions per
+//! key. Each test prints duplicate executions, keys in flight at the end, keys never answered,
+//! the window in which clients got 503, and the NOSCRIPT reloads on the new master.
+//!
+//! Asserted: every key is answered by the deadline; after a forced failover, no key is answered
+//! with two different bodies. After a graceful one a few keys can still run twice (see the test),
+//! so duplicates there are printed, not asserted.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use common::sentinel::{data_cli, SentinelTopology};
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore};
+
+const KEYS: usize = 40;
+const CLIENTS_PER_KEY: usize = 3;
+/// Each client asks this many times, a pause apart (the later calls should be replays).
+const CALLS_PER_CLIENT: usize = 3;
+const PAUSE_BETWEEN_CALLS: Duration = Duration::from_millis(300);
+/// Keys start one after another over this span, so some are running during the failover.
+const STAGGER: Duration = Duration::from_millis(3000);
+const FAILOVER_AT: Duration = Duration::from_millis(1000);
+const LEASE: Duration = Duration::from_secs(5);
+/// A client that has no answer this long after its first try counts as never answered.
+const DEADLINE: Duration = Duration::from_secs(25);
+
+/// Every handler execution, per key: the body it answered.
+#[derive(Clone, Default)]
+struct Ledger(Arc<Mutex<HashMap<String, Vec<Bytes>>>>);
+
+fn app(layer: IdempotencyLayer, ledger: Ledger, node: &'static str) -> Router {
+    let handler = move |headers: HeaderMap| {
+        let ledger = ledger.clone();
+        async move {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            let body = {
+                let mut ledger = ledger.0.lock().unwrap();
+                let runs = ledger.entry(key.clone()).or_default();
+                let body = Bytes::from(format!("{key} run {} on {node}", runs.len() + 1));
+                runs.push(body.clone());
+                body
+            };
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            (StatusCode::CREATED, body)
+        }
+    };
+    Router::new().route("/payments", post(handler)).layer(layer)
+}
+
+/// When clients got 503s, relative to the start of the storm.
+#[derive(Default)]
+struct Unavailable {
+    count: usize,
+    first: Option<Duration>,
+    last: Option<Duration>,
+}
+
+#[derive(Default)]
+struct Tally {
+    conflicts: usize,
+    unavailable: Unavailable,
+}
+
+/// Sends the request until it gets an answer other than 409 or 503; `None` past the deadline.
+async fn call_until_answered(
+    nodes: &[Router; 2],
+    key: &str,
+    turn: usize,
+    storm_started: Instant,
+    tally: &Mutex<Tally>,
+) -> Option<(StatusCode, Bytes)> {
+    let deadline = Instant::now() + DEADLINE;
+    let mut attempt = turn;
+    while Instant::now() < deadline {
+        let node = nodes[attempt % 2].clone();
+        attempt += 1;
+        let request = Request::post("/payments")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(format!("{{\"key\":\"{key}\"}}")))
+            .unwrap();
+        let response = node.oneshot(request).await.unwrap();
+        let status = response.status();
+        match status {
+            StatusCode::CONFLICT => tally.lock().unwrap().conflicts += 1,
+            StatusCode::SERVICE_UNAVAILABLE => {
+                let at = storm_started.elapsed();
+                let unavailable = &mut tally.lock().unwrap().unavailable;
+                unavailable.count += 1;
+                unavailable.first.get_or_insert(at);
+                unavailable.last = Some(at);
+            }
+            _ => return Some((status, response.into_body().collect().await.unwrap().to_bytes())),
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    None
+}
+
+#[derive(Clone, Copy)]
+enum Failover {
+    /// `SENTINEL FAILOVER`: the master is reachable and demoted by the sentinels.
+    Graceful,
+    /// `kill -9` of the master; the sentinels promote the replica once it is seen down.
+    Forced,
+}
+
+struct Report {
+    different_bodies: Vec<String>,
+    never_answered: usize,
+}
+
+async fn storm(failover: Failover) -> Report {
+    let name = match failover {
+        Failover::Graceful => "SENTINEL FAILOVER",
+        Failover::Forced => "kill -9 of the master",
+    };
+    let topology = tokio::task::spawn_blocking(SentinelTopology::start)
+        .await
+        .unwrap();
+    let topology = Arc::new(Mutex::new(topology));
+    let url = topology.lock().unwrap().url();
+    let layer = |store: RedisStore| IdempotencyLayer::new(store).with_lease(LEASE);
+    let stores = [
+        RedisStore::connect(&url).await.expect("connect node a"),
+        RedisStore::connect(&url).await.expect("connect node b"),
+    ];
+    let ledger = Ledger::default();
+    let operator = layer(stores[0].clone());
+    let nodes = [
+        app(layer(stores[0].clone()), ledger.clone(), "a"),
+        app(layer(stores[1].clone()), ledger.clone(), "b"),
+    ];
+    let old_master = topology.lock().unwrap().master_port();
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let storm_started = Instant::now();
+
+    let mut clients = Vec::new();
+    for k in 0..KEYS {
+        let start_at = STAGGER * k as u32 / KEYS as u32;
+        for c in 0..CLIENTS_PER_KEY {
+            let nodes = nodes.clone();
+            let tally = tally.clone();
+            let key = format!("key-{k}");
+            clients.push(tokio::spawn(async move {
+                tokio::time::sleep(start_at).await;
+                let mut answers = Vec::new();
+                for call in 0..CALLS_PER_CLIENT {
+                    let answer = call_until_answered(&nodes, &key, k + c + call, storm_started, &tally).await;
+                    answers.push(answer);
+                    tokio::time::sleep(PAUSE_BETWEEN_CALLS).await;
+                }
+                (key, answers)
+            }));
+        }
+    }
+
+    tokio::time::sleep(FAILOVER_AT).await;
+    let failover_at = storm_started.elapsed();
+    let promoted = {
+        let topology = topology.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut topology = topology.lock().unwrap();
+            match failover {
+                Failover::Graceful => topology.failover(),
+                Failover::Forced => topology.node_mut(old_master).kill(),
+            }
+            topology.wait_for_new_master(old_master, Duration::from_secs(15))
+        })
+        .await
+        .unwrap()
+    };
+    let promoted_at = storm_started.elapsed();
+
+    let mut answers_per_key: HashMap<String, Vec<Option<(StatusCode, Bytes)>>> = HashMap::new();
+    for client in clients {
+        let (key, answers) = client.await.unwrap();
+        answers_per_key.entry(key).or_default().extend(answers);
+    }
+    let storm_took = storm_started.elapsed();
+
+    // A demoted master throws away what it acknowledged since the promotion; a client's late
+    // retry then finds its key gone (runs it again) or still in flight. So every key is asked
+    // once more after the old master is a replica again (a killed one stays dead).
+    if let Failover::Graceful = failover {
+        let topology = topology.clone();
+        let demoted = tokio::task::spawn_blocking(move || {
+            topology
+                .lock()
+                .unwrap()
+                .wait_until_settled(Duration::from_secs(30));
+            storm_started.elapsed()
+        })
+        .await
+        .unwrap();
+        println!("sentinel storm, {name}: the old master {old_master} is a replica again at {demoted:?}");
+    }
+    let late_retries: Vec<_> = (answers_per_key.keys().cloned().enumerate())
+        .map(|(turn, key)| {
+            let nodes = nodes.clone();
+            let tally = tally.clone();
+            tokio::spawn(async move {
+                let answer = call_until_answered(&nodes, &key, turn, storm_started, &tally).await;
+                (key, answer)
+            })
+        })
+        .collect();
+    for retry in late_retries {
+        let (key, answer) = retry.await.unwrap();
+        answers_per_key.entry(key).or_default().push(answer);
+    }
+
+    let runs = ledger.0.lock().unwrap().clone();
+    let duplicates: usize = runs.values().map(|runs| runs.len().saturating_sub(1)).sum();
+    let keys_run_twice = runs.values().filter(|runs| runs.len() > 1).count();
+    let never_answered = (answers_per_key.values())
+        .filter(|answers| answers.iter().any(Option::is_none))
+        .count();
+    let mut different_bodies = Vec::new();
+    for (key, answers) in &answers_per_key {
+        let mut bodies: Vec<&Bytes> = answers.iter().flatten().map(|(_, body)| body).collect();
+        bodies.sort();
+        bodies.dedup();
+        if bodies.len() > 1 {
+            different_bodies.push(format!("{key}: {bodies:?}"));
+        }
+    }
+    let mut in_flight_at_end = 0;
+    for key in answers_per_key.keys() {
+        if let Ok(Some(record)) = operator.inspect(None, key).await {
+            if record.state == RecordState::InFlight {
+                in_flight_at_end += 1;
+            }
+        }
+    }
+    let reloads = tokio::task::spawn_blocking(move || {
+        let stats = data_cli(promoted, &["INFO", "commandstats"]);
+        (stats.lines())
+            .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|calls| calls.parse::<u64>().ok())
+            .unwrap_or(0)
+    })
+    .await
+    .unwrap();
+    let tally = tally.lock().unwrap();
+    let window = match (tally.unavailable.first, tally.unavailable.last) {
+        (Some(first), Some(last)) => format!("{:?} .. {:?} ({:?})", first, last, last - first),
+        _ => "none".to_owned(),
+    };
+    println!(
+        "sentinel storm, {name}: {KEYS} keys x {CLIENTS_PER_KEY} clients x {CALLS_PER_CLIENT} calls; failover \
+         triggered at {failover_at:?}, sentinels named {promoted} (was {old_master}) at {promoted_at:?}; storm took \
+         {storm_took:?}\n  duplicate executions: {duplicates} (keys run more than once: {keys_run_twice})\n  keys in \
+         flight at the end: {in_flight_at_end}\n  keys never answered: {never_answered}\n  keys answered with \
+         different bodies: {}\n  503 answers: {} in {window}\n  409 answers: {}\n  NOSCRIPT reloads (EVAL) on the \
+         new master: {reloads}",
+        different_bodies.len(),
+        tally.unavailable.count,
+        tally.conflicts,
+    );
+    Report {
+        different_bodies,
+        never_answered,
+    }
+}
+
+/// Every key answered by the deadline, and at most `lost` keys answered with two bodies.
+fn assert_answered(report: &Report, lost: usize) {
+    assert_eq!(report.never_answered, 0, "keys never answered by the deadline");
+    assert!(
+        report.different_bodies.len() <= lost,
+        "{} keys answered with different bodies (at most {lost} expected): {:?}",
+        report.different_bodies.len(),
+        report.different_bodies
+    );
+}
+
+/// Before the store followed `+switch-master`, it stayed on the old master, which acknowledged
+/// writes until it was demoted ~15 s later and threw them away: 24 of 40 keys ran twice. Now it
+/// moves as soon as the sentinels announce the switch; what remains are writes the old master
+/// acknowledged between the replica's promotion (`REPLICAOF NO ONE`) and the announcement, which
+/// the sentinels make only once they see the promotion (their 1 s INFO poll): 1-2 keys when that
+/// took 0.2 s, 15 when it took 1.2 s (both seen, with or without load). That depends on timing,
+/// so it is printed, not asserted; every key must still get an answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_failover_under_a_retry_storm() {
+    let report = storm(Failover::Graceful).await;
+    assert_eq!(report.never_answered, 0, "keys never answered by the deadline");
+}
+
+/// A killed master acknowledges nothing more, and what it acknowledged had reached the replica
+/// (loopback replication keeps up): no key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_failover_under_a_retry_storm() {
+    let report = storm(Failover::Forced).await;
+    assert_answered(&report, 0);
+}
