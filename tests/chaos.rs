@@ -16,12 +16,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::proxy::{Fault, FaultProxy};
+use common::storm::{app, Ledger};
 use common::{admin, client, RedisServer};
-use http::{HeaderMap, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -55,30 +55,6 @@ impl Logs {
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
-}
-
-/// Every handler execution, per key: the body it answered.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, Vec<Bytes>>>>);
-
-fn app(layer: IdempotencyLayer, ledger: Ledger, node: &'static str) -> Router {
-    let handler = move |headers: HeaderMap| {
-        let ledger = ledger.clone();
-        async move {
-            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-            let delay: u64 = headers["x-delay-ms"].to_str().unwrap().parse().unwrap();
-            let body = {
-                let mut ledger = ledger.0.lock().unwrap();
-                let runs = ledger.entry(key.clone()).or_default();
-                let body = Bytes::from(format!("{key} run {} on {node}", runs.len() + 1));
-                runs.push(body.clone());
-                body
-            };
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-            (StatusCode::CREATED, body)
-        }
-    };
-    Router::new().route("/payments", post(handler)).layer(layer)
 }
 
 #[derive(Default)]
@@ -267,6 +243,7 @@ async fn run(seed: u64, logs: Logs) {
             layer.clone(),
             ledger.clone(),
             if node == "a" { "a" } else { "b" },
+            |headers| Duration::from_millis(headers["x-delay-ms"].to_str().unwrap().parse().unwrap()),
         ));
         layers.push(layer);
         proxies.push(proxy);
@@ -331,7 +308,7 @@ async fn run(seed: u64, logs: Logs) {
     }
 
     let log = logs.text();
-    let ledger = ledger.0.lock().unwrap().clone();
+    let ledger = ledger.runs();
     let mut explained = Vec::new();
     let mut failures = Vec::new();
     for k in 0..KEYS {

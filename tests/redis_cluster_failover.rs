@@ -21,12 +21,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::cluster::{cli, Cluster};
+use common::storm::{app, Ledger};
 use common::{admin, client, command_calls};
-use http::{HeaderMap, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -70,28 +70,6 @@ fn count_unstored_results() {
     let subscriber = tracing_subscriber::registry().with(CountUnstoredResults);
     // Both tests try; the first one sets it for the process.
     let _ = tracing::subscriber::set_global_default(subscriber);
-}
-
-/// Every handler execution, per key.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, usize>>>);
-
-fn app(layer: IdempotencyLayer, ledger: Ledger, node: &'static str) -> Router {
-    let handler = move |headers: HeaderMap| {
-        let ledger = ledger.clone();
-        async move {
-            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-            let run = {
-                let mut ledger = ledger.0.lock().unwrap();
-                let runs = ledger.entry(key.clone()).or_default();
-                *runs += 1;
-                *runs
-            };
-            tokio::time::sleep(HANDLER_TIME).await;
-            (StatusCode::CREATED, format!("{key} run {run} on {node}"))
-        }
-    };
-    Router::new().route("/payments", post(handler)).layer(layer)
 }
 
 /// The 409 and 503 answers clients saw, and when the 503s came (ms since the storm began).
@@ -220,8 +198,8 @@ async fn storm_through(failover: Failover, seed: u64) -> Figures {
     let ledger = Ledger::default();
     let layer = |store: &RedisStore| IdempotencyLayer::new(store.clone()).with_lease(LEASE);
     let nodes = [
-        app(layer(&stores[0]), ledger.clone(), "a"),
-        app(layer(&stores[1]), ledger.clone(), "b"),
+        app(layer(&stores[0]), ledger.clone(), "a", |_| HANDLER_TIME),
+        app(layer(&stores[1]), ledger.clone(), "b", |_| HANDLER_TIME),
     ];
     let tally = Arc::new(Tally::default());
     let storm = Instant::now();
@@ -272,9 +250,9 @@ async fn storm_through(failover: Failover, seed: u64) -> Figures {
             .extend(handle.await.unwrap());
     }
 
-    let ledger = ledger.0.lock().unwrap().clone();
-    let duplicates = ledger.values().map(|runs| runs.saturating_sub(1)).sum();
-    let keys_run_twice = ledger.values().filter(|&&runs| runs > 1).count();
+    let ledger = ledger.runs();
+    let duplicates = ledger.values().map(|runs| runs.len().saturating_sub(1)).sum();
+    let keys_run_twice = ledger.values().filter(|runs| runs.len() > 1).count();
     let mut never_answered = 0;
     let mut keys_with_two_bodies = 0;
     let mut not_created = 0;

@@ -18,11 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use common::sentinel::{data_cli, SentinelTopology};
-use http::{HeaderMap, Request, StatusCode};
+use common::storm::{app, Ledger};
+use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore};
@@ -38,29 +38,7 @@ const FAILOVER_AT: Duration = Duration::from_millis(1000);
 const LEASE: Duration = Duration::from_secs(5);
 /// A client that has no answer this long after its first try counts as never answered.
 const DEADLINE: Duration = Duration::from_secs(25);
-
-/// Every handler execution, per key: the body it answered.
-#[derive(Clone, Default)]
-struct Ledger(Arc<Mutex<HashMap<String, Vec<Bytes>>>>);
-
-fn app(layer: IdempotencyLayer, ledger: Ledger, node: &'static str) -> Router {
-    let handler = move |headers: HeaderMap| {
-        let ledger = ledger.clone();
-        async move {
-            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-            let body = {
-                let mut ledger = ledger.0.lock().unwrap();
-                let runs = ledger.entry(key.clone()).or_default();
-                let body = Bytes::from(format!("{key} run {} on {node}", runs.len() + 1));
-                runs.push(body.clone());
-                body
-            };
-            tokio::time::sleep(Duration::from_millis(40)).await;
-            (StatusCode::CREATED, body)
-        }
-    };
-    Router::new().route("/payments", post(handler)).layer(layer)
-}
+const HANDLER_TIME: Duration = Duration::from_millis(40);
 
 /// When clients got 503s, relative to the start of the storm.
 #[derive(Default)]
@@ -143,8 +121,8 @@ async fn storm(failover: Failover) -> Report {
     let ledger = Ledger::default();
     let operator = layer(stores[0].clone());
     let nodes = [
-        app(layer(stores[0].clone()), ledger.clone(), "a"),
-        app(layer(stores[1].clone()), ledger.clone(), "b"),
+        app(layer(stores[0].clone()), ledger.clone(), "a", |_| HANDLER_TIME),
+        app(layer(stores[1].clone()), ledger.clone(), "b", |_| HANDLER_TIME),
     ];
     let old_master = topology.lock().unwrap().master_port();
     let tally = Arc::new(Mutex::new(Tally::default()));
@@ -225,7 +203,7 @@ async fn storm(failover: Failover) -> Report {
         answers_per_key.entry(key).or_default().push(answer);
     }
 
-    let runs = ledger.0.lock().unwrap().clone();
+    let runs = ledger.runs();
     let duplicates: usize = runs.values().map(|runs| runs.len().saturating_sub(1)).sum();
     let keys_run_twice = runs.values().filter(|runs| runs.len() > 1).count();
     let never_answered = (answers_per_key.values())

@@ -161,35 +161,11 @@ impl Cluster {
         })
     }
 
-    /// Spawns `sh`, which polls this process and, once it is gone, kills the servers and removes
-    /// their directories.
+    /// Stops the servers and removes their directories once this process has exited.
     fn kill_on_exit(&self) {
-        let pids: Vec<String> = self
-            .nodes
-            .iter()
-            .filter_map(|node| node.pid().map(|pid| pid.to_string()))
-            .collect();
-        let dirs: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|node| format!("'{}'", node.dir().display()))
-            .collect();
-        let script = format!(
-            "while kill -0 {parent} 2>/dev/null; do sleep 0.2; done; kill -9 {pids} 2>/dev/null; rm -rf {dirs}",
-            parent = std::process::id(),
-            pids = pids.join(" "),
-            dirs = dirs.join(" "),
-        );
-        // Never waited for: it outlives this process on purpose, and is reaped by whoever
-        // inherits it.
-        #[allow(clippy::zombie_processes)]
-        Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the watchdog that stops the shared cluster at exit");
+        let pids: Vec<u32> = self.nodes.iter().filter_map(RedisServer::pid).collect();
+        let dirs: Vec<&std::path::Path> = self.nodes.iter().map(RedisServer::dir).collect();
+        super::reap_at_exit(&pids, &dirs);
     }
 
     /// Waits until every live node says `cluster_state:ok`, agrees on who serves every slot, and

@@ -5,6 +5,7 @@
 pub mod cluster;
 pub mod proxy;
 pub mod sentinel;
+pub mod storm;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -255,6 +256,28 @@ impl Backend {
     pub fn redis_client(&self) -> Option<&Client> {
         self.redis.as_ref().map(|(_, client)| client)
     }
+}
+
+/// Kills `pids` and removes `dirs` once this test process has exited: servers shared by a whole
+/// test binary live in statics, which are never dropped. An `sh` loop polls this process.
+// The reaper is never waited for: it is meant to outlive this process.
+#[allow(clippy::zombie_processes)]
+pub fn reap_at_exit(pids: &[u32], dirs: &[&std::path::Path]) {
+    let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+    let dirs: Vec<String> = dirs.iter().map(|dir| format!("'{}'", dir.display())).collect();
+    let script = format!(
+        "while kill -0 {parent} 2>/dev/null; do sleep 0.2; done; kill -9 {pids} 2>/dev/null; rm -rf {dirs}",
+        parent = std::process::id(),
+        pids = pids.join(" "),
+        dirs = dirs.join(" "),
+    );
+    std::process::Command::new("sh")
+        .args(["-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the reaper of the servers shared by this test binary (`sh`)");
 }
 
 /// Generates, for each named `async fn test(backend: Backend)`, one test per store.

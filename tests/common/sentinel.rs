@@ -311,24 +311,9 @@ pub fn unique_prefix() -> String {
 }
 
 /// Kills `topology`'s processes and removes their directories once this process exits.
-// The reaper is never waited for: it is meant to outlive this process.
-#[allow(clippy::zombie_processes)]
 fn reap_when_this_process_exits(topology: &SentinelTopology) {
-    let pids: Vec<String> = topology.pids().iter().map(u32::to_string).collect();
-    let dirs: Vec<String> = (topology.sentinels.iter().map(|s| s.dir.display().to_string()))
-        .chain(topology.nodes.iter().map(|node| node.dir.display().to_string()))
+    let dirs: Vec<&std::path::Path> = (topology.sentinels.iter().map(|s| s.dir.as_path()))
+        .chain(topology.nodes.iter().map(|node| node.dir.as_path()))
         .collect();
-    let script = format!(
-        "while kill -0 {parent} 2>/dev/null; do sleep 0.2; done; kill -9 {pids} 2>/dev/null; rm -rf {dirs}",
-        parent = std::process::id(),
-        pids = pids.join(" "),
-        dirs = dirs.join(" "),
-    );
-    Command::new("sh")
-        .args(["-c", &script])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the reaper of the shared sentinel topology (`sh`)");
+    super::reap_at_exit(&topology.pids(), &dirs);
 }

@@ -1,0 +1,50 @@
+//! What the storm tests (chaos, failovers) share: a handler that records every execution per key
+//! in a ledger, behind a layer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode};
+use tower_idempotency::IdempotencyLayer;
+
+/// Every handler execution, per key: the body it answered.
+#[derive(Clone, Default)]
+pub struct Ledger(Arc<Mutex<HashMap<String, Vec<Bytes>>>>);
+
+impl Ledger {
+    /// A copy of every key's executions.
+    pub fn runs(&self) -> HashMap<String, Vec<Bytes>> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// `POST /payments` behind `layer` on the node named `node`: records the run in `ledger`, takes
+/// `handler_time(request headers)`, and answers 201 with a body naming the key, the run and the
+/// node.
+pub fn app(
+    layer: IdempotencyLayer,
+    ledger: Ledger,
+    node: &'static str,
+    handler_time: fn(&HeaderMap) -> Duration,
+) -> Router {
+    let handler = move |headers: HeaderMap| {
+        let ledger = ledger.clone();
+        async move {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            let body = {
+                let mut ledger = ledger.0.lock().unwrap();
+                let runs = ledger.entry(key.clone()).or_default();
+                let body = Bytes::from(format!("{key} run {} on {node}", runs.len() + 1));
+                runs.push(body.clone());
+                body
+            };
+            tokio::time::sleep(handler_time(&headers)).await;
+            (StatusCode::CREATED, body)
+        }
+    };
+    Router::new().route("/payments", post(handler)).layer(layer)
+}
