@@ -75,6 +75,8 @@ pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
+#[cfg(feature = "redis")]
+pub use store::replica_acks::ReplicaAcks;
 pub use store::{
     ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture, RECORD_VERSION,
 };

@@ -7,9 +7,10 @@
 //! key. Each test prints duplicate executions, keys in flight at the end, keys never answered,
 //! the window in which clients got 503, and the NOSCRIPT reloads on the new master.
 //!
-//! Asserted: every key is answered by the deadline; after a forced failover, no key is answered
-//! with two different bodies. After a graceful one a few keys can still run twice (see the test),
-//! so duplicates there are printed, not asserted.
+//! Asserted: every key is answered by the deadline, no key is answered with two different
+//! bodies, and no key runs twice, with and without the durability option
+//! (`RedisStore::with_replica_acks`; those storms run two replicas, one of which must
+//! acknowledge).
 
 mod common;
 
@@ -25,7 +26,7 @@ use common::storm::{app, Ledger};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore};
+use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore, ReplicaAcks};
 
 const KEYS: usize = 40;
 const CLIENTS_PER_KEY: usize = 3;
@@ -101,23 +102,40 @@ enum Failover {
 struct Report {
     different_bodies: Vec<String>,
     never_answered: usize,
+    duplicates: usize,
 }
 
-async fn storm(failover: Failover) -> Report {
-    let name = match failover {
-        Failover::Graceful => "SENTINEL FAILOVER",
-        Failover::Forced => "kill -9 of the master",
+/// The durability option of the storms that use it: one replica must acknowledge, of the two
+/// the topology then runs (so that losing one does not stop the service).
+fn acks() -> ReplicaAcks {
+    ReplicaAcks::new(1).timeout(Duration::from_millis(250))
+}
+
+async fn storm(failover: Failover, durability: Option<ReplicaAcks>) -> Report {
+    let name = match (failover, &durability) {
+        (Failover::Graceful, None) => "SENTINEL FAILOVER",
+        (Failover::Forced, None) => "kill -9 of the master",
+        (Failover::Graceful, Some(_)) => "SENTINEL FAILOVER, replica acks",
+        (Failover::Forced, Some(_)) => "kill -9 of the master, replica acks",
     };
-    let topology = tokio::task::spawn_blocking(SentinelTopology::start)
+    let replicas = if durability.is_some() { 2 } else { 1 };
+    let topology = tokio::task::spawn_blocking(move || SentinelTopology::start_with_replicas(replicas))
         .await
         .unwrap();
     let topology = Arc::new(Mutex::new(topology));
     let url = topology.lock().unwrap().url();
     let layer = |store: RedisStore| IdempotencyLayer::new(store).with_lease(LEASE);
-    let stores = [
-        RedisStore::connect(&url).await.expect("connect node a"),
-        RedisStore::connect(&url).await.expect("connect node b"),
-    ];
+    let connect = |node: &'static str| {
+        let (url, durability) = (url.clone(), durability.clone());
+        async move {
+            let store = RedisStore::connect(&url).await.expect(node);
+            match durability {
+                Some(acks) => store.with_replica_acks(acks).await.expect(node),
+                None => store,
+            }
+        }
+    };
+    let stores = [connect("connect node a").await, connect("connect node b").await];
     let ledger = Ledger::default();
     let operator = layer(stores[0].clone());
     let nodes = [
@@ -255,6 +273,7 @@ async fn storm(failover: Failover) -> Report {
     Report {
         different_bodies,
         never_answered,
+        duplicates,
     }
 }
 
@@ -270,22 +289,47 @@ fn assert_answered(report: &Report, lost: usize) {
 }
 
 /// Before the store followed `+switch-master`, it stayed on the old master, which acknowledged
-/// writes until it was demoted ~15 s later and threw them away: 24 of 40 keys ran twice. Now it
-/// moves as soon as the sentinels announce the switch; what remains are writes the old master
-/// acknowledged between the replica's promotion (`REPLICAOF NO ONE`) and the announcement, which
-/// the sentinels make only once they see the promotion (their 1 s INFO poll): 1-2 keys when that
-/// took 0.2 s, 15 when it took 1.2 s (both seen, with or without load). That depends on timing,
-/// so it is printed, not asserted; every key must still get an answer.
+/// writes until it was demoted ~15 s later and threw them away: 24 of 40 keys ran twice.
+/// Following the switch left the writes the old master took between the replica's promotion
+/// and the announcement (0.2-1.2 s): 1-15 keys ran twice. Now the store refuses claims from the
+/// moment the leading sentinel announces the promotion (`+failover-state-send-slaveof-noone`,
+/// one sentinel tick before it sends `REPLICAOF NO ONE`) until the switch: none runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_failover_under_a_retry_storm() {
-    let report = storm(Failover::Graceful).await;
-    assert_eq!(report.never_answered, 0, "keys never answered by the deadline");
+    let report = storm(Failover::Graceful, None).await;
+    assert_answered(&report, 0);
+    assert_eq!(report.duplicates, 0, "keys ran twice");
 }
 
 /// A killed master acknowledges nothing more, and what it acknowledged had reached the replica
 /// (loopback replication keeps up): no key runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_failover_under_a_retry_storm() {
-    let report = storm(Failover::Forced).await;
+    let report = storm(Failover::Forced, None).await;
     assert_answered(&report, 0);
+    assert_eq!(report.duplicates, 0, "keys ran twice");
+}
+
+/// With the durability option as well: claims wait for a replica, so a failover that is not
+/// announced (or announced late) still cannot lose one. Clients get 503 until a replica follows
+/// the new master (the two replicas resync), and 409 while completions wait for one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_failover_with_replica_acks_runs_no_key_twice() {
+    let report = storm(Failover::Graceful, Some(acks())).await;
+    assert_answered(&report, 0);
+    assert_eq!(
+        report.duplicates, 0,
+        "keys ran twice despite the replicas' acknowledgements"
+    );
+}
+
+/// The same with the master killed: what it acknowledged, a replica had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_failover_with_replica_acks_runs_no_key_twice() {
+    let report = storm(Failover::Forced, Some(acks())).await;
+    assert_answered(&report, 0);
+    assert_eq!(
+        report.duplicates, 0,
+        "keys ran twice despite the replicas' acknowledgements"
+    );
 }

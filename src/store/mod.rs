@@ -19,6 +19,10 @@ use crate::{Fingerprint, RecordKey};
 pub(crate) mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
+#[cfg(feature = "redis")]
+pub(crate) mod replica_acks;
+#[cfg(feature = "redis")]
+mod sentinel_watch;
 
 /// The future a [`Store`] method returns: boxed, so `Store` can be used as `dyn Store`.
 ///
@@ -295,6 +299,15 @@ pub enum StoreError {
         size: usize,
         /// The largest result the store holds, in bytes.
         limit: usize,
+    },
+    /// Fewer replicas than required acknowledged a write in time (the durability option,
+    /// `RedisStore::with_replica_acks`). A claim answered so was released again.
+    #[error("only {acknowledged} of the {wanted} replicas required acknowledged the write in time")]
+    NotReplicated {
+        /// How many replicas acknowledged it.
+        acknowledged: u32,
+        /// How many were required.
+        wanted: u32,
     },
 }
 

@@ -10,6 +10,8 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
+use super::replica_acks::{keep_completing, Completion, ReplicaAcks, Waiter};
+use super::sentinel_watch::{self, Fence, SwitchWatch};
 use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
 use crate::replay_cache::ReplayCache;
 use crate::{Fingerprint, RecordKey};
@@ -75,133 +77,14 @@ pub struct RedisStore {
     cache: Option<Arc<ReplayCache>>,
     /// Keeps the cache's invalidation listener running while any clone of the store lives.
     _listener: Option<Arc<Listener>>,
-    /// Keeps the `+switch-master` watch of a Sentinel-configured store running while any clone of
-    /// the store lives.
-    _switch_watch: Option<Arc<SwitchWatch>>,
+    /// The failover watch of a Sentinel-configured store (see `sentinel_watch`), kept running
+    /// while any clone of the store lives.
+    switch_watch: Option<Arc<SwitchWatch>>,
     /// Set while a task reconnects clients that fred will not reconnect by itself.
     reviving: Arc<AtomicBool>,
-}
-
-/// The `+switch-master` subscriptions of a Sentinel-configured store; stopped, and their
-/// connections closed, with the last store clone.
-struct SwitchWatch {
-    task: tokio::task::JoinHandle<()>,
-    subscribers: Vec<Client>,
-}
-
-impl Drop for SwitchWatch {
-    fn drop(&mut self) {
-        self.task.abort();
-        // fred's connection tasks outlive the client handles: close the connections.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            for subscriber in self.subscribers.drain(..) {
-                runtime.spawn(async move { subscriber.quit().await });
-            }
-        }
-    }
-}
-
-const SWITCH_MASTER_CHANNEL: &str = "+switch-master";
-
-/// For a client configured with Sentinel, subscribes to `+switch-master` on each sentinel it
-/// knows (`None` for other clients) and reconnects `client` when one names its service.
-async fn watch_for_switches(client: &Client) -> Result<Option<SwitchWatch>, fred::error::Error> {
-    use fred::types::config::ServerConfig;
-
-    let config = client.client_config();
-    let ServerConfig::Sentinel {
-        hosts,
-        service_name,
-        username,
-        password,
-    } = &config.server
-    else {
-        return Ok(None);
-    };
-    let mut subscribers = Vec::with_capacity(hosts.len());
-    for sentinel in hosts {
-        let sentinel_config = Config {
-            server: ServerConfig::Centralized {
-                server: sentinel.clone(),
-            },
-            username: username.clone(),
-            password: password.clone(),
-            #[cfg(feature = "tls")]
-            tls: config.tls.clone(),
-            ..Config::default()
-        };
-        let subscriber = Builder::from_config(sentinel_config)
-            .set_connection_config(client.connection_config().clone())
-            .set_policy(store_reconnect_policy())
-            .build()?;
-        subscribers.push(subscriber);
-    }
-    let task = tokio::spawn(follow_switches(
-        client.clone(),
-        subscribers.clone(),
-        service_name.clone(),
-    ));
-    Ok(Some(SwitchWatch { task, subscribers }))
-}
-
-/// Reconnects `client` (fred asks the sentinels for the master again) on each new
-/// `+switch-master` for `service`. Every sentinel announces the same switch: it is acted on once.
-async fn follow_switches(client: Client, subscribers: Vec<Client>, service: String) {
-    use tokio::sync::broadcast::error::RecvError;
-
-    let (switches, mut announced) = tokio::sync::mpsc::unbounded_channel();
-    let mut listeners = Vec::with_capacity(subscribers.len());
-    for subscriber in subscribers {
-        let switches = switches.clone();
-        listeners.push(tokio::spawn(async move {
-            let mut messages = subscriber.message_rx();
-            let mut reconnects = subscriber.reconnect_rx();
-            // Connected only now that its first connection cannot go unseen. A sentinel that is
-            // down is subscribed to when it is back (the reconnect policy retries forever); the
-            // others carry the announcements meanwhile.
-            let _connection_task = subscriber.connect();
-            loop {
-                tokio::select! {
-                    message = messages.recv() => match message {
-                        Ok(message) if *message.channel == *SWITCH_MASTER_CHANNEL => {
-                            if let Some(text) = message.value.as_string() {
-                                let _ = switches.send(text);
-                            }
-                        }
-                        Ok(_) | Err(RecvError::Lagged(_)) => {}
-                        Err(RecvError::Closed) => return,
-                    },
-                    // Also the first connection: subscriptions are (re)made on every connect.
-                    _ = reconnects.recv() => {
-                        if let Err(error) = subscriber.subscribe(SWITCH_MASTER_CHANNEL).await {
-                            tracing::warn!(%error, "cannot subscribe to +switch-master on a sentinel");
-                        }
-                    }
-                }
-            }
-        }));
-    }
-    drop(switches);
-    // Aborted with this task, since they hold the channel's senders.
-    struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
-    impl Drop for AbortOnDrop {
-        fn drop(&mut self) {
-            self.0.iter().for_each(tokio::task::JoinHandle::abort);
-        }
-    }
-    let _listeners = AbortOnDrop(listeners);
-    let mut last_switch = String::new();
-    while let Some(switch) = announced.recv().await {
-        // "<service> <old ip> <old port> <new ip> <new port>"
-        if switch.split(' ').next() != Some(service.as_str()) || switch == last_switch {
-            continue;
-        }
-        tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
-        if let Err(error) = client.force_reconnection().await {
-            tracing::warn!(%error, "reconnecting after +switch-master failed; the reconnect policy retries");
-        }
-        last_switch = switch;
-    }
+    /// The durability option: claims and completions wait for replicas on connections of their
+    /// own ([`with_replica_acks`](RedisStore::with_replica_acks)).
+    acks: Option<Arc<Waiter>>,
 }
 
 /// The task that feeds a replay cache its invalidations; stopped with the last store clone.
@@ -333,8 +216,9 @@ impl RedisStore {
             },
             cache: None,
             _listener: None,
-            _switch_watch: None,
+            switch_watch: None,
             reviving: Arc::new(AtomicBool::new(false)),
+            acks: None,
         }
     }
 
@@ -471,7 +355,7 @@ impl RedisStore {
             .map_err(unavailable)?;
         client.init().await.map_err(unavailable)?;
         warn_if_records_can_be_evicted(&client).await;
-        let switch_watch = match watch_for_switches(&client).await {
+        let switch_watch = match sentinel_watch::watch(&client, store_reconnect_policy()).await {
             Ok(watch) => watch.map(Arc::new),
             Err(error) => {
                 tracing::warn!(%error, "cannot listen for +switch-master on the sentinels; the store follows a failover only once the old master refuses writes (READONLY)");
@@ -479,7 +363,7 @@ impl RedisStore {
             }
         };
         let mut store = Self::new(client);
-        store._switch_watch = switch_watch;
+        store.switch_watch = switch_watch;
         Ok(store)
     }
 
@@ -524,6 +408,51 @@ impl RedisStore {
         self
     }
 
+    /// Makes claims and completions wait until `acks.replicas()` replicas have them (`WAIT`),
+    /// so that a failover cannot lose them: the durability option (default: off).
+    ///
+    /// Redis replicates asynchronously, so a replica promoted after its master dies, or during a
+    /// Sentinel failover while the old master still takes writes, can lack a claim or a
+    /// completion the master acknowledged; a retry of that key then runs the operation again.
+    /// With this option:
+    ///
+    /// - a claim is answered only once the replicas have it; if they do not acknowledge it within
+    ///   the timeout, the claim is released and the request answered 503 (retry later), never run;
+    /// - a completion the replicas do not acknowledge in time still returns the handler's
+    ///   response, and a background task keeps completing the record, on whichever node is
+    ///   master by then, until they do (for [`ReplicaAcks::retry_completions_for`]), logging an
+    ///   error if it gives up or finds the claim lost.
+    ///
+    /// `WAIT` counts the writes of its own connection and blocks it while it waits, so waiting
+    /// calls run on a pool of connections of their own ([`ReplicaAcks::connections`]); every
+    /// other call keeps the shared connection. Replays, 409s and mismatches do not wait. Each
+    /// claim and completion costs one more round trip plus the replicas' acknowledgement.
+    ///
+    /// Redis 7.0's `WAIT` counts replicas that received a write, not ones that wrote it to disk
+    /// (`WAITAOF`, from Redis 7.2, is not used). With as many replicas as required and no more,
+    /// losing one stops new claims (503) until it is back: require fewer than you run.
+    /// Call after [`with_prefix`](RedisStore::with_prefix) and
+    /// [`with_command_timeout`](RedisStore::with_command_timeout).
+    ///
+    /// ```no_run
+    /// use tower_idempotency::{RedisStore, ReplicaAcks};
+    /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = RedisStore::connect("redis-sentinel://127.0.0.1:26379?sentinelServiceName=main")
+    ///     .await?
+    ///     .with_replica_acks(ReplicaAcks::new(1))
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub async fn with_replica_acks(mut self, acks: ReplicaAcks) -> Result<Self, StoreError> {
+        let base = self.connection.client();
+        let waiter = Waiter::connect(base, acks, &self.options, store_reconnect_policy()).await?;
+        if let Some(watch) = &self.switch_watch {
+            watch.also_reconnect(waiter.clients().await);
+        }
+        self.acks = Some(waiter);
+        Ok(self)
+    }
+
     /// Loads every script on every node (`SCRIPT LOAD`), so the first requests need no reload.
     /// Optional: a missing script is loaded on first use. Like [`connect`](RedisStore::connect),
     /// it logs a warning when the server's `maxmemory-policy` is not `noeviction` (a store built
@@ -538,6 +467,30 @@ impl RedisStore {
                 .map_err(unavailable)?;
         }
         Ok(())
+    }
+
+    /// Raised while the sentinels fail the master over (a Sentinel-configured store only).
+    fn fence(&self) -> Option<&Fence> {
+        self.switch_watch.as_deref().map(|watch| &*watch.fence)
+    }
+
+    /// Refuses a claim while a Sentinel failover is under way: the old master may take it and
+    /// then throw it away.
+    fn refuse_claims_during_failover(&self) -> Result<(), StoreError> {
+        match self.fence() {
+            Some(fence) if fence.is_raised() => Err(StoreError::Unavailable(
+                "the sentinels are failing the master over; retry shortly".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Holds an owner's write (complete, release, renew) while a Sentinel failover is under way,
+    /// so that it goes to the new master.
+    async fn after_failover(&self) {
+        if let Some(fence) = self.fence() {
+            fence.until_lowered().await;
+        }
     }
 
     /// The Redis key of a record.
@@ -599,11 +552,12 @@ impl RedisStore {
 
     async fn set_if_absent(
         &self,
+        client: &Client,
         key: &RecordKey,
         record: Bytes,
         lease: Duration,
     ) -> Result<Value, StoreError> {
-        let client = self.connection.client().with_options(&self.options);
+        let client = client.with_options(&self.options);
         let set = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
         let args = [
             Value::from(self.redis_key(key)),
@@ -626,6 +580,17 @@ impl RedisStore {
 
     /// Runs `script` on the record's key: EVALSHA, then EVAL if the server lost its script cache.
     async fn run(&self, script: &Script, key: &RecordKey, args: &[Value]) -> Result<Value, StoreError> {
+        self.run_on(self.connection.client(), script, key, args).await
+    }
+
+    /// [`run`](Self::run) on `client`.
+    async fn run_on(
+        &self,
+        client: &Client,
+        script: &Script,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<Value, StoreError> {
         let redis_key = Value::from(self.redis_key(key));
         // On a cluster, the command goes to the slot of the record key (argument 2), not to that
         // of the SHA-1 (the first argument, which fred would hash by default). fred hashes only
@@ -639,7 +604,7 @@ impl RedisStore {
             command.extend_from_slice(args);
             command
         };
-        let client = self.connection.client().with_options(&self.options);
+        let client = client.with_options(&self.options);
         let evalsha = CustomCommand::new_static("EVALSHA", route.clone(), false);
         match client.custom::<Value, Value>(evalsha, command(script.sha1)).await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
@@ -658,7 +623,108 @@ impl RedisStore {
     }
 }
 
-fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+/// The durability option's claim and completion ([`RedisStore::with_replica_acks`]).
+impl RedisStore {
+    /// Claims on a connection of its own, then waits there until the replicas have the claim.
+    /// Anything but a new (or re-sent) claim is answered at once: only a claim needs to survive.
+    async fn claim_acknowledged(
+        &self,
+        waiter: &Waiter,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+        let fresh = record::in_flight(owner, fingerprint, lease)?;
+        let client = waiter.acquire().await;
+        let answer = self.set_if_absent(&client, key, fresh, lease).await?;
+        if answer != Value::Null {
+            let existing = into_bytes(answer)
+                .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?;
+            let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
+            if outcome != ClaimOutcome::Claimed {
+                return Ok(outcome);
+            }
+            // This claim, re-sent after a dropped connection: it was written on another
+            // connection, and WAIT counts only this one's writes. Renewing it here writes it again.
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                millis(lease),
+            ];
+            if !as_flag("renew", self.run_on(&client, &RENEW, key, &args).await?)? {
+                return Err(StoreError::Unavailable(
+                    "the claim expired while it was re-sent; retry".into(),
+                ));
+            }
+        }
+        let error = match waiter.wait(&client, &self.redis_key(key)).await {
+            Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
+            Ok(acked) => acked.into_error(),
+            Err(error) => error,
+        };
+        // Nobody may run on a claim a failover can lose. The release follows the claim to the
+        // replicas; the coordinator also queues one, in case this one fails.
+        let head = Value::Bytes(record::head(owner)?);
+        if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[head]).await {
+            tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
+        }
+        tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
+        Err(error)
+    }
+
+    /// Completes, and waits until the replicas have the completion. If they do not in time, the
+    /// result is still reported stored (the caller answers with it) and a background task keeps
+    /// completing the record until they do.
+    async fn complete_acknowledged(
+        &self,
+        waiter: &Arc<Waiter>,
+        key: &RecordKey,
+        args: Vec<Value>,
+    ) -> Result<bool, StoreError> {
+        let error = match self.complete_once_acknowledged(waiter, key, &args).await? {
+            Completion::Durable => return Ok(true),
+            Completion::Lost => return Ok(false),
+            Completion::NotAcknowledged(error) => error,
+        };
+        tracing::warn!(
+            ?key, %error,
+            "the replicas did not acknowledge a completion in time; answering with the result and              completing it again in the background until they do"
+        );
+        let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
+        let retry_for = waiter.acks.retry_for();
+        let attempt = move || {
+            let (store, waiter, key, args) = (store.clone(), waiter.clone(), record.clone(), args.clone());
+            async move { store.complete_once_acknowledged(&waiter, &key, &args).await }
+        };
+        let retrying = keep_completing(key.clone(), retry_for, error, attempt);
+        tokio::spawn(tracing::Instrument::in_current_span(retrying));
+        Ok(true)
+    }
+
+    /// One completion (a completed record is written again: see complete.lua) and one WAIT, on
+    /// a connection of their own.
+    async fn complete_once_acknowledged(
+        &self,
+        waiter: &Waiter,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<Completion, StoreError> {
+        self.after_failover().await;
+        let client = waiter.acquire().await;
+        if !as_flag("complete", self.run_on(&client, &COMPLETE, key, args).await?)? {
+            return Ok(Completion::Lost);
+        }
+        Ok(match waiter.wait(&client, &self.redis_key(key)).await {
+            Ok(acked) if acked.enough() => Completion::Durable,
+            Ok(acked) => Completion::NotAcknowledged(acked.into_error()),
+            Err(error) => Completion::NotAcknowledged(error),
+        })
+    }
+}
+
+pub(super) fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
     StoreError::Unavailable(Box::new(error))
 }
 
@@ -944,9 +1010,16 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
+            self.refuse_claims_during_failover()?;
+            if let Some(waiter) = &self.acks {
+                return self
+                    .claim_acknowledged(waiter, key, fingerprint, owner, lease)
+                    .await;
+            }
             let epoch = self.cache.as_deref().map(ReplayCache::epoch);
             let fresh = record::in_flight(owner, fingerprint, lease)?;
-            let existing = match self.set_if_absent(key, fresh, lease).await? {
+            let client = self.connection.client();
+            let existing = match self.set_if_absent(client, key, fresh, lease).await? {
                 Value::Null => return Ok(ClaimOutcome::Claimed),
                 value => into_bytes(value)
                     .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
@@ -1004,13 +1077,20 @@ impl Store for RedisStore {
                 Value::Bytes(payload),
                 millis(retention),
             ];
-            as_flag("complete", self.run(&COMPLETE, key, &args).await?)
+            match &self.acks {
+                None => {
+                    self.after_failover().await;
+                    as_flag("complete", self.run(&COMPLETE, key, &args).await?)
+                }
+                Some(waiter) => self.complete_acknowledged(waiter, key, args.to_vec()).await,
+            }
         })
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
         Box::pin(async move {
             let head = Value::Bytes(record::head(owner)?);
+            self.after_failover().await;
             as_flag("release", self.run(&RELEASE, key, &[head]).await?)
         })
     }
@@ -1027,6 +1107,7 @@ impl Store for RedisStore {
                 Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
                 millis(lease),
             ];
+            self.after_failover().await;
             as_flag("renew", self.run(&RENEW, key, &args).await?)
         })
     }

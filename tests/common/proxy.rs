@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -26,6 +26,7 @@ pub enum Fault {
 
 pub struct FaultProxy {
     addr: SocketAddr,
+    upstream: Arc<Mutex<SocketAddr>>,
     fault: Arc<AtomicU8>,
     latency_ms: Arc<AtomicU64>,
     epoch: watch::Sender<u64>,
@@ -39,17 +40,21 @@ impl FaultProxy {
         let fault = Arc::new(AtomicU8::new(Fault::None as u8));
         let latency_ms = Arc::new(AtomicU64::new(0));
         let (epoch, _) = watch::channel(0);
+        let upstream = Arc::new(Mutex::new(upstream));
         let task = {
             let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.clone());
+            let upstream = upstream.clone();
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
                     let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.subscribe());
+                    let upstream = *upstream.lock().unwrap();
                     tokio::spawn(serve(client, upstream, fault, latency_ms, epoch));
                 }
             })
         };
         Self {
             addr,
+            upstream,
             fault,
             latency_ms,
             epoch,
@@ -71,6 +76,13 @@ impl FaultProxy {
         if fault == Fault::Drop {
             self.epoch.send_modify(|e| *e += 1);
         }
+    }
+
+    /// Sends new connections to `upstream` from now on, and cuts the open ones (a failover to
+    /// another server behind one address).
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        *self.upstream.lock().unwrap() = upstream;
+        self.epoch.send_modify(|e| *e += 1);
     }
 
     pub fn set_latency(&self, latency: Duration) {

@@ -125,23 +125,29 @@ impl SentinelTopology {
     /// Starts the five processes and waits until the replica is in sync and every sentinel sees
     /// the master, the replica and the two other sentinels.
     pub fn start() -> Self {
+        Self::start_with_replicas(1)
+    }
+
+    /// [`start`](Self::start) with `replicas` replicas.
+    pub fn start_with_replicas(replicas: usize) -> Self {
         let started = Instant::now();
         let auth = ["--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD];
         let master = RedisServer::start_with(&auth);
         let master_port = master.port().to_string();
         let mut replica_args = auth.to_vec();
         replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
-        let replica = RedisServer::start_with(&replica_args);
-        let sentinels = (0..3).map(|_| SentinelProcess::start(master.port())).collect();
-        let topology = Self {
-            nodes: vec![master, replica],
-            sentinels,
-        };
+        let mut nodes = vec![master];
+        nodes.extend((0..replicas).map(|_| RedisServer::start_with(&replica_args)));
+        let sentinels = (0..3).map(|_| SentinelProcess::start(nodes[0].port())).collect();
+        let topology = Self { nodes, sentinels };
         topology.wait_until_settled(Duration::from_secs(20));
         eprintln!(
-            "sentinel topology (master {}, replica {}, sentinels {:?}) ready in {:?}",
+            "sentinel topology (master {}, replicas {:?}, sentinels {:?}) ready in {:?}",
             topology.nodes[0].port(),
-            topology.nodes[1].port(),
+            topology.nodes[1..]
+                .iter()
+                .map(RedisServer::port)
+                .collect::<Vec<_>>(),
             topology
                 .sentinels
                 .iter()
@@ -171,8 +177,12 @@ impl SentinelTopology {
     fn settled(&self) -> Result<(), String> {
         let master = self.master_port();
         let replication = data_cli(master, &["INFO", "replication"]);
-        if !replication.contains("role:master") || !replication.contains("state=online") {
-            return Err(format!("master {master} has no online replica: {replication}"));
+        let live_replicas = self.nodes.iter().filter(|node| node.pid().is_some()).count() - 1;
+        let online = replication.matches("state=online").count();
+        if !replication.contains("role:master") || online < live_replicas.max(1) {
+            return Err(format!(
+                "master {master} has {online} of {live_replicas} replicas online: {replication}"
+            ));
         }
         for sentinel in &self.sentinels {
             let port = sentinel.port();

@@ -1,0 +1,267 @@
+//! Waiting for replicas to acknowledge a claim or a completion (`WAIT`), for
+//! [`RedisStore::with_replica_acks`](crate::RedisStore::with_replica_acks).
+//!
+//! Redis replicates asynchronously: a master acknowledges a write before any replica has it, so a
+//! replica promoted after the master dies (or one promoted while the old master still takes
+//! writes, as during a Sentinel failover) can lack a claim or a completion the old master
+//! acknowledged, and a retry of that key runs the operation again. `WAIT n timeout` answers how
+//! many replicas have everything the connection wrote so far. Three constraints shape this module:
+//!
+//! - `WAIT` cannot run inside a script, so it is a second command, sent to the node that holds
+//!   the record (its hash slot, on a Cluster);
+//! - it counts the writes of *its own connection* and blocks that connection until it answers,
+//!   so it cannot share the multiplexed connection every other request uses: each waiting call
+//!   borrows a connection of its own from a small exclusive pool, writes, and waits on it;
+//! - a completion that is not acknowledged in time must outlast a failover: the handler's answer
+//!   goes back to the client, and a background task keeps completing the record (on whichever
+//!   node is master by then) and waiting until the replicas have it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fred::clients::{Client, ExclusivePool};
+use fred::interfaces::ClientLike;
+use fred::types::config::Options;
+use fred::types::{ClusterHash, CustomCommand, Value};
+use tokio::sync::OwnedMutexGuard;
+
+use super::StoreError;
+
+const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
+const DEFAULT_CONNECTIONS: usize = 32;
+const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(60);
+
+/// How many replicas must acknowledge a claim and a completion, and for how long to wait: the
+/// durability option of [`RedisStore::with_replica_acks`](crate::RedisStore::with_replica_acks).
+///
+/// Defaults: a 500 ms timeout per `WAIT`, 32 connections for waiting calls, and completions kept
+/// trying for 60 s.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::ReplicaAcks;
+///
+/// let acks = ReplicaAcks::new(1)
+///     .timeout(Duration::from_millis(250))
+///     .connections(64)
+///     .retry_completions_for(Duration::from_secs(120));
+/// assert_eq!(acks.replicas(), 1);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaAcks {
+    replicas: u32,
+    timeout: Duration,
+    connections: usize,
+    retry_for: Duration,
+}
+
+impl ReplicaAcks {
+    /// Claims and completions wait until `replicas` replicas have them.
+    pub fn new(replicas: u32) -> Self {
+        Self {
+            replicas,
+            timeout: DEFAULT_TIMEOUT,
+            connections: DEFAULT_CONNECTIONS,
+            retry_for: DEFAULT_RETRY_FOR,
+        }
+    }
+
+    /// How long one `WAIT` may take (default 500 ms). A claim not acknowledged by then is released
+    /// and answered 503. Keep the command timeout plus this under the layer's store timeout
+    /// (2 s by default), or the layer gives up on the claim first (also a 503).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How many connections waiting calls may use at once (default 32, at least 1). Each claim
+    /// and completion holds one for a round trip and the replicas' acknowledgement; calls beyond
+    /// this many queue for a free one.
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.connections = connections.max(1);
+        self
+    }
+
+    /// How long a completion that the replicas did not acknowledge in time is retried in the
+    /// background (default 60 s). Make it longer than your failover takes to detect a dead
+    /// master and promote a replica (Sentinel's `down-after-milliseconds` plus the failover;
+    /// Cluster's `cluster-node-timeout` plus the election), so that a retry reaches the new
+    /// master while the claim it inherited is still held.
+    pub fn retry_completions_for(mut self, retry_for: Duration) -> Self {
+        self.retry_for = retry_for;
+        self
+    }
+
+    /// The number of replicas that must acknowledge.
+    pub fn replicas(&self) -> u32 {
+        self.replicas
+    }
+
+    pub(super) fn retry_for(&self) -> Duration {
+        self.retry_for
+    }
+}
+
+/// The exclusive connections waiting calls run on, and the settings they wait with.
+pub(super) struct Waiter {
+    pool: ExclusivePool,
+    pub(super) acks: ReplicaAcks,
+    /// The options of a `WAIT`: the store's command timeout plus the wait itself.
+    wait_options: Options,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        // fred's connection tasks outlive the client handles: close the connections.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let pool = self.pool.clone();
+            runtime.spawn(async move { pool.quit().await });
+        }
+    }
+}
+
+impl Waiter {
+    /// Connects `acks.connections` clients with `base`'s settings (and a reconnect policy, which
+    /// `base` may lack), each holding connections of its own.
+    pub(super) async fn connect(
+        base: &Client,
+        acks: ReplicaAcks,
+        command_options: &Options,
+        policy: fred::types::config::ReconnectPolicy,
+    ) -> Result<Arc<Self>, StoreError> {
+        let pool = ExclusivePool::new(
+            base.client_config(),
+            Some(base.perf_config()),
+            Some(base.connection_config().clone()),
+            Some(base.client_reconnect_policy().unwrap_or(policy)),
+            acks.connections,
+        )
+        .map_err(super::redis::unavailable)?;
+        pool.init().await.map_err(super::redis::unavailable)?;
+        let command_timeout = command_options.timeout.unwrap_or(Duration::from_secs(2));
+        let wait_options = Options {
+            timeout: Some(command_timeout + acks.timeout),
+            ..command_options.clone()
+        };
+        Ok(Arc::new(Self {
+            pool,
+            acks,
+            wait_options,
+        }))
+    }
+
+    /// Handles on every client of the pool (they share their connections with the pool's), so
+    /// that a Sentinel switch can reconnect them.
+    pub(super) async fn clients(&self) -> Vec<Client> {
+        let mut clients = Vec::with_capacity(self.pool.size());
+        for client in self.pool.clients() {
+            clients.push(client.lock().await.clone());
+        }
+        clients
+    }
+
+    /// A connection no other call uses until the guard is dropped.
+    pub(super) async fn acquire(&self) -> OwnedMutexGuard<Client> {
+        self.pool.acquire().await
+    }
+
+    /// Waits until the replicas have every write `client` sent to the node holding `redis_key`,
+    /// or the timeout passes. Answers whether enough replicas acknowledged, and how many did.
+    pub(super) async fn wait(&self, client: &Client, redis_key: &str) -> Result<Acked, StoreError> {
+        // On a Cluster, to the node of the record's slot: the node the write went to. A standalone
+        // or Sentinel client ignores the slot.
+        let slot = fred::util::redis_keyslot(redis_key.as_bytes());
+        let wait = CustomCommand::new_static("WAIT", ClusterHash::Custom(slot), false);
+        let timeout_ms = i64::try_from(self.acks.timeout.as_millis()).unwrap_or(i64::MAX);
+        let args = vec![
+            Value::from(i64::from(self.acks.replicas)),
+            Value::from(timeout_ms),
+        ];
+        let answer = (client.with_options(&self.wait_options))
+            .custom::<Value, Value>(wait, args)
+            .await
+            .map_err(super::redis::unavailable)?;
+        let acknowledged = answer
+            .as_i64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| StoreError::Corrupt(format!("unexpected answer to WAIT: {answer:?}")))?;
+        Ok(Acked {
+            acknowledged,
+            wanted: self.acks.replicas,
+        })
+    }
+}
+
+/// What a `WAIT` answered.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Acked {
+    pub(super) acknowledged: u32,
+    pub(super) wanted: u32,
+}
+
+impl Acked {
+    pub(super) fn enough(self) -> bool {
+        self.acknowledged >= self.wanted
+    }
+
+    pub(super) fn into_error(self) -> StoreError {
+        StoreError::NotReplicated {
+            acknowledged: self.acknowledged,
+            wanted: self.wanted,
+        }
+    }
+}
+
+/// The outcome of one attempt to complete a record and have the replicas acknowledge it.
+pub(super) enum Completion {
+    /// Completed and acknowledged.
+    Durable,
+    /// Completed on the master, not (yet) acknowledged.
+    NotAcknowledged(StoreError),
+    /// The owner no longer holds the claim.
+    Lost,
+}
+
+/// Retries `attempt` with backoff (50 ms doubling to 1 s) until the completion is durable, the
+/// claim is found lost, or `retry_for` passes; logs how it ended.
+pub(super) async fn keep_completing<F, Fut>(
+    key: crate::RecordKey,
+    retry_for: Duration,
+    first_error: StoreError,
+    mut attempt: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Completion, StoreError>>,
+{
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(50);
+    let mut last_error = first_error;
+    let mut attempts = 1;
+    while started.elapsed() < retry_for {
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(1));
+        attempts += 1;
+        match attempt().await {
+            Ok(Completion::Durable) => {
+                tracing::info!(?key, attempts, after = ?started.elapsed(), "the replicas acknowledged the completion");
+                return;
+            }
+            Ok(Completion::Lost) => {
+                tracing::error!(
+                    ?key,
+                    attempts,
+                    "the claim was lost before the replicas acknowledged its completion (a failover \
+                     dropped it, or its lease ran out meanwhile): a retry of this key runs the \
+                     operation again"
+                );
+                return;
+            }
+            Ok(Completion::NotAcknowledged(error)) | Err(error) => last_error = error,
+        }
+    }
+    tracing::error!(
+        ?key, attempts, error = %last_error,
+        "the replicas did not acknowledge the completion within {retry_for:?}: if the master fails \
+         over before they have it, a retry of this key runs the operation again"
+    );
+}

@@ -1,0 +1,297 @@
+//! Following a Sentinel failover as the sentinels run it, for a `RedisStore` connected with a
+//! `redis-sentinel://` URL.
+//!
+//! During a failover the old master may stay reachable and keep acknowledging writes: after the
+//! sentinels promote a replica (`REPLICAOF NO ONE`) and until they demote the old master, seconds
+//! later, everything written there is thrown away. Claims written there let a retry run a key
+//! again. So the store listens to every sentinel:
+//!
+//! - `+failover-state-send-slaveof-noone` for its service (the leader has chosen the replica and
+//!   promotes it at its next tick, ~100 ms later) *fences* the store: claims are refused (503),
+//!   and completions, releases and renewals wait, until the failover ends;
+//! - `+switch-master` for its service reconnects every client of the store to the new master,
+//!   then lifts the fence;
+//! - a `-failover-abort-*` event for its service lifts the fence, and so does the end of
+//!   [`FENCE_LIMIT`], in case the end of the failover went unseen.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
+use fred::types::config::{Config, ReconnectPolicy, ServerConfig};
+use fred::types::Builder;
+use tokio::sync::Notify;
+
+const SWITCH_MASTER: &str = "+switch-master";
+const PROMOTING: &str = "+failover-state-send-slaveof-noone";
+const ABORTED: &str = "-failover-abort-*";
+/// The longest a fence stays up without the failover's end being seen.
+const FENCE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Raised while the sentinels fail the master over; see the module docs.
+#[derive(Default)]
+pub(super) struct Fence {
+    raised: AtomicBool,
+    lowered: Notify,
+}
+
+impl Fence {
+    pub(super) fn is_raised(&self) -> bool {
+        self.raised.load(Ordering::Acquire)
+    }
+
+    /// Returns once the fence is down (at once, almost always).
+    pub(super) async fn until_lowered(&self) {
+        while self.is_raised() {
+            let lowered = self.lowered.notified();
+            if !self.is_raised() {
+                return;
+            }
+            lowered.await;
+        }
+    }
+
+    fn raise(&self) {
+        self.raised.store(true, Ordering::Release);
+    }
+
+    fn lower(&self) {
+        self.raised.store(false, Ordering::Release);
+        self.lowered.notify_waiters();
+    }
+}
+
+/// The sentinel subscriptions of a store; stopped, and their connections closed, with the last
+/// store clone.
+pub(super) struct SwitchWatch {
+    task: tokio::task::JoinHandle<()>,
+    subscribers: Vec<Client>,
+    /// The clients to reconnect on a switch: the store's, and those of its waiting calls.
+    targets: Arc<Mutex<Vec<Client>>>,
+    pub(super) fence: Arc<Fence>,
+}
+
+impl Drop for SwitchWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+        // fred's connection tasks outlive the client handles: close the connections.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            for subscriber in self.subscribers.drain(..) {
+                runtime.spawn(async move { subscriber.quit().await });
+            }
+        }
+    }
+}
+
+impl SwitchWatch {
+    /// Reconnects `clients` too on every switch.
+    pub(super) fn also_reconnect(&self, clients: Vec<Client>) {
+        if let Ok(mut targets) = self.targets.lock() {
+            targets.extend(clients);
+        }
+    }
+}
+
+/// For a client configured with Sentinel, subscribes to the failover events on each sentinel it
+/// knows (`None` for other clients).
+pub(super) async fn watch(
+    client: &Client,
+    policy: ReconnectPolicy,
+) -> Result<Option<SwitchWatch>, fred::error::Error> {
+    let config = client.client_config();
+    let ServerConfig::Sentinel {
+        hosts,
+        service_name,
+        username,
+        password,
+    } = &config.server
+    else {
+        return Ok(None);
+    };
+    let mut subscribers = Vec::with_capacity(hosts.len());
+    for sentinel in hosts {
+        let sentinel_config = Config {
+            server: ServerConfig::Centralized {
+                server: sentinel.clone(),
+            },
+            username: username.clone(),
+            password: password.clone(),
+            #[cfg(feature = "tls")]
+            tls: config.tls.clone(),
+            ..Config::default()
+        };
+        let subscriber = Builder::from_config(sentinel_config)
+            .set_connection_config(client.connection_config().clone())
+            .set_policy(policy.clone())
+            .build()?;
+        subscribers.push(subscriber);
+    }
+    let targets = Arc::new(Mutex::new(vec![client.clone()]));
+    let fence = Arc::new(Fence::default());
+    let task = tokio::spawn(follow(
+        targets.clone(),
+        fence.clone(),
+        subscribers.clone(),
+        service_name.clone(),
+    ));
+    Ok(Some(SwitchWatch {
+        task,
+        subscribers,
+        targets,
+        fence,
+    }))
+}
+
+/// What a sentinel announced about some service.
+enum Event {
+    Promoting(String),
+    Switched(String),
+    Aborted(String),
+}
+
+impl Event {
+    /// The service an event's text names: `+switch-master` starts with it; the others describe
+    /// an instance, `<kind> <name> <ip> <port>`, followed for a replica by `@ <service> <ip>
+    /// <port>`.
+    fn names(&self, service: &str) -> bool {
+        match self {
+            Event::Switched(text) => text.split(' ').next() == Some(service),
+            Event::Promoting(text) | Event::Aborted(text) => {
+                let master = match text.split_once(" @ ") {
+                    Some((_, master)) => master,
+                    None => text.split_once(' ').map_or("", |(_, rest)| rest),
+                };
+                master.split(' ').next() == Some(service)
+            }
+        }
+    }
+}
+
+/// Listens on every sentinel and acts on each event for `service` once (every sentinel
+/// announces a switch; the leader alone announces the promotion).
+async fn follow(
+    targets: Arc<Mutex<Vec<Client>>>,
+    fence: Arc<Fence>,
+    subscribers: Vec<Client>,
+    service: String,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+
+    let (events, mut announced) = tokio::sync::mpsc::unbounded_channel();
+    let mut listeners = Vec::with_capacity(subscribers.len());
+    for subscriber in subscribers {
+        let events = events.clone();
+        listeners.push(tokio::spawn(async move {
+            let mut messages = subscriber.message_rx();
+            let mut reconnects = subscriber.reconnect_rx();
+            // Connected only now that its first connection cannot go unseen. A sentinel that is
+            // down is subscribed to when it is back (the reconnect policy retries forever); the
+            // others carry the announcements meanwhile.
+            let _connection_task = subscriber.connect();
+            loop {
+                tokio::select! {
+                    message = messages.recv() => match message {
+                        Ok(message) => {
+                            let Some(text) = message.value.as_string() else { continue };
+                            let event = match &*message.channel {
+                                SWITCH_MASTER => Event::Switched(text),
+                                PROMOTING => Event::Promoting(text),
+                                channel if channel.starts_with("-failover-abort-") => Event::Aborted(text),
+                                _ => continue,
+                            };
+                            let _ = events.send(event);
+                        }
+                        Err(RecvError::Lagged(_)) => {}
+                        Err(RecvError::Closed) => return,
+                    },
+                    // Also the first connection: subscriptions are (re)made on every connect.
+                    _ = reconnects.recv() => {
+                        let subscribed = async {
+                            subscriber.subscribe(vec![SWITCH_MASTER, PROMOTING]).await?;
+                            subscriber.psubscribe(ABORTED).await
+                        };
+                        if let Err(error) = subscribed.await {
+                            tracing::warn!(%error, "cannot subscribe to the failover events of a sentinel");
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    drop(events);
+    // Aborted with this task, since they hold the channel's senders.
+    struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.iter().for_each(tokio::task::JoinHandle::abort);
+        }
+    }
+    let _listeners = AbortOnDrop(listeners);
+    let mut last_switch = String::new();
+    loop {
+        let next = if fence.is_raised() {
+            match tokio::time::timeout(FENCE_LIMIT, announced.recv()).await {
+                Ok(event) => event,
+                Err(_) => {
+                    tracing::warn!(
+                        "a failover began {FENCE_LIMIT:?} ago and its end went unseen; taking writes again"
+                    );
+                    fence.lower();
+                    continue;
+                }
+            }
+        } else {
+            announced.recv().await
+        };
+        let Some(event) = next else { return };
+        if !event.names(&service) {
+            continue;
+        }
+        match event {
+            Event::Promoting(text) => {
+                tracing::info!(replica = %text, "the sentinels are promoting a replica; refusing new claims until the switch");
+                fence.raise();
+            }
+            Event::Aborted(text) => {
+                if fence.is_raised() {
+                    tracing::info!(%text, "the sentinels aborted the failover; taking writes again");
+                    fence.lower();
+                }
+            }
+            // "<service> <old ip> <old port> <new ip> <new port>", from every sentinel.
+            Event::Switched(switch) if switch != last_switch => {
+                tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
+                let clients = targets.lock().map(|clients| clients.clone()).unwrap_or_default();
+                let reconnections = clients.iter().map(|client| client.force_reconnection());
+                for outcome in futures_util::future::join_all(reconnections).await {
+                    if let Err(error) = outcome {
+                        tracing::warn!(%error, "reconnecting after +switch-master failed; the reconnect policy retries");
+                    }
+                }
+                fence.lower();
+                last_switch = switch;
+            }
+            Event::Switched(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Event;
+
+    #[test]
+    fn events_are_matched_to_their_service() {
+        let promoting = Event::Promoting("slave 127.0.0.1:7001 127.0.0.1 7001 @ main 127.0.0.1 7000".into());
+        assert!(promoting.names("main"));
+        assert!(!promoting.names("other"));
+        let aborted = Event::Aborted("master main 127.0.0.1 7000".into());
+        assert!(aborted.names("main"));
+        assert!(!aborted.names("127.0.0.1"));
+        let switched = Event::Switched("main 127.0.0.1 7000 127.0.0.1 7001".into());
+        assert!(switched.names("main"));
+        assert!(!switched.names("mai"));
+    }
+}

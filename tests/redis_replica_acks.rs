@@ -1,0 +1,222 @@
+//! The durability option (`RedisStore::with_replica_acks`) on a real master and replica: claims
+//! and completions are answered once the replica has them; a claim it does not acknowledge is
+//! released and answered 503, never run; a completion it does not acknowledge is answered and
+//! completed again, on the new master after a failover, until the replicas have it.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::app::{payment, payment_with, router, send, spawn_send, Answer};
+use common::proxy::{Fault, FaultProxy};
+use common::{admin, client, command_calls, RedisServer};
+use fred::clients::Client;
+use fred::interfaces::KeysInterface;
+use http::StatusCode;
+use tower_idempotency::{IdempotencyLayer, RecordKey, RecordState, RedisStore, Rejection, ReplicaAcks};
+
+const WAIT_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// A master and a replica in sync with it.
+struct Pair {
+    master: RedisServer,
+    replica: RedisServer,
+}
+
+impl Pair {
+    async fn start() -> Self {
+        let master = RedisServer::start();
+        let port = master.port().to_string();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+        let pair = Self { master, replica };
+        wait_for_replica(&client(&pair.master.url()).await).await;
+        pair
+    }
+}
+
+/// Waits until `master` reports an online replica.
+async fn wait_for_replica(master: &Client) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = admin(master, &["INFO", "replication"]).await;
+        let info = info.as_str().map(|text| text.into_owned()).unwrap_or_default();
+        if info.contains("state=online") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the replica never came online: {info}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Stops (`SIGSTOP`) or resumes (`SIGCONT`) a server.
+fn signal(server: &RedisServer, signal: &str) {
+    let pid = server.pid().expect("a running server").to_string();
+    let status = Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {signal} {pid} failed");
+}
+
+/// The state byte of the record for `key` on `server` (`F` in flight, `C` completed), read
+/// without the store: the record is `TIR`, a version byte, the owner's length (u16), the owner,
+/// then the state.
+async fn state_on(server: &Client, store: &RedisStore, key: &str) -> Option<u8> {
+    let record_key = RecordKey::new(None, tower_idempotency::IdempotencyKey::parse(key).unwrap());
+    let record: Option<Bytes> = server.get(store.redis_key(&record_key)).await.expect("GET");
+    let record = record?;
+    let owner_len = usize::from(u16::from_be_bytes([record[4], record[5]]));
+    record.get(6 + owner_len).copied()
+}
+
+async fn durable_store(url: &str, acks: ReplicaAcks) -> RedisStore {
+    RedisStore::connect(url)
+        .await
+        .expect("connect")
+        .with_replica_acks(acks)
+        .await
+        .expect("connect the waiting connections")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_and_completions_wait_for_the_replica_and_replays_do_not() {
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+
+    let waits_before = command_calls(&master, "wait").await;
+    let first = send(&app, payment("durable", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // Acknowledged means the replica has it the moment the client has the answer.
+    assert_eq!(state_on(&replica, &store, "durable").await, Some(b'C'));
+    assert_eq!(
+        command_calls(&master, "wait").await - waits_before,
+        2,
+        "one WAIT for the claim, one for the completion"
+    );
+
+    let replay = send(&app, payment("durable", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(
+        command_calls(&master, "wait").await - waits_before,
+        2,
+        "a replay does not wait"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_replica_does_not_acknowledge_is_released_and_answered_503_never_run() {
+    let pair = Pair::start().await;
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+
+    signal(&pair.replica, "-STOP");
+    let started = Instant::now();
+    let refused = send(&app, payment("unacked", "{}")).await;
+    let took = started.elapsed();
+    signal(&pair.replica, "-CONT");
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.extensions.get::<Rejection>(),
+        Some(&Rejection::StoreUnavailable)
+    );
+    assert!(
+        took >= WAIT_TIMEOUT,
+        "answered before the WAIT timed out: {took:?}"
+    );
+    assert!(took < WAIT_TIMEOUT + Duration::from_secs(1), "took {took:?}");
+    assert_eq!(runs.get(), 0, "a claim the replica lacks must not run");
+    let layer = IdempotencyLayer::new(store.clone());
+    assert!(
+        layer.inspect(None, "unacked").await.unwrap().is_none(),
+        "the unacknowledged claim was released"
+    );
+
+    // Once the replica answers again, the key runs, once.
+    let created = send(&app, payment("unacked", "{}")).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requiring_more_replicas_than_there_are_refuses_every_new_key() {
+    let pair = Pair::start().await;
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(2).timeout(WAIT_TIMEOUT)).await;
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    for key in ["two-a", "two-b"] {
+        let answer = send(&app, payment(key, "{}")).await;
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{key}");
+    }
+    assert_eq!(runs.get(), 0);
+}
+
+/// The completion lands on a master that has just lost its replica to a promotion: the client
+/// still gets the handler's answer, and the store completes the record again on the new master
+/// (the promoted replica, which holds the claim in flight) once it is reachable. Without that
+/// retry, the new master would keep the key in flight until its lease ends, and then run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_lost_in_a_failover_is_completed_again_on_the_new_master() {
+    let pair = Pair::start().await;
+    let (old_master, new_master) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    // The layer reaches Redis through one address, as behind a failover-aware proxy or DNS name.
+    let proxy = FaultProxy::start(pair.master.addr()).await;
+    let store = durable_store(&proxy.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    let layer = IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(30));
+    let (app, runs) = router(layer.clone());
+
+    let running = spawn_send(&app, payment_with("failover", &[("x-delay-ms", "1000")]));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while runs.get() == 0 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The claim was acknowledged, so the replica holds it. Promote the replica while the handler
+    // runs: the old master's completion then reaches no replica.
+    assert_eq!(state_on(&new_master, &store, "failover").await, Some(b'F'));
+    admin(&new_master, &["REPLICAOF", "NO", "ONE"]).await;
+    let answered: Answer = running.await.expect("the request task");
+    assert_eq!(
+        answered.status,
+        StatusCode::CREATED,
+        "the handler's answer goes back"
+    );
+    assert_eq!(state_on(&old_master, &store, "failover").await, Some(b'C'));
+    assert_eq!(state_on(&new_master, &store, "failover").await, Some(b'F'));
+
+    // The failover: the old master follows the new one, and the address now leads there.
+    let new_port = pair.replica.port().to_string();
+    admin(&old_master, &["REPLICAOF", "127.0.0.1", &new_port]).await;
+    proxy.set_upstream(pair.replica.addr());
+    proxy.set(Fault::None);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match layer.inspect(None, "failover").await {
+            Ok(Some(record)) if record.state == RecordState::Completed => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "the new master never got the completion: {:?}",
+                other.map(|record| record.map(|record| record.state))
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let replay = send(&app, payment("failover", "{}")).await;
+    assert!(replay.is_replay(), "{} {:?}", replay.status, replay.body);
+    assert_eq!(
+        replay.body, answered.body,
+        "the new master replays the answer the client got"
+    );
+    assert_eq!(runs.get(), 1);
+}
