@@ -31,7 +31,7 @@ use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RecordState, RedisStore};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RecordState, RedisStore, ReplicaAcks};
 
 const KEYS: usize = 48;
 const CLIENTS_PER_KEY: usize = 3;
@@ -45,6 +45,10 @@ const FAILOVER_AT: Duration = Duration::from_millis(800);
 const DEADLINE: Duration = Duration::from_secs(30);
 /// Short, so a claim lost with a killed master frees its key soon.
 const LEASE: Duration = Duration::from_secs(2);
+/// With the durability option the lease must outlast the failover (~2 s to detect the dead master
+/// and promote its replica), or a claim the replica holds expires before its owner's completion
+/// can reach the promoted node.
+const DURABLE_LEASE: Duration = Duration::from_secs(5);
 /// `cluster-node-timeout`: a killed master is replaced about this long after it died.
 const NODE_TIMEOUT_MS: u64 = 1000;
 
@@ -131,6 +135,7 @@ async fn call_until_answered(
     None
 }
 
+#[derive(Clone, Copy)]
 enum Failover {
     /// `CLUSTER FAILOVER` on the replica.
     Graceful,
@@ -154,15 +159,22 @@ struct Figures {
     evals_elsewhere: u64,
 }
 
-async fn storm_through(failover: Failover, seed: u64) -> Figures {
+async fn storm_through(failover: Failover, seed: u64, durability: Option<ReplicaAcks>) -> Figures {
     count_unstored_results();
     let _alone = ONE_AT_A_TIME.lock().await;
     let unstored_before = UNSTORED_RESULTS.load(Ordering::SeqCst);
     let mut cluster = Cluster::start(NODE_TIMEOUT_MS);
     let connect = || async {
-        RedisStore::connect(&cluster.url())
+        let store = RedisStore::connect(&cluster.url())
             .await
-            .expect("connect with a redis-cluster:// URL")
+            .expect("connect with a redis-cluster:// URL");
+        match durability.clone() {
+            Some(acks) => store
+                .with_replica_acks(acks)
+                .await
+                .expect("connect the waiting connections"),
+            None => store,
+        }
     };
     let stores = [connect().await, connect().await];
     stores[0].load_scripts().await.unwrap();
@@ -196,7 +208,12 @@ async fn storm_through(failover: Failover, seed: u64) -> Figures {
     }
 
     let ledger = Ledger::default();
-    let layer = |store: &RedisStore| IdempotencyLayer::new(store.clone()).with_lease(LEASE);
+    let lease = if durability.is_some() {
+        DURABLE_LEASE
+    } else {
+        LEASE
+    };
+    let layer = |store: &RedisStore| IdempotencyLayer::new(store.clone()).with_lease(lease);
     let nodes = [
         app(layer(&stores[0]), ledger.clone(), "a", |_| HANDLER_TIME),
         app(layer(&stores[1]), ledger.clone(), "b", |_| HANDLER_TIME),
@@ -238,6 +255,11 @@ async fn storm_through(failover: Failover, seed: u64) -> Figures {
                 "the replica was never promoted"
             );
             std::thread::sleep(Duration::from_millis(10));
+        }
+        // With the durability option, the promoted master needs a replica again before it takes
+        // new claims: the killed node comes back, as its replica.
+        if let (Failover::Forced, Some(_)) = (failover, &durability) {
+            cluster.node_mut(master).restart();
         }
     });
     let switch_took = switch_started.elapsed();
@@ -342,7 +364,7 @@ fn print(case: &str, f: &Figures) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_cluster_failover_loses_nothing_and_runs_nothing_twice() {
-    let figures = storm_through(Failover::Graceful, 8).await;
+    let figures = storm_through(Failover::Graceful, 8, None).await;
     print("graceful (CLUSTER FAILOVER)", &figures);
     assert_eq!(figures.duplicates, 0, "no key ran twice");
     assert_eq!(figures.never_answered, 0, "every call answered");
@@ -353,7 +375,7 @@ async fn a_graceful_cluster_failover_loses_nothing_and_runs_nothing_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_cluster_master_is_replaced_and_every_key_answered() {
-    let figures = storm_through(Failover::Forced, 9).await;
+    let figures = storm_through(Failover::Forced, 9, None).await;
     print("forced (kill -9 of the master)", &figures);
     // Replication is asynchronous: a write the master acknowledged just before it died may be
     // missing on its replica, so double runs (and two bodies for a key) are reported, not ruled
@@ -363,5 +385,23 @@ async fn a_killed_cluster_master_is_replaced_and_every_key_answered() {
         "every call answered before the deadline"
     );
     assert_eq!(figures.stuck_in_flight, 0, "no key left in flight");
+    assert_eq!(figures.not_created, 0, "every answer is the handler's");
+}
+
+/// With the durability option, what the killed master acknowledged, its replica had: no key runs
+/// twice. New claims on its slots get 503 until the promoted master has a replica again (here,
+/// the killed node restarted), and keys whose completion waits for one get 409 meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_cluster_master_with_replica_acks_runs_no_key_twice() {
+    let acks = ReplicaAcks::new(1).timeout(Duration::from_millis(250));
+    let figures = storm_through(Failover::Forced, 10, Some(acks)).await;
+    print("forced (kill -9 of the master), replica acks", &figures);
+    assert_eq!(figures.duplicates, 0, "no key ran twice");
+    assert_eq!(
+        figures.never_answered, 0,
+        "every call answered before the deadline"
+    );
+    assert_eq!(figures.stuck_in_flight, 0, "no key left in flight");
+    assert_eq!(figures.keys_with_two_bodies, 0, "one answer per key");
     assert_eq!(figures.not_created, 0, "every answer is the handler's");
 }

@@ -674,32 +674,48 @@ impl RedisStore {
         Err(error)
     }
 
-    /// Completes, and waits until the replicas have the completion. If they do not in time, the
-    /// result is still reported stored (the caller answers with it) and a background task keeps
-    /// completing the record until they do.
+    /// Completes, and waits until the replicas have the completion. If they do not in time, or
+    /// the attempt fails (the master died: its replica is not promoted yet), the result is still
+    /// reported stored, so the caller answers with it, and the task that made the attempt keeps
+    /// completing the record, on whichever node is master by then, until the replicas have it.
+    /// The attempt runs in that task from the start, so a caller that stops waiting (the
+    /// coordinator's store timeout) does not cancel it.
     async fn complete_acknowledged(
         &self,
         waiter: &Arc<Waiter>,
         key: &RecordKey,
         args: Vec<Value>,
     ) -> Result<bool, StoreError> {
-        let error = match self.complete_once_acknowledged(waiter, key, &args).await? {
-            Completion::Durable => return Ok(true),
-            Completion::Lost => return Ok(false),
-            Completion::NotAcknowledged(error) => error,
+        let (report, first_outcome) = tokio::sync::oneshot::channel();
+        let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
+        let completing = async move {
+            let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
+            let retry = match &first {
+                Ok(Completion::NotAcknowledged(_)) => true,
+                Ok(Completion::Durable | Completion::Lost) => false,
+                Err(error) => worth_retrying(error),
+            };
+            let _ = report.send(first);
+            if retry {
+                let retry_for = waiter.acks.retry_for();
+                let attempt = || store.complete_once_acknowledged(&waiter, &record, &args);
+                keep_completing(&record, retry_for, attempt).await;
+            }
+        };
+        tokio::spawn(tracing::Instrument::in_current_span(completing));
+        let error = match first_outcome.await {
+            Ok(Ok(Completion::Durable)) => return Ok(true),
+            Ok(Ok(Completion::Lost)) => return Ok(false),
+            Ok(Ok(Completion::NotAcknowledged(error))) => error,
+            Ok(Err(error)) if worth_retrying(&error) => error,
+            Ok(Err(error)) => return Err(error),
+            Err(_) => return Err(StoreError::Unavailable("the completion task ended".into())),
         };
         tracing::warn!(
             ?key, %error,
-            "the replicas did not acknowledge a completion in time; answering with the result and              completing it again in the background until they do"
+            "a completion is not on the replicas yet; answering with the result and completing it \
+             again in the background until they have it"
         );
-        let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
-        let retry_for = waiter.acks.retry_for();
-        let attempt = move || {
-            let (store, waiter, key, args) = (store.clone(), waiter.clone(), record.clone(), args.clone());
-            async move { store.complete_once_acknowledged(&waiter, &key, &args).await }
-        };
-        let retrying = keep_completing(key.clone(), retry_for, error, attempt);
-        tokio::spawn(tracing::Instrument::in_current_span(retrying));
         Ok(true)
     }
 
@@ -722,6 +738,12 @@ impl RedisStore {
             Err(error) => Completion::NotAcknowledged(error),
         })
     }
+}
+
+/// Whether another attempt may succeed where this one failed: not for data this store cannot
+/// read, which another attempt would read again.
+fn worth_retrying(error: &StoreError) -> bool {
+    !matches!(error, StoreError::Corrupt(_) | StoreError::TooLarge { .. })
 }
 
 pub(super) fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {

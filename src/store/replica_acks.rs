@@ -224,18 +224,14 @@ pub(super) enum Completion {
 
 /// Retries `attempt` with backoff (50 ms doubling to 1 s) until the completion is durable, the
 /// claim is found lost, or `retry_for` passes; logs how it ended.
-pub(super) async fn keep_completing<F, Fut>(
-    key: crate::RecordKey,
-    retry_for: Duration,
-    first_error: StoreError,
-    mut attempt: F,
-) where
+pub(super) async fn keep_completing<F, Fut>(key: &crate::RecordKey, retry_for: Duration, mut attempt: F)
+where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Completion, StoreError>>,
 {
     let started = Instant::now();
     let mut delay = Duration::from_millis(50);
-    let mut last_error = first_error;
+    let mut last_error = None;
     let mut attempts = 1;
     while started.elapsed() < retry_for {
         tokio::time::sleep(delay).await;
@@ -256,9 +252,10 @@ pub(super) async fn keep_completing<F, Fut>(
                 );
                 return;
             }
-            Ok(Completion::NotAcknowledged(error)) | Err(error) => last_error = error,
+            Ok(Completion::NotAcknowledged(error)) | Err(error) => last_error = Some(error),
         }
     }
+    let last_error = last_error.map(|error| error.to_string()).unwrap_or_default();
     tracing::error!(
         ?key, attempts, error = %last_error,
         "the replicas did not acknowledge the completion within {retry_for:?}: if the master fails \
