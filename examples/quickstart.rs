@@ -1,7 +1,9 @@
 //! Run with: cargo run --example quickstart
 //!
-//! A payments API made safe to retry. Uses the in-memory store, or Redis when `REDIS_URL` is set.
-//! Listens on `ADDR` (default `127.0.0.1:3000`).
+//! A payments API made safe to retry. Uses the in-memory store, or Redis when `REDIS_URL` is set
+//! (any form `RedisStore::connect` takes: standalone, Sentinel, Cluster, with or without TLS).
+//! With Redis, `IDEMPOTENCY_WAIT_REPLICAS=N` makes claims and completions wait until N replicas
+//! have them (`RedisStore::with_replica_acks`). Listens on `ADDR` (default `127.0.0.1:3000`).
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
@@ -18,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::json;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, ReplicaAcks, Store};
 
 #[derive(serde::Deserialize)]
 struct NewPayment {
@@ -75,11 +77,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
+    let wait_for = wait_replicas()?;
     let store: Arc<dyn Store> = match std::env::var("REDIS_URL") {
         Ok(url) => {
             let store = RedisStore::connect(&url).await?;
-            println!("store: Redis at {url}");
-            Arc::new(store)
+            match wait_for {
+                Some(replicas) => {
+                    let store = store.with_replica_acks(ReplicaAcks::new(replicas)).await?;
+                    println!(
+                        "store: Redis at {url}, claims and completions acknowledged by {replicas} replica(s)"
+                    );
+                    Arc::new(store)
+                }
+                None => {
+                    println!("store: Redis at {url}");
+                    Arc::new(store)
+                }
+            }
         }
         Err(_) => {
             println!("store: in memory (set REDIS_URL to use Redis)");
@@ -97,6 +111,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Handlers whose clients hung up still run; let them store their results.
     layer.shutdown_handle().shutdown(Duration::from_secs(10)).await?;
     Ok(())
+}
+
+/// `IDEMPOTENCY_WAIT_REPLICAS`: how many replicas must acknowledge claims and completions.
+fn wait_replicas() -> Result<Option<u32>, String> {
+    match std::env::var("IDEMPOTENCY_WAIT_REPLICAS") {
+        Err(_) => Ok(None),
+        Ok(value) => match value.trim().parse::<u32>() {
+            Ok(0) => Ok(None),
+            Ok(replicas) => Ok(Some(replicas)),
+            Err(_) => Err(format!(
+                "IDEMPOTENCY_WAIT_REPLICAS={value:?}: expected a number of replicas (0 turns waiting off)"
+            )),
+        },
+    }
 }
 
 /// Ctrl-C, or SIGTERM (what `docker stop`, Kubernetes and systemd send).

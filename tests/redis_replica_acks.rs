@@ -36,17 +36,29 @@ impl Pair {
     }
 }
 
-/// Waits until `master` reports an online replica.
+/// Waits until `master` reports an online replica that acknowledges writes.
 async fn wait_for_replica(master: &Client) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let info = admin(master, &["INFO", "replication"]).await;
         let info = info.as_str().map(|text| text.into_owned()).unwrap_or_default();
         if info.contains("state=online") {
-            return;
+            break;
         }
         assert!(Instant::now() < deadline, "the replica never came online: {info}");
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A replica that has just synchronised may acknowledge the first writes up to a second late
+    // (seen on Redis 7.0); wait until it acknowledges at once, as it does from then on.
+    loop {
+        admin(master, &["SET", "probe", "1"]).await;
+        if admin(master, &["WAIT", "1", "100"]).await.as_i64() == Some(1) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica never acknowledged a write"
+        );
     }
 }
 
