@@ -10,7 +10,9 @@
 //! - `redis`: `IdempotencyLayer::new(store)` over `RedisStore::connect(REDIS_URL)` with its
 //!   scripts loaded, every setting at its default;
 //! - `redis-cache`: the same with `RedisStore::with_replay_cache` (64 MiB), so repeats are replayed
-//!   from this process's memory.
+//!   from this process's memory;
+//! - `redis-acks`: `redis` with `RedisStore::with_replica_acks(ReplicaAcks::new(1))`, against a
+//!   redis-server with one replica (fresh keys only: replays do not wait).
 //!
 //! ```text
 //! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes
@@ -32,7 +34,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, ReplicaAcks};
 use tracing_subscriber::filter::{filter_fn, LevelFilter};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
@@ -96,9 +98,16 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
             let store = redis_store().await?.with_replay_cache(REPLAY_CACHE_BYTES).await?;
             Some(IdempotencyLayer::new(store))
         }
+        "redis-acks" => {
+            let store = redis_store()
+                .await?
+                .with_replica_acks(ReplicaAcks::new(1))
+                .await?;
+            Some(IdempotencyLayer::new(store))
+        }
         other => {
             eprintln!(
-                "bench_server: unknown mode `{other}` (this build knows: plain, memory, redis, redis-cache)"
+                "bench_server: unknown mode `{other}` (this build knows: plain, memory, redis, redis-cache, redis-acks)"
             );
             std::process::exit(2);
         }

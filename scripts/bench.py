@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # before/after comparison (each run's ratios are to its own plain cells).
 SERVER_BIN = Path(os.environ.get("BENCH_SERVER") or ROOT / "target" / "release" / "examples" / "bench_server")
 
-STORES = ["plain", "memory", "redis", "redis-cache"]  # every store the driver knows
-REDIS_STORES = {"redis", "redis-cache"}
+STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks"]  # every store the driver knows
+REDIS_STORES = {"redis", "redis-cache", "redis-acks"}
 LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
 CONCURRENCY = {"c32": (2, 32), "c1": (1, 1)}  # name -> (wrk threads, connections)
 BODIES = {"100": 100, "16k": 16 * 1024, "1m": 1_000_000}  # the layer's limit is 1 MiB = 1048576
@@ -210,15 +210,17 @@ class Redis:
 
 
 class RedisServer:
-    def __init__(self, tmp, maxmemory=None):
+    def __init__(self, tmp, maxmemory=None, name="redis", replicaof=None):
         self.port = free_port()
-        self.dir = Path(tmp) / "redis"
+        self.dir = Path(tmp) / name
         self.dir.mkdir()
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
         if maxmemory:
             cmd += ["--maxmemory", str(maxmemory), "--maxmemory-policy", "volatile-ttl"]
+        if replicaof:
+            cmd += ["--replicaof", "127.0.0.1", str(replicaof)]
         self.proc = PROCS.spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         if not wait_for_port(self.port, self.proc, "redis-server"):
             raise BenchError(f"redis-server exited with status {self.proc.returncode}; "
@@ -233,6 +235,29 @@ class RedisServer:
         except OSError:
             pass
         PROCS.stop(self.proc)
+
+
+class ReplicatedRedis(RedisServer):
+    """The redis-acks store's own master (measured like the other stores' redis-server) with one
+    replica, so that the other stores' Redis does not pay for replication. The replica's CPU is
+    not counted."""
+
+    def __init__(self, tmp):
+        super().__init__(tmp, name="redis-acks")
+        self.replica = RedisServer(tmp, name="redis-acks-replica", replicaof=self.port)
+        # Online, and acknowledging at once (a freshly synced replica's first ACK can be late).
+        deadline = time.monotonic() + 20
+        while True:
+            self.client.cmd("SET", "bench:probe", "1")
+            if self.client.cmd("WAIT", "1", "100") == 1:
+                break
+            if time.monotonic() > deadline:
+                raise BenchError("the redis-acks replica never acknowledged a write")
+        self.client.cmd("DEL", "bench:probe")
+
+    def stop(self):
+        self.replica.stop()
+        super().stop()
 
 
 INNER_CALL = re.compile(r"""(?:redis\.call\(\s*|pcall\(\s*redis\.call\s*,\s*)['"]([A-Za-z]+)['"]""")
@@ -617,9 +642,11 @@ def run_cell(cfg, cell, tmp, redis, inner):
         calls_before, calls_after = before_stats["calls"], after_stats["calls"]
         delta = {name: calls - calls_before.get(name, 0) for name, calls in calls_after.items()}
         delta = {name: calls for name, calls in delta.items() if calls}
-        own_info = delta.get("info", 0)
-        sent = sum(calls for name, calls in delta.items() if name not in inner and name != "info")
-        executed = after_stats["total"] - before_stats["total"] - own_info
+        # Not the client's: the driver's INFO, and a replica's REPLCONF ACKs (redis-acks).
+        own_info, replica_acks = delta.get("info", 0), delta.get("replconf", 0)
+        sent = sum(calls for name, calls in delta.items()
+                   if name not in inner and name not in ("info", "replconf"))
+        executed = after_stats["total"] - before_stats["total"] - own_info - replica_acks
         row.update({
             "redis_cpu_us_per_req": (after_redis - before_redis) * tick_us / requests,
             "redis_sent_per_req": sent / requests,
@@ -758,7 +785,8 @@ def floor_text(floor):
             + "; ".join(parts))
 
 
-SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b"}
+SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b",
+              "redis-acks": "#b279a2"}
 
 
 def chart_svg(aggs, rounds):
@@ -878,7 +906,7 @@ class Config:
         self.duration_1m = float(os.environ.get("BENCH_DURATION_1M", min(self.duration, 3)))
         self.warmup = float(os.environ.get("BENCH_WARMUP", 1))
         if args.full:
-            stores = ["plain", "memory", "redis", "redis-cache"]
+            stores = ["plain", "memory", "redis", "redis-cache", "redis-acks"]
             scenarios, concs, bodies = LAYERED_SCENARIOS, ["c32", "c1"], ["100", "16k", "1m"]
         else:
             stores = ["plain", "redis", "redis-cache"]
@@ -901,6 +929,10 @@ class Config:
             # The cache serves completed records only: fresh keys and in-flight answers are the
             # redis store's.
             return [s for s in self.scenarios if s == "replay"]
+        if store == "redis-acks":
+            # Only claims and completions wait for the replica: replays and in-flight answers
+            # are the redis store's.
+            return [s for s in self.scenarios if s == "fresh"]
         return self.scenarios
 
     def cells(self):
@@ -941,11 +973,14 @@ def run_matrix(args):
     cfg = Config(args)
     started = time.monotonic()
     needs_redis = any(store in REDIS_STORES for store in cfg.stores)
+    needs_replica = "redis-acks" in cfg.stores
     out_dir = Path(args.out) if args.out else ROOT / "bench"
     name = "results" if cfg.full else "quick"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         redis = RedisServer(tmp) if needs_redis else None
+        acks_redis = None
         try:
+            acks_redis = ReplicatedRedis(tmp) if needs_replica else None
             inner, inner_source = inner_commands()
             probe_stores(cfg, tmp, redis)
             cells = cfg.cells()
@@ -958,7 +993,8 @@ def run_matrix(args):
             runs = []
             for rnd in range(1, cfg.rounds + 1):
                 for index, cell in enumerate(cells, 1):
-                    row = run_cell(cfg, cell, tmp, redis, inner)
+                    cell_redis = acks_redis if cell[0] == "redis-acks" else redis
+                    row = run_cell(cfg, cell, tmp, cell_redis, inner)
                     row["round"] = rnd
                     runs.append(row)
                     flag = "  ⚠ " + "; ".join(row["problems"]) if row["problems"] else ""
@@ -970,6 +1006,8 @@ def run_matrix(args):
         finally:
             if redis:
                 redis.stop()
+            if acks_redis:
+                acks_redis.stop()
             PROCS.stop_all()
 
     aggs = aggregate(runs, cells)
@@ -1004,7 +1042,8 @@ def run_matrix(args):
            "size in the same round, median (min–max) over rounds; *p50 × plain* likewise for the "
            "median latency. CPU µs/req is utime+stime of the process over the measured run ÷ "
            "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, EVAL, …): "
-           "every command in `INFO commandstats` but the driver's INFO and those the Lua scripts "
+           "every command in `INFO commandstats` but the driver's INFO, a replica's REPLCONF (redis-acks: "
+           "its replica answers each WAIT) and those the Lua scripts "
            f"call ({', '.join(sorted(inner)) if redis else '–'}, read from "
            f"{inner_source if redis else '–'}); a command both sent directly and called in a "
            "script counts as called in the script. *executed* is the `total_commands_processed` "
@@ -1163,7 +1202,7 @@ def main():
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
                         help="one server under load for MINUTES (default 10); writes soak.md")
     parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
-    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache (plain is always run)")
+    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always run)")
     parser.add_argument("--scenarios", help="e.g. fresh,replay,inflight")
     parser.add_argument("--conc", help="c32,c1")
     parser.add_argument("--bodies", help="100,16k,1m")

@@ -10,9 +10,10 @@
 #                                    replay keys, and replays through the replay cache
 #                                    (redis-cache); c32 + c1; 3 rounds of 5 s cells.
 #                                    Prints the table; writes bench/quick.md and bench/quick.json.
-#   scripts/bench.sh --full          every store (plain, memory, redis, and redis-cache for
-#                                    replays) x scenario (fresh, replay, inflight) x concurrency (c1, c32) x body (100 B, 16 KiB,
-#                                    1 MiB); 3 rounds, about 15 minutes. Writes bench/results.md
+#   scripts/bench.sh --full          every store (plain, memory, redis, redis-cache for
+#                                    replays, redis-acks for fresh keys) x scenario (fresh,
+#                                    replay, inflight) x concurrency (c1, c32) x body (100 B,
+#                                    16 KiB, 1 MiB); 3 rounds, about 15 minutes. Writes bench/results.md
 #                                    (table, command, date, machine, tool versions),
 #                                    bench/results.json (every round's raw numbers) and
 #                                    bench/chart.svg (x plain throughput, 100 B bodies).
@@ -21,7 +22,7 @@
 #                                    used_memory every 10 s. Writes bench/soak.md.
 #                                    --soak-store memory soaks the memory store instead.
 #
-# Filters and overrides (any mode): --stores plain,memory,redis[,redis-cache] --scenarios
+# Filters and overrides (any mode): --stores plain,memory,redis[,redis-cache,redis-acks] --scenarios
 # fresh,replay,inflight --conc c32,c1 --bodies 100,16k,1m --rounds N --duration S --out DIR;
 # environment BENCH_ROUNDS, BENCH_DURATION, BENCH_DURATION_1M, BENCH_WARMUP, and BENCH_SERVER (a
 # server binary built elsewhere, e.g. from an earlier commit, for a before/after comparison; a
