@@ -280,7 +280,28 @@ async fn follow(
 
 #[cfg(test)]
 mod tests {
-    use super::Event;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{Event, Fence};
+
+    #[tokio::test]
+    async fn writes_held_at_a_raised_fence_go_on_when_it_is_lowered() {
+        let fence = Arc::new(Fence::default());
+        fence.until_lowered().await; // down: at once
+        fence.raise();
+        let held = tokio::spawn({
+            let fence = fence.clone();
+            async move { fence.until_lowered().await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!held.is_finished(), "a write went through a raised fence");
+        fence.lower();
+        tokio::time::timeout(Duration::from_secs(1), held)
+            .await
+            .expect("lowering the fence releases the held write")
+            .unwrap();
+    }
 
     #[test]
     fn events_are_matched_to_their_service() {
