@@ -69,10 +69,12 @@ pub use self::http::layer::{IdempotencyLayer, Inspection};
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;
 pub use self::http::service::Idempotency;
-pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
+pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use store::memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
 pub use store::{

@@ -17,6 +17,8 @@ use bytes::Bytes;
 use crate::{Fingerprint, RecordKey};
 
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 
