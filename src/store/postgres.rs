@@ -411,20 +411,17 @@ impl PostgresStore {
     /// # Ok(()) }
     /// ```
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let migration = async {
-            let mut transaction = self.pool.begin().await?;
-            // Any fixed number: the lock only orders this crate's own migrations.
-            sqlx::query("SELECT pg_advisory_xact_lock(7215448731906532221)")
-                .execute(&mut *transaction)
-                .await?;
-            sqlx::raw_sql(&migration_sql(&self.table))
-                .execute(&mut *transaction)
-                .await?;
-            transaction.commit().await
-        };
+        // One simple-protocol message: PostgreSQL runs its statements as one transaction, so
+        // the advisory lock is held until the table and the index exist. Any fixed number will
+        // do for the lock: it only orders this crate's own migrations.
+        let sql = format!(
+            "SELECT pg_advisory_xact_lock(7215448731906532221);\n{}",
+            migration_sql(&self.table)
+        );
+        let migration = sqlx::raw_sql(&sql).execute(&self.pool);
         // Creating a table may wait on locks: give it longer than a record's statement.
         match tokio::time::timeout(self.timeout.max(Duration::from_secs(10)), migration).await {
-            Ok(result) => result.map_err(|error| self.failed(error)),
+            Ok(result) => result.map(drop).map_err(|error| self.failed(error)),
             Err(_) => Err(StoreError::Timeout(self.timeout.max(Duration::from_secs(10)))),
         }
     }
