@@ -1,7 +1,9 @@
 //! Run with: cargo run --example quickstart
 //!
-//! A payments API made safe to retry. Uses the in-memory store, or Redis when `REDIS_URL` is set.
-//! Listens on `ADDR` (default `127.0.0.1:3000`).
+//! A payments API made safe to retry. Uses the in-memory store; Redis when `REDIS_URL` is set;
+//! PostgreSQL when `DATABASE_URL` is set and `REDIS_URL` is not (build with `--features
+//! postgres`; the record table is created at start). Listens on `ADDR` (default
+//! `127.0.0.1:3000`).
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
@@ -75,14 +77,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let store: Arc<dyn Store> = match std::env::var("REDIS_URL") {
-        Ok(url) => {
+    let store: Arc<dyn Store> = match (std::env::var("REDIS_URL"), std::env::var("DATABASE_URL")) {
+        (Ok(url), _) => {
             let store = RedisStore::connect(&url).await?;
             println!("store: Redis at {url}");
             Arc::new(store)
         }
-        Err(_) => {
-            println!("store: in memory (set REDIS_URL to use Redis)");
+        (Err(_), Ok(url)) => postgres(&url).await?,
+        (Err(_), Err(_)) => {
+            println!("store: in memory (set REDIS_URL to use Redis, or DATABASE_URL for PostgreSQL)");
             Arc::new(MemoryStore::new())
         }
     };
@@ -97,6 +100,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Handlers whose clients hung up still run; let them store their results.
     layer.shutdown_handle().shutdown(Duration::from_secs(10)).await?;
     Ok(())
+}
+
+/// The PostgreSQL store, its table created if missing. The URL is not printed: it may hold a
+/// password.
+#[cfg(feature = "postgres")]
+async fn postgres(url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    let store = tower_idempotency::PostgresStore::connect(url).await?;
+    store.migrate().await?;
+    println!("store: PostgreSQL, table {}", store.table());
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres(_url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    Err("DATABASE_URL is set, but this build has no PostgreSQL store: \
+         cargo run --example quickstart --features postgres"
+        .into())
 }
 
 /// Ctrl-C, or SIGTERM (what `docker stop`, Kubernetes and systemd send).

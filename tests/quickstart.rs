@@ -1,5 +1,5 @@
 //! The quickstart demo is a contract others drive: run the built example and check it over HTTP,
-//! on the memory store and on Redis (`REDIS_URL`).
+//! on the memory store, on Redis (`REDIS_URL`) and on PostgreSQL (`DATABASE_URL`).
 
 mod common;
 
@@ -45,16 +45,22 @@ fn quickstart_binary() -> PathBuf {
 }
 
 fn start(redis_url: Option<&str>) -> Demo {
+    start_with(redis_url, None)
+}
+
+fn start_with(redis_url: Option<&str>, database_url: Option<&str>) -> Demo {
     let mut command = Command::new(quickstart_binary());
     command
         .env("ADDR", "127.0.0.1:0")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-    match redis_url {
-        Some(url) => command.env("REDIS_URL", url),
-        None => command.env_remove("REDIS_URL"),
-    };
+    for (name, value) in [("REDIS_URL", redis_url), ("DATABASE_URL", database_url)] {
+        match value {
+            Some(url) => command.env(name, url),
+            None => command.env_remove(name),
+        };
+    }
     let mut child = command.spawn().expect("start the quickstart example");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let store_line = lines.next().expect("a store line").expect("utf-8");
@@ -219,6 +225,30 @@ async fn the_quickstart_contract_on_redis() {
     let demo = start(Some(&server.url()));
     assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
     check_contract(&demo).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_contract_on_postgres() {
+    let server = tokio::task::spawn_blocking(common::postgres::PgServer::start)
+        .await
+        .unwrap();
+    let demo = start_with(None, Some(&server.url()));
+    assert!(demo.store_line.contains("PostgreSQL"), "{}", demo.store_line);
+    check_contract(&demo).await;
+    // A second instance on the same database: the first one's payment replays there.
+    let other = start_with(None, Some(&server.url()));
+    let replay = call(other.addr, "/payments", Some("qs-1"), r#"{"amount": 42}"#).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+}
+
+// Both set: Redis wins, as the demo's docs say.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_both_urls_the_quickstart_uses_redis() {
+    let server = common::RedisServer::start();
+    let demo = start_with(Some(&server.url()), Some("postgres://nobody@127.0.0.1:1/none"));
+    assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
 }
 
 // Containers stop with SIGTERM: the demo finishes the request in progress, then exits 0.
