@@ -69,6 +69,7 @@ pub use self::http::layer::{IdempotencyLayer, Inspection};
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;
 pub use self::http::service::Idempotency;
+pub use self::http::transactional::TransactionalClaim;
 pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};

@@ -449,9 +449,12 @@ impl PostgresStore {
     /// the claim finds the record completed and leaves it as it is; after a rollback the claim
     /// is still in flight, and the layer stores or releases it as usual.
     ///
-    /// From this statement until the commit the record's row is locked: a retry of the key then
-    /// waits for the commit (within its own timeout) and gets the replay. So call it last,
-    /// right before the commit. Over HTTP, the ticket and the payload come from
+    /// From this statement until the commit the record's row is locked. Retries still get 409
+    /// at once (a claim reads the row without waiting for its lock), but the claim's lease
+    /// cannot be renewed meanwhile: renewals wait for the commit (and then find the record
+    /// completed, which is not a lost claim). Should the lease end before the commit, a retry
+    /// waits for the transaction and then replays (commit) or runs (rollback). So call this
+    /// last, right before the commit. Over HTTP, the ticket and the payload come from
     /// `TransactionalClaim` (see `IdempotencyLayer::with_transactional_completion`).
     /// `connection` may also be a plain connection, whose statement then commits on its own.
     ///
