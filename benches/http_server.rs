@@ -10,10 +10,14 @@
 //! - `redis`: `IdempotencyLayer::new(store)` over `RedisStore::connect(REDIS_URL)` with its
 //!   scripts loaded, every setting at its default;
 //! - `redis-cache`: the same with `RedisStore::with_replay_cache` (64 MiB), so repeats are replayed
-//!   from this process's memory.
+//!   from this process's memory;
+//! - `postgres`: `IdempotencyLayer::new(store)` over `PostgresStore::connect(DATABASE_URL)`, its
+//!   table created by `migrate`, every setting at its default (built with `--features postgres`,
+//!   as `scripts/bench.sh` does; without it the mode is unknown).
 //!
 //! ```text
-//! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes
+//! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes,
+//!                                # DATABASE_URL for postgres
 //! ```
 //!
 //! An unknown mode exits with status 2 (the bench driver skips stores the server does not know).
@@ -96,10 +100,20 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
             let store = redis_store().await?.with_replay_cache(REPLAY_CACHE_BYTES).await?;
             Some(IdempotencyLayer::new(store))
         }
+        #[cfg(feature = "postgres")]
+        "postgres" => {
+            let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL for the postgres mode")?;
+            let store = tower_idempotency::PostgresStore::connect(&url).await?;
+            store.migrate().await?;
+            Some(IdempotencyLayer::new(store))
+        }
         other => {
-            eprintln!(
-                "bench_server: unknown mode `{other}` (this build knows: plain, memory, redis, redis-cache)"
-            );
+            let known = if cfg!(feature = "postgres") {
+                "plain, memory, redis, redis-cache, postgres"
+            } else {
+                "plain, memory, redis, redis-cache"
+            };
+            eprintln!("bench_server: unknown mode `{other}` (this build knows: {known})");
             std::process::exit(2);
         }
     })

@@ -4,8 +4,10 @@
 //! A client sends an `Idempotency-Key` header. The first request with a key runs the handler and
 //! its response is stored; a retry with the same key and the same request gets the stored
 //! response back, byte for byte, with `Idempotent-Replayed: true`, and the handler does not run
-//! again. Keys live in a [`Store`]: [`RedisStore`] shared by every instance of a service, or
-//! [`MemoryStore`] inside one process.
+//! again. Keys live in a [`Store`]: [`RedisStore`] shared by every instance of a service,
+//! `PostgresStore` (crate feature `postgres`) in the service's own PostgreSQL database, where a
+//! handler can store its response in the transaction of its business writes, or [`MemoryStore`]
+//! inside one process.
 //!
 //! ```
 //! use std::convert::Infallible;

@@ -140,7 +140,8 @@ impl Sql {
                      OR (r.owner = excluded.owner AND r.state = '{IN_FLIGHT}')
                  RETURNING true
              )
-             SELECT EXISTS (SELECT FROM taken) AS claimed, live.*
+             SELECT EXISTS (SELECT FROM taken) AS claimed, live.version, live.owner, live.state,
+                    live.fingerprint, live.payload, live.left_ms
                FROM (VALUES (1)) AS always LEFT JOIN live ON true"
         );
         let peek = format!(
