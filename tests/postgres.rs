@@ -378,3 +378,91 @@ async fn a_fresh_key_costs_two_statements_a_replay_and_a_409_one() {
     assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
     drop(server);
 }
+
+/// The race the claim statement resolves by sending itself again: its snapshot shows no record,
+/// but a transaction that has not committed yet inserted one. The claim's INSERT waits for that
+/// transaction; once it commits, the claim writes nothing and answers from the committed row
+/// (409); once it rolls back, the claim takes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_racing_an_uncommitted_insert_waits_for_it_and_answers_from_what_it_became() {
+    let store = shared_store().await;
+    for commit in [true, false] {
+        let k = key(&format!("raced-{commit}"));
+        let mut other = store.pool().begin().await.unwrap();
+        let insert = format!(
+            "INSERT INTO {} VALUES ($1, {RECORD_VERSION}, 'another-owner', $2, 'F', now() + interval '30 seconds', NULL)",
+            store.table()
+        );
+        sqlx::query(&insert)
+            .bind(&k.digest()[..])
+            .bind(&fp("x").as_bytes()[..])
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        let claiming = tokio::spawn({
+            let (store, k) = (store.clone(), k.clone());
+            async move { store.claim(&k, &fp("x"), &OwnerToken::generate(), LEASE).await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !claiming.is_finished(),
+            "the claim waits for the other transaction"
+        );
+        if commit {
+            other.commit().await.unwrap();
+        } else {
+            other.rollback().await.unwrap();
+        }
+        let outcome = claiming.await.unwrap().expect("an answer, not an error");
+        if commit {
+            assert!(matches!(outcome, ClaimOutcome::InFlight { .. }), "{outcome:?}");
+        } else {
+            assert_eq!(outcome, ClaimOutcome::Claimed);
+        }
+    }
+}
+
+/// The same race for a completion: the handler's transaction completed the claim and commits
+/// while the layer's own completion waits on the row. The completion then succeeds and leaves
+/// the committed payload as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_racing_the_transaction_that_completed_it_succeeds_without_overwriting() {
+    let store = shared_store().await;
+    let (k, owner) = (key("completion-race"), OwnerToken::generate());
+    assert_eq!(
+        store.claim(&k, &fp("x"), &owner, LEASE).await.unwrap(),
+        ClaimOutcome::Claimed
+    );
+    let mut handler = store.pool().begin().await.unwrap();
+    let complete = format!(
+        "UPDATE {} SET state = 'C', payload = '\\x636f6d6d6974746564', expires_at = now() + interval '1 hour' WHERE key = $1",
+        store.table()
+    );
+    sqlx::query(&complete)
+        .bind(&k.digest()[..])
+        .execute(&mut *handler)
+        .await
+        .unwrap();
+    let completing = tokio::spawn({
+        let (store, k, owner) = (store.clone(), k.clone(), owner.clone());
+        async move {
+            store
+                .complete(&k, &owner, Bytes::from_static(b"layer"), Duration::from_secs(60))
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !completing.is_finished(),
+        "the completion waits for the handler's transaction"
+    );
+    handler.commit().await.unwrap();
+    assert!(completing.await.unwrap().expect("an answer, not an error"));
+    assert_eq!(
+        store
+            .claim(&k, &fp("x"), &OwnerToken::generate(), LEASE)
+            .await
+            .unwrap(),
+        ClaimOutcome::Completed(Bytes::from_static(b"committed"))
+    );
+}
