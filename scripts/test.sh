@@ -18,6 +18,7 @@ echo "using $("${PG_BIN_DIR:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail 
 
 cargo test --all-features "$@"
 if [ "$#" -eq 0 ]; then
-  # Built without TLS, a rediss:// URL must be refused (never a plain-text connection).
-  cargo test --no-default-features --features redis --lib -- tls
+  # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be
+  # refused (never a plain-text connection).
+  cargo test --no-default-features --features redis,postgres --lib -- tls
 fi

@@ -290,7 +290,9 @@ impl PostgresStore {
     ///
     /// TLS (`sslmode=require`, `verify-ca`, `verify-full` in the URL) needs the crate feature
     /// `postgres-tls`; without it such a URL fails to connect, never falls back to plain text.
-    /// (The URL's default, `sslmode=prefer`, uses TLS only when built with it.)
+    /// As in libpq, `verify-full` checks the server's certificate (against the platform's
+    /// roots, or `sslrootcert`) and its name, `require` only encrypts, and the default,
+    /// `prefer`, uses TLS when both sides can and plain text otherwise: name `verify-full`.
     ///
     /// ```no_run
     /// use tower_idempotency::PostgresStore;
@@ -903,6 +905,29 @@ mod tests {
             migration_sql(DEFAULT_TABLE),
             "regenerate migrations/postgres.sql"
         );
+    }
+
+    /// Built without `postgres-tls`, a URL that requires TLS must fail, never connect in plain
+    /// text (`scripts/test.sh` runs this in a build without the feature).
+    #[cfg(not(feature = "postgres-tls"))]
+    #[tokio::test]
+    async fn without_the_tls_feature_a_url_requiring_tls_is_refused() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accepts and holds every connection: a server that would answer, were it asked.
+        let accepting = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        for mode in ["require", "verify-full"] {
+            let url = format!("postgres://app:secret@{addr}/app?sslmode={mode}");
+            let error = PostgresStore::connect(&url).await.unwrap_err();
+            let text = format!("{error}");
+            assert!(text.contains("TLS"), "{mode}: {text}");
+        }
+        accepting.abort();
     }
 
     #[test]
