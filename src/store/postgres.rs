@@ -284,7 +284,8 @@ impl PostgresStore {
     /// Connects to `url` (`postgres://user:password@host:port/database?…`, libpq's URL form)
     /// with a pool suited to this store: at most 16 connections, none opened before they are
     /// needed but the first (which checks the URL), no test query before each statement, the
-    /// server's `statement_timeout` at the command timeout (2 s), and `application_name`
+    /// server's `statement_timeout` at 2 s (the default command timeout; a statement is then
+    /// not left running on the server after the store gave up on it), and `application_name`
     /// `tower-idempotency`. A connection broken by a restart is dropped on its first failure
     /// and replaced on demand, so the store recovers by itself.
     ///
@@ -458,7 +459,8 @@ impl PostgresStore {
     /// completed, which is not a lost claim). Should the lease end before the commit, a retry
     /// waits for the transaction and then replays (commit) or runs (rollback). So call this
     /// last, right before the commit. Over HTTP, the ticket and the payload come from
-    /// `TransactionalClaim` (see `IdempotencyLayer::with_transactional_completion`).
+    /// [`TransactionalClaim`](crate::TransactionalClaim) (see
+    /// [`IdempotencyLayer::with_transactional_completion`](crate::IdempotencyLayer::with_transactional_completion)).
     /// `connection` may also be a plain connection, whose statement then commits on its own.
     ///
     /// ```no_run
