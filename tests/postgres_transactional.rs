@@ -206,6 +206,39 @@ async fn a_lost_claim_is_refused_in_the_transaction_so_the_handler_rolls_back() 
     assert!(replay.is_replay() && replay.body.ends_with(b"(committed)"));
 }
 
+/// Without HTTP (a queue consumer): the claim's ticket is completed in the transaction, and the
+/// claim's own completion afterwards succeeds and leaves the committed result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_completed_in_a_transaction_without_http() {
+    use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, RecordKey};
+    let store = shared_store().await;
+    let coordinator = Coordinator::new(store.clone());
+    let key = RecordKey::new(None, IdempotencyKey::parse("message-1").unwrap());
+    let fingerprint = Fingerprint::new([b"message".as_slice()]);
+    let Begin::Claimed(claim) = coordinator.begin(&key, &fingerprint).await.unwrap() else {
+        panic!("a new key is claimed");
+    };
+    let mut transaction = store.pool().begin().await.unwrap();
+    let ticket = claim.ticket();
+    assert!(store
+        .complete_in(
+            &mut transaction,
+            &ticket,
+            Bytes::from_static(b"in the transaction")
+        )
+        .await
+        .unwrap());
+    transaction.commit().await.unwrap();
+    claim
+        .complete(Bytes::from_static(b"after it"))
+        .await
+        .expect("a success, not ClaimLost");
+    match coordinator.begin(&key, &fingerprint).await.unwrap() {
+        Begin::Completed(stored) => assert_eq!(stored, "in the transaction"),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Runs `test` on a current-thread runtime, every task on it, and returns the warnings logged.
 fn warnings_during(test: impl std::future::Future<Output = ()>) -> Vec<String> {
     use tracing_subscriber::layer::SubscriberExt;
