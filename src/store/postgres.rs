@@ -105,10 +105,10 @@ struct Sql {
 
 impl Sql {
     fn new(table: &str) -> Self {
-        // `live` reads the record as the statement's snapshot shows it. Only when it holds no
-        // record but this owner's own claim does `taken` try to write: a replay, a 409 or a
-        // mismatch is answered from `live` and writes nothing, so it takes no row lock and needs
-        // no commit flush.
+        // `live` reads the record as the statement's snapshot shows it. Only when it shows none,
+        // or this owner's own claim, does `taken` try to write: a replay, a 409 or a mismatch is
+        // answered from `live` and writes nothing, so it takes no row lock and needs no commit
+        // flush.
         //
         // The write is an INSERT whose conflict on the key becomes an UPDATE only for a record
         // that has expired or is this owner's in-flight claim (a claim re-sent after a dropped
