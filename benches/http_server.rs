@@ -12,10 +12,14 @@
 //! - `redis-cache`: the same with `RedisStore::with_replay_cache` (64 MiB), so repeats are replayed
 //!   from this process's memory;
 //! - `redis-acks`: `redis` with `RedisStore::with_replica_acks(ReplicaAcks::new(1))`, against a
-//!   redis-server with one replica (fresh keys only: replays do not wait).
+//!   redis-server with one replica (fresh keys only: replays do not wait);
+//! - `postgres`: `IdempotencyLayer::new(store)` over `PostgresStore::connect(DATABASE_URL)`, its
+//!   table created by `migrate`, every setting at its default (built with `--features postgres`,
+//!   as `scripts/bench.sh` does; without it the mode is unknown).
 //!
 //! ```text
-//! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes
+//! bench_server [ADDR] [MODE]     # defaults: 127.0.0.1:3000 plain; REDIS_URL for redis modes,
+//!                                # DATABASE_URL for postgres
 //! ```
 //!
 //! An unknown mode exits with status 2 (the bench driver skips stores the server does not know).
@@ -105,10 +109,20 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
                 .await?;
             Some(IdempotencyLayer::new(store))
         }
+        #[cfg(feature = "postgres")]
+        "postgres" => {
+            let url = std::env::var("DATABASE_URL").map_err(|_| "set DATABASE_URL for the postgres mode")?;
+            let store = tower_idempotency::PostgresStore::connect(&url).await?;
+            store.migrate().await?;
+            Some(IdempotencyLayer::new(store))
+        }
         other => {
-            eprintln!(
-                "bench_server: unknown mode `{other}` (this build knows: plain, memory, redis, redis-cache, redis-acks)"
-            );
+            let known = if cfg!(feature = "postgres") {
+                "plain, memory, redis, redis-cache, redis-acks, postgres"
+            } else {
+                "plain, memory, redis, redis-cache, redis-acks"
+            };
+            eprintln!("bench_server: unknown mode `{other}` (this build knows: {known})");
             std::process::exit(2);
         }
     })

@@ -1,9 +1,11 @@
 //! Run with: cargo run --example quickstart
 //!
-//! A payments API made safe to retry. Uses the in-memory store, or Redis when `REDIS_URL` is set
-//! (any form `RedisStore::connect` takes: standalone, Sentinel, Cluster, with or without TLS).
-//! With Redis, `IDEMPOTENCY_WAIT_REPLICAS=N` makes claims and completions wait until N replicas
-//! have them (`RedisStore::with_replica_acks`). Listens on `ADDR` (default `127.0.0.1:3000`).
+//! A payments API made safe to retry. Uses the in-memory store; Redis when `REDIS_URL` is set
+//! (any form `RedisStore::connect` takes: standalone, Sentinel, Cluster, with or without TLS);
+//! PostgreSQL when `DATABASE_URL` is set and `REDIS_URL` is not (build with `--features
+//! postgres`; the record table is created at start). With Redis, `IDEMPOTENCY_WAIT_REPLICAS=N`
+//! makes claims and completions wait until N replicas have them
+//! (`RedisStore::with_replica_acks`). Listens on `ADDR` (default `127.0.0.1:3000`).
 //!
 //! ```text
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
@@ -78,25 +80,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
     let wait_for = wait_replicas()?;
-    let store: Arc<dyn Store> = match std::env::var("REDIS_URL") {
-        Ok(url) => {
+    let store: Arc<dyn Store> = match (std::env::var("REDIS_URL"), std::env::var("DATABASE_URL")) {
+        (Ok(url), _) => {
             let store = RedisStore::connect(&url).await?;
             match wait_for {
                 Some(replicas) => {
                     let store = store.with_replica_acks(ReplicaAcks::new(replicas)).await?;
                     println!(
-                        "store: Redis at {url}, claims and completions acknowledged by {replicas} replica(s)"
+                        "store: Redis at {}, claims and completions acknowledged by {replicas} replica(s)",
+                        without_credentials(&url)
                     );
                     Arc::new(store)
                 }
                 None => {
-                    println!("store: Redis at {url}");
+                    println!("store: Redis at {}", without_credentials(&url));
                     Arc::new(store)
                 }
             }
         }
-        Err(_) => {
-            println!("store: in memory (set REDIS_URL to use Redis)");
+        (Err(_), Ok(url)) => postgres(&url).await?,
+        (Err(_), Err(_)) => {
+            println!("store: in memory (set REDIS_URL to use Redis, or DATABASE_URL for PostgreSQL)");
             Arc::new(MemoryStore::new())
         }
     };
@@ -113,6 +117,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// `url` for the log: without its user and password, nor its query (a Sentinel URL carries the
+/// sentinels' password there).
+fn without_credentials(url: &str) -> String {
+    let (url, query) = match url.split_once('?') {
+        Some((url, _)) => (url, "?…"),
+        None => (url, ""),
+    };
+    match (url.split_once("://"), url.rsplit_once('@')) {
+        (Some((scheme, _)), Some((_, rest))) => format!("{scheme}://{rest}{query}"),
+        _ => format!("{url}{query}"),
+    }
+}
+
 /// `IDEMPOTENCY_WAIT_REPLICAS`: how many replicas must acknowledge claims and completions.
 fn wait_replicas() -> Result<Option<u32>, String> {
     match std::env::var("IDEMPOTENCY_WAIT_REPLICAS") {
@@ -125,6 +142,23 @@ fn wait_replicas() -> Result<Option<u32>, String> {
             )),
         },
     }
+}
+
+/// The PostgreSQL store, its table created if missing. The URL is not printed: it may hold a
+/// password.
+#[cfg(feature = "postgres")]
+async fn postgres(url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    let store = tower_idempotency::PostgresStore::connect(url).await?;
+    store.migrate().await?;
+    println!("store: PostgreSQL, table {}", store.table());
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres(_url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    Err("DATABASE_URL is set, but this build has no PostgreSQL store: \
+         cargo run --example quickstart --features postgres"
+        .into())
 }
 
 /// Ctrl-C, or SIGTERM (what `docker stop`, Kubernetes and systemd send).

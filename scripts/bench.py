@@ -27,6 +27,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -42,8 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # before/after comparison (each run's ratios are to its own plain cells).
 SERVER_BIN = Path(os.environ.get("BENCH_SERVER") or ROOT / "target" / "release" / "examples" / "bench_server")
 
-STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks"]  # every store the driver knows
+STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres"]  # every store the driver knows
 REDIS_STORES = {"redis", "redis-cache", "redis-acks"}
+PG_STORES = {"postgres"}
+PG_TABLE = "idempotency_records"  # PostgresStore's default table
 LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
 CONCURRENCY = {"c32": (2, 32), "c1": (1, 1)}  # name -> (wrk threads, connections)
 BODIES = {"100": 100, "16k": 16 * 1024, "1m": 1_000_000}  # the layer's limit is 1 MiB = 1048576
@@ -258,6 +261,97 @@ class ReplicatedRedis(RedisServer):
     def stop(self):
         self.replica.stop()
         super().stop()
+# ---------------------------------------------------------------------------------------------
+# postgres
+
+
+def pg_bin_dir():
+    if os.environ.get("PG_BIN_DIR"):
+        return Path(os.environ["PG_BIN_DIR"])
+    found = sorted((int(p.parent.name), p) for p in Path("/usr/lib/postgresql").glob("*/bin")
+                   if p.parent.name.isdigit() and (p / "initdb").exists())
+    if not found:
+        raise BenchError("no PostgreSQL server binaries under /usr/lib/postgresql/*/bin "
+                         "(apt-get install postgresql, or set PG_BIN_DIR)")
+    return found[-1][1]
+
+
+class PgServer:
+    """A PostgreSQL of the bench's own: initdb in the temporary directory, a free port, the
+    postgres user when the bench runs as root (PostgreSQL refuses root). Durable as shipped
+    (fsync and synchronous_commit on): a commit waits for its WAL flush, as in production.
+    pg_stat_statements counts the statements the store sends."""
+
+    def __init__(self, tmp):
+        self.bin = pg_bin_dir()
+        self.port = free_port()
+        self.dir = Path(tmp) / "postgres"
+        self.dir.mkdir(mode=0o700)
+        user = {}
+        if os.geteuid() == 0:
+            # The temporary directory is root's (mode 0700): let the postgres user pass through.
+            os.chmod(tmp, 0o711)
+            shutil.chown(self.dir, "postgres", "postgres")
+            user = {"user": "postgres", "group": "postgres", "extra_groups": []}
+        init = subprocess.run([str(self.bin / "initdb"), "-D", str(self.dir), "-U", "postgres",
+                               "-A", "trust", "-E", "UTF8", "--locale=C"],
+                              capture_output=True, text=True, **user)
+        if init.returncode != 0:
+            raise BenchError(f"initdb failed: {init.stderr}")
+        self.log = open(Path(tmp) / "postgres.log", "wb")
+        cmd = [str(self.bin / "postgres"), "-D", str(self.dir), "-p", str(self.port),
+               "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
+               "-c", "shared_buffers=128MB", "-c", "max_connections=100",
+               "-c", "shared_preload_libraries=pg_stat_statements"]
+        self.proc = PROCS.spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT, **user)
+        deadline = time.monotonic() + 30
+        while subprocess.run([str(self.bin / "pg_isready"), "-q", "-h", "127.0.0.1", "-p",
+                              str(self.port)]).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"postgres did not start; see {self.log.name}")
+            time.sleep(0.05)
+        self.url = f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+        self.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+
+    def sql(self, query):
+        out = subprocess.run(["psql", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                              "-p", str(self.port), "-U", "postgres", "-d", "postgres", "-c", query],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise BenchError(f"psql failed: {out.stderr.strip()} ({query})")
+        return out.stdout.strip()
+
+    def empty(self):
+        """Empties the record table (once the first server has created it), like FLUSHALL."""
+        self.sql(f"DO $$ BEGIN IF to_regclass('{PG_TABLE}') IS NOT NULL THEN "
+                 f"TRUNCATE {PG_TABLE}; END IF; END $$")
+
+    def statements(self):
+        """Statements run on the record table so far (the store's own; not this driver's)."""
+        return int(self.sql(f"SELECT coalesce(sum(calls), 0) FROM pg_stat_statements "
+                            f"WHERE query LIKE '%{PG_TABLE}%' AND query NOT LIKE '%pg_stat_statements%' "
+                            f"AND query NOT LIKE 'DO %' AND query NOT LIKE 'CREATE%'") or 0)
+
+    def cpu_ticks(self):
+        """CPU of the postmaster and every process it started (a backend per connection)."""
+        total = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) == self.proc.pid or int(entry.name) == self.proc.pid:
+                total += int(stat[11]) + int(stat[12])
+        return total
+
+    def version(self):
+        return tool_version([str(self.bin / "postgres"), "--version"])
+
+    def stop(self):
+        PROCS.stop(self.proc)
+        self.log.close()
 
 
 INNER_CALL = re.compile(r"""(?:redis\.call\(\s*|pcall\(\s*redis\.call\s*,\s*)['"]([A-Za-z]+)['"]""")
@@ -535,12 +629,14 @@ def check_answers(scenario, wrk):
 
 
 class Server:
-    def __init__(self, tmp, store, redis):
+    def __init__(self, tmp, store, redis, pg=None):
         self.port = free_port()
         self.log = Path(tmp) / f"server-{store}-{self.port}.log"
         env = dict(os.environ)
         if redis is not None:
             env["REDIS_URL"] = redis.url
+        if pg is not None:
+            env["DATABASE_URL"] = pg.url
         self.log_file = open(self.log, "wb")
         cmd = [str(SERVER_BIN), f"127.0.0.1:{self.port}", store]
         self.proc = PROCS.spawn(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
@@ -568,7 +664,7 @@ class Server:
         return warnings
 
 
-def run_cell(cfg, cell, tmp, redis, inner):
+def run_cell(cfg, cell, tmp, redis, inner, pg=None):
     store, scenario, conc, body_name = cell
     body = cfg.bodies_bytes[body_name]
     duration = cfg.duration_for(body_name)
@@ -576,7 +672,10 @@ def run_cell(cfg, cell, tmp, redis, inner):
     run_id = "%08x" % random.getrandbits(32)
     if redis is not None and store in REDIS_STORES:
         redis.client.cmd("FLUSHALL")
-    server = Server(tmp, store, redis if store in REDIS_STORES else None)
+    if pg is not None and store in PG_STORES:
+        pg.empty()
+    server = Server(tmp, store, redis if store in REDIS_STORES else None,
+                    pg if store in PG_STORES else None)
     holders = []
     measured = False
     try:
@@ -606,7 +705,10 @@ def run_cell(cfg, cell, tmp, redis, inner):
         before_server = cpu_ticks(server.proc.pid)
         before_redis = cpu_ticks(redis.proc.pid) if redis else 0
         before_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
+        on_pg = pg is not None and store in PG_STORES
+        before_pg = (pg.cpu_ticks(), pg.statements()) if on_pg else None
         out = run_wrk(server.url, conc, duration, script, [key_arg, server.host])
+        after_pg = (pg.cpu_ticks(), pg.statements()) if on_pg else None
         after_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
         after_server = cpu_ticks(server.proc.pid)
         after_redis = cpu_ticks(redis.proc.pid) if redis else 0
@@ -652,6 +754,13 @@ def run_cell(cfg, cell, tmp, redis, inner):
             "redis_sent_per_req": sent / requests,
             "redis_executed_per_req": executed / requests,
             "redis_command_calls": delta,
+        })
+    if after_pg is not None:
+        row.update({
+            "pg_cpu_us_per_req": (after_pg[0] - before_pg[0]) * tick_us / requests,
+            # pg_stat_statements counts a statement when it ends: those of requests still
+            # running when wrk stopped are a rounding error over a cell's thousands of requests.
+            "pg_statements_per_req": (after_pg[1] - before_pg[1]) / requests,
         })
     row["problems"] = check_answers(scenario, wrk)
     row["notes"] = [f"the server logged {warnings} warnings: {server.first_lines[0].strip()}"
@@ -699,6 +808,8 @@ def aggregate(runs, cells):
             "redis_cpu_us_per_req": med("redis_cpu_us_per_req"),
             "redis_sent_per_req": med("redis_sent_per_req"),
             "redis_executed_per_req": med("redis_executed_per_req"),
+            "pg_cpu_us_per_req": med("pg_cpu_us_per_req"),
+            "pg_statements_per_req": med("pg_statements_per_req"),
             "peak_rss_mib": med("peak_rss_mib"),
             "problems": sorted({p for r in rows for p in r["problems"]}),
             "flagged_rounds": sum(1 for r in rows if r["problems"]),
@@ -735,19 +846,23 @@ def fmt_ratio(agg):
 
 def table(aggs):
     header = ("| store | scenario | conc | body | req/s | × plain | p50 | p99 | p50 × plain "
-              "| server CPU µs/req | Redis CPU µs/req | Redis cmds/req sent / executed "
-              "| peak RSS MiB |")
+              "| server CPU µs/req | Redis (PostgreSQL) CPU µs/req "
+              "| Redis cmds/req sent / executed (PostgreSQL statements/req) | peak RSS MiB |")
     lines = [header, "|" + "---|" * 13]
     for a in aggs:
         store = a["store"] + (" ⚠" if a["problems"] else "") + (" †" if a["notes"] else "")
         cmds = "–" if a["redis_sent_per_req"] is None else \
             f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
+        store_cpu = a["redis_cpu_us_per_req"]
+        if a.get("pg_statements_per_req") is not None:
+            cmds = f"({a['pg_statements_per_req']:.2f})"
+            store_cpu = a["pg_cpu_us_per_req"]
         p50_ratio = "1" if a["store"] == "plain" else fmt_num(a["p50_ratio"], 2)
         lines.append(
             f"| {store} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
             f"| {a['rps']:.0f} | {fmt_ratio(a)} | {fmt_us(a['p50_us'])} | {fmt_us(a['p99_us'])} "
             f"| {p50_ratio} | {fmt_num(a['server_cpu_us_per_req'])} "
-            f"| {fmt_num(a['redis_cpu_us_per_req'])} | {cmds} | {fmt_num(a['peak_rss_mib'])} |")
+            f"| {fmt_num(store_cpu)} | {cmds} | {fmt_num(a['peak_rss_mib'])} |")
     return "\n".join(lines)
 
 
@@ -786,7 +901,7 @@ def floor_text(floor):
 
 
 SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b",
-              "redis-acks": "#b279a2"}
+              "redis-acks": "#e45756", "postgres": "#b279a2"}
 
 
 def chart_svg(aggs, rounds):
@@ -868,7 +983,7 @@ def chart_svg(aggs, rounds):
     return "\n".join(out) + "\n"
 
 
-def environment(redis_started):
+def environment(redis_started, pg=None):
     cpu = "unknown"
     try:
         for line in open("/proc/cpuinfo"):
@@ -884,6 +999,7 @@ def environment(redis_started):
         "kernel": os.uname().release,
         "wrk": tool_version(["wrk", "-v"]),
         "redis": tool_version(["redis-server", "--version"]) if redis_started else None,
+        "postgres": pg.version() if pg is not None else None,
         "rustc": tool_version(["rustc", "-V"]),
     }
 
@@ -956,13 +1072,13 @@ def pick(what, given, default, known):
     return [item for item in known if item in chosen]
 
 
-def probe_stores(cfg, tmp, redis):
+def probe_stores(cfg, tmp, redis, pg=None):
     """Drops stores this server build does not accept (e.g. redis-cache before it exists)."""
     for store in list(cfg.stores):
         if store in ("plain", "memory", "redis"):
             continue
         try:
-            server = Server(tmp, store, redis)
+            server = Server(tmp, store, redis, pg)
             server.stop()
         except UnknownMode as error:
             print(f"note: skipping store {store}: {error}")
@@ -974,15 +1090,18 @@ def run_matrix(args):
     started = time.monotonic()
     needs_redis = any(store in REDIS_STORES for store in cfg.stores)
     needs_replica = "redis-acks" in cfg.stores
+    needs_pg = any(store in PG_STORES for store in cfg.stores)
     out_dir = Path(args.out) if args.out else ROOT / "bench"
     name = "results" if cfg.full else "quick"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         redis = RedisServer(tmp) if needs_redis else None
         acks_redis = None
+        pg = None
         try:
             acks_redis = ReplicatedRedis(tmp) if needs_replica else None
+            pg = PgServer(tmp) if needs_pg else None
             inner, inner_source = inner_commands()
-            probe_stores(cfg, tmp, redis)
+            probe_stores(cfg, tmp, redis, pg)
             cells = cfg.cells()
             print(f"{'full' if cfg.full else 'quick'} mode: {len(cells)} cells × {cfg.rounds} rounds, "
                   f"{cfg.duration:g} s per cell ({cfg.duration_1m:g} s for 1 MiB bodies), "
@@ -994,7 +1113,7 @@ def run_matrix(args):
             for rnd in range(1, cfg.rounds + 1):
                 for index, cell in enumerate(cells, 1):
                     cell_redis = acks_redis if cell[0] == "redis-acks" else redis
-                    row = run_cell(cfg, cell, tmp, cell_redis, inner)
+                    row = run_cell(cfg, cell, tmp, cell_redis, inner, pg)
                     row["round"] = rnd
                     runs.append(row)
                     flag = "  ⚠ " + "; ".join(row["problems"]) if row["problems"] else ""
@@ -1002,12 +1121,16 @@ def run_matrix(args):
                           f"{cell[0]:>11} {cell[1]:>8} {cell[2]:>3} {BODY_LABEL[cell[3]]:>6}: "
                           f"{row['rps']:>8.0f} req/s  p50 {fmt_us(row['p50_us']):>8}{flag}", flush=True)
             floor = ping_floor(redis) if redis else {}
-            env = environment(redis is not None)
+            if pg:
+                print(f"PostgreSQL on port {pg.port}: {pg.version()}")
+            env = environment(redis is not None, pg)
         finally:
             if redis:
                 redis.stop()
             if acks_redis:
                 acks_redis.stop()
+            if pg:
+                pg.stop()
             PROCS.stop_all()
 
     aggs = aggregate(runs, cells)
@@ -1031,7 +1154,8 @@ def run_matrix(args):
           f"- command: `{meta['command']}`",
           f"- date: {env['date']}; elapsed {elapsed / 60:.1f} min",
           f"- machine: `nproc` = {env['nproc']}, {env['cpu']}, Linux {env['kernel']}",
-          f"- tools: {env['wrk']}; {env['redis'] or 'no redis-server'}; {env['rustc']}",
+          f"- tools: {env['wrk']}; {env['redis'] or 'no redis-server'}; "
+          f"{env.get('postgres') or 'no PostgreSQL'}; {env['rustc']}",
           f"- {cfg.rounds} rounds × {len(cells)} cells, interleaved; {cfg.duration:g} s per cell "
           f"({cfg.duration_1m:g} s for 1 MiB bodies) after a {cfg.warmup:g} s warm-up; "
           f"a fresh server per cell; medians over rounds",

@@ -3,8 +3,10 @@
 # interleaved run (every round runs every cell once; medians over rounds), printed as one table of
 # ratios to plain. Installs wrk, redis-server and redis-tools with apt-get if missing, builds
 # `cargo build --release --example bench_server` (benches/http_server.rs), then runs
-# scripts/bench.py, which starts its own redis-server on a free loopback port (never 6379) and a
-# fresh server process per cell, and stops them all at the end.
+# scripts/bench.py, which starts its own redis-server on a free loopback port (never 6379), its own
+# PostgreSQL for the postgres store (initdb in a temporary directory, a free port, never 5432;
+# installed with apt-get if missing), and a fresh server process per cell, and stops them all at
+# the end.
 #
 #   scripts/bench.sh                 quick (a few minutes): 100 B bodies; plain + redis; fresh +
 #                                    replay keys, and replays through the replay cache
@@ -22,8 +24,11 @@
 #                                    used_memory every 10 s. Writes bench/soak.md.
 #                                    --soak-store memory soaks the memory store instead.
 #
-# Filters and overrides (any mode): --stores plain,memory,redis[,redis-cache,redis-acks] --scenarios
-# fresh,replay,inflight --conc c32,c1 --bodies 100,16k,1m --rounds N --duration S --out DIR;
+# The postgres store is measured only when asked for: --stores plain,postgres (its fresh, replay
+# and inflight cells; statements per request counted by pg_stat_statements).
+#
+# Filters and overrides (any mode): --stores plain,memory,redis[,redis-cache,redis-acks][,postgres]
+# --scenarios fresh,replay,inflight --conc c32,c1 --bodies 100,16k,1m --rounds N --duration S --out DIR;
 # environment BENCH_ROUNDS, BENCH_DURATION, BENCH_DURATION_1M, BENCH_WARMUP, and BENCH_SERVER (a
 # server binary built elsewhere, e.g. from an earlier commit, for a before/after comparison; a
 # store that build does not know is skipped). `--help` lists them all.
@@ -39,5 +44,14 @@ fi
 source scripts/apt-install.sh
 apt_install ${missing[@]+"${missing[@]}"}
 
-cargo build --release --example bench_server
+command -v psql >/dev/null 2>&1 || missing_pg=1
+if [ -z "${PG_BIN_DIR:-}" ] && ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
+  missing_pg=1
+fi
+# Only a run that measures the postgres store needs PostgreSQL.
+if [ "${missing_pg:-0}" = 1 ] && [[ " $* " == *postgres* ]]; then
+  apt_install postgresql
+fi
+
+cargo build --release --example bench_server --features postgres
 exec python3 scripts/bench.py "$@"

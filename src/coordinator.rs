@@ -438,6 +438,10 @@ pub struct Claim {
     key: RecordKey,
     owner: OwnerToken,
     lost: Arc<AtomicBool>,
+    /// Set by a store that completed this claim in a transaction of the caller's (through a
+    /// [`ClaimTicket`]), so a renewal that then finds the claim no longer in flight does not
+    /// take it for lost.
+    completed_elsewhere: Arc<AtomicBool>,
     /// The background renewal task, or `None` when the holder renews through `keep_alive`.
     renewal: Option<JoinHandle<()>>,
     settled: bool,
@@ -475,6 +479,7 @@ impl Claim {
             key,
             owner,
             lost: Arc::new(AtomicBool::new(false)),
+            completed_elsewhere: Arc::new(AtomicBool::new(false)),
             renewal: None,
             settled: false,
             _slot: slot,
@@ -492,13 +497,14 @@ impl Claim {
         if self.renewal.is_some() {
             return;
         }
-        let (coordinator, key, owner, lost) = (
+        let (coordinator, key, owner, lost, elsewhere) = (
             self.coordinator.clone(),
             self.key.clone(),
             self.owner.clone(),
             self.lost.clone(),
+            self.completed_elsewhere.clone(),
         );
-        let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost).await };
+        let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost, &elsewhere).await };
         self.renewal = Some(tokio::spawn(renewing.instrument(tracing::Span::current())));
     }
 
@@ -510,6 +516,34 @@ impl Claim {
     /// This claim's owner token.
     pub fn owner(&self) -> &OwnerToken {
         &self.owner
+    }
+
+    /// A ticket for completing this claim in a transaction of the caller's, with the business
+    /// writes of the operation (see [`ClaimTicket`]). [`complete`](Claim::complete) afterwards
+    /// succeeds without overwriting what that transaction stored.
+    ///
+    /// ```
+    /// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("job-10").unwrap());
+    /// if let Begin::Claimed(claim) = coordinator.begin(&key, &Fingerprint::new([b"job".as_slice()])).await? {
+    ///     let ticket = claim.ticket();
+    ///     assert_eq!(ticket.key(), claim.key());
+    ///     assert_eq!(ticket.retention(), coordinator.retention());
+    ///     claim.release().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn ticket(&self) -> ClaimTicket {
+        ClaimTicket {
+            key: self.key.clone(),
+            owner: self.owner.clone(),
+            retention: self.coordinator.retention,
+            completed_elsewhere: self.completed_elsewhere.clone(),
+        }
     }
 
     /// Whether a renewal found the claim gone (lease ran out, or purged): completing it will fail.
@@ -524,7 +558,13 @@ impl Claim {
         if self.renewal.is_some() {
             return work.await;
         }
-        let renew = renew_until_lost(&self.coordinator, &self.key, &self.owner, &self.lost);
+        let renew = renew_until_lost(
+            &self.coordinator,
+            &self.key,
+            &self.owner,
+            &self.lost,
+            &self.completed_elsewhere,
+        );
         let mut work = std::pin::pin!(work);
         let mut renew = std::pin::pin!(renew);
         let mut renewing = true;
@@ -623,8 +663,16 @@ impl Drop for Claim {
     }
 }
 
-/// Renews `owner`'s lease every third of it until a renewal finds the claim lost.
-async fn renew_until_lost(coordinator: &Coordinator, key: &RecordKey, owner: &OwnerToken, lost: &AtomicBool) {
+/// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
+/// by a transaction of the caller's (`completed_elsewhere`: then the claim is not lost, and its
+/// completion finds it done).
+async fn renew_until_lost(
+    coordinator: &Coordinator,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    lost: &AtomicBool,
+    completed_elsewhere: &AtomicBool,
+) {
     let every = coordinator.lease / 3;
     loop {
         tokio::time::sleep(every).await;
@@ -633,6 +681,10 @@ async fn renew_until_lost(coordinator: &Coordinator, key: &RecordKey, owner: &Ow
             .await
         {
             Ok(true) => tracing::trace!(?key, "lease renewed"),
+            Ok(false) if completed_elsewhere.load(Ordering::Acquire) => {
+                tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
+                return;
+            }
             Ok(false) => {
                 lost.store(true, Ordering::Release);
                 tracing::warn!(
@@ -644,6 +696,73 @@ async fn renew_until_lost(coordinator: &Coordinator, key: &RecordKey, owner: &Ow
             // The next renewal may get through; the lease is three renewals long.
             Err(error) => tracing::warn!(?key, %error, "could not renew a lease"),
         }
+    }
+}
+
+/// A claim's address and owner, for completing it in a transaction of the caller's: the
+/// operation's own writes and its stored result then commit, or roll back, together, so a crash
+/// between the two can no longer run the key twice. Made by [`Claim::ticket`]; over HTTP, the
+/// layer hands it to the handler (`IdempotencyLayer::with_transactional_completion`).
+///
+/// A store that keeps its records in the caller's database completes a ticket in the caller's
+/// transaction (`PostgresStore::complete_in`); the claim's own completion afterwards finds the
+/// record completed by its owner and succeeds without overwriting it. A ticket carries no
+/// connection and no lease renewal: the [`Claim`] it came from keeps the lease until then.
+///
+/// ```
+/// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::Error> {
+/// let coordinator = Coordinator::new(MemoryStore::new());
+/// let key = RecordKey::new(None, IdempotencyKey::parse("transfer-3").unwrap());
+/// if let Begin::Claimed(claim) = coordinator.begin(&key, &Fingerprint::new([b"transfer".as_slice()])).await? {
+///     let ticket = claim.ticket();
+///     assert_eq!(ticket.owner(), claim.owner());
+///     // ... a PostgresStore would complete `ticket` in the transaction here ...
+///     claim.complete("done".into()).await?;
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ClaimTicket {
+    key: RecordKey,
+    owner: OwnerToken,
+    retention: Duration,
+    completed_elsewhere: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for ClaimTicket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimTicket")
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClaimTicket {
+    /// The claimed key.
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// The claim's owner token, which the completion must present.
+    pub fn owner(&self) -> &OwnerToken {
+        &self.owner
+    }
+
+    /// How long the result is to be kept (the coordinator's, or the layer's, retention).
+    pub fn retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// Tells the claim that a store completed it in the caller's transaction, so its lease
+    /// renewal, finding the record no longer in flight, does not report the claim lost.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn note_completed_elsewhere(&self) {
+        self.completed_elsewhere.store(true, Ordering::Release);
     }
 }
 

@@ -4,8 +4,10 @@
 //! A client sends an `Idempotency-Key` header. The first request with a key runs the handler and
 //! its response is stored; a retry with the same key and the same request gets the stored
 //! response back, byte for byte, with `Idempotent-Replayed: true`, and the handler does not run
-//! again. Keys live in a [`Store`]: [`RedisStore`] shared by every instance of a service, or
-//! [`MemoryStore`] inside one process.
+//! again. Keys live in a [`Store`]: [`RedisStore`] shared by every instance of a service,
+//! `PostgresStore` (crate feature `postgres`) in the service's own PostgreSQL database, where a
+//! handler can store its response in the transaction of its business writes, or [`MemoryStore`]
+//! inside one process.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -69,10 +71,13 @@ pub use self::http::layer::{IdempotencyLayer, Inspection};
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;
 pub use self::http::service::Idempotency;
-pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
+pub use self::http::transactional::TransactionalClaim;
+pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use store::memory::MemoryStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
 #[cfg(feature = "redis")]

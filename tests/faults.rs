@@ -475,3 +475,21 @@ on_both_stores!(
     operators_see_the_lease_left_on_a_running_key,
     an_unreadable_stored_response_is_an_error_never_a_replay,
 );
+on_postgres!(
+    hundreds_of_concurrent_requests_run_the_handler_once,
+    a_dropped_response_future_does_not_lose_the_work,
+    cancel_on_disconnect_cancels_and_releases,
+    a_hang_up_during_the_claim_leaves_the_key_free,
+    a_panicking_handler_answers_500_and_releases_the_key,
+    a_failed_release_is_retried_in_the_background,
+    a_long_handler_keeps_its_claim_past_the_lease,
+    a_lost_claim_is_fenced_and_never_overwrites_the_new_owner,
+    a_crashed_owner_blocks_its_key_only_until_its_lease_ends,
+    shutdown_refuses_new_keys_and_waits_for_running_handlers,
+    shutdown_reports_handlers_still_running_at_the_deadline,
+    over_the_in_flight_bound_answers_503_and_claims_nothing,
+    at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered,
+    fail_open_runs_are_counted_and_waited_for,
+    operators_see_the_lease_left_on_a_running_key,
+    an_unreadable_stored_response_is_an_error_never_a_replay,
+);

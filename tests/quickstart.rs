@@ -1,5 +1,5 @@
 //! The quickstart demo is a contract others drive: run the built example and check it over HTTP,
-//! on the memory store and on Redis (`REDIS_URL`).
+//! on the memory store, on Redis (`REDIS_URL`) and on PostgreSQL (`DATABASE_URL`).
 
 mod common;
 
@@ -46,11 +46,11 @@ fn quickstart_binary() -> PathBuf {
 }
 
 fn start(redis_url: Option<&str>) -> Demo {
-    start_with(redis_url, &[])
+    start_with(redis_url, None, &[])
 }
 
-/// [`start`] with more environment variables.
-fn start_with(redis_url: Option<&str>, env: &[(&str, &str)]) -> Demo {
+/// [`start`] with a `DATABASE_URL` and more environment variables.
+fn start_with(redis_url: Option<&str>, database_url: Option<&str>, env: &[(&str, &str)]) -> Demo {
     let mut command = Command::new(quickstart_binary());
     command.envs(env.iter().copied());
     command
@@ -58,10 +58,12 @@ fn start_with(redis_url: Option<&str>, env: &[(&str, &str)]) -> Demo {
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-    match redis_url {
-        Some(url) => command.env("REDIS_URL", url),
-        None => command.env_remove("REDIS_URL"),
-    };
+    for (name, value) in [("REDIS_URL", redis_url), ("DATABASE_URL", database_url)] {
+        match value {
+            Some(url) => command.env(name, url),
+            None => command.env_remove(name),
+        };
+    }
     let mut child = command.spawn().expect("start the quickstart example");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let store_line = lines.next().expect("a store line").expect("utf-8");
@@ -261,7 +263,7 @@ async fn the_quickstart_contract_on_redis_with_a_replica_acknowledging() {
             "the replica never acknowledged a write"
         );
     }
-    let demo = start_with(Some(&master.url()), &[("IDEMPOTENCY_WAIT_REPLICAS", "1")]);
+    let demo = start_with(Some(&master.url()), None, &[("IDEMPOTENCY_WAIT_REPLICAS", "1")]);
     assert!(
         demo.store_line.contains("acknowledged by 1 replica"),
         "{}",
@@ -286,6 +288,30 @@ fn a_bad_wait_replicas_value_stops_the_quickstart_with_a_clear_message() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("IDEMPOTENCY_WAIT_REPLICAS"), "{stderr}");
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_contract_on_postgres() {
+    let server = tokio::task::spawn_blocking(common::postgres::PgServer::start)
+        .await
+        .unwrap();
+    let demo = start_with(None, Some(&server.url()), &[]);
+    assert!(demo.store_line.contains("PostgreSQL"), "{}", demo.store_line);
+    check_contract(&demo).await;
+    // A second instance on the same database: the first one's payment replays there.
+    let other = start_with(None, Some(&server.url()), &[]);
+    let replay = call(other.addr, "/payments", Some("qs-1"), r#"{"amount": 42}"#).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+}
+
+// Both set: Redis wins, as the demo's docs say.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_both_urls_the_quickstart_uses_redis() {
+    let server = common::RedisServer::start();
+    let demo = start_with(Some(&server.url()), Some("postgres://nobody@127.0.0.1:1/none"), &[]);
+    assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
 }
 
 // Containers stop with SIGTERM: the demo finishes the request in progress, then exits 0.

@@ -37,6 +37,8 @@ pub(crate) struct Config {
     pub(crate) not_stored_status: StatusCode,
     /// The longest a handler may take to give its response head.
     pub(crate) handler_timeout: Duration,
+    /// Hand each claimed request's claim to its handler, for a completion in its transaction.
+    pub(crate) transactional_completion: bool,
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
@@ -59,6 +61,7 @@ impl Default for Config {
             release_not_stored: false,
             not_stored_status: StatusCode::CONFLICT,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            transactional_completion: false,
             typical_duration: Arc::default(),
         }
     }

@@ -350,6 +350,23 @@ impl IdempotencyLayer {
         self.config(|c| c.handler_timeout = timeout)
     }
 
+    /// Hands each claimed request's claim to its handler (default: `false`): a
+    /// [`TransactionalClaim`](crate::TransactionalClaim) in the request's extensions, with which
+    /// a handler that writes to the store's database stores its response in its own transaction
+    /// (`PostgresStore::complete_in`), so its business rows and the stored response commit or
+    /// roll back together. The layer's own completion then finds the record completed and leaves
+    /// it; after a rollback it stores or releases as usual. Off by default: it costs an
+    /// allocation per claimed request that only such handlers need.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_transactional_completion(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_transactional_completion(self, enabled: bool) -> Self {
+        self.config(|c| c.transactional_completion = enabled)
+    }
+
     /// Bounds how many keyed requests may run their handler at once, fail-open runs included
     /// (default: 10 000); over it new keys are answered 503 and nothing is claimed, while a key
     /// already done still replays and one running still gets its 409 (one read of the store).

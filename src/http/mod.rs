@@ -3,8 +3,9 @@
 //! [`layer`] holds the settings, [`service`] turns a request into a key, a fingerprint and a
 //! claim, [`future`] carries a claimed run past a client that hangs up, [`capture`] turns the
 //! handler's response into what is stored, [`replay`] is the stored form of a response,
-//! [`response`] the problem+json rejections, and [`body`] the request and response bodies the
-//! layer hands on. Nothing in the core (`coordinator`, `store`, `key`, `fingerprint`) depends on
+//! [`response`] the problem+json rejections, [`body`] the request and response bodies the
+//! layer hands on, and [`transactional`] the claim handed to a handler that stores its response
+//! in its own transaction. Nothing in the core (`coordinator`, `store`, `key`, `fingerprint`) depends on
 //! this module.
 
 pub(crate) mod body;
@@ -15,3 +16,4 @@ pub(crate) mod layer;
 pub(crate) mod replay;
 pub(crate) mod response;
 pub(crate) mod service;
+pub(crate) mod transactional;

@@ -20,6 +20,7 @@ use crate::http::config::Config;
 use crate::http::future::{BoxFuture, ResponseFuture};
 use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
+use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
 use crate::{Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
@@ -232,7 +233,7 @@ where
         Collected::Failed { .. } => return reject(Rejection::BodyUnreadable),
     };
     let fingerprint = fingerprint(&parts, &body);
-    let request = Request::from_parts(parts, RequestBody::buffered(body));
+    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
 
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
@@ -269,6 +270,10 @@ where
         }
         Err(_) => return reject(Rejection::Overloaded),
     };
+    if config.transactional_completion {
+        let handed = TransactionalClaim::new(claim.ticket(), config.clone());
+        request.extensions_mut().insert(handed);
+    }
     Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
 }
 

@@ -1,4 +1,4 @@
-//! Where records live: the [`Store`] trait and its two implementations.
+//! Where records live: the [`Store`] trait and its implementations (memory, Redis, PostgreSQL).
 //!
 //! A record moves through two states. A *claim* creates it **in flight**, owned by one
 //! [`OwnerToken`], for the length of a lease. Its owner then either *completes* it (it becomes
@@ -17,6 +17,8 @@ use bytes::Bytes;
 use crate::{Fingerprint, RecordKey};
 
 pub(crate) mod memory;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
@@ -48,8 +50,8 @@ pub const RECORD_VERSION: u32 = 2;
 
 /// A record store. Implementations must make each method atomic with respect to the others.
 ///
-/// Both built-in stores, [`MemoryStore`](crate::MemoryStore) and `RedisStore`, pass one shared
-/// behaviour suite (`tests/store_suite.rs`); a custom store should pass it too.
+/// The built-in stores, [`MemoryStore`](crate::MemoryStore), `RedisStore` and `PostgresStore`,
+/// pass one shared behaviour suite (`tests/store_suite.rs`); a custom store should pass it too.
 ///
 /// ```
 /// use std::time::Duration;

@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod proxy;
 pub mod sentinel;
 pub mod storm;
@@ -253,6 +255,21 @@ impl Backend {
         }
     }
 
+    /// A PostgreSQL store on the server shared by this test binary, in a table of its own.
+    #[cfg(feature = "postgres")]
+    pub async fn postgres() -> Self {
+        let url = tokio::task::spawn_blocking(|| postgres::shared().url())
+            .await
+            .expect("start the shared PostgreSQL server");
+        let store = postgres::store(&url).await;
+        Self {
+            name: "postgres",
+            store: Arc::new(store),
+            memory: None,
+            redis: None,
+        }
+    }
+
     pub fn redis_client(&self) -> Option<&Client> {
         self.redis.as_ref().map(|(_, client)| client)
     }
@@ -317,13 +334,32 @@ macro_rules! on_both_stores {
 }
 
 /// Generates each suite test for every store and topology: `memory::`, `redis::` (standalone)
-/// `sentinel::` (Redis behind Sentinel, see `common::sentinel`) and `cluster::` (Redis Cluster,
-/// see `common::cluster`).
+/// `sentinel::` (Redis behind Sentinel, see `common::sentinel`), `cluster::` (Redis Cluster,
+/// see `common::cluster`) and `postgres::` (see `common::postgres`).
 #[macro_export]
 macro_rules! on_every_store {
     ($($test:ident),* $(,)?) => {
         $crate::on_both_stores!(and sentinel: $($test),*);
         $crate::on_cluster!($($test),*);
+        $crate::on_postgres!($($test),*);
+    };
+}
+
+/// Generates, for each named `async fn test(backend: Backend)`, a `postgres::test` on the
+/// PostgreSQL server shared by the binary (a table per test), when the crate feature
+/// `postgres` is on (`scripts/test.sh` turns on every feature).
+#[macro_export]
+macro_rules! on_postgres {
+    ($($test:ident),* $(,)?) => {
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test($crate::common::Backend::postgres().await).await
+                }
+            )*
+        }
     };
 }
 

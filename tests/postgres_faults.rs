@@ -1,0 +1,260 @@
+//! Real faults on real PostgreSQL servers: the server killed (`kill -9`) and restarted, paused
+//! (`SIGSTOP`), connections dropped or black-holed by a TCP proxy. Each fails closed (503)
+//! within the timeout and recovers by itself. Each test has a server of its own.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use common::app::{payment, payment_with, router, send, spawn_send};
+use common::postgres::{self, PgServer};
+use common::proxy::{Fault, FaultProxy};
+use http::StatusCode;
+use tower_idempotency::{IdempotencyLayer, PostgresStore, Rejection};
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+async fn server() -> PgServer {
+    tokio::task::spawn_blocking(PgServer::start)
+        .await
+        .expect("start PostgreSQL")
+}
+
+/// A store on `url` with the tests' short timeout, in a table of its own.
+async fn store(url: &str) -> PostgresStore {
+    postgres::store(url).await.with_command_timeout(TIMEOUT)
+}
+
+fn layer(store: PostgresStore) -> IdempotencyLayer {
+    IdempotencyLayer::new(store).with_store_timeout(TIMEOUT)
+}
+
+fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
+    payment_with(key, &[("x-delay-ms", &delay_ms.to_string())])
+}
+
+async fn eventually_created(app: &axum::Router, key: &str) -> common::app::Answer {
+    for _ in 0..200 {
+        let answer = send(app, payment(key, "{}")).await;
+        if answer.status == StatusCode::CREATED {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last = send(app, payment(key, "{}")).await;
+    panic!("the layer did not recover: {} {:?}", last.status, last.body);
+}
+
+fn assert_store_unavailable(answer: &common::app::Answer, started: Instant) {
+    assert_eq!(
+        answer.extensions.get::<Rejection>(),
+        Some(&Rejection::StoreUnavailable),
+        "{} {:?}",
+        answer.status,
+        answer.body
+    );
+    assert!(
+        started.elapsed() < TIMEOUT + Duration::from_millis(500),
+        "answered within the timeout: {:?}",
+        started.elapsed()
+    );
+}
+
+// Promise 6: kill -9 of every server process mid-load, requests fail closed while it is down,
+// and after the restart (crash recovery) the layer recovers by itself. What was committed
+// before the crash is still there: a key completed before it replays after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_fails_closed_and_recovers_after_its_restart() {
+    let mut server = server().await;
+    let (app, runs) = router(layer(store(&server.url()).await));
+    let before = send(&app, payment("before-crash", "{}")).await;
+    assert_eq!(before.status, StatusCode::CREATED);
+    let load: Vec<_> = (0..40)
+        .map(|i| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i * 10)).await;
+                send(&app, slow(&format!("load-{i}"), 50)).await.status
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let server = tokio::task::spawn_blocking(move || {
+        server.kill();
+        server
+    })
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let down = send(&app, payment("while-down", "{}")).await;
+    assert_store_unavailable(&down, started);
+    // Down for longer than the store timeout, so requests meet the dead server.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut server = server;
+    let server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    let mut statuses = Vec::new();
+    for task in load {
+        statuses.push(task.await.unwrap());
+    }
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::CREATED || *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.contains(&StatusCode::SERVICE_UNAVAILABLE),
+        "some requests met the dead server"
+    );
+    eventually_created(&app, "after-restart").await;
+    let replay = send(&app, payment("before-crash", "{}")).await;
+    assert!(
+        replay.is_replay(),
+        "committed before the crash, replayed after it"
+    );
+    assert_eq!(replay.body, before.body);
+    assert!(runs.get() <= 42);
+    drop(server);
+}
+
+// Promise 6: a server whose every process is stopped (SIGSTOP) keeps its connections open and
+// answers nothing: bounded by the timeout, fail-closed, and recovered from once it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_server_fails_closed_within_the_timeout_then_recovers() {
+    let server = server().await;
+    let (app, runs) = router(layer(store(&server.url()).await));
+    assert_eq!(
+        send(&app, payment("warm", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    server.pause();
+    for i in 0..3 {
+        let started = Instant::now();
+        let answer = send(&app, payment(&format!("paused-{i}"), "{}")).await;
+        assert_store_unavailable(&answer, started);
+    }
+    server.resume();
+    eventually_created(&app, "paused-0").await;
+    assert!(send(&app, payment("warm", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 2, "nothing ran while the server was stopped");
+}
+
+// Promise 6: a black hole between the layer and the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_black_holed_server_answers_503_within_the_timeout() {
+    let server = server().await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let (app, runs) = router(layer(store(&postgres::url_for(proxy.addr())).await));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    proxy.set(Fault::BlackHole);
+    let started = Instant::now();
+    let answer = send(&app, payment("bh", "{}")).await;
+    assert_store_unavailable(&answer, started);
+    proxy.set(Fault::None);
+    eventually_created(&app, "bh").await;
+    assert_eq!(runs.get(), 2);
+}
+
+// Promise 6: every connection dropped, and new ones refused, then traffic let through again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_connections_fail_closed_and_reconnect() {
+    let server = server().await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let (app, runs) = router(layer(store(&postgres::url_for(proxy.addr())).await));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    proxy.set(Fault::Drop);
+    for i in 0..3 {
+        let started = Instant::now();
+        let answer = send(&app, payment(&format!("dropped-{i}"), "{}")).await;
+        assert_store_unavailable(&answer, started);
+    }
+    proxy.set(Fault::None);
+    eventually_created(&app, "dropped-0").await;
+    assert!(send(&app, payment("dropped-0", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 2);
+}
+
+// Promise 6: the connection goes while the handler runs and comes back while the completion is
+// retried: the response is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_completion_is_retried() {
+    let server = server().await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let (app, runs) = router(layer(store(&postgres::url_for(proxy.addr())).await));
+    let first = spawn_send(&app, slow("retried", 300));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    proxy.set(Fault::Drop);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    proxy.set(Fault::None);
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let retry = eventually_created(&app, "retried").await;
+    assert!(retry.is_replay(), "the retried completion stored the response");
+    assert_eq!(runs.get(), 1);
+}
+
+// Promise 6: a completion that keeps failing still answers the client, in bounded time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_keeps_failing_still_answers_the_client() {
+    let server = server().await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let (app, _) = router(layer(store(&postgres::url_for(proxy.addr())).await));
+    let first = spawn_send(&app, slow("unstored", 200));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set(Fault::BlackHole);
+    let started = Instant::now();
+    let answer = first.await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "the client gets its response");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "completion retries are bounded: {:?}",
+        started.elapsed()
+    );
+    proxy.set(Fault::None);
+}
+
+// Promises 4 and 5 across a partition: a node cut off from the database cannot renew; once its
+// lease ends another node runs the key, and the cut-off node's late result is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_node_loses_its_key_at_lease_end_and_is_fenced() {
+    let server = server().await;
+    let lease = Duration::from_millis(400);
+    let proxy = FaultProxy::start(server.addr()).await;
+    let partitioned = store(&postgres::url_for(proxy.addr())).await;
+    let direct = PostgresStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_table(partitioned.table());
+    let (node_a, runs_a) = router(layer(partitioned).with_lease(lease));
+    let node_b_layer = IdempotencyLayer::new(direct).with_lease(lease);
+    let (node_b, runs_b) = router(node_b_layer.clone());
+
+    let on_a = tokio::spawn(async move { send(&node_a, slow("split", 1500)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.set(Fault::BlackHole);
+    let blocked = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(blocked.status, StatusCode::CONFLICT, "the live lease holds");
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    let taken_over = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(
+        (taken_over.status, taken_over.is_replay()),
+        (StatusCode::CREATED, false)
+    );
+    proxy.set(Fault::None);
+    assert_eq!(on_a.await.unwrap().status, StatusCode::CREATED);
+    let replay = send(&node_b, payment("split", "{}")).await;
+    assert_eq!(replay.body, taken_over.body, "node B's record stands");
+    assert_eq!((runs_a.get(), runs_b.get()), (1, 1));
+}
