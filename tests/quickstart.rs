@@ -310,7 +310,11 @@ async fn the_quickstart_contract_on_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_both_urls_the_quickstart_uses_redis() {
     let server = common::RedisServer::start();
-    let demo = start_with(Some(&server.url()), Some("postgres://nobody@127.0.0.1:1/none"), &[]);
+    let demo = start_with(
+        Some(&server.url()),
+        Some("postgres://nobody@127.0.0.1:1/none"),
+        &[],
+    );
     assert!(demo.store_line.contains("Redis"), "{}", demo.store_line);
 }
 
