@@ -34,6 +34,25 @@ fn free_port() -> u16 {
     listener.local_addr().expect("local address").port()
 }
 
+/// A directory for one server process, never shared: two servers that tried the same port at
+/// once (one loses) must not share one, since the loser removes its directory.
+fn server_dir(kind: &str, port: u16) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!(
+        "tower-idempotency-{kind}-{port}-{}-{n}",
+        std::process::id()
+    ))
+}
+
+/// Whether the server `child` has bound its ports: it writes `pidfile` only once it has (a
+/// server that lost its port exits without writing it). A connection alone does not tell: the
+/// port can belong to another process for a while, as a free port is found by binding and
+/// releasing it, which other tests and other test binaries do at the same time.
+fn has_bound_its_ports(pidfile: &std::path::Path, child: &Child) -> bool {
+    std::fs::read_to_string(pidfile).is_ok_and(|pid| pid.trim() == child.id().to_string())
+}
+
 impl RedisServer {
     /// Starts a server on a free loopback port. Panics with a clear message if `redis-server`
     /// is not installed: a missing server is a failure, never a skip.
@@ -54,7 +73,7 @@ impl RedisServer {
 
     fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
         assert_ne!(port, 6379, "tests never use the default Redis port");
-        let dir = std::env::temp_dir().join(format!("tower-idempotency-redis-{port}-{}", std::process::id()));
+        let dir = server_dir("redis", port);
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
         let extra = extra.iter().map(|s| s.to_string()).collect();
         let mut server = Self {
@@ -67,11 +86,16 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> bool {
+        let pidfile = self.dir.join("redis.pid");
+        // A server killed with SIGKILL leaves its pid file behind.
+        let _ = std::fs::remove_file(&pidfile);
         let child = Command::new(redis_server_binary())
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
             .arg("--dir")
             .arg(&self.dir)
+            .arg("--pidfile")
+            .arg(&pidfile)
             // `{port}` in an extra argument is this server's port (a TLS-only server listens there).
             .args(self.extra.iter().map(|arg| arg.replace("{port}", &self.port.to_string())))
             .stdout(Stdio::null())
@@ -92,9 +116,9 @@ impl RedisServer {
                     self.child = None;
                     return false; // port taken, most likely
                 }
-            }
-            if TcpStream::connect(self.addr()).is_ok() {
-                return true;
+                if has_bound_its_ports(&pidfile, child) && TcpStream::connect(self.addr()).is_ok() {
+                    return true;
+                }
             }
             std::thread::sleep(Duration::from_millis(5));
         }

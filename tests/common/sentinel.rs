@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::{free_port, RedisServer};
+use super::{free_port, has_bound_its_ports, server_dir, RedisServer};
 
 pub const SERVICE: &str = "mymaster";
 /// The password of the master and the replica (`requirepass`, `masterauth`).
@@ -38,17 +38,15 @@ impl SentinelProcess {
 
     fn start_on(port: u16, master_port: u16) -> Option<Self> {
         assert_ne!(port, 26379, "tests never use the default Sentinel port");
-        let dir = std::env::temp_dir().join(format!(
-            "tower-idempotency-sentinel-{port}-{}",
-            std::process::id()
-        ));
+        let dir = server_dir("sentinel", port);
         std::fs::create_dir_all(&dir).expect("create a directory for a sentinel");
         // Sentinels rewrite their config file as they learn the topology: it must be writable.
         let config = dir.join("sentinel.conf");
+        let pidfile = dir.join("sentinel.pid");
         std::fs::write(
             &config,
             format!(
-                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\nloglevel warning\n\
+                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\npidfile {pidfile}\nloglevel warning\n\
                  requirepass {SENTINEL_PASSWORD}\n\
                  sentinel resolve-hostnames no\n\
                  sentinel sentinel-pass {SENTINEL_PASSWORD}\n\
@@ -56,7 +54,8 @@ impl SentinelProcess {
                  sentinel auth-pass {SERVICE} {DATA_PASSWORD}\n\
                  sentinel down-after-milliseconds {SERVICE} 1000\n\
                  sentinel failover-timeout {SERVICE} 5000\n",
-                dir = dir.display()
+                dir = dir.display(),
+                pidfile = pidfile.display()
             ),
         )
         .expect("write a sentinel config");
@@ -85,9 +84,11 @@ impl SentinelProcess {
                     sentinel.child = None;
                     return None; // port taken, most likely
                 }
-            }
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Some(sentinel);
+                if has_bound_its_ports(&pidfile, child)
+                    && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                {
+                    return Some(sentinel);
+                }
             }
             std::thread::sleep(Duration::from_millis(5));
         }
