@@ -3,75 +3,20 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use common::app::{payment, router, send};
+use common::tls::Pki;
 use common::RedisServer;
 use http::StatusCode;
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use tower_idempotency::{IdempotencyLayer, RedisStore};
-
-/// A CA, a server certificate it signed (for `localhost` and 127.0.0.1), and a second CA that
-/// signed nothing here.
-struct Pki {
-    ca: PathBuf,
-    other_ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-}
-
-fn ca(name: &str) -> (CertificateParams, KeyPair) {
-    let mut params = CertificateParams::new(Vec::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(rcgen::DnType::CommonName, name);
-    (params, KeyPair::generate().unwrap())
-}
-
-fn write_pki(dir: &Path) -> Pki {
-    std::fs::create_dir_all(dir).unwrap();
-    let (ca_params, ca_key) = ca("tower-idempotency test CA");
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let (other_params, other_key) = ca("an unrelated CA");
-    let other_cert = other_params.self_signed(&other_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let server_key = KeyPair::generate().unwrap();
-    let server_params = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
-    let server_cert = server_params.signed_by(&server_key, &issuer).unwrap();
-    let write = |name: &str, pem: String| {
-        let path = dir.join(name);
-        std::fs::write(&path, pem).unwrap();
-        path
-    };
-    Pki {
-        ca: write("ca.pem", ca_cert.pem()),
-        other_ca: write("other-ca.pem", other_cert.pem()),
-        server_cert: write("server.pem", server_cert.pem()),
-        server_key: write("server.key", server_key.serialize_pem()),
-    }
-}
 
 // One test, as it sets SSL_CERT_FILE for the process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_is_verified_and_an_untrusted_certificate_is_refused() {
     let dir = std::env::temp_dir().join(format!("tower-idempotency-tls-{}", std::process::id()));
-    let pki = write_pki(&dir);
-    let path = |p: &PathBuf| p.to_str().unwrap().to_owned();
-    let server = RedisServer::start_with(&[
-        "--port",
-        "0",
-        "--tls-port",
-        "{port}",
-        "--tls-cert-file",
-        &path(&pki.server_cert),
-        "--tls-key-file",
-        &path(&pki.server_key),
-        "--tls-ca-cert-file",
-        &path(&pki.ca),
-        "--tls-auth-clients",
-        "no",
-        "--requirepass",
-        "secret",
-    ]);
+    let pki = Pki::generate(&dir);
+    let mut args = pki.server_args();
+    args.extend(["--requirepass".to_owned(), "secret".to_owned()]);
+    let server = RedisServer::start_with(&args);
     let url = |host: &str| format!("rediss://:secret@{host}:{}", server.port());
 
     // Trusted through SSL_CERT_FILE (as the quickstart trusts a private CA): the layer works.

@@ -4,12 +4,16 @@
 //!
 //! Suite tests share one cluster per test binary ([`Cluster::shared`]): six processes started
 //! once instead of once per test. Each test keeps to its own key prefix.
+//!
+//! [`Cluster::start_with`] starts one that speaks TLS only (clients, replication and the cluster
+//! bus) and/or lets clients in only as the ACL user ([`super::acl_user_args`]).
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use super::tls::Pki;
 use super::RedisServer;
 
 const MASTERS: usize = 3;
@@ -20,11 +24,17 @@ fn redis_cli_binary() -> String {
 }
 
 /// Runs `redis-cli -p <port> <args>` and returns its output (RESP2 answers as `redis-cli`
-/// prints them without a terminal: one value a line).
+/// prints them without a terminal: one value a line). For a cluster of [`Cluster::start`].
 pub fn cli(port: u16, args: &[&str]) -> String {
+    cli_with(port, &[], args)
+}
+
+/// [`cli`] with `access` (TLS, credentials) before the command.
+fn cli_with(port: u16, access: &[String], args: &[&str]) -> String {
     let cli = redis_cli_binary();
     let output = Command::new(&cli)
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(access)
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -92,19 +102,50 @@ fn parse_cluster_nodes(text: &str) -> Vec<NodeLine> {
         .collect()
 }
 
+/// How clients reach a cluster's nodes.
+#[derive(Clone, Copy, Default)]
+pub struct Access<'a> {
+    /// TLS only, with these certificates: clients, replication and the cluster bus.
+    pub tls: Option<&'a Pki>,
+    /// Clients get in only as [`super::ACL_USER`] (the `default` user is off).
+    pub acl_user: bool,
+}
+
 pub struct Cluster {
     nodes: Vec<RedisServer>,
+    /// `redis-cluster` or `rediss-cluster`.
+    scheme: &'static str,
+    /// `user:password@`, or empty.
+    credentials: String,
+    /// What `redis-cli` needs to reach a node (TLS, credentials).
+    cli_access: Vec<String>,
 }
 
 impl Cluster {
     /// Starts 3 masters and 3 replicas. `node_timeout_ms` is `cluster-node-timeout`: how long a
     /// master may be unreachable before its replica takes over.
     pub fn start(node_timeout_ms: u64) -> Self {
+        Self::start_with(node_timeout_ms, Access::default())
+    }
+
+    /// [`start`](Self::start), the nodes reached as `access` says.
+    pub fn start_with(node_timeout_ms: u64, access: Access<'_>) -> Self {
         let started = Instant::now();
         let node_timeout = node_timeout_ms.to_string();
+        let mut secured: Vec<String> = Vec::new();
+        let mut cli_access: Vec<String> = Vec::new();
+        if let Some(pki) = access.tls {
+            secured.extend(pki.server_args());
+            secured.extend(["--tls-cluster".to_owned(), "yes".to_owned()]);
+            cli_access.extend(pki.cli_args());
+        }
+        if access.acl_user {
+            secured.extend(super::acl_user_args());
+            cli_access.extend(super::acl_cli_args());
+        }
         let nodes: Vec<RedisServer> = (0..2 * MASTERS)
             .map(|_| {
-                RedisServer::start_with(&[
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
@@ -118,12 +159,15 @@ impl Cluster {
                     // Replicas sync at once, not after the default 5 s wait for more replicas.
                     "--repl-diskless-sync-delay",
                     "0",
-                ])
+                ];
+                args.extend(secured.iter().map(String::as_str));
+                RedisServer::start_with(&args)
             })
             .collect();
         let cli = redis_cli_binary();
         let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
         let output = Command::new(&cli)
+            .args(&cli_access)
             .args(["--cluster", "create"])
             .args(&addresses)
             .args(["--cluster-replicas", "1", "--cluster-yes"])
@@ -138,13 +182,32 @@ impl Cluster {
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr)
         );
-        let cluster = Self { nodes };
+        let cluster = Self {
+            nodes,
+            scheme: if access.tls.is_some() {
+                "rediss-cluster"
+            } else {
+                "redis-cluster"
+            },
+            credentials: if access.acl_user {
+                format!("{}:{}@", super::ACL_USER, super::ACL_PASSWORD)
+            } else {
+                String::new()
+            },
+            cli_access,
+        };
         cluster.wait_until_ready();
         eprintln!(
-            "cluster of {MASTERS} masters + {MASTERS} replicas ready in {:?}",
+            "{} of {MASTERS} masters + {MASTERS} replicas ready in {:?}",
+            cluster.scheme,
             started.elapsed()
         );
         cluster
+    }
+
+    /// `redis-cli` against the node on `port`, with this cluster's TLS and credentials.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        cli_with(port, &self.cli_access, args)
     }
 
     /// One cluster for the whole test binary, started on first use (node timeout 5 s: a loaded
@@ -156,13 +219,14 @@ impl Cluster {
         static SHARED: OnceLock<Cluster> = OnceLock::new();
         SHARED.get_or_init(|| {
             let cluster = Cluster::start(5000);
-            cluster.kill_on_exit();
+            cluster.reap_at_exit();
             cluster
         })
     }
 
-    /// Stops the servers and removes their directories once this process has exited.
-    fn kill_on_exit(&self) {
+    /// Stops the servers and removes their directories once this process has exited (for a
+    /// cluster kept in a static, which is never dropped).
+    pub fn reap_at_exit(&self) {
         let pids: Vec<u32> = self.nodes.iter().filter_map(RedisServer::pid).collect();
         let dirs: Vec<&std::path::Path> = self.nodes.iter().map(RedisServer::dir).collect();
         super::reap_at_exit(&pids, &dirs);
@@ -176,7 +240,7 @@ impl Cluster {
             assert!(
                 Instant::now() < deadline,
                 "the cluster did not become ready in {READY_TIMEOUT:?}:\n{}",
-                cli(self.live_ports()[0], &["CLUSTER", "NODES"])
+                self.cli(self.live_ports()[0], &["CLUSTER", "NODES"])
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -184,17 +248,17 @@ impl Cluster {
 
     fn is_ready(&self) -> bool {
         self.live_ports().into_iter().all(|port| {
-            if !cli(port, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+            if !self.cli(port, &["CLUSTER", "INFO"]).contains("cluster_state:ok") {
                 return false;
             }
-            let nodes = parse_cluster_nodes(&cli(port, &["CLUSTER", "NODES"]));
+            let nodes = parse_cluster_nodes(&self.cli(port, &["CLUSTER", "NODES"]));
             let live_masters = nodes
                 .iter()
                 .filter(|n| n.is_master && !n.failed && !n.slots.is_empty());
             if live_masters.count() != MASTERS {
                 return false;
             }
-            let replication = cli(port, &["INFO", "replication"]);
+            let replication = self.cli(port, &["INFO", "replication"]);
             if replication.contains("role:slave") {
                 replication.contains("master_link_status:up")
                     && replication.contains("master_sync_in_progress:0")
@@ -218,7 +282,8 @@ impl Cluster {
     }
 
     /// `redis-cluster://<node>?node=<node>&…`, every live node listed (any one is enough for a
-    /// client to learn the topology; the others are there if it is down).
+    /// client to learn the topology; the others are there if it is down). `rediss-cluster://`
+    /// for TLS, and `user:password@` before the first node for the ACL user.
     pub fn url(&self) -> String {
         let live: Vec<String> = self
             .nodes
@@ -227,7 +292,13 @@ impl Cluster {
             .map(|node| node.addr().to_string())
             .collect();
         let others: Vec<String> = live[1..].iter().map(|addr| format!("node={addr}")).collect();
-        format!("redis-cluster://{}?{}", live[0], others.join("&"))
+        format!(
+            "{}://{}{}?{}",
+            self.scheme,
+            self.credentials,
+            live[0],
+            others.join("&")
+        )
     }
 
     /// The slot of each of `keys`, as the cluster computes it (`CLUSTER KEYSLOT`, all in one
@@ -240,6 +311,7 @@ impl Cluster {
             .collect();
         let mut child = Command::new(redis_cli_binary())
             .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(&self.cli_access)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -257,7 +329,7 @@ impl Cluster {
 
     /// The master serving `slot` and its replicas, as a live node sees them now.
     pub fn shard_of(&self, slot: u16) -> Shard {
-        let nodes = parse_cluster_nodes(&cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
+        let nodes = parse_cluster_nodes(&self.cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
         let master = nodes
             .iter()
             .find(|n| n.is_master && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
@@ -284,7 +356,7 @@ impl Cluster {
 
     /// The masters serving slots now.
     pub fn masters(&self) -> Vec<SocketAddr> {
-        let nodes = parse_cluster_nodes(&cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
+        let nodes = parse_cluster_nodes(&self.cli(self.live_ports()[0], &["CLUSTER", "NODES"]));
         nodes
             .iter()
             .filter(|n| n.is_master && !n.failed && !n.slots.is_empty())
@@ -294,7 +366,8 @@ impl Cluster {
 
     /// Whether the node at `addr` answers `INFO replication` with `role:master`.
     pub fn is_master(&self, addr: SocketAddr) -> bool {
-        cli(addr.port(), &["INFO", "replication"]).contains("role:master")
+        self.cli(addr.port(), &["INFO", "replication"])
+            .contains("role:master")
     }
 }
 

@@ -3,11 +3,13 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod demo;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod proxy;
 pub mod sentinel;
 pub mod storm;
+pub mod tls;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -57,11 +59,11 @@ impl RedisServer {
     /// Starts a server on a free loopback port. Panics with a clear message if `redis-server`
     /// is not installed: a missing server is a failure, never a skip.
     pub fn start() -> Self {
-        Self::start_with(&[])
+        Self::start_with::<&str>(&[])
     }
 
     /// Starts a server with extra arguments (later arguments override the defaults).
-    pub fn start_with(extra: &[&str]) -> Self {
+    pub fn start_with<S: AsRef<str>>(extra: &[S]) -> Self {
         for _ in 0..5 {
             let port = free_port();
             if let Some(server) = Self::start_on(port, extra) {
@@ -71,11 +73,11 @@ impl RedisServer {
         panic!("could not start redis-server on a free port after 5 tries");
     }
 
-    fn start_on(port: u16, extra: &[&str]) -> Option<Self> {
+    fn start_on<S: AsRef<str>>(port: u16, extra: &[S]) -> Option<Self> {
         assert_ne!(port, 6379, "tests never use the default Redis port");
         let dir = server_dir("redis", port);
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
-        let extra = extra.iter().map(|s| s.to_string()).collect();
+        let extra = extra.iter().map(|s| s.as_ref().to_owned()).collect();
         let mut server = Self {
             port,
             child: None,
@@ -174,6 +176,31 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// An ACL user allowed everything, for servers started with [`acl_user_args`].
+pub const ACL_USER: &str = "alice";
+pub const ACL_PASSWORD: &str = "alice-secret";
+
+/// `redis-server` arguments that turn the `default` user off, so that only [`ACL_USER`] with
+/// [`ACL_PASSWORD`] gets in (a client without them is refused), and make replicas sync as that
+/// user.
+pub fn acl_user_args() -> Vec<String> {
+    let password = format!(">{ACL_PASSWORD}");
+    let args = [
+        "--user", "default", "off", "--user", ACL_USER, "on", &password, "~*", "&*", "+@all",
+    ];
+    (args.into_iter())
+        .chain(["--masteruser", ACL_USER, "--masterauth", ACL_PASSWORD])
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `redis-cli` arguments for a server started with [`acl_user_args`].
+pub fn acl_cli_args() -> Vec<String> {
+    ["--user", ACL_USER, "--pass", ACL_PASSWORD, "--no-auth-warning"]
+        .map(str::to_owned)
+        .to_vec()
 }
 
 /// A connected `fred` client for `url`, with a reconnect policy and command timeouts.

@@ -1,5 +1,7 @@
 //! A Sentinel topology on loopback: one master, one replica (`--replicaof`) and three sentinels,
 //! every data node and every sentinel behind a password, all on free ports.
+//! [`SentinelTopology::start_tls`] starts one in which every process speaks TLS only (clients,
+//! replication, and the sentinels' links to the nodes and to each other).
 //!
 //! Admin commands go through `redis-cli` (blocking), so the harness needs no runtime and can be
 //! started from a process-wide `OnceLock` shared by every test of a binary.
@@ -10,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use super::tls::Pki;
 use super::{free_port, has_bound_its_ports, server_dir, RedisServer};
 
 pub const SERVICE: &str = "mymaster";
@@ -26,27 +29,33 @@ pub struct SentinelProcess {
 }
 
 impl SentinelProcess {
-    fn start(master_port: u16) -> Self {
+    fn start(master_port: u16, tls: Option<&Pki>) -> Self {
         for _ in 0..5 {
             let port = free_port();
-            if let Some(sentinel) = Self::start_on(port, master_port) {
+            if let Some(sentinel) = Self::start_on(port, master_port, tls) {
                 return sentinel;
             }
         }
         panic!("could not start a sentinel on a free port after 5 tries");
     }
 
-    fn start_on(port: u16, master_port: u16) -> Option<Self> {
+    fn start_on(port: u16, master_port: u16, tls: Option<&Pki>) -> Option<Self> {
         assert_ne!(port, 26379, "tests never use the default Sentinel port");
         let dir = server_dir("sentinel", port);
         std::fs::create_dir_all(&dir).expect("create a directory for a sentinel");
         // Sentinels rewrite their config file as they learn the topology: it must be writable.
         let config = dir.join("sentinel.conf");
         let pidfile = dir.join("sentinel.pid");
+        // With `tls-replication yes` a sentinel also reaches the nodes and the other sentinels
+        // over TLS, and announces its TLS port.
+        let listen = match tls {
+            Some(pki) => format!("port 0\ntls-port {port}\n{}", pki.config_lines()),
+            None => format!("port {port}\n"),
+        };
         std::fs::write(
             &config,
             format!(
-                "port {port}\nbind 127.0.0.1\ndaemonize no\ndir {dir}\npidfile {pidfile}\nloglevel warning\n\
+                "{listen}bind 127.0.0.1\ndaemonize no\ndir {dir}\npidfile {pidfile}\nloglevel warning\n\
                  requirepass {SENTINEL_PASSWORD}\n\
                  sentinel resolve-hostnames no\n\
                  sentinel sentinel-pass {SENTINEL_PASSWORD}\n\
@@ -120,6 +129,8 @@ pub struct SentinelTopology {
     /// The master and the replica as started; after a failover their roles are swapped.
     pub nodes: Vec<RedisServer>,
     pub sentinels: Vec<SentinelProcess>,
+    /// The certificates every process serves, if it speaks TLS.
+    tls: Option<Pki>,
 }
 
 impl SentinelTopology {
@@ -131,19 +142,40 @@ impl SentinelTopology {
 
     /// [`start`](Self::start) with `replicas` replicas.
     pub fn start_with_replicas(replicas: usize) -> Self {
+        Self::start_with(replicas, None)
+    }
+
+    /// [`start`](Self::start), every process listening for TLS only, with `pki`'s certificates.
+    pub fn start_tls(pki: &Pki) -> Self {
+        Self::start_with(1, Some(pki))
+    }
+
+    fn start_with(replicas: usize, tls: Option<&Pki>) -> Self {
         let started = Instant::now();
-        let auth = ["--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD];
+        let mut auth: Vec<String> = ["--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD]
+            .map(str::to_owned)
+            .to_vec();
+        if let Some(pki) = tls {
+            auth.extend(pki.server_args());
+        }
         let master = RedisServer::start_with(&auth);
         let master_port = master.port().to_string();
-        let mut replica_args = auth.to_vec();
+        let mut replica_args: Vec<&str> = auth.iter().map(String::as_str).collect();
         replica_args.extend(["--replicaof", "127.0.0.1", &master_port]);
         let mut nodes = vec![master];
         nodes.extend((0..replicas).map(|_| RedisServer::start_with(&replica_args)));
-        let sentinels = (0..3).map(|_| SentinelProcess::start(nodes[0].port())).collect();
-        let topology = Self { nodes, sentinels };
+        let sentinels = (0..3)
+            .map(|_| SentinelProcess::start(nodes[0].port(), tls))
+            .collect();
+        let topology = Self {
+            nodes,
+            sentinels,
+            tls: tls.cloned(),
+        };
         topology.wait_until_settled(Duration::from_secs(20));
         eprintln!(
-            "sentinel topology (master {}, replicas {:?}, sentinels {:?}) ready in {:?}",
+            "{} topology (master {}, replicas {:?}, sentinels {:?}) ready in {:?}",
+            topology.scheme(),
             topology.nodes[0].port(),
             topology.nodes[1..]
                 .iter()
@@ -177,7 +209,7 @@ impl SentinelTopology {
 
     fn settled(&self) -> Result<(), String> {
         let master = self.master_port();
-        let replication = data_cli(master, &["INFO", "replication"]);
+        let replication = self.data_cli(master, &["INFO", "replication"]);
         let live_replicas = self.nodes.iter().filter(|node| node.pid().is_some()).count() - 1;
         let online = replication.matches("state=online").count();
         if !replication.contains("role:master") || online < live_replicas.max(1) {
@@ -187,17 +219,17 @@ impl SentinelTopology {
         }
         for sentinel in &self.sentinels {
             let port = sentinel.port();
-            let seen = sentinel_cli(port, &["SENTINEL", "get-master-addr-by-name", SERVICE]);
+            let seen = self.sentinel_cli(port, &["SENTINEL", "get-master-addr-by-name", SERVICE]);
             if seen.lines().nth(1) != Some(master.to_string().as_str()) {
                 return Err(format!(
                     "sentinel {port} sees the master at {seen:?}, not {master}"
                 ));
             }
-            let replicas = sentinel_cli(port, &["SENTINEL", "replicas", SERVICE]);
+            let replicas = self.sentinel_cli(port, &["SENTINEL", "replicas", SERVICE]);
             if !replicas.lines().any(|line| line == "slave") || replicas.contains("s_down") {
                 return Err(format!("sentinel {port} sees no healthy replica: {replicas}"));
             }
-            let others = sentinel_cli(port, &["SENTINEL", "sentinels", SERVICE]);
+            let others = self.sentinel_cli(port, &["SENTINEL", "sentinels", SERVICE]);
             if others.lines().filter(|line| *line == "sentinel").count() < 2 {
                 return Err(format!(
                     "sentinel {port} sees fewer than 2 other sentinels: {others}"
@@ -207,6 +239,15 @@ impl SentinelTopology {
         Ok(())
     }
 
+    /// `redis-sentinel`, or `rediss-sentinel` for a topology that speaks TLS.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_some() {
+            "rediss-sentinel"
+        } else {
+            "redis-sentinel"
+        }
+    }
+
     /// The URL of this topology for `RedisStore::connect`: the data nodes' password as the
     /// URL's credentials, the sentinels' in `sentinelPassword`.
     pub fn url(&self) -> String {
@@ -214,8 +255,9 @@ impl SentinelTopology {
         let first = sentinels.next().expect("three sentinels");
         let nodes: String = sentinels.map(|port| format!("node=127.0.0.1:{port}&")).collect();
         format!(
-            "redis-sentinel://:{DATA_PASSWORD}@127.0.0.1:{first}?{nodes}sentinelServiceName={SERVICE}&\
-             sentinelPassword={SENTINEL_PASSWORD}"
+            "{scheme}://:{DATA_PASSWORD}@127.0.0.1:{first}?{nodes}sentinelServiceName={SERVICE}&\
+             sentinelPassword={SENTINEL_PASSWORD}",
+            scheme = self.scheme()
         )
     }
 
@@ -225,7 +267,8 @@ impl SentinelTopology {
             if sentinel.child.is_none() {
                 continue;
             }
-            let answer = sentinel_cli(sentinel.port(), &["SENTINEL", "get-master-addr-by-name", SERVICE]);
+            let answer =
+                self.sentinel_cli(sentinel.port(), &["SENTINEL", "get-master-addr-by-name", SERVICE]);
             if let Some(port) = answer.lines().nth(1).and_then(|port| port.parse().ok()) {
                 return port;
             }
@@ -242,7 +285,7 @@ impl SentinelTopology {
 
     /// `SENTINEL FAILOVER`: a graceful failover, the replica promoted without agreement.
     pub fn failover(&self) {
-        let answer = sentinel_cli(self.sentinels[0].port(), &["SENTINEL", "FAILOVER", SERVICE]);
+        let answer = self.sentinel_cli(self.sentinels[0].port(), &["SENTINEL", "FAILOVER", SERVICE]);
         assert_eq!(answer.trim(), "OK", "SENTINEL FAILOVER refused");
     }
 
@@ -260,26 +303,44 @@ impl SentinelTopology {
         panic!("the sentinels still name {old} as master after {timeout:?}");
     }
 
-    /// Pids of every process, for [`reap_when_this_process_exits`].
-    fn pids(&self) -> Vec<u32> {
-        (self.nodes.iter().filter_map(RedisServer::pid))
+    /// `redis-cli` against a data node of this topology, with its password (and TLS).
+    pub fn data_cli(&self, port: u16, args: &[&str]) -> String {
+        cli(port, DATA_PASSWORD, self.tls.as_ref(), args)
+    }
+
+    /// `redis-cli` against a sentinel of this topology, with its password (and TLS).
+    pub fn sentinel_cli(&self, port: u16, args: &[&str]) -> String {
+        cli(port, SENTINEL_PASSWORD, self.tls.as_ref(), args)
+    }
+
+    /// Kills the processes and removes their directories once this process exits (for a
+    /// topology kept in a static, which is never dropped; see [`shared`]).
+    pub fn reap_at_exit(&self) {
+        let pids: Vec<u32> = (self.nodes.iter().filter_map(RedisServer::pid))
             .chain(self.sentinels.iter().filter_map(SentinelProcess::pid))
-            .collect()
+            .collect();
+        let dirs: Vec<&std::path::Path> = (self.sentinels.iter().map(|s| s.dir.as_path()))
+            .chain(self.nodes.iter().map(|node| node.dir.as_path()))
+            .collect();
+        super::reap_at_exit(&pids, &dirs);
     }
 }
 
-/// `redis-cli` against a data node, with its password. Returns the raw output.
+/// `redis-cli` against a data node of a plain-text topology, with its password. Returns the raw
+/// output.
 pub fn data_cli(port: u16, args: &[&str]) -> String {
-    cli(port, DATA_PASSWORD, args)
+    cli(port, DATA_PASSWORD, None, args)
 }
 
-/// `redis-cli` against a sentinel, with its password. Returns the raw output.
+/// `redis-cli` against a sentinel of a plain-text topology, with its password. Returns the raw
+/// output.
 pub fn sentinel_cli(port: u16, args: &[&str]) -> String {
-    cli(port, SENTINEL_PASSWORD, args)
+    cli(port, SENTINEL_PASSWORD, None, args)
 }
 
-fn cli(port: u16, password: &str, args: &[&str]) -> String {
+fn cli(port: u16, password: &str, tls: Option<&Pki>, args: &[&str]) -> String {
     let output = Command::new("redis-cli")
+        .args(tls.map(Pki::cli_args).unwrap_or_default())
         .args([
             "-h",
             "127.0.0.1",
@@ -303,14 +364,14 @@ fn cli(port: u16, password: &str, args: &[&str]) -> String {
 /// The topology shared by every sentinel test of this binary, started on first use.
 ///
 /// A static is never dropped, so its processes would outlive the test binary: a reaper (a
-/// `sh` loop, see [`reap_when_this_process_exits`]) kills them once this process is gone,
+/// `sh` loop, see [`SentinelTopology::reap_at_exit`]) kills them once this process is gone,
 /// however it ends (success, panic, abort, SIGKILL). `PR_SET_PDEATHSIG` would need `unsafe`
 /// and fires when the spawning *thread* ends, which in a test harness is the first test's thread.
 pub fn shared() -> &'static SentinelTopology {
     static SHARED: OnceLock<SentinelTopology> = OnceLock::new();
     SHARED.get_or_init(|| {
         let topology = SentinelTopology::start();
-        reap_when_this_process_exits(&topology);
+        topology.reap_at_exit();
         topology
     })
 }
@@ -319,12 +380,4 @@ pub fn shared() -> &'static SentinelTopology {
 pub fn unique_prefix() -> String {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     format!("sentinel-test-{}", NEXT.fetch_add(1, Ordering::Relaxed))
-}
-
-/// Kills `topology`'s processes and removes their directories once this process exits.
-fn reap_when_this_process_exits(topology: &SentinelTopology) {
-    let dirs: Vec<&std::path::Path> = (topology.sentinels.iter().map(|s| s.dir.as_path()))
-        .chain(topology.nodes.iter().map(|node| node.dir.as_path()))
-        .collect();
-    super::reap_at_exit(&topology.pids(), &dirs);
 }
