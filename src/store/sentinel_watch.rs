@@ -10,7 +10,13 @@
 //!   promotes it at its next tick, ~100 ms later) *fences* the store: claims are refused (503),
 //!   and completions, releases and renewals wait, until the failover ends;
 //! - `+switch-master` for its service reconnects every client of the store to the new master,
-//!   then lifts the fence;
+//!   then lifts the fence. Every sentinel announces the switch, milliseconds apart: the leader
+//!   first, the others once they hear of it from the leader. A reconnection on the leader's
+//!   announcement can ask a sentinel that has not heard yet (seen here up to 16 ms after the
+//!   leader's announcement reached a subscriber), which names the old master, still taking
+//!   writes. So each reconnection is checked: until every client is on the announced master, it
+//!   is tried again ([`FOLLOW_ATTEMPTS`]), and the other sentinels' announcements of a switch not
+//!   followed yet are acted on too;
 //! - a `-failover-abort-*` event for its service lifts the fence, and so does the end of
 //!   [`FENCE_LIMIT`], in case the end of the failover went unseen.
 
@@ -20,7 +26,7 @@ use std::time::Duration;
 
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
-use fred::types::config::{Config, ReconnectPolicy, ServerConfig};
+use fred::types::config::{Config, ReconnectPolicy, Server, ServerConfig};
 use fred::types::Builder;
 use tokio::sync::Notify;
 
@@ -29,6 +35,10 @@ const PROMOTING: &str = "+failover-state-send-slaveof-noone";
 const ABORTED: &str = "-failover-abort-*";
 /// The longest a fence stays up without the failover's end being seen.
 const FENCE_LIMIT: Duration = Duration::from_secs(10);
+/// How many times one `+switch-master` reconnects the store's clients, a pause apart, until all
+/// are on the master it announced.
+const FOLLOW_ATTEMPTS: u32 = 20;
+const FOLLOW_PAUSE: Duration = Duration::from_millis(50);
 
 /// Raised while the sentinels fail the master over; see the module docs.
 #[derive(Default)]
@@ -169,8 +179,9 @@ impl Event {
     }
 }
 
-/// Listens on every sentinel and acts on each event for `service` once (every sentinel
-/// announces a switch; the leader alone announces the promotion).
+/// Listens on every sentinel and acts on each event for `service`: on the promotion (the leader
+/// alone announces it), on an abort, and on a switch until the store has followed it (every
+/// sentinel announces a switch).
 async fn follow(
     targets: Arc<Mutex<Vec<Client>>>,
     fence: Arc<Fence>,
@@ -229,7 +240,7 @@ async fn follow(
         }
     }
     let _listeners = AbortOnDrop(listeners);
-    let mut last_switch = String::new();
+    let mut followed = String::new();
     loop {
         let next = if fence.is_raised() {
             match tokio::time::timeout(FENCE_LIMIT, announced.recv()).await {
@@ -261,19 +272,68 @@ async fn follow(
                 }
             }
             // "<service> <old ip> <old port> <new ip> <new port>", from every sentinel.
-            Event::Switched(switch) if switch != last_switch => {
+            Event::Switched(switch) if switch != followed => {
                 tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
                 let clients = targets.lock().map(|clients| clients.clone()).unwrap_or_default();
-                let reconnections = clients.iter().map(|client| client.force_reconnection());
-                for outcome in futures_util::future::join_all(reconnections).await {
-                    if let Err(error) = outcome {
-                        tracing::warn!(%error, "reconnecting after +switch-master failed; the reconnect policy retries");
+                let master = announced_master(&switch);
+                for attempt in 0..FOLLOW_ATTEMPTS {
+                    if attempt > 0 {
+                        tokio::time::sleep(FOLLOW_PAUSE).await;
+                    }
+                    let landed = futures_util::future::join_all(clients.iter().map(reconnect)).await;
+                    let on_master = |server: &Option<Server>| {
+                        (server.as_ref().zip(master)).is_some_and(|(server, (host, port))| {
+                            &*server.host == host && server.port == port
+                        })
+                    };
+                    if landed.iter().all(on_master) {
+                        followed.clone_from(&switch);
+                        break;
+                    }
+                    if master.is_none() {
+                        break; // no address to check against: reconnected once
                     }
                 }
+                if followed != switch {
+                    tracing::warn!(
+                        %switch,
+                        "after {FOLLOW_ATTEMPTS} reconnections the store is not on the announced master; it \
+                         tries again on the next +switch-master, or when the old master refuses a write (READONLY)"
+                    );
+                }
                 fence.lower();
-                last_switch = switch;
             }
             Event::Switched(_) => {}
+        }
+    }
+}
+
+/// The new master a `+switch-master` names: `<service> <old ip> <old port> <new ip> <new port>`.
+fn announced_master(switch: &str) -> Option<(&str, u16)> {
+    let fields: Vec<&str> = switch.split(' ').collect();
+    let [_, _, _, host, port] = fields[..] else {
+        return None;
+    };
+    Some((host, port.parse().ok()?))
+}
+
+/// Reconnects `client` (fred asks a sentinel for the master) and returns the server it
+/// connected to, as its reconnection event tells (`None` if the reconnection failed).
+async fn reconnect(client: &Client) -> Option<Server> {
+    use tokio::sync::broadcast::error::TryRecvError;
+
+    let mut reconnections = client.reconnect_rx();
+    if let Err(error) = client.force_reconnection().await {
+        tracing::warn!(%error, "reconnecting after +switch-master failed; the reconnect policy retries");
+        return None;
+    }
+    // fred announces the reconnection before it answers `force_reconnection`.
+    let mut landed = None;
+    loop {
+        match reconnections.try_recv() {
+            Ok(server) => landed = Some(server),
+            Err(TryRecvError::Lagged(_)) => {}
+            Err(TryRecvError::Empty | TryRecvError::Closed) => return landed,
         }
     }
 }
@@ -283,7 +343,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::{Event, Fence};
+    use super::{announced_master, Event, Fence};
 
     #[tokio::test]
     async fn writes_held_at_a_raised_fence_go_on_when_it_is_lowered() {
@@ -314,5 +374,13 @@ mod tests {
         let switched = Event::Switched("main 127.0.0.1 7000 127.0.0.1 7001".into());
         assert!(switched.names("main"));
         assert!(!switched.names("mai"));
+    }
+
+    #[test]
+    fn a_switch_names_the_new_master() {
+        let switch = "main 127.0.0.1 7000 10.0.0.2 7001";
+        assert_eq!(announced_master(switch), Some(("10.0.0.2", 7001)));
+        assert_eq!(announced_master("main 127.0.0.1 7000"), None);
+        assert_eq!(announced_master("main 127.0.0.1 7000 10.0.0.2 port"), None);
     }
 }
