@@ -437,11 +437,8 @@ pub struct Claim {
     coordinator: Coordinator,
     key: RecordKey,
     owner: OwnerToken,
-    lost: Arc<AtomicBool>,
-    /// Set by a store that completed this claim in a transaction of the caller's (through a
-    /// [`ClaimTicket`]), so a renewal that then finds the claim no longer in flight does not
-    /// take it for lost.
-    completed_elsewhere: Arc<AtomicBool>,
+    /// Shared with the renewal task and any [`ClaimTicket`]: one allocation per claim.
+    flags: Arc<ClaimFlags>,
     /// The background renewal task, or `None` when the holder renews through `keep_alive`.
     renewal: Option<JoinHandle<()>>,
     settled: bool,
@@ -478,8 +475,7 @@ impl Claim {
             coordinator,
             key,
             owner,
-            lost: Arc::new(AtomicBool::new(false)),
-            completed_elsewhere: Arc::new(AtomicBool::new(false)),
+            flags: Arc::default(),
             renewal: None,
             settled: false,
             _slot: slot,
@@ -497,14 +493,13 @@ impl Claim {
         if self.renewal.is_some() {
             return;
         }
-        let (coordinator, key, owner, lost, elsewhere) = (
+        let (coordinator, key, owner, flags) = (
             self.coordinator.clone(),
             self.key.clone(),
             self.owner.clone(),
-            self.lost.clone(),
-            self.completed_elsewhere.clone(),
+            self.flags.clone(),
         );
-        let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &lost, &elsewhere).await };
+        let renewing = async move { renew_until_lost(&coordinator, &key, &owner, &flags).await };
         self.renewal = Some(tokio::spawn(renewing.instrument(tracing::Span::current())));
     }
 
@@ -542,13 +537,13 @@ impl Claim {
             key: self.key.clone(),
             owner: self.owner.clone(),
             retention: self.coordinator.retention,
-            completed_elsewhere: self.completed_elsewhere.clone(),
+            flags: self.flags.clone(),
         }
     }
 
     /// Whether a renewal found the claim gone (lease ran out, or purged): completing it will fail.
     pub fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::Acquire)
+        self.flags.lost.load(Ordering::Acquire)
     }
 
     /// Runs `work` while renewing the lease of a claim from
@@ -558,13 +553,7 @@ impl Claim {
         if self.renewal.is_some() {
             return work.await;
         }
-        let renew = renew_until_lost(
-            &self.coordinator,
-            &self.key,
-            &self.owner,
-            &self.lost,
-            &self.completed_elsewhere,
-        );
+        let renew = renew_until_lost(&self.coordinator, &self.key, &self.owner, &self.flags);
         let mut work = std::pin::pin!(work);
         let mut renew = std::pin::pin!(renew);
         let mut renewing = true;
@@ -663,15 +652,24 @@ impl Drop for Claim {
     }
 }
 
+/// What a claim's renewal and a transaction completing it tell each other.
+#[derive(Default)]
+struct ClaimFlags {
+    /// A renewal found the claim gone (lease ran out, or purged).
+    lost: AtomicBool,
+    /// A store completed the claim in a transaction of the caller's (through a [`ClaimTicket`]),
+    /// so a renewal that then finds it no longer in flight does not take it for lost.
+    completed_elsewhere: AtomicBool,
+}
+
 /// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
-/// by a transaction of the caller's (`completed_elsewhere`: then the claim is not lost, and its
-/// completion finds it done).
+/// by a transaction of the caller's (then the claim is not lost, and its completion finds it
+/// done).
 async fn renew_until_lost(
     coordinator: &Coordinator,
     key: &RecordKey,
     owner: &OwnerToken,
-    lost: &AtomicBool,
-    completed_elsewhere: &AtomicBool,
+    flags: &ClaimFlags,
 ) {
     let every = coordinator.lease / 3;
     loop {
@@ -681,12 +679,12 @@ async fn renew_until_lost(
             .await
         {
             Ok(true) => tracing::trace!(?key, "lease renewed"),
-            Ok(false) if completed_elsewhere.load(Ordering::Acquire) => {
+            Ok(false) if flags.completed_elsewhere.load(Ordering::Acquire) => {
                 tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
                 return;
             }
             Ok(false) => {
-                lost.store(true, Ordering::Release);
+                flags.lost.store(true, Ordering::Release);
                 tracing::warn!(
                     ?key,
                     "claim lost while the operation runs; its result will not be stored"
@@ -729,7 +727,7 @@ pub struct ClaimTicket {
     key: RecordKey,
     owner: OwnerToken,
     retention: Duration,
-    completed_elsewhere: Arc<AtomicBool>,
+    flags: Arc<ClaimFlags>,
 }
 
 impl std::fmt::Debug for ClaimTicket {
@@ -762,7 +760,7 @@ impl ClaimTicket {
     /// renewal, finding the record no longer in flight, does not report the claim lost.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn note_completed_elsewhere(&self) {
-        self.completed_elsewhere.store(true, Ordering::Release);
+        self.flags.completed_elsewhere.store(true, Ordering::Release);
     }
 }
 
