@@ -49,10 +49,23 @@
 //!
 //! The behaviour table, every setting with its default, and the guarantees and their limits are
 //! in the README.
+//!
+//! # Crate features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `redis` | yes | [`RedisStore`], over the `fred` client: standalone, Sentinel and Cluster |
+//! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
+//! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
+//! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
+//!
+//! With no feature at all the crate builds with the [`MemoryStore`] alone. The minimum supported
+//! Rust version is 1.85 (`rust-version` in `Cargo.toml`, checked in CI against what every locked
+//! dependency needs).
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![deny(unreachable_pub)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // The HTTP-free core: keys, fingerprints, the claim protocol and the stores.
 mod coordinator;

@@ -415,7 +415,7 @@ mod tests {
     async fn a_body_of_known_size_is_gathered_into_one_allocation_never_regrown() {
         let chunk = Bytes::from(vec![7u8; 64 * 1024]);
         let body = Chunked {
-            chunks: std::iter::repeat(chunk).take(16).collect(),
+            chunks: std::iter::repeat_n(chunk, 16).collect(),
             left: 1024 * 1024,
         };
         let Collected::Complete { data, .. } = collect_limited(body, 2 * 1024 * 1024).await else {

@@ -199,7 +199,7 @@ where
                 }
                 Some(Ok(frame)) => match frame.data_ref() {
                     Some(data) => {
-                        let kept = self.record.as_mut().map_or(true, |record| record.push(data));
+                        let kept = self.record.as_mut().is_none_or(|record| record.push(data));
                         if !kept {
                             self.settle(Err(NotStored::TooLarge));
                         }
