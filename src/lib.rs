@@ -66,10 +66,15 @@ mod http;
 
 pub use self::http::body::{BoxError, RequestBody, ResponseBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};
+pub use self::http::endpoints::{PolicyError, PolicyLayer, PolicyService};
+pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
+#[cfg(feature = "policy")]
+pub use self::http::policy::Policy;
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;
+pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
 pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
