@@ -389,6 +389,32 @@ fn a_bad_file_names_the_place_and_the_field() {
     }
 }
 
+/// The mistakes the README shows, made in the example file, are reported as it shows them.
+#[test]
+fn the_readme_error_examples_are_what_the_loader_says() {
+    let example = std::fs::read_to_string(example_file("yaml")).unwrap();
+    let dir = std::env::temp_dir().join(format!("policy-readme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("idempotency.yaml");
+    for (from, to, expected) in [
+        (
+            "ttl_override: 7d",
+            "ttl_override: 24x",
+            ":20:21: idempotency.endpoints[0].ttl_override: invalid duration \"24x\": unknown unit \"x\"; write a number then a unit (ms, s, m, h, d), as \"30s\", \"24h\" or \"1h30m\"",
+        ),
+        (
+            "ttl_override: 7d",
+            "ttl_overide: 7d",
+            ":20:7: idempotency.endpoints[0].ttl_overide: unknown field `ttl_overide`, expected one of path, method, ttl_override, required, ",
+        ),
+    ] {
+        std::fs::write(&path, example.replacen(from, to, 1)).unwrap();
+        let error = Policy::from_file(&path).unwrap_err().to_string();
+        assert!(error.starts_with(&format!("{}{expected}", path.display())), "{error}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn unknown_fields_and_bad_values_are_refused_by_name() {
     let cases = [
