@@ -41,7 +41,11 @@
 //! ```
 //!
 //! With axum, `Router::layer`, `Router::route_layer` and `MethodRouter::layer` all take the
-//! layer; configure each route with its own layer (see `examples/per_route.rs`).
+//! layer; configure each route with its own layer (see `examples/per_route.rs`), or put one
+//! [`PolicyLayer`] on the whole router with settings per method and path, in code or from a
+//! policy file (`Policy`, crate features `policy`, `policy-yaml`, `policy-toml`; see
+//! `examples/policy.rs`). [`Scope`] builds the usual per-tenant scopes, and
+//! [`FingerprintPolicy`] chooses what makes a retry the same request.
 //!
 //! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
 //! completed with the result or released. Queue consumers use it directly (see

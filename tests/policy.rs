@@ -12,7 +12,7 @@ use axum::{Extension, Router};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, MemoryStore, Policy, PolicyError, PolicyLayer, RecordKey};
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Policy, PolicyError, PolicyLayer, RecordKey, Scope};
 
 const FORMATS: [&str; 3] = ["yaml", "toml", "json"];
 
@@ -345,6 +345,63 @@ idempotency:
     assert_eq!(a.status, StatusCode::BAD_REQUEST, "{a:?}");
     let a = send(&app, "POST", "/other", &[], "{}").await;
     assert_eq!(a.status, StatusCode::OK, "{a:?}");
+}
+
+/// `scope: host` and `scope: none` in a file, and an endpoint that names no scope keeping the
+/// one set in code on the base layer.
+#[tokio::test]
+async fn file_scopes_and_the_scope_set_in_code() {
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  endpoints:\n    - { path: /by-host, method: POST, scope: host }\n    - { path: /unscoped, method: POST, scope: none }\n    - { path: /inherited, method: POST }\n",
+    )
+    .unwrap();
+    let base = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |runs: Arc<AtomicUsize>| {
+        post(move || async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) })
+    };
+    let app = Router::new()
+        .route("/by-host", handler(runs.clone()))
+        .route("/unscoped", handler(runs.clone()))
+        .route("/inherited", handler(runs.clone()))
+        .layer(PolicyLayer::from_policy(base, &policy).unwrap());
+    let key = ("idempotency-key", "k");
+    let replayed = |a: &Answer| a.replayed;
+    // By host: another host is another scope, the same host spelled otherwise is not.
+    let a = send(&app, "POST", "/by-host", &[key, ("host", "a.example.com")], "").await;
+    let b = send(&app, "POST", "/by-host", &[key, ("host", "b.example.com")], "").await;
+    let c = send(
+        &app,
+        "POST",
+        "/by-host",
+        &[key, ("host", "A.example.com:443")],
+        "",
+    )
+    .await;
+    assert!(
+        !replayed(&a) && !replayed(&b) && replayed(&c),
+        "{a:?} {b:?} {c:?}"
+    );
+    // Unscoped: the tenant header does not matter.
+    let a = send(&app, "POST", "/unscoped", &[key, ("x-tenant-id", "t1")], "").await;
+    let b = send(&app, "POST", "/unscoped", &[key, ("x-tenant-id", "t2")], "").await;
+    assert!(!replayed(&a) && replayed(&b), "{a:?} {b:?}");
+    // Inherited from code: per tenant, and refused without one.
+    let a = send(&app, "POST", "/inherited", &[key, ("x-tenant-id", "t1")], "").await;
+    let b = send(&app, "POST", "/inherited", &[key, ("x-tenant-id", "t2")], "").await;
+    let c = send(&app, "POST", "/inherited", &[key], "").await;
+    assert!(!replayed(&a) && !replayed(&b), "{a:?} {b:?}");
+    assert_eq!(c.status, StatusCode::INTERNAL_SERVER_ERROR, "{c:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    // The same forms in TOML and JSON.
+    Policy::from_toml_str(
+        "[idempotency]\nscope = \"host\"\n[[idempotency.endpoints]]\npath = \"/p\"\nscope = \"none\"\n",
+    )
+    .unwrap();
+    Policy::from_json_str(
+        r#"{"idempotency": {"scope": "none", "endpoints": [{"path": "/p", "scope": {"header": "x-t"}}]}}"#,
+    )
+    .unwrap();
 }
 
 /// Every format reports a mistake with its line, column and field.
