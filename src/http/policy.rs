@@ -22,22 +22,22 @@ macro_rules! with_settings {
         $(#[$meta])*
         $vis struct $name {
             $($body)*
-        required: Option<bool>,
-        key_header: Option<Header>,
-        lease: Option<Dur>,
-        mismatch_status: Option<Status>,
-        not_stored_status: Option<Status>,
-        release_not_stored: Option<bool>,
-        body_limit: Option<Size>,
-        response_limit: Option<Size>,
-        handler_timeout: Option<Dur>,
-        store_timeout: Option<Dur>,
-        fail_open: Option<bool>,
-        cancel_on_disconnect: Option<bool>,
-        transactional_completion: Option<bool>,
-        key_in_extensions: Option<bool>,
-        scope: Option<ScopeSpec>,
-        fingerprint: Option<FingerprintSpec>,
+            required: Option<bool>,
+            key_header: Option<Header>,
+            lease: Option<Dur>,
+            mismatch_status: Option<Status>,
+            not_stored_status: Option<Status>,
+            release_not_stored: Option<bool>,
+            body_limit: Option<Size>,
+            response_limit: Option<Size>,
+            handler_timeout: Option<Dur>,
+            store_timeout: Option<Dur>,
+            fail_open: Option<bool>,
+            cancel_on_disconnect: Option<bool>,
+            transactional_completion: Option<bool>,
+            key_in_extensions: Option<bool>,
+            scope: Option<ScopeSpec>,
+            fingerprint: Option<FingerprintSpec>,
         }
 
         impl $name {
