@@ -22,12 +22,11 @@ impl Fingerprint {
     /// Digests the parts in order. Each part is length-prefixed, so moving bytes from one part
     /// to the next changes the fingerprint.
     pub fn new<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Self {
-        let mut hasher = Sha256::new();
+        let mut builder = FingerprintBuilder::default();
         for part in parts {
-            hasher.update((part.len() as u64).to_be_bytes());
-            hasher.update(part);
+            builder.part(part);
         }
-        Self(hasher.finalize().into())
+        builder.finish()
     }
 
     /// Wraps a digest computed elsewhere (for example a stored one).
@@ -38,6 +37,23 @@ impl Fingerprint {
     /// The raw digest.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+}
+
+/// A [`Fingerprint`] digested part by part, for callers whose number of parts is only known as
+/// they go (selected headers, each value a part); the same parts give the same digest as
+/// [`Fingerprint::new`].
+#[derive(Default)]
+pub(crate) struct FingerprintBuilder(Sha256);
+
+impl FingerprintBuilder {
+    pub(crate) fn part(&mut self, part: &[u8]) {
+        self.0.update((part.len() as u64).to_be_bytes());
+        self.0.update(part);
+    }
+
+    pub(crate) fn finish(self) -> Fingerprint {
+        Fingerprint(self.0.finalize().into())
     }
 }
 

@@ -41,7 +41,11 @@
 //! ```
 //!
 //! With axum, `Router::layer`, `Router::route_layer` and `MethodRouter::layer` all take the
-//! layer; configure each route with its own layer (see `examples/per_route.rs`).
+//! layer; configure each route with its own layer (see `examples/per_route.rs`), or put one
+//! [`PolicyLayer`] on the whole router with settings per method and path, in code or from a
+//! policy file (`Policy`, crate features `policy`, `policy-yaml`, `policy-toml`; see
+//! `examples/policy.rs`). [`Scope`] builds the usual per-tenant scopes, and
+//! [`FingerprintPolicy`] chooses what makes a retry the same request.
 //!
 //! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
 //! completed with the result or released. Queue consumers use it directly (see
@@ -58,10 +62,13 @@
 //! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
 //! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
 //! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
+//! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
+//! | `policy-yaml` | no | YAML policy files (`serde-saphyr`; needs Rust 1.89) |
+//! | `policy-toml` | no | TOML policy files (`toml`) |
 //!
 //! With no feature at all the crate builds with the [`MemoryStore`] alone. The minimum supported
 //! Rust version is 1.85 (`rust-version` in `Cargo.toml`, checked in CI against what every locked
-//! dependency needs).
+//! dependency needs); `policy-yaml` alone needs 1.89.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![deny(unreachable_pub)]
@@ -79,10 +86,15 @@ mod http;
 
 pub use self::http::body::{BoxError, RequestBody, ResponseBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};
+pub use self::http::endpoints::{PolicyError, PolicyLayer, PolicyService};
+pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
+#[cfg(feature = "policy")]
+pub use self::http::policy::Policy;
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;
+pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
 pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::http::fingerprint::FingerprintPolicy;
 use crate::http::response::TypicalDuration;
 
 use http::header::{self, HeaderName};
@@ -39,6 +40,10 @@ pub(crate) struct Config {
     pub(crate) handler_timeout: Duration,
     /// Hand each claimed request's claim to its handler, for a completion in its transaction.
     pub(crate) transactional_completion: bool,
+    /// Which parts of a request count in its fingerprint.
+    pub(crate) fingerprint: FingerprintPolicy,
+    /// Put each keyed request's [`RecordKey`](crate::RecordKey) in its extensions.
+    pub(crate) key_in_extensions: bool,
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
@@ -62,6 +67,8 @@ impl Default for Config {
             not_stored_status: StatusCode::CONFLICT,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             transactional_completion: false,
+            fingerprint: FingerprintPolicy::default(),
+            key_in_extensions: false,
             typical_duration: Arc::default(),
         }
     }

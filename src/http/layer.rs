@@ -224,7 +224,20 @@ impl IdempotencyLayer {
     /// Scopes keys, for example per tenant or user (default: none, one namespace). The same key
     /// from two scopes names two records. A request for which `scope` answers `None` is refused
     /// with 500 ([`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run
-    /// unscoped: place the layer after the one that authenticates.
+    /// unscoped: place the layer after the one that authenticates. [`Scope`](crate::Scope)
+    /// builds the common ones: a value in the request's extensions, a header, the host.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
+    /// #[derive(Clone)]
+    /// struct TenantId(String);
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_scope(Scope::extension::<TenantId>(|tenant| tenant.0.clone()));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// Or any function of the request's head:
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -240,6 +253,12 @@ impl IdempotencyLayer {
         F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
     {
         self.config(|c| c.scope = Some(Arc::new(scope)))
+    }
+
+    /// Sets or removes the scope function, for the policy file.
+    #[cfg_attr(not(feature = "policy"), allow(dead_code))]
+    pub(crate) fn set_scope(self, scope: Option<crate::http::config::ScopeFn>) -> Self {
+        self.config(|c| c.scope = scope)
     }
 
     /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):
@@ -365,6 +384,36 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_transactional_completion(self, enabled: bool) -> Self {
         self.config(|c| c.transactional_completion = enabled)
+    }
+
+    /// Which parts of a request count in its fingerprint, the test of "the same request" for a
+    /// retry (default: [`FingerprintPolicy::new`](crate::FingerprintPolicy::new): method,
+    /// authority, path and query, `Content-Type` as sent, and the body, as in earlier releases).
+    ///
+    /// ```
+    /// # use tower_idempotency::{FingerprintPolicy, IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_fingerprint(FingerprintPolicy::new().media_type_only());
+    /// # let _ = layer;
+    /// ```
+    pub fn with_fingerprint(self, policy: crate::FingerprintPolicy) -> Self {
+        self.config(|c| c.fingerprint = policy)
+    }
+
+    /// Puts each keyed request's [`RecordKey`] (its key and scope) in the request's extensions
+    /// for the handler (default: `false`), to log it or to derive the idempotency key of a call
+    /// downstream: [`RecordKey::digest_hex`] is unique per scope and key, so two tenants' equal
+    /// keys never meet at a payment provider. Off by default: it costs an allocation per
+    /// handled request that only such handlers need.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_key_in_extensions(true);
+    /// // In an axum handler: `Extension(key): Extension<tower_idempotency::RecordKey>`.
+    /// # let _ = layer;
+    /// ```
+    pub fn with_key_in_extensions(self, enabled: bool) -> Self {
+        self.config(|c| c.key_in_extensions = enabled)
     }
 
     /// Bounds how many keyed requests may run their handler at once, fail-open runs included

@@ -5,15 +5,23 @@
 //! handler's response into what is stored, [`replay`] is the stored form of a response,
 //! [`response`] the problem+json rejections, [`body`] the request and response bodies the
 //! layer hands on, and [`transactional`] the claim handed to a handler that stores its response
-//! in its own transaction. Nothing in the core (`coordinator`, `store`, `key`, `fingerprint`) depends on
+//! in its own transaction. [`fingerprint`] decides what makes two requests the same, [`scope`]
+//! builds the common scopes, [`endpoints`] applies settings per method and path under one
+//! layer, and `policy` (feature `policy`) loads those settings from a file. Nothing in the
+//! core (`coordinator`, `store`, `key`, `fingerprint`) depends on
 //! this module.
 
 pub(crate) mod body;
 pub(crate) mod capture;
 pub(crate) mod config;
+pub(crate) mod endpoints;
+pub(crate) mod fingerprint;
 pub(crate) mod future;
 pub(crate) mod layer;
+#[cfg(feature = "policy")]
+pub(crate) mod policy;
 pub(crate) mod replay;
 pub(crate) mod response;
+pub(crate) mod scope;
 pub(crate) mod service;
 pub(crate) mod transactional;

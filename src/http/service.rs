@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::{CONTENT_TYPE, HOST};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
@@ -22,7 +21,7 @@ use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
-use crate::{Fingerprint, IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
+use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
 ///
@@ -80,48 +79,60 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let config = &self.layer.config;
-        let guarded = request.extensions().get::<Guarded>().is_some();
-        if guarded || !config.methods.contains(request.method()) {
-            return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
-        }
-        let key = match key_from_headers(request.headers(), config) {
-            Ok(Some(key)) => key,
-            Ok(None) if !config.key_required => {
-                return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
-            }
-            Ok(None) => {
-                let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
-                return ResponseFuture::ready(rejection);
-            }
-            Err(error) => {
-                let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
-                return ResponseFuture::ready(rejection);
-            }
-        };
-        let (mut parts, body) = request.into_parts();
-        parts.extensions.insert(Guarded);
-        let scope = match &config.scope {
-            Some(scope) => match scope(&parts) {
-                Some(scope) => Some(scope),
-                None => return ResponseFuture::ready(Rejection::MissingScope.into_response()),
-            },
-            None => None,
-        };
-        let key = RecordKey::new(scope.as_deref(), key);
-        // The ready service goes to the keyed request; a fresh clone waits for the next one.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        let begin = begin_keyed(
-            inner,
-            self.layer.coordinator.clone(),
-            config.clone(),
-            key,
-            parts,
-            body,
-        );
-        ResponseFuture::keyed(Box::pin(begin), config.cancel_on_disconnect)
+        call_with(&mut self.inner, &self.layer, request)
     }
+}
+
+/// The layer's work for one request, with `layer`'s settings: [`Idempotency`] calls it with its
+/// own, a [`PolicyService`](crate::PolicyService) with those of the endpoint the request is for.
+#[inline]
+pub(crate) fn call_with<S, ReqBody, ResBody>(
+    inner: &mut S,
+    layer: &IdempotencyLayer,
+    request: Request<ReqBody>,
+) -> ResponseFuture<S::Future, ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let config = &layer.config;
+    let guarded = request.extensions().get::<Guarded>().is_some();
+    if guarded || !config.methods.contains(request.method()) {
+        return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
+    }
+    let key = match key_from_headers(request.headers(), config) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.key_required => {
+            return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
+        }
+        Ok(None) => {
+            let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
+            return ResponseFuture::ready(rejection);
+        }
+        Err(error) => {
+            let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
+            return ResponseFuture::ready(rejection);
+        }
+    };
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(Guarded);
+    let scope = match &config.scope {
+        Some(scope) => match scope(&parts) {
+            Some(scope) => Some(scope),
+            None => return ResponseFuture::ready(Rejection::MissingScope.into_response()),
+        },
+        None => None,
+    };
+    let key = RecordKey::new(scope.as_deref(), key);
+    // The ready service goes to the keyed request; a fresh clone waits for the next one.
+    let clone = inner.clone();
+    let inner = std::mem::replace(inner, clone);
+    let begin = begin_keyed(inner, layer.coordinator.clone(), config.clone(), key, parts, body);
+    ResponseFuture::keyed(Box::pin(begin), config.cancel_on_disconnect)
 }
 
 /// Marks a request an outer idempotency layer already handles, so that nested layers (a
@@ -137,53 +148,6 @@ fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<Idemp
         (Some(value), None) => IdempotencyKey::parse_bytes(value.as_bytes()).map(Some),
         (Some(_), Some(_)) => Err(KeyError::Repeated),
     }
-}
-
-/// What makes two requests the same request: method, authority (the URI's, else `Host`), path
-/// and query, `Content-Type` and body. The authority keeps tenants told apart by host name from
-/// colliding on one key; it is normalised first, so a retry that spells the same host another
-/// way is still the same request.
-fn fingerprint(parts: &request::Parts, body: &[u8]) -> Fingerprint {
-    let authority = match parts.uri.authority() {
-        Some(authority) => authority.as_str().as_bytes(),
-        None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
-    };
-    let authority = normalized_authority(authority);
-    let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
-    Fingerprint::new([
-        parts.method.as_str().as_bytes(),
-        &authority,
-        path_and_query.as_bytes(),
-        content_type,
-        body,
-    ])
-}
-
-/// `host[:port]` as DNS and HTTP treat it: host names are case-insensitive, `example.com.` is
-/// `example.com`, and `:80` and `:443` are the default ports (the layer cannot tell the scheme, and
-/// a server answers one of them per name). Borrows when there is nothing to change, as for nearly
-/// every request.
-fn normalized_authority(raw: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    // Split off the port: after the last `:`, unless that `:` is inside an IPv6 literal.
-    let (host, port) = match raw.iter().rposition(|&b| b == b':') {
-        Some(colon) if !raw[colon..].contains(&b']') && raw[colon + 1..].iter().all(u8::is_ascii_digit) => {
-            (&raw[..colon], Some(&raw[colon + 1..]))
-        }
-        _ => (raw, None),
-    };
-    let port = port.filter(|port| *port != b"80" && *port != b"443");
-    let host = host.strip_suffix(b".").unwrap_or(host);
-    let unchanged = host.len() + port.map_or(0, |p| p.len() + 1) == raw.len();
-    if unchanged && !host.iter().any(u8::is_ascii_uppercase) {
-        return std::borrow::Cow::Borrowed(raw);
-    }
-    let mut normalized = host.to_ascii_lowercase();
-    if let Some(port) = port {
-        normalized.push(b':');
-        normalized.extend_from_slice(port);
-    }
-    std::borrow::Cow::Owned(normalized)
 }
 
 type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
@@ -232,8 +196,11 @@ where
         Collected::TooLarge { .. } => return reject(too_large),
         Collected::Failed { .. } => return reject(Rejection::BodyUnreadable),
     };
-    let fingerprint = fingerprint(&parts, &body);
+    let fingerprint = config.fingerprint.fingerprint(&parts, &body);
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
+    if config.key_in_extensions {
+        request.extensions_mut().insert(key.clone());
+    }
 
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
@@ -395,32 +362,5 @@ async fn release(claim: Claim) {
     let key = claim.key().clone();
     if let Err(error) = claim.release().await {
         tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn authorities_that_name_the_same_host_normalise_alike() {
-        let norm =
-            |raw: &str| String::from_utf8(super::normalized_authority(raw.as_bytes()).into_owned()).unwrap();
-        for same in [
-            "API.Example.com",
-            "api.example.com.",
-            "api.example.com:443",
-            "Api.Example.Com.:80",
-        ] {
-            assert_eq!(norm(same), "api.example.com", "{same}");
-        }
-        assert_eq!(norm("api.example.com:8080"), "api.example.com:8080");
-        assert_eq!(norm("API.example.com.:8443"), "api.example.com:8443");
-        assert_eq!(norm("[::1]:443"), "[::1]");
-        assert_eq!(norm("[::1]"), "[::1]");
-        assert_eq!(norm("[2001:DB8::1]:8080"), "[2001:db8::1]:8080");
-        assert_eq!(norm(""), "");
-        assert!(matches!(
-            super::normalized_authority(b"api.example.com:8080"),
-            std::borrow::Cow::Borrowed(_)
-        ));
     }
 }

@@ -1,0 +1,673 @@
+//! [`Policy`]: the layer's settings and its endpoints, loaded from a YAML, TOML or JSON file, and
+//! turned into a [`PolicyLayer`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use crate::http::endpoints::{PathPattern, PolicyError, PolicyLayer};
+use crate::http::fingerprint::{ContentTypePart, FingerprintPolicy};
+use crate::http::scope::{header_scope, host_scope_fn};
+use crate::IdempotencyLayer;
+
+/// Adds the settings both the top and each endpoint may set to a struct, and `apply`, which
+/// sets those the file gives on a layer. (Not `#[serde(flatten)]`: it cannot refuse unknown
+/// fields, and loses the place of a mistake.)
+macro_rules! with_settings {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident { $($body:tt)* }) => {
+        $(#[$meta])*
+        $vis struct $name {
+            $($body)*
+            required: Option<bool>,
+            key_header: Option<Header>,
+            lease: Option<Dur>,
+            mismatch_status: Option<Status>,
+            not_stored_status: Option<Status>,
+            release_not_stored: Option<bool>,
+            body_limit: Option<Size>,
+            response_limit: Option<Size>,
+            handler_timeout: Option<Dur>,
+            store_timeout: Option<Dur>,
+            fail_open: Option<bool>,
+            cancel_on_disconnect: Option<bool>,
+            transactional_completion: Option<bool>,
+            key_in_extensions: Option<bool>,
+            scope: Option<ScopeSpec>,
+            fingerprint: Option<FingerprintSpec>,
+        }
+
+        impl $name {
+            fn apply(&self, mut layer: IdempotencyLayer) -> IdempotencyLayer {
+                let s = self;
+                if let Some(v) = s.required {
+                    layer = layer.with_key_required(v);
+                }
+                if let Some(v) = &s.key_header {
+                    layer = layer.with_key_header(v.0.clone());
+                }
+                if let Some(v) = s.lease {
+                    layer = layer.with_lease(v.0);
+                }
+                if let Some(v) = s.mismatch_status {
+                    layer = layer.with_mismatch_status(v.0);
+                }
+                if let Some(v) = s.not_stored_status {
+                    layer = layer.with_not_stored_status(v.0);
+                }
+                if let Some(v) = s.release_not_stored {
+                    layer = layer.with_release_not_stored(v);
+                }
+                if let Some(v) = s.body_limit {
+                    layer = layer.with_body_limit(v.0);
+                }
+                if let Some(v) = s.response_limit {
+                    layer = layer.with_response_limit(v.0);
+                }
+                if let Some(v) = s.handler_timeout {
+                    layer = layer.with_handler_timeout(v.0);
+                }
+                if let Some(v) = s.store_timeout {
+                    layer = layer.with_store_timeout(v.0);
+                }
+                if let Some(v) = s.fail_open {
+                    layer = layer.with_fail_open(v);
+                }
+                if let Some(v) = s.cancel_on_disconnect {
+                    layer = layer.with_cancel_on_disconnect(v);
+                }
+                if let Some(v) = s.transactional_completion {
+                    layer = layer.with_transactional_completion(v);
+                }
+                if let Some(v) = s.key_in_extensions {
+                    layer = layer.with_key_in_extensions(v);
+                }
+                match &s.scope {
+                    Some(ScopeSpec::Host) => layer = layer.set_scope(Some(host_scope_fn())),
+                    Some(ScopeSpec::Header(name)) => layer = layer.set_scope(Some(Arc::new(header_scope(name.0.clone())))),
+                    Some(ScopeSpec::None) => layer = layer.set_scope(None),
+                    None => {}
+                }
+                if let Some(spec) = &s.fingerprint {
+                    let mut policy = FingerprintPolicy::new();
+                    policy.content_type = match spec.content_type {
+                        None | Some(ContentTypeSpec::Full) => ContentTypePart::Full,
+                        Some(ContentTypeSpec::MediaType) => ContentTypePart::MediaType,
+                        Some(ContentTypeSpec::Ignored) => ContentTypePart::Ignored,
+                    };
+                    for header in &spec.headers {
+                        policy = policy.with_header(header.0.clone());
+                    }
+                    policy.body = spec.body.unwrap_or(true);
+                    layer = layer.with_fingerprint(policy);
+                }
+                layer
+            }
+        }
+    };
+}
+
+with_settings! {
+/// The settings of the layer and of each endpoint, as a policy file states them (crate feature
+/// `policy`; `policy-yaml` and `policy-toml` add those formats). Turned into one layer for a
+/// whole router by [`PolicyLayer::from_policy`].
+///
+/// The file has an `idempotency` section at its top: the settings every endpoint starts from,
+/// and `endpoints`, each a `path` pattern, its `method`s and the settings it changes. Unknown
+/// fields are refused; a mistake is reported with its place in the file and the field's path.
+/// The README's "Policy file" section lists every field.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, Policy, PolicyLayer};
+///
+/// let policy = Policy::from_json_str(r#"{
+///   "idempotency": {
+///     "ttl": "24h",
+///     "endpoints": [
+///       { "path": "/payments", "method": "POST", "required": true, "ttl_override": "7d" },
+///       { "path": "/posts/{id}/comments", "method": "POST", "required": false }
+///     ]
+///   }
+/// }"#)?;
+/// let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy)?;
+/// # let _ = layer;
+/// # Ok::<(), tower_idempotency::PolicyError>(())
+/// ```
+///
+/// An application with a configuration file of its own can hold a `Policy` in it (its
+/// `idempotency` section deserializes into one) and skip the loaders here.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    /// The methods of an endpoint that names none.
+    method: Option<Methods>,
+    /// How long a stored response is replayed.
+    ttl: Option<Dur>,
+    /// The bound on handlers running at once, all endpoints together.
+    max_in_flight: Option<u32>,
+    #[serde(default)]
+    endpoints: Vec<EndpointSpec>,
+}
+}
+
+with_settings! {
+/// One endpoint.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EndpointSpec {
+    path: PathPattern,
+    method: Option<Methods>,
+    /// The retention for this endpoint.
+    ttl_override: Option<Dur>,
+}
+}
+
+/// The whole file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Document {
+    idempotency: Policy,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum ScopeSpec {
+    /// The normalised host.
+    Host,
+    /// No scope, even if the base layer has one.
+    None,
+    /// A header's value.
+    Header(Header),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FingerprintSpec {
+    content_type: Option<ContentTypeSpec>,
+    #[serde(default)]
+    headers: Vec<Header>,
+    body: Option<bool>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum ContentTypeSpec {
+    Full,
+    MediaType,
+    Ignored,
+}
+
+impl PolicyLayer {
+    /// One layer for a whole router from a [`Policy`]: `base` (the store, and anything set in
+    /// code such as a scope function or `with_cacheable`) with the file's top-level settings,
+    /// and each endpoint that plus its own. See [`PolicyLayer`] for how requests find their
+    /// endpoint.
+    pub fn from_policy(base: IdempotencyLayer, policy: &Policy) -> Result<Self, PolicyError> {
+        let mut base = policy.apply(base);
+        if let Some(ttl) = policy.ttl {
+            base = base.with_retention(ttl.0);
+        }
+        if let Some(max) = policy.max_in_flight {
+            base = base.with_max_in_flight(max);
+        }
+        let default_methods = match &policy.method {
+            Some(methods) => methods.0.clone(),
+            None => base.config.methods.clone(),
+        };
+        let mut layer = PolicyLayer::new(base.clone());
+        for endpoint in &policy.endpoints {
+            let methods = endpoint
+                .method
+                .as_ref()
+                .map_or_else(|| default_methods.clone(), |m| m.0.clone());
+            let mut configured = endpoint.apply(base.clone());
+            if let Some(ttl) = endpoint.ttl_override {
+                configured = configured.with_retention(ttl.0);
+            }
+            layer = layer.push_layer(methods, endpoint.path.clone(), configured)?;
+        }
+        Ok(layer)
+    }
+}
+
+impl Policy {
+    /// Parses a policy file in JSON.
+    pub fn from_json_str(text: &str) -> Result<Self, PolicyError> {
+        Self::parse_json(text, "JSON")
+    }
+
+    /// Parses a policy file in YAML (crate feature `policy-yaml`).
+    #[cfg(feature = "policy-yaml")]
+    pub fn from_yaml_str(text: &str) -> Result<Self, PolicyError> {
+        Self::parse_yaml(text, "YAML")
+    }
+
+    /// Parses a policy file in TOML (crate feature `policy-toml`).
+    #[cfg(feature = "policy-toml")]
+    pub fn from_toml_str(text: &str) -> Result<Self, PolicyError> {
+        Self::parse_toml(text, "TOML")
+    }
+
+    /// Reads and parses a policy file, in the format its extension names: `.json`, `.yaml` or
+    /// `.yml` (feature `policy-yaml`), `.toml` (feature `policy-toml`). Errors name the file.
+    pub fn from_file(path: impl AsRef<std::path::Path>) -> Result<Self, PolicyError> {
+        let path = path.as_ref();
+        let origin = path.display().to_string();
+        let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let format_error = |reason: &str| PolicyError::Format {
+            path: origin.clone(),
+            reason: reason.to_owned(),
+        };
+        let parse: fn(&str, &str) -> Result<Self, PolicyError> = match extension {
+            "json" => Self::parse_json,
+            #[cfg(feature = "policy-yaml")]
+            "yaml" | "yml" => Self::parse_yaml,
+            #[cfg(not(feature = "policy-yaml"))]
+            "yaml" | "yml" => {
+                return Err(format_error(
+                    "YAML policy files need the crate feature `policy-yaml`",
+                ))
+            }
+            #[cfg(feature = "policy-toml")]
+            "toml" => Self::parse_toml,
+            #[cfg(not(feature = "policy-toml"))]
+            "toml" => {
+                return Err(format_error(
+                    "TOML policy files need the crate feature `policy-toml`",
+                ))
+            }
+            _ => {
+                return Err(format_error(
+                    "the extension names no format: .json, .yaml, .yml or .toml",
+                ))
+            }
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Io {
+            path: origin.clone(),
+            source,
+        })?;
+        parse(&text, &origin)
+    }
+
+    fn parse_json(text: &str, origin: &str) -> Result<Self, PolicyError> {
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        let parsed = serde_path_to_error::deserialize::<_, Document>(&mut deserializer)
+            .map_err(split)
+            .and_then(|document| {
+                deserializer.end().map_err(|e| (DOCUMENT.to_owned(), e))?;
+                Ok(document)
+            });
+        parsed.map(|d| d.idempotency).map_err(|(field, error)| {
+            let (line, column) = (error.line(), error.column());
+            let message = error.to_string();
+            let suffix = format!(" at line {line} column {column}");
+            let message = message.strip_suffix(&suffix).unwrap_or(&message).to_owned();
+            PolicyError::Parse {
+                origin: origin.to_owned(),
+                field,
+                line: (line > 0).then_some(line),
+                column: (line > 0).then_some(column),
+                message,
+            }
+        })
+    }
+
+    #[cfg(feature = "policy-yaml")]
+    fn parse_yaml(text: &str, origin: &str) -> Result<Self, PolicyError> {
+        let mut path = None;
+        let parsed = serde_saphyr::with_deserializer_from_str(text, |deserializer| {
+            serde_path_to_error::deserialize::<_, Document>(deserializer).map_err(|error| {
+                path = Some(field(error.path()));
+                error.into_inner()
+            })
+        });
+        parsed.map(|d| d.idempotency).map_err(|error| {
+            let location = error.location();
+            let usize_of = |n: u64| usize::try_from(n).ok().filter(|n| *n > 0);
+            let line = location.and_then(|l| usize_of(l.line()));
+            let column = location.and_then(|l| usize_of(l.column()));
+            // The place is in the error already; without the message's own copy of it.
+            let message = error.without_snippet().to_string();
+            let suffix = format!(" at line {}, column {}", line.unwrap_or(0), column.unwrap_or(0));
+            let message = message.strip_suffix(&suffix).unwrap_or(&message).to_owned();
+            PolicyError::Parse {
+                origin: origin.to_owned(),
+                field: path.unwrap_or_else(|| DOCUMENT.to_owned()),
+                line,
+                column,
+                message,
+            }
+        })
+    }
+
+    #[cfg(feature = "policy-toml")]
+    fn parse_toml(text: &str, origin: &str) -> Result<Self, PolicyError> {
+        let parsed = toml::Deserializer::parse(text)
+            .map_err(|e| (DOCUMENT.to_owned(), e))
+            .and_then(|deserializer| {
+                serde_path_to_error::deserialize::<_, Document>(deserializer).map_err(split)
+            });
+        parsed.map(|d| d.idempotency).map_err(|(field, error)| {
+            let (line, column) = match error.span() {
+                Some(span) => line_and_column(text, span.start),
+                None => (None, None),
+            };
+            PolicyError::Parse {
+                origin: origin.to_owned(),
+                field,
+                line,
+                column,
+                message: error.message().trim_end().to_owned(),
+            }
+        })
+    }
+}
+
+/// The field named for an error that is not inside any.
+const DOCUMENT: &str = "(document)";
+
+fn split<E>(error: serde_path_to_error::Error<E>) -> (String, E) {
+    (field(error.path()), error.into_inner())
+}
+
+fn field(path: &serde_path_to_error::Path) -> String {
+    let field = path.to_string();
+    if field == "." {
+        DOCUMENT.to_owned()
+    } else {
+        field
+    }
+}
+
+/// The 1-based line and column (in characters) of a byte offset.
+#[cfg(feature = "policy-toml")]
+fn line_and_column(text: &str, offset: usize) -> (Option<usize>, Option<usize>) {
+    let Some(before) = text.get(..offset) else {
+        return (None, None);
+    };
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    (Some(line), Some(before[line_start..].chars().count() + 1))
+}
+
+// The field types: each parses and checks its value where it is read, so a mistake is reported
+// at its place in the file.
+
+/// A duration: a number then a unit, repeated: `30s`, `1500ms`, `1h30m`, `7d`.
+#[derive(Debug, Clone, Copy)]
+struct Dur(Duration);
+
+/// A size in bytes: a number (bytes), or a string with a unit `B`, `KiB`, `MiB`, `GiB`.
+#[derive(Debug, Clone, Copy)]
+struct Size(usize);
+
+/// A status code, 100 to 999.
+#[derive(Debug, Clone, Copy)]
+struct Status(StatusCode);
+
+#[derive(Debug, Clone)]
+struct Header(HeaderName);
+
+/// One method or a list of them.
+#[derive(Debug, Clone)]
+struct Methods(Vec<Method>);
+
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = |why: &str| {
+        format!("invalid duration {text:?}: {why}; write a number then a unit (ms, s, m, h, d), as \"30s\", \"24h\" or \"1h30m\"")
+    };
+    let mut rest = text.trim();
+    if rest.is_empty() {
+        return Err(bad("it is empty"));
+    }
+    let mut total = Duration::ZERO;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        if digits == 0 {
+            return Err(bad("a number is missing"));
+        }
+        let number: u64 = rest[..digits]
+            .parse()
+            .map_err(|_| bad("the number is too large"))?;
+        rest = &rest[digits..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let unit = rest[..unit_len].trim();
+        rest = &rest[unit_len..];
+        let part = match unit {
+            "ms" => Some(Duration::from_millis(number)),
+            "s" => Some(Duration::from_secs(number)),
+            "m" => number.checked_mul(60).map(Duration::from_secs),
+            "h" => number.checked_mul(3600).map(Duration::from_secs),
+            "d" => number.checked_mul(86_400).map(Duration::from_secs),
+            "" => return Err(bad("the unit is missing")),
+            _ => return Err(bad(&format!("unknown unit {unit:?}"))),
+        };
+        total = part
+            .and_then(|part| total.checked_add(part))
+            .ok_or_else(|| bad("it is too long"))?;
+    }
+    Ok(total)
+}
+
+fn parse_size(text: &str) -> Result<usize, String> {
+    let bad = |why: &str| {
+        format!("invalid size {text:?}: {why}; write bytes as a number, or a number then B, KiB, MiB or GiB")
+    };
+    let text = text.trim();
+    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    if digits == 0 {
+        return Err(bad("a number is missing"));
+    }
+    let number: usize = text[..digits]
+        .parse()
+        .map_err(|_| bad("the number is too large"))?;
+    let factor: usize = match text[digits..].trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        unit => return Err(bad(&format!("unknown unit {unit:?}"))),
+    };
+    number.checked_mul(factor).ok_or_else(|| bad("it is too large"))
+}
+
+fn parse_method(text: &str) -> Result<Method, String> {
+    const KNOWN: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::CONNECT,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PATCH,
+    ];
+    // An unknown name is far more likely a typo than an extension method.
+    KNOWN
+        .into_iter()
+        .find(|m| m.as_str().eq_ignore_ascii_case(text.trim()))
+        .ok_or_else(|| format!("unknown HTTP method {text:?}; expected one of POST, PUT, PATCH, DELETE, GET, HEAD, OPTIONS, CONNECT, TRACE"))
+}
+
+fn status_from(number: u64) -> Result<StatusCode, String> {
+    u16::try_from(number)
+        .ok()
+        .and_then(|n| StatusCode::from_u16(n).ok())
+        .ok_or_else(|| format!("invalid status {number}: a status code is 100 to 999"))
+}
+
+/// A visitor for a value written as a string (and, for some, a number).
+struct StrVisitor<T> {
+    expecting: &'static str,
+    from_str: fn(&str) -> Result<T, String>,
+    from_u64: Option<fn(u64) -> Result<T, String>>,
+}
+
+impl<'de, T> Visitor<'de> for StrVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.expecting)
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<T, E> {
+        (self.from_str)(v).map_err(E::custom)
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<T, E> {
+        match self.from_u64 {
+            Some(from_u64) => from_u64(v).map_err(E::custom),
+            None => Err(E::invalid_type(de::Unexpected::Unsigned(v), &self)),
+        }
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<T, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) => Err(E::invalid_type(de::Unexpected::Signed(v), &self)),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_str(StrVisitor {
+                expecting: "a duration string such as \"30s\" or \"24h\"",
+                from_str: parse_duration,
+                from_u64: None,
+            })
+            .map(Dur)
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(StrVisitor {
+                expecting: "a size: bytes as a number, or a string such as \"64KiB\"",
+                from_str: parse_size,
+                from_u64: Some(|n| usize::try_from(n).map_err(|_| format!("invalid size {n}: too large"))),
+            })
+            .map(Size)
+    }
+}
+
+impl<'de> Deserialize<'de> for Status {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(StrVisitor {
+                expecting: "an HTTP status code such as 409 or 422",
+                from_str: |s| {
+                    let number = s
+                        .trim()
+                        .parse()
+                        .map_err(|_| format!("invalid status {s:?}: a status code is 100 to 999"))?;
+                    status_from(number)
+                },
+                from_u64: Some(status_from),
+            })
+            .map(Status)
+    }
+}
+
+impl<'de> Deserialize<'de> for Header {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_str(StrVisitor {
+                expecting: "a header name such as \"x-tenant-id\"",
+                from_str: |s| {
+                    HeaderName::from_bytes(s.as_bytes()).map_err(|_| format!("invalid header name {s:?}"))
+                },
+                from_u64: None,
+            })
+            .map(Header)
+    }
+}
+
+impl<'de> Deserialize<'de> for PathPattern {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_str(StrVisitor {
+            expecting: "a path pattern such as \"/payments/{id}\"",
+            from_str: |s| PathPattern::parse(s).map_err(|e| e.to_string()),
+            from_u64: None,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for Methods {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MethodsVisitor;
+
+        impl<'de> Visitor<'de> for MethodsVisitor {
+            type Value = Methods;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an HTTP method such as \"POST\", or a list of them")
+            }
+
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Methods, E> {
+                parse_method(v).map(|m| Methods(vec![m])).map_err(E::custom)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Methods, A::Error> {
+                let mut methods = Vec::new();
+                while let Some(name) = seq.next_element::<String>()? {
+                    let method = parse_method(&name).map_err(de::Error::custom)?;
+                    if !methods.contains(&method) {
+                        methods.push(method);
+                    }
+                }
+                if methods.is_empty() {
+                    return Err(de::Error::custom("the list of methods is empty"));
+                }
+                Ok(Methods(methods))
+            }
+        }
+
+        deserializer.deserialize_any(MethodsVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_a_number_then_a_unit() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5_400)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1_500)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        for (bad, why) in [
+            ("", "empty"),
+            ("30", "unit is missing"),
+            ("24x", "unknown unit \"x\""),
+            ("h", "number is missing"),
+            ("99999999999999999999s", "too large"),
+        ] {
+            let error = parse_duration(bad).unwrap_err();
+            assert!(error.contains(why), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn sizes_methods_and_statuses_are_checked() {
+        assert_eq!(parse_size("64KiB"), Ok(65_536));
+        assert_eq!(parse_size("1 MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("512"), Ok(512));
+        assert!(parse_size("1MB").unwrap_err().contains("unknown unit \"MB\""));
+        assert_eq!(parse_method("post"), Ok(Method::POST));
+        assert!(parse_method("PSOT")
+            .unwrap_err()
+            .contains("unknown HTTP method \"PSOT\""));
+        assert_eq!(status_from(422), Ok(StatusCode::UNPROCESSABLE_ENTITY));
+        assert!(status_from(42).is_err());
+        assert!(status_from(70_000).is_err());
+    }
+}

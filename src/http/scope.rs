@@ -1,0 +1,180 @@
+//! [`Scope`]: the scope functions most services need, for
+//! [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope) and the policy file.
+
+use std::sync::Arc;
+
+use http::header::{HeaderName, HOST};
+use http::request;
+
+use crate::http::config::ScopeFn;
+use crate::http::fingerprint::normalized_authority;
+
+/// Builds the common scope functions, for
+/// [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope): each answers the
+/// request's scope, or `None` when the request has none, which the layer refuses (500
+/// [`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run unscoped.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
+///
+/// /// Put in the request's extensions by the authentication middleware.
+/// #[derive(Clone)]
+/// struct TenantId(String);
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .with_scope(Scope::extension::<TenantId>(|tenant| tenant.0.clone()));
+/// # let _ = layer;
+/// ```
+#[derive(Debug)]
+pub enum Scope {}
+
+impl Scope {
+    /// The scope is derived from a value of type `T` in the request's extensions, as an
+    /// authentication middleware leaves it (a tenant, a user, an API client). A request without
+    /// one has no scope: place the idempotency layer inside (after) the one that authenticates.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
+    /// #[derive(Clone)]
+    /// struct User { id: u64 }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_scope(Scope::extension::<User>(|user| user.id.to_string()));
+    /// # let _ = layer;
+    /// ```
+    pub fn extension<T: Send + Sync + 'static>(
+        scope: impl Fn(&T) -> String + Send + Sync + 'static,
+    ) -> impl Fn(&request::Parts) -> Option<String> + Send + Sync + 'static {
+        move |parts| parts.extensions.get::<T>().map(&scope)
+    }
+
+    /// The scope is the value of a request header, such as `X-Tenant-Id` set by an API gateway.
+    /// Only for a header that something you trust sets, and removes from what clients send: a
+    /// client that can set it can choose its scope, and replay another tenant's responses.
+    /// A request without the header, with it twice, or with a value that is not UTF-8 has no
+    /// scope.
+    ///
+    /// # Panics
+    ///
+    /// If `name` is not a valid header name (upper case is accepted), as the layer is
+    /// configured.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    /// # let _ = layer;
+    /// ```
+    pub fn header(name: &str) -> impl Fn(&request::Parts) -> Option<String> + Send + Sync + 'static {
+        let name = match HeaderName::from_bytes(name.as_bytes()) {
+            Ok(name) => name,
+            Err(_) => panic!("Scope::header: {name:?} is not a valid header name"),
+        };
+        header_scope(name)
+    }
+
+    /// The scope is the host the request was sent to (the URI's authority, else `Host`),
+    /// normalised as for the fingerprint: lower case, without a trailing dot, without the
+    /// default ports `:80` and `:443`; another port is kept. For services that tell tenants
+    /// apart by host name (`acme.example.com`). A request without a host has no scope.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::host());
+    /// # let _ = layer;
+    /// ```
+    pub fn host() -> impl Fn(&request::Parts) -> Option<String> + Send + Sync + 'static {
+        host_scope
+    }
+}
+
+pub(crate) fn header_scope(
+    name: HeaderName,
+) -> impl Fn(&request::Parts) -> Option<String> + Send + Sync + 'static {
+    move |parts| {
+        let mut values = parts.headers.get_all(&name).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) => std::str::from_utf8(value.as_bytes()).ok().map(str::to_owned),
+            // Two values name no one tenant: refuse rather than pick one.
+            _ => None,
+        }
+    }
+}
+
+fn host_scope(parts: &request::Parts) -> Option<String> {
+    let raw = match parts.uri.authority() {
+        Some(authority) => authority.as_str().as_bytes(),
+        None => parts.headers.get(HOST)?.as_bytes(),
+    };
+    if raw.is_empty() {
+        return None;
+    }
+    let host = normalized_authority(raw);
+    std::str::from_utf8(&host).ok().map(str::to_owned)
+}
+
+/// The scope functions a policy file can name.
+#[cfg_attr(not(feature = "policy"), allow(dead_code))]
+pub(crate) fn host_scope_fn() -> ScopeFn {
+    Arc::new(host_scope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn parts(request: http::request::Builder) -> request::Parts {
+        request.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn host_scope_is_the_normalised_host() {
+        let host = Scope::host();
+        assert_eq!(
+            host(&parts(
+                Request::post("/p").header("host", "Acme.Example.com.:443")
+            ))
+            .as_deref(),
+            Some("acme.example.com")
+        );
+        assert_eq!(
+            host(&parts(Request::post("http://ACME.example.com:8080/p"))).as_deref(),
+            Some("acme.example.com:8080")
+        );
+        assert_eq!(host(&parts(Request::post("/p"))), None);
+    }
+
+    #[test]
+    fn header_scope_needs_exactly_one_utf8_value() {
+        let tenant = Scope::header("X-Tenant-Id");
+        assert_eq!(
+            tenant(&parts(Request::post("/p").header("x-tenant-id", "t1"))).as_deref(),
+            Some("t1")
+        );
+        assert_eq!(tenant(&parts(Request::post("/p"))), None);
+        assert_eq!(
+            tenant(&parts(
+                Request::post("/p")
+                    .header("x-tenant-id", "a")
+                    .header("x-tenant-id", "b")
+            )),
+            None
+        );
+        let latin1 = http::HeaderValue::from_bytes(b"caf\xe9").unwrap();
+        assert_eq!(
+            tenant(&parts(Request::post("/p").header("x-tenant-id", latin1))),
+            None
+        );
+    }
+
+    #[test]
+    fn extension_scope_reads_the_value_an_earlier_layer_left() {
+        #[derive(Clone)]
+        struct Tenant(&'static str);
+        let scope = Scope::extension::<Tenant>(|t| t.0.to_owned());
+        let mut with = parts(Request::post("/p"));
+        with.extensions.insert(Tenant("acme"));
+        assert_eq!(scope(&with).as_deref(), Some("acme"));
+        assert_eq!(scope(&parts(Request::post("/p"))), None);
+    }
+}

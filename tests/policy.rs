@@ -1,0 +1,568 @@
+//! The policy file: the same policy in YAML, TOML and JSON (the files `examples/policy.rs`
+//! ships) drives an axum router alike, each endpoint with its own settings under one layer on
+//! the whole router; and a bad file is refused with the place and the field of the mistake.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::{post, put};
+use axum::{Extension, Router};
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use tower_idempotency::{IdempotencyLayer, MemoryStore, Policy, PolicyError, PolicyLayer, RecordKey, Scope};
+
+const FORMATS: [&str; 3] = ["yaml", "toml", "json"];
+
+fn example_file(format: &str) -> String {
+    format!("{}/examples/idempotency.{format}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Counts handler runs per route; answers what the payments handler found in its extensions.
+fn app(policy: PolicyLayer, runs: Arc<AtomicUsize>) -> Router {
+    let count = move |runs: Arc<AtomicUsize>| runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let (r1, r2, r3) = (runs.clone(), runs.clone(), runs.clone());
+    Router::new()
+        .route(
+            "/payments",
+            post(move |key: Option<Extension<RecordKey>>| async move {
+                let n = count(r1);
+                let seen = key.map(|Extension(k)| format!("{:?}/{}", k.scope(), k.key()));
+                (StatusCode::CREATED, format!("payment {n} {seen:?}"))
+            }),
+        )
+        .route(
+            "/posts/{id}/comments",
+            post(move || async move { (StatusCode::CREATED, format!("comment {}", count(r2))) }),
+        )
+        .route(
+            "/uploads/{*rest}",
+            put(move || async move { (StatusCode::CREATED, format!("upload {}", count(r3))) }),
+        )
+        .route("/health", post(|| async { "ok" }))
+        .layer(policy)
+}
+
+#[derive(Debug, PartialEq)]
+struct Answer {
+    status: StatusCode,
+    replayed: bool,
+    body: String,
+}
+
+async fn send(app: &Router, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
+    let mut request = Request::builder().method(method).uri(path);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = app
+        .clone()
+        .oneshot(request.body(Body::from(body.to_owned())).unwrap())
+        .await
+        .unwrap();
+    Answer {
+        status: response.status(),
+        replayed: response.headers().contains_key("idempotent-replayed"),
+        body: String::from_utf8(response.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap(),
+    }
+}
+
+/// Drives the router through every setting the example policy varies, asserting each answer,
+/// and returns the answers so that the three formats can be compared.
+async fn scenario(policy: &Policy) -> Vec<Answer> {
+    let base = IdempotencyLayer::new(MemoryStore::new());
+    let layer = PolicyLayer::from_policy(base.clone(), policy).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = app(layer, runs.clone());
+    let t1 = ("x-tenant-id", "t1");
+    let json = ("content-type", "application/json");
+    let mut answers = Vec::new();
+    let mut check = |answer: Answer, status: StatusCode, replayed: bool, body: Option<&str>, what: &str| {
+        assert_eq!(answer.status, status, "{what}: {answer:?}");
+        assert_eq!(answer.replayed, replayed, "{what}: {answer:?}");
+        if let Some(body) = body {
+            assert_eq!(answer.body, body, "{what}");
+        }
+        answers.push(answer);
+    };
+
+    // /payments: key required; the handler sees its key and tenant; replayed on retry.
+    let a = send(&app, "POST", "/payments", &[t1, json], "{}").await;
+    check(a, StatusCode::BAD_REQUEST, false, None, "payments without a key");
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[t1, json, ("idempotency-key", "p1")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        false,
+        Some("payment 1 Some(\"Some(\\\"t1\\\")/p1\")"),
+        "first payment",
+    );
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[t1, json, ("idempotency-key", "p1")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        true,
+        Some("payment 1 Some(\"Some(\\\"t1\\\")/p1\")"),
+        "payment retry",
+    );
+    // Full Content-Type counts here: a charset makes it another request; 409 (the top's status).
+    let charset = ("content-type", "application/json; charset=utf-8");
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[t1, charset, ("idempotency-key", "p1")],
+        "{}",
+    )
+    .await;
+    check(a, StatusCode::CONFLICT, false, None, "payment with a charset");
+    // The same key from another tenant is another record.
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[("x-tenant-id", "t2"), json, ("idempotency-key", "p1")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        false,
+        Some("payment 2 Some(\"Some(\\\"t2\\\")/p1\")"),
+        "payment of t2",
+    );
+    // No tenant: refused, never run unscoped.
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[json, ("idempotency-key", "p9")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        false,
+        None,
+        "payment without a tenant",
+    );
+
+    // /posts/{id}/comments: key optional, media type only, 422 on a mismatch.
+    let a = send(&app, "POST", "/posts/7/comments", &[t1, json], "{}").await;
+    check(
+        a,
+        StatusCode::CREATED,
+        false,
+        Some("comment 3"),
+        "comment without a key",
+    );
+    let a = send(
+        &app,
+        "POST",
+        "/posts/7/comments",
+        &[t1, json, ("idempotency-key", "c1")],
+        "{}",
+    )
+    .await;
+    check(a, StatusCode::CREATED, false, Some("comment 4"), "first comment");
+    let a = send(
+        &app,
+        "POST",
+        "/posts/7/comments",
+        &[t1, charset, ("idempotency-key", "c1")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        true,
+        Some("comment 4"),
+        "comment retry with a charset",
+    );
+    let a = send(
+        &app,
+        "POST",
+        "/posts/7/comments",
+        &[t1, json, ("idempotency-key", "c1")],
+        "{\"x\":1}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        false,
+        None,
+        "comment with another body",
+    );
+    let a = send(
+        &app,
+        "POST",
+        "/posts/8/comments",
+        &[t1, json, ("idempotency-key", "c1")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        false,
+        None,
+        "the key on another post",
+    );
+    // PATCH is covered there, GET is not.
+    let a = send(
+        &app,
+        "PATCH",
+        "/posts/7/comments",
+        &[t1, json, ("idempotency-key", "")],
+        "{}",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::BAD_REQUEST,
+        false,
+        None,
+        "PATCH comment with an empty key",
+    );
+
+    // /uploads/*: the body does not count, Content-Digest does.
+    let digest = ("content-digest", "sha-256=:abc=:");
+    let a = send(
+        &app,
+        "PUT",
+        "/uploads/a/b.bin",
+        &[t1, digest, ("idempotency-key", "u1")],
+        "chunk-1",
+    )
+    .await;
+    check(a, StatusCode::CREATED, false, Some("upload 5"), "first upload");
+    let a = send(
+        &app,
+        "PUT",
+        "/uploads/a/b.bin",
+        &[t1, digest, ("idempotency-key", "u1")],
+        "chunk-2",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        true,
+        Some("upload 5"),
+        "upload retry, another body",
+    );
+    let other = ("content-digest", "sha-256=:xyz=:");
+    let a = send(
+        &app,
+        "PUT",
+        "/uploads/a/b.bin",
+        &[t1, other, ("idempotency-key", "u1")],
+        "chunk-1",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CONFLICT,
+        false,
+        None,
+        "upload retry, another digest",
+    );
+
+    // Not listed: passes through, no key needed, nothing stored.
+    let a = send(&app, "POST", "/health", &[], "").await;
+    check(a, StatusCode::OK, false, Some("ok"), "unlisted path");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+
+    // Retention per endpoint: 7 days for payments, 1 hour for comments.
+    let payment = base.inspect(Some("t1"), "p1").await.unwrap().unwrap();
+    let comment = base.inspect(Some("t1"), "c1").await.unwrap().unwrap();
+    assert!(
+        payment.expires_in > Duration::from_secs(6 * 86_400),
+        "{payment:?}"
+    );
+    assert!(comment.expires_in <= Duration::from_secs(3_600), "{comment:?}");
+    assert!(comment.expires_in > Duration::from_secs(3_500), "{comment:?}");
+    answers
+}
+
+#[tokio::test]
+async fn the_example_policy_in_every_format_drives_a_router_alike() {
+    let mut results = Vec::new();
+    for format in FORMATS {
+        let policy = Policy::from_file(example_file(format)).unwrap_or_else(|e| panic!("{format}: {e}"));
+        results.push((format, scenario(&policy).await));
+    }
+    let (first, expected) = &results[0];
+    for (format, answers) in &results[1..] {
+        assert_eq!(answers, expected, "{format} behaves unlike {first}");
+    }
+}
+
+#[tokio::test]
+async fn a_router_level_policy_sees_the_full_path_and_the_most_specific_endpoint_wins() {
+    let policy = Policy::from_yaml_str(
+        r#"
+idempotency:
+  endpoints:
+    - path: /*
+      method: POST
+      required: false
+    - path: /api/{version}/payments
+      method: POST
+      required: true
+"#,
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let app = Router::new()
+        .nest(
+            "/api/{version}",
+            Router::new().route("/payments", post(|| async { "paid" })),
+        )
+        .route("/other", post(|| async { "other" }))
+        .layer(layer);
+    let a = send(&app, "POST", "/api/v1/payments", &[], "{}").await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST, "{a:?}");
+    let a = send(&app, "POST", "/other", &[], "{}").await;
+    assert_eq!(a.status, StatusCode::OK, "{a:?}");
+}
+
+/// `scope: host` and `scope: none` in a file, and an endpoint that names no scope keeping the
+/// one set in code on the base layer.
+#[tokio::test]
+async fn file_scopes_and_the_scope_set_in_code() {
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  endpoints:\n    - { path: /by-host, method: POST, scope: host }\n    - { path: /unscoped, method: POST, scope: none }\n    - { path: /inherited, method: POST }\n",
+    )
+    .unwrap();
+    let base = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |runs: Arc<AtomicUsize>| {
+        post(move || async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) })
+    };
+    let app = Router::new()
+        .route("/by-host", handler(runs.clone()))
+        .route("/unscoped", handler(runs.clone()))
+        .route("/inherited", handler(runs.clone()))
+        .layer(PolicyLayer::from_policy(base, &policy).unwrap());
+    let key = ("idempotency-key", "k");
+    let replayed = |a: &Answer| a.replayed;
+    // By host: another host is another scope, the same host spelled otherwise is not.
+    let a = send(&app, "POST", "/by-host", &[key, ("host", "a.example.com")], "").await;
+    let b = send(&app, "POST", "/by-host", &[key, ("host", "b.example.com")], "").await;
+    let c = send(
+        &app,
+        "POST",
+        "/by-host",
+        &[key, ("host", "A.example.com:443")],
+        "",
+    )
+    .await;
+    assert!(
+        !replayed(&a) && !replayed(&b) && replayed(&c),
+        "{a:?} {b:?} {c:?}"
+    );
+    // Unscoped: the tenant header does not matter.
+    let a = send(&app, "POST", "/unscoped", &[key, ("x-tenant-id", "t1")], "").await;
+    let b = send(&app, "POST", "/unscoped", &[key, ("x-tenant-id", "t2")], "").await;
+    assert!(!replayed(&a) && replayed(&b), "{a:?} {b:?}");
+    // Inherited from code: per tenant, and refused without one.
+    let a = send(&app, "POST", "/inherited", &[key, ("x-tenant-id", "t1")], "").await;
+    let b = send(&app, "POST", "/inherited", &[key, ("x-tenant-id", "t2")], "").await;
+    let c = send(&app, "POST", "/inherited", &[key], "").await;
+    assert!(!replayed(&a) && !replayed(&b), "{a:?} {b:?}");
+    assert_eq!(c.status, StatusCode::INTERNAL_SERVER_ERROR, "{c:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    // The same forms in TOML and JSON.
+    Policy::from_toml_str(
+        "[idempotency]\nscope = \"host\"\n[[idempotency.endpoints]]\npath = \"/p\"\nscope = \"none\"\n",
+    )
+    .unwrap();
+    Policy::from_json_str(
+        r#"{"idempotency": {"scope": "none", "endpoints": [{"path": "/p", "scope": {"header": "x-t"}}]}}"#,
+    )
+    .unwrap();
+}
+
+/// Every format reports a mistake with its line, column and field.
+#[test]
+fn a_bad_file_names_the_place_and_the_field() {
+    let yaml = "idempotency:\n  endpoints:\n    - path: /payments\n      ttl_override: 24x\n";
+    let toml = "[idempotency]\n[[idempotency.endpoints]]\npath = \"/payments\"\nttl_override = \"24x\"\n";
+    let json =
+        "{\"idempotency\": {\"endpoints\": [\n  {\"path\": \"/payments\",\n   \"ttl_override\": \"24x\"}]}}";
+    for (format, error) in [
+        ("yaml", Policy::from_yaml_str(yaml)),
+        ("toml", Policy::from_toml_str(toml)),
+        ("json", Policy::from_json_str(json)),
+    ] {
+        let error = error.unwrap_err();
+        let PolicyError::Parse {
+            field,
+            line,
+            column,
+            message,
+            ..
+        } = &error
+        else {
+            panic!("{format}: {error:?}");
+        };
+        assert_eq!(
+            field, "idempotency.endpoints[0].ttl_override",
+            "{format}: {error}"
+        );
+        assert!(
+            message.contains("invalid duration \"24x\": unknown unit \"x\""),
+            "{format}: {error}"
+        );
+        let expected_line = match format {
+            "json" => 3,
+            _ => 4,
+        };
+        assert_eq!(*line, Some(expected_line), "{format}: {error}");
+        assert!(column.is_some(), "{format}: {error}");
+        assert!(!message.contains("line"), "the place is given once: {error}");
+        println!("{format}: {error}");
+    }
+}
+
+/// The mistakes the README shows, made in the example file, are reported as it shows them.
+#[test]
+fn the_readme_error_examples_are_what_the_loader_says() {
+    let example = std::fs::read_to_string(example_file("yaml")).unwrap();
+    let dir = std::env::temp_dir().join(format!("policy-readme-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("idempotency.yaml");
+    for (from, to, expected) in [
+        (
+            "ttl_override: 7d",
+            "ttl_override: 24x",
+            ":20:21: idempotency.endpoints[0].ttl_override: invalid duration \"24x\": unknown unit \"x\"; write a number then a unit (ms, s, m, h, d), as \"30s\", \"24h\" or \"1h30m\"",
+        ),
+        (
+            "ttl_override: 7d",
+            "ttl_overide: 7d",
+            ":20:7: idempotency.endpoints[0].ttl_overide: unknown field `ttl_overide`, expected one of path, method, ttl_override, required, ",
+        ),
+    ] {
+        std::fs::write(&path, example.replacen(from, to, 1)).unwrap();
+        let error = Policy::from_file(&path).unwrap_err().to_string();
+        assert!(error.starts_with(&format!("{}{expected}", path.display())), "{error}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn unknown_fields_and_bad_values_are_refused_by_name() {
+    let cases = [
+        (
+            "  endpoints:\n    - path: /p\n      ttl_overide: 1h\n",
+            "idempotency.endpoints[0]",
+            "ttl_overide",
+            3,
+        ),
+        (
+            "  endpoints:\n    - path: /p\n      method: PSOT\n",
+            "idempotency.endpoints[0].method",
+            "unknown HTTP method \"PSOT\"",
+            3,
+        ),
+        (
+            "  mismatch_status: 42\n",
+            "idempotency.mismatch_status",
+            "invalid status 42",
+            1,
+        ),
+        (
+            "  endpoints:\n    - path: /files/*/x\n",
+            "idempotency.endpoints[0].path",
+            "must be the last segment",
+            2,
+        ),
+        (
+            "  scope: { heder: x-tenant-id }\n",
+            "idempotency.scope",
+            "heder",
+            1,
+        ),
+        (
+            "  body_limit: 1MB\n",
+            "idempotency.body_limit",
+            "unknown unit \"MB\"",
+            1,
+        ),
+        (
+            "  key_header: \"x tenant\"\n",
+            "idempotency.key_header",
+            "invalid header name",
+            1,
+        ),
+        (
+            "  fingerprint: { content_type: charset }\n",
+            "idempotency.fingerprint.content_type",
+            "charset",
+            1,
+        ),
+    ];
+    for (body, field, words, line) in cases {
+        let yaml = format!("idempotency:\n{body}");
+        let error = Policy::from_yaml_str(&yaml).unwrap_err();
+        let text = error.to_string();
+        assert!(text.contains(field) && text.contains(words), "{body:?}: {text}");
+        let PolicyError::Parse { line: found, .. } = error else {
+            panic!("{text}")
+        };
+        assert_eq!(found, Some(line + 1), "{body:?}: {text}");
+    }
+    // An unknown top-level section is refused too.
+    let error = Policy::from_json_str("{\"idempotency\": {}, \"idempotence\": {}}").unwrap_err();
+    assert!(error.to_string().contains("idempotence"), "{error}");
+}
+
+#[test]
+fn an_endpoint_listed_twice_is_refused() {
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  endpoints:\n    - { path: '/posts/{id}', method: POST }\n    - { path: '/posts/:post', method: [PATCH, POST] }\n",
+    )
+    .unwrap();
+    let error = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap_err();
+    assert!(matches!(error, PolicyError::Duplicate { .. }), "{error}");
+    assert!(error.to_string().contains("/posts/:post"), "{error}");
+}
+
+#[test]
+fn a_file_names_its_format_by_extension() {
+    let error = Policy::from_file("policy.ini").unwrap_err();
+    assert!(matches!(error, PolicyError::Format { .. }), "{error}");
+    let error = Policy::from_file("/nonexistent/idempotency.yaml").unwrap_err();
+    assert!(matches!(error, PolicyError::Io { .. }), "{error}");
+    // A mistake in a file names the file.
+    let dir = std::env::temp_dir().join(format!("policy-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.json");
+    std::fs::write(&path, "{\"idempotency\": {\"ttl\": 5}}").unwrap();
+    let error = Policy::from_file(&path).unwrap_err().to_string();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(error.starts_with(&format!("{}:1:", path.display())), "{error}");
+    assert!(error.contains("idempotency.ttl"), "{error}");
+}
