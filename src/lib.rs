@@ -58,9 +58,12 @@
 mod coordinator;
 mod fingerprint;
 mod key;
+mod reconciliation;
 #[cfg(feature = "redis")]
 mod replay_cache;
 mod store;
+// Metrics and the request span, for core and adapter alike.
+mod telemetry;
 // The tower adapter over it.
 mod http;
 
@@ -75,6 +78,7 @@ pub use self::http::transactional::TransactionalClaim;
 pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
+pub use reconciliation::{ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PostgresStore;

@@ -313,6 +313,20 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether the store refused the write to protect it from a failover rather than because it
+    /// failed: a claim refused at the Sentinel fence, or one the replicas did not acknowledge in
+    /// time (`ReplicaAcks`). Answered 503 all the same; counted apart (`fenced`).
+    pub(crate) fn is_fence(&self) -> bool {
+        match self {
+            StoreError::NotReplicated { .. } => true,
+            #[cfg(feature = "redis")]
+            StoreError::Unavailable(source) => source.is::<sentinel_watch::FailingOver>(),
+            _ => false,
+        }
+    }
+}
+
 /// A unique token naming one claim's owner. Completion, release and renewal must present it.
 ///
 /// Tokens are a per-process random prefix and a counter, so they are unique across processes and
