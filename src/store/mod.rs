@@ -393,6 +393,23 @@ fn process_nonce() -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    /// The metrics count a claim refused at the Sentinel fence, or unacknowledged by replicas,
+    /// as `fenced`, and any other failure as a store error.
+    #[test]
+    fn fence_refusals_are_told_apart_from_failures() {
+        use super::StoreError;
+        let replicas = StoreError::NotReplicated {
+            acknowledged: 0,
+            wanted: 1,
+        };
+        assert!(replicas.is_fence());
+        #[cfg(feature = "redis")]
+        assert!(StoreError::Unavailable(Box::new(super::sentinel_watch::FailingOver)).is_fence());
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(!StoreError::Unavailable(Box::new(reset)).is_fence());
+        assert!(!StoreError::Timeout(std::time::Duration::from_secs(2)).is_fence());
+    }
+
     #[test]
     fn owner_tokens_are_the_nonce_and_the_counter_in_hex() {
         for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {
