@@ -115,12 +115,12 @@ async fn common_outcomes(store: Arc<dyn Store>) {
         ])
     );
 
-    let slow = spawn_send(&app, payment_with("m-slow", &[("x-delay-ms", "400")]));
+    let slow = spawn_send(&app, payment_with("m-slow", &[("x-delay-ms", "800")]));
     tokio::time::sleep(Duration::from_millis(150)).await;
     let running = recorded();
     assert_eq!(running.get("idempotency_running{}"), Some(&1.0), "{running:?}");
     assert_eq!(running.get(EXECUTED), Some(&1.0), "{running:?}");
-    let busy = send(&app, payment_with("m-slow", &[("x-delay-ms", "400")])).await;
+    let busy = send(&app, payment_with("m-slow", &[("x-delay-ms", "800")])).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert_eq!(
         counted(),
@@ -162,7 +162,7 @@ async fn common_outcomes(store: Arc<dyn Store>) {
     );
 
     let bounded = router(layer.clone().with_max_in_flight(1)).0;
-    let holder = spawn_send(&bounded, payment_with("m-holder", &[("x-delay-ms", "300")]));
+    let holder = spawn_send(&bounded, payment_with("m-holder", &[("x-delay-ms", "600")]));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let refused = send(&bounded, payment("m-refused", "{}")).await;
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -217,7 +217,7 @@ async fn each_outcome_moves_its_counter_on_the_memory_store() {
     let full = MemoryStore::new().with_max_entries(1);
     let (closed, _) = router(IdempotencyLayer::new(full.clone()));
     let (open, runs) = router(IdempotencyLayer::new(full).with_fail_open(true));
-    let holder = spawn_send(&closed, payment_with("f-holder", &[("x-delay-ms", "300")]));
+    let holder = spawn_send(&closed, payment_with("f-holder", &[("x-delay-ms", "600")]));
     tokio::time::sleep(Duration::from_millis(100)).await;
     recorded();
     assert_eq!(send(&closed, payment("f-other", "{}")).await.status, 503);

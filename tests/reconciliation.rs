@@ -198,10 +198,10 @@ async fn a_claim_whose_lease_ran_out_while_the_handler_ran_is_reported() {
         .with_lease(Duration::from_millis(300))
         .with_reconciliation(journal.hook());
     let (app, runs) = router(layer);
-    let running = spawn_send(&app, payment_with("expired", &[("x-delay-ms", "1200")]));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let running = spawn_send(&app, payment_with("expired", &[("x-delay-ms", "1500")]));
+    tokio::time::sleep(Duration::from_millis(100)).await;
     proxy.set(Fault::BlackHole);
-    tokio::time::sleep(Duration::from_millis(750)).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
     proxy.set(Fault::None);
     assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
     let events = journal.events();
@@ -291,8 +291,8 @@ async fn replicas_that_never_acknowledge_a_completion_are_reported() {
     let (master, replica) = master_and_replica().await;
     let journal = Journal::default();
     let (app, _) = router(durable_layer(&master, &journal).await);
-    let running = spawn_send(&app, payment_with("unreplicated", &[("x-delay-ms", "200")]));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let running = spawn_send(&app, payment_with("unreplicated", &[("x-delay-ms", "400")]));
+    tokio::time::sleep(Duration::from_millis(150)).await;
     signal(&replica, "-STOP");
     let answer = running.await.unwrap();
     assert_eq!(answer.status, StatusCode::CREATED, "answered from the master");
@@ -320,8 +320,8 @@ async fn a_claim_lost_before_the_replicas_had_the_completion_is_reported() {
     let journal = Journal::default();
     let layer = durable_layer(&master, &journal).await;
     let (app, _) = router(layer.clone());
-    let running = spawn_send(&app, payment_with("vanished", &[("x-delay-ms", "200")]));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let running = spawn_send(&app, payment_with("vanished", &[("x-delay-ms", "400")]));
+    tokio::time::sleep(Duration::from_millis(150)).await;
     signal(&replica, "-STOP");
     assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
     assert!(
