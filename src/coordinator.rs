@@ -11,8 +11,10 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
+use crate::reconciliation::{self, Reconciler, ReconciliationEvent, ReconciliationKind};
 use crate::store::{ClaimOutcome, OwnerToken, RecordInfo, Store, StoreError};
-use crate::{Fingerprint, RecordKey};
+use crate::telemetry::{self, Outcome, StoreOp, StoreTimer};
+use crate::{Fingerprint, NotStored, RecordKey};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -63,6 +65,8 @@ pub struct Coordinator {
     retention: Duration,
     store_timeout: Duration,
     tracker: Arc<Tracker>,
+    /// The application's reconciliation hook, if it set one.
+    reconciler: Option<Reconciler>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -72,6 +76,7 @@ impl std::fmt::Debug for Coordinator {
             .field("retention", &self.retention)
             .field("store_timeout", &self.store_timeout)
             .field("max_in_flight", &self.tracker.max)
+            .field("reconciliation", &self.reconciler.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -149,6 +154,7 @@ impl Slot {
             return Err(Error::ShuttingDown);
         }
         let before = tracker.running.fetch_add(1, Ordering::AcqRel);
+        telemetry::running_started();
         // Built first, so an over-count is undone by its drop.
         let slot = Self {
             tracker: tracker.clone(),
@@ -162,6 +168,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
+        telemetry::running_ended();
         if self.tracker.running.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.tracker.idle.notify_waiters();
         }
@@ -183,6 +190,7 @@ impl Coordinator {
             retention: DEFAULT_RETENTION,
             store_timeout: DEFAULT_STORE_TIMEOUT,
             tracker: Arc::new(Tracker::new(DEFAULT_MAX_IN_FLIGHT)),
+            reconciler: None,
         }
     }
 
@@ -244,6 +252,32 @@ impl Coordinator {
         self
     }
 
+    /// Calls `hook` whenever an operation ran but its result is not, or may not stay, in the store
+    /// (default: none): the store did not take the completion, the claim was lost before it, the
+    /// HTTP layer could not store the response, or `RedisStore`'s replicas never acknowledged
+    /// it. Each [`ReconciliationEvent`] carries the key, the owner token, what happened and the
+    /// result if there was one, for the application to journal and reconcile. See the README,
+    /// "Where the guarantees end".
+    ///
+    /// The hook runs on the task that found out, often a request's: keep it quick (send the
+    /// event to a channel, or spawn). A panic in it is caught and logged. Without a hook nothing
+    /// is built nor cloned for it.
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let (journal, _unreconciled) = std::sync::mpsc::channel();
+    /// let coordinator = Coordinator::new(MemoryStore::new())
+    ///     .with_reconciliation(move |event| { let _ = journal.send(event.clone()); });
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_reconciliation<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&ReconciliationEvent) + Send + Sync + 'static,
+    {
+        self.reconciler = Some(Reconciler::new(hook));
+        self
+    }
+
     /// The lease in force.
     pub fn lease(&self) -> Duration {
         self.lease
@@ -263,11 +297,15 @@ impl Coordinator {
 
     /// Claims `key` for a new operation, or reports what is there. One store round trip.
     pub async fn begin(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<Begin, Error> {
-        self.claim(key, fingerprint, Renewal::Background).await
+        let begun = self.claim(key, fingerprint, Renewal::Background).await;
+        telemetry::outcome(Outcome::of_begin(&begun));
+        begun
     }
 
     /// Like [`begin`](Coordinator::begin), for a holder that drives its lease renewal itself
-    /// through [`Claim::keep_alive`]: no background task per claim.
+    /// through [`Claim::keep_alive`]: no background task per claim. The outcome is not counted
+    /// here: the HTTP layer, which calls this, counts it once it knows the answer (a stored
+    /// payload may turn out to be a response that was not stored, say).
     pub(crate) async fn begin_driven(
         &self,
         key: &RecordKey,
@@ -304,7 +342,10 @@ impl Coordinator {
             armed: true,
         };
         let outcome = self
-            .bounded(self.store.claim(key, fingerprint, &owner, self.lease))
+            .bounded(
+                StoreOp::Claim,
+                self.store.claim(key, fingerprint, &owner, self.lease),
+            )
             .await;
         pending.armed = matches!(&outcome, Err(error) if !matches!(error, StoreError::Corrupt(_)));
         drop(pending);
@@ -331,7 +372,10 @@ impl Coordinator {
         fingerprint: &Fingerprint,
         refusal: Error,
     ) -> Result<Begin, Error> {
-        match self.bounded(self.store.peek(key, fingerprint)).await {
+        match self
+            .bounded(StoreOp::Peek, self.store.peek(key, fingerprint))
+            .await
+        {
             Ok(Some(ClaimOutcome::Completed(payload))) => Ok(Begin::Completed(payload)),
             Ok(Some(ClaimOutcome::InFlight { lease_left })) => Ok(Begin::InFlight { lease_left }),
             Ok(Some(ClaimOutcome::Mismatch)) => Ok(Begin::Mismatch),
@@ -349,22 +393,30 @@ impl Coordinator {
 
     /// Reads the record at `key` (state, time left, stored payload), for operators.
     pub async fn inspect(&self, key: &RecordKey) -> Result<Option<RecordInfo>, Error> {
-        Ok(self.bounded(self.store.inspect(key)).await?)
+        Ok(self.bounded(StoreOp::Inspect, self.store.inspect(key)).await?)
     }
 
     /// Deletes the record at `key` whatever its state, so the next request runs the operation
     /// again. Answers whether there was a record.
     pub async fn purge(&self, key: &RecordKey) -> Result<bool, Error> {
-        Ok(self.bounded(self.store.purge(key)).await?)
+        Ok(self.bounded(StoreOp::Purge, self.store.purge(key)).await?)
     }
 
     /// Bounds a store call by the store timeout plus a little grace, so a store that enforces the
     /// same timeout itself (as `RedisStore` does) reports it first: `fred` then forgets the
     /// command, where a future dropped from outside would leave it queued to be sent late.
-    async fn bounded<T>(&self, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        tokio::time::timeout(self.store_timeout + STORE_TIMEOUT_GRACE, call)
+    /// Timed as `op` when anyone reads the times (see `telemetry`).
+    async fn bounded<T>(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let timer = StoreTimer::start(op);
+        let answer = tokio::time::timeout(self.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
-            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)))
+            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)));
+        timer.finish();
+        answer
     }
 
     /// Releases `owner`'s claim from a task of its own, for claims whose holder is gone (dropped,
@@ -386,7 +438,10 @@ impl Coordinator {
         let releasing = async move {
             for delay_ms in RELEASE_RETRY_DELAYS_MS {
                 tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                match coordinator.bounded(coordinator.store.release(&key, &owner)).await {
+                match coordinator
+                    .bounded(StoreOp::Release, coordinator.store.release(&key, &owner))
+                    .await
+                {
                     Ok(true) => return,
                     Ok(false) => tracing::trace!(?key, "nothing to release yet"),
                     Err(error) => tracing::debug!(?key, %error, "could not release a claim; trying again"),
@@ -579,11 +634,15 @@ impl Claim {
     /// and an error is logged. If this future is dropped before the outcome is known, the claim
     /// is released in the background (a completion that landed is not undone: release only
     /// removes in-flight records).
+    ///
+    /// A result not stored (claim lost, every attempt failed) is reported to the
+    /// [reconciliation hook](Coordinator::with_reconciliation), with the payload.
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
         self.stop_renewal();
         if self.is_lost() {
             self.settled = true;
             tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+            self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
             return Err(Error::ClaimLost);
         }
         let coordinator = &self.coordinator;
@@ -593,7 +652,8 @@ impl Claim {
                 coordinator
                     .store
                     .complete(&self.key, &self.owner, payload.clone(), coordinator.retention);
-            let outcome = coordinator.bounded(call).await;
+            let call = reconciliation::carrying(coordinator.reconciler.as_ref(), call);
+            let outcome = coordinator.bounded(StoreOp::Complete, call).await;
             // A result too large for the store stays too large: trying again only delays the answer.
             let retry = matches!(&outcome, Err(error)
                 if attempt < COMPLETE_ATTEMPTS && !matches!(error, StoreError::TooLarge { .. }));
@@ -603,6 +663,7 @@ impl Claim {
                 Ok(true) => return Ok(()),
                 Ok(false) => {
                     tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+                    self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
                     return Err(Error::ClaimLost);
                 }
                 Err(error) if retry => {
@@ -615,6 +676,10 @@ impl Claim {
                         key = ?self.key, %error,
                         "could not store the result; a retry after the lease ends will run the operation again"
                     );
+                    let failed = ReconciliationKind::CompletionFailed {
+                        error: error.to_string(),
+                    };
+                    self.reconcile(failed, Some(&payload));
                     return Err(Error::Store(error));
                 }
             }
@@ -627,7 +692,10 @@ impl Claim {
         self.stop_renewal();
         let coordinator = &self.coordinator;
         coordinator
-            .bounded(coordinator.store.release(&self.key, &self.owner))
+            .bounded(
+                StoreOp::Release,
+                coordinator.store.release(&self.key, &self.owner),
+            )
             .await?;
         self.settled = true;
         Ok(())
@@ -635,6 +703,17 @@ impl Claim {
 }
 
 impl Claim {
+    /// Reports a response that ran but could not be stored (HTTP: too large, its body failed, the
+    /// handler timed out), before the key is settled as not replayable or released.
+    pub(crate) fn report_not_stored(&self, why: NotStored) {
+        self.reconcile(ReconciliationKind::NotStorable { why }, None);
+    }
+
+    fn reconcile(&self, kind: ReconciliationKind, payload: Option<&Bytes>) {
+        let hook = self.coordinator.reconciler.as_ref();
+        reconciliation::report(hook, kind, &self.key, &self.owner, payload);
+    }
+
     fn stop_renewal(&mut self) {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
@@ -675,7 +754,10 @@ async fn renew_until_lost(
     loop {
         tokio::time::sleep(every).await;
         match coordinator
-            .bounded(coordinator.store.renew(key, owner, coordinator.lease))
+            .bounded(
+                StoreOp::Renew,
+                coordinator.store.renew(key, owner, coordinator.lease),
+            )
             .await
         {
             Ok(true) => tracing::trace!(?key, "lease renewed"),

@@ -60,6 +60,7 @@
 //! |---|---|---|
 //! | `redis` | yes | [`RedisStore`], over the `fred` client: standalone, Sentinel and Cluster |
 //! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
+//! | `metrics` | yes | counters, a histogram and a gauge through the `metrics` facade (README, "Metrics and tracing") |
 //! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
 //! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
@@ -78,9 +79,12 @@
 mod coordinator;
 mod fingerprint;
 mod key;
+mod reconciliation;
 #[cfg(feature = "redis")]
 mod replay_cache;
 mod store;
+// Metrics and the request span, for core and adapter alike.
+mod telemetry;
 // The tower adapter over it.
 mod http;
 
@@ -100,6 +104,7 @@ pub use self::http::transactional::TransactionalClaim;
 pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
+pub use reconciliation::{ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PostgresStore;

@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::demo::{call, connect, quickstart_binary, send, start, start_with, Demo};
+use common::demo::{call, connect, fetch, quickstart_binary, send, start, start_with, Demo};
 use http::StatusCode;
 
 async fn check_contract(demo: &Demo) {
@@ -67,6 +67,73 @@ async fn the_quickstart_contract_in_memory() {
     let demo = start(None);
     assert!(demo.store_line.contains("in memory"), "{}", demo.store_line);
     check_contract(&demo).await;
+}
+
+/// The value of the sample `name{labels}` in a Prometheus text exposition, 0 if absent.
+fn sample(exposition: &str, name_and_labels: &str) -> f64 {
+    exposition
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            (series == name_and_labels).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
+/// `GET /metrics` serves the layer's counters, in the Prometheus text format, with the values
+/// the requests made.
+async fn check_metrics(demo: &Demo) {
+    let addr = demo.addr;
+    let before = fetch(addr, "/metrics").await;
+    assert_eq!(before.status, StatusCode::OK);
+    let before = String::from_utf8(before.body.to_vec()).expect("text");
+    let count = |text: &str, outcome: &str| {
+        sample(
+            text,
+            &format!("idempotency_requests_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    let key = "qs-metrics";
+    let first = call(addr, "/payments", Some(key), r#"{"amount": 7}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = call(addr, "/payments", Some(key), r#"{"amount": 7}"#).await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    let mismatch = call(addr, "/payments", Some(key), r#"{"amount": 8}"#).await;
+    assert_eq!(mismatch.status, StatusCode::CONFLICT);
+    let after = fetch(addr, "/metrics").await;
+    let content_type = after.headers.get("content-type").and_then(|v| v.to_str().ok());
+    assert!(
+        content_type.is_some_and(|v| v.starts_with("text/plain")),
+        "{content_type:?}"
+    );
+    let after = String::from_utf8(after.body.to_vec()).expect("text");
+    for outcome in ["executed", "replayed", "mismatch"] {
+        assert_eq!(
+            count(&after, outcome) - count(&before, outcome),
+            1.0,
+            "{outcome}:\n{after}"
+        );
+    }
+    let rejected = |text: &str| sample(text, "idempotency_rejections_total{kind=\"Mismatch\"}");
+    assert_eq!(rejected(&after) - rejected(&before), 1.0, "{after}");
+    assert!(
+        after.contains("# TYPE idempotency_store_duration_seconds histogram")
+            && after.contains("idempotency_store_duration_seconds_bucket{op=\"claim\",le=\"0.001\"}"),
+        "store timings as a histogram:\n{after}"
+    );
+    assert_eq!(sample(&after, "idempotency_running"), 0.0, "{after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_serves_its_metrics_in_memory() {
+    check_metrics(&start(None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quickstart_serves_its_metrics_on_redis() {
+    let server = common::RedisServer::start();
+    check_metrics(&start(Some(&server.url()))).await;
 }
 
 // A store bounded at 10 000 records forgot the demo's first payment after 10 000 other keys, so

@@ -102,6 +102,7 @@ pub(crate) async fn settle_not_stored(
     release: bool,
 ) {
     let key = claim.key().clone();
+    claim.report_not_stored(why);
     if release {
         tracing::warn!(?key, %why, "response not stored; the key is released, so a retry runs the handler again");
         if let Err(error) = claim.release().await {

@@ -431,6 +431,29 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Calls `hook` whenever a handler ran but its response is not, or may not stay, in the store
+    /// (default: none): the response could not be stored (too large, its body failed, the handler
+    /// timed out), the store did not take it, the claim was lost before it, or `RedisStore`'s
+    /// replicas never acknowledged it. The event carries the key (scope and key), the owner
+    /// token, what happened, and the encoded response if there was one: journal it to reconcile
+    /// later. Sets the hook of the layer's [`Coordinator`] (see
+    /// [`Coordinator::with_reconciliation`]), so clones made afterwards share it.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_reconciliation(|event| {
+    ///     tracing::error!(key = ?event.key, kind = ?event.kind, "to reconcile");
+    /// });
+    /// # let _ = layer;
+    /// ```
+    pub fn with_reconciliation<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&crate::ReconciliationEvent) + Send + Sync + 'static,
+    {
+        self.coordinator = self.coordinator.with_reconciliation(hook);
+        self
+    }
+
     /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]).
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.coordinator.shutdown_handle()

@@ -231,6 +231,7 @@ impl Rejection {
         if let Some(seconds) = self.retry_after() {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
+        crate::telemetry::rejection(&self);
         response.extensions_mut().insert(self);
         response
     }

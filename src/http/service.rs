@@ -11,6 +11,7 @@ use futures_util::FutureExt;
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
+use tracing::{Instrument, Span};
 
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
@@ -21,6 +22,7 @@ use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
+use crate::telemetry::{self, Outcome};
 use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
@@ -110,10 +112,12 @@ where
             return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
         }
         Ok(None) => {
+            telemetry::outcome(Outcome::Rejected);
             let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
             return ResponseFuture::ready(rejection);
         }
         Err(error) => {
+            telemetry::outcome(Outcome::Rejected);
             let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
             return ResponseFuture::ready(rejection);
         }
@@ -123,16 +127,30 @@ where
     let scope = match &config.scope {
         Some(scope) => match scope(&parts) {
             Some(scope) => Some(scope),
-            None => return ResponseFuture::ready(Rejection::MissingScope.into_response()),
+            None => {
+                telemetry::outcome(Outcome::Rejected);
+                return ResponseFuture::ready(Rejection::MissingScope.into_response());
+            }
         },
         None => None,
     };
     let key = RecordKey::new(scope.as_deref(), key);
+    // Everything the keyed request does, handler included, runs in this span; a run detached
+    // when the client leaves takes it along.
+    let span = telemetry::request_span(&key);
     // The ready service goes to the keyed request; a fresh clone waits for the next one.
     let clone = inner.clone();
     let inner = std::mem::replace(inner, clone);
-    let begin = begin_keyed(inner, layer.coordinator.clone(), config.clone(), key, parts, body);
-    ResponseFuture::keyed(Box::pin(begin), config.cancel_on_disconnect)
+    let begin = begin_keyed(
+        inner,
+        layer.coordinator.clone(),
+        config.clone(),
+        key,
+        parts,
+        body,
+        span.clone(),
+    );
+    ResponseFuture::keyed(Box::pin(begin.instrument(span)), config.cancel_on_disconnect)
 }
 
 /// Marks a request an outer idempotency layer already handles, so that nested layers (a
@@ -167,7 +185,8 @@ pub(crate) enum Step<B, E> {
 /// Reads the body, fingerprints the request and claims its key, in the request's own future: a
 /// client that leaves before the claim answers cancels all of it (a claim still on its way is
 /// released in the background by the coordinator). Only a claimed request goes on to
-/// [`run_claimed`], the one part that costs a detached future.
+/// [`run_claimed`], the one part that costs a detached future. Counts the request's outcome
+/// and writes it in `span`, the request's.
 async fn begin_keyed<S, ReqBody, ResBody>(
     mut inner: S,
     coordinator: Coordinator,
@@ -175,6 +194,7 @@ async fn begin_keyed<S, ReqBody, ResBody>(
     key: RecordKey,
     parts: request::Parts,
     body: ReqBody,
+    span: Span,
 ) -> Step<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
@@ -184,17 +204,20 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let reject = |rejection: Rejection| Step::Done(Ok(rejection.into_response()));
+    let reject = |outcome: Outcome, rejection: Rejection| {
+        telemetry::finish(&span, outcome);
+        Step::Done(Ok(rejection.into_response()))
+    };
     let too_large = Rejection::BodyTooLarge {
         limit: config.body_limit,
     };
     if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-        return reject(too_large);
+        return reject(Outcome::Rejected, too_large);
     }
     let body = match collect_limited(body, config.body_limit).await {
         Collected::Complete { data, .. } => data,
-        Collected::TooLarge { .. } => return reject(too_large),
-        Collected::Failed { .. } => return reject(Rejection::BodyUnreadable),
+        Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
+        Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
     };
     let fingerprint = config.fingerprint.fingerprint(&parts, &body);
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
@@ -205,74 +228,80 @@ where
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            return replay_stored(&key, &payload, &config);
+            let (outcome, step) = replay_stored(&key, &payload, &config);
+            telemetry::finish(&span, outcome);
+            return step;
         }
         Ok(Begin::InFlight { lease_left }) => {
-            return reject(Rejection::InFlight {
-                retry_after: retry_after(config.typical_duration.get(), lease_left),
-            });
+            let retry_after = retry_after(config.typical_duration.get(), lease_left);
+            return reject(Outcome::InFlight, Rejection::InFlight { retry_after });
         }
         Ok(Begin::Mismatch) => {
-            return reject(Rejection::Mismatch {
-                status: config.mismatch_status,
-            })
+            let status = config.mismatch_status;
+            return reject(Outcome::Mismatch, Rejection::Mismatch { status });
         }
         Err(Error::Store(StoreError::Corrupt(reason))) => {
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
-            return reject(Rejection::UnreadableRecord);
+            return reject(Outcome::Unreadable, Rejection::UnreadableRecord);
         }
         Err(Error::Store(error)) if config.fail_open => {
             // Counted like a claimed run, so the bound holds and a shutdown waits for it.
             let Ok(slot) = coordinator.slot() else {
-                return reject(Rejection::Overloaded);
+                return reject(Outcome::Overloaded, Rejection::Overloaded);
             };
             tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
+            telemetry::finish(&span, Outcome::FailOpen);
             let answer = inner.call(request).await;
             drop(slot);
             return Step::Done(answer.map(|response| response.map(ResponseBody::streaming)));
         }
-        Err(Error::Store(error)) => {
+        Err(error @ Error::Store(_)) => {
             tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
-            return reject(Rejection::StoreUnavailable);
+            return reject(Outcome::of_error(&error), Rejection::StoreUnavailable);
         }
-        Err(_) => return reject(Rejection::Overloaded),
+        Err(error) => return reject(Outcome::of_error(&error), Rejection::Overloaded),
     };
+    telemetry::finish(&span, Outcome::Executed);
     if config.transactional_completion {
         let handed = TransactionalClaim::new(claim.ticket(), config.clone());
         request.extensions_mut().insert(handed);
     }
-    Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
+    Step::Run(Box::pin(
+        run_claimed(inner, claim, config, request).instrument(span),
+    ))
 }
 
 /// The stored response, replayed. A key whose response was not stored is answered so; a
 /// payload from a newer release (a rolling upgrade under way) like a request in flight, to be
 /// retried; one that cannot be decoded 500, never replayed.
-fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> Step<B, E> {
-    let rejection = match replay::decode(payload) {
+fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> (Outcome, Step<B, E>) {
+    let (outcome, rejection) = match replay::decode(payload) {
         Ok(Decoded::Response(stored)) => {
             tracing::debug!(?key, "replaying the stored response");
-            return Step::Done(Ok(replay::into_response(stored)));
+            return (Outcome::Replayed, Step::Done(Ok(replay::into_response(stored))));
         }
-        Ok(Decoded::NotStored { why, .. }) => Rejection::ResponseNotStored {
-            status: config.not_stored_status,
-            why,
-        },
+        Ok(Decoded::NotStored { why, .. }) => (
+            Outcome::NotStored,
+            Rejection::ResponseNotStored {
+                status: config.not_stored_status,
+                why,
+            },
+        ),
         Ok(Decoded::Newer { version }) => {
             tracing::info!(
                 ?key,
                 version,
                 "record written by a newer release; answering as if in flight"
             );
-            Rejection::InFlight {
-                retry_after: Duration::from_secs(1),
-            }
+            let retry_after = Duration::from_secs(1);
+            (Outcome::InFlight, Rejection::InFlight { retry_after })
         }
         Err(reason) => {
             tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
-            Rejection::UnreadableRecord
+            (Outcome::Unreadable, Rejection::UnreadableRecord)
         }
     };
-    Step::Done(Ok(rejection.into_response()))
+    (outcome, Step::Done(Ok(rejection.into_response())))
 }
 
 /// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its

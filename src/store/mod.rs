@@ -313,6 +313,20 @@ pub enum StoreError {
     },
 }
 
+impl StoreError {
+    /// Whether the store refused the write to protect it from a failover rather than because it
+    /// failed: a claim refused at the Sentinel fence, or one the replicas did not acknowledge in
+    /// time (`ReplicaAcks`). Answered 503 all the same; counted apart (`fenced`).
+    pub(crate) fn is_fence(&self) -> bool {
+        match self {
+            StoreError::NotReplicated { .. } => true,
+            #[cfg(feature = "redis")]
+            StoreError::Unavailable(source) => source.is::<sentinel_watch::FailingOver>(),
+            _ => false,
+        }
+    }
+}
+
 /// A unique token naming one claim's owner. Completion, release and renewal must present it.
 ///
 /// Tokens are a per-process random prefix and a counter, so they are unique across processes and
@@ -379,6 +393,23 @@ fn process_nonce() -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    /// The metrics count a claim refused at the Sentinel fence, or unacknowledged by replicas,
+    /// as `fenced`, and any other failure as a store error.
+    #[test]
+    fn fence_refusals_are_told_apart_from_failures() {
+        use super::StoreError;
+        let replicas = StoreError::NotReplicated {
+            acknowledged: 0,
+            wanted: 1,
+        };
+        assert!(replicas.is_fence());
+        #[cfg(feature = "redis")]
+        assert!(StoreError::Unavailable(Box::new(super::sentinel_watch::FailingOver)).is_fence());
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(!StoreError::Unavailable(Box::new(reset)).is_fence());
+        assert!(!StoreError::Timeout(std::time::Duration::from_secs(2)).is_fence());
+    }
+
     #[test]
     fn owner_tokens_are_the_nonce_and_the_counter_in_hex() {
         for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {

@@ -10,9 +10,10 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
-use super::replica_acks::{keep_completing, Completion, ReplicaAcks, Waiter};
+use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
 use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
 use crate::{Fingerprint, RecordKey};
 
@@ -478,9 +479,9 @@ impl RedisStore {
     /// then throw it away.
     fn refuse_claims_during_failover(&self) -> Result<(), StoreError> {
         match self.fence() {
-            Some(fence) if fence.is_raised() => Err(StoreError::Unavailable(
-                "the sentinels are failing the master over; retry shortly".into(),
-            )),
+            Some(fence) if fence.is_raised() => {
+                Err(StoreError::Unavailable(Box::new(sentinel_watch::FailingOver)))
+            }
             _ => Ok(()),
         }
     }
@@ -679,15 +680,19 @@ impl RedisStore {
     /// reported stored, so the caller answers with it, and the task that made the attempt keeps
     /// completing the record, on whichever node is master by then, until the replicas have it.
     /// The attempt runs in that task from the start, so a caller that stops waiting (the
-    /// coordinator's store timeout) does not cancel it.
+    /// coordinator's store timeout) does not cancel it. If that task gives up, it tells the
+    /// coordinator's reconciliation hook, which it takes along from the completion's task.
     async fn complete_acknowledged(
         &self,
         waiter: &Arc<Waiter>,
         key: &RecordKey,
+        owner: &OwnerToken,
         args: Vec<Value>,
     ) -> Result<bool, StoreError> {
         let (report, first_outcome) = tokio::sync::oneshot::channel();
         let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
+        // The owner is cloned for a hook only; the count of give-ups needs none.
+        let hook = reconciliation::in_force().map(|hook| (hook, owner.clone()));
         let completing = async move {
             let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
             let retry = match &first {
@@ -699,7 +704,19 @@ impl RedisStore {
             if retry {
                 let retry_for = waiter.acks.retry_for();
                 let attempt = || store.complete_once_acknowledged(&waiter, &record, &args);
-                keep_completing(&record, retry_for, attempt).await;
+                let kind = match keep_completing(&record, retry_for, attempt).await {
+                    None => return,
+                    Some(GaveUp::Lost) => ReconciliationKind::LostBeforeReplicated,
+                    Some(GaveUp::TimedOut(error)) => ReconciliationKind::ReplicationAbandoned { error },
+                };
+                let payload = match args.get(2) {
+                    Some(Value::Bytes(payload)) => Some(payload),
+                    _ => None,
+                };
+                match &hook {
+                    Some((hook, owner)) => reconciliation::report(Some(hook), kind, &record, owner, payload),
+                    None => crate::telemetry::reconciliation(&kind),
+                }
             }
         };
         tokio::spawn(tracing::Instrument::in_current_span(completing));
@@ -1104,7 +1121,10 @@ impl Store for RedisStore {
                     self.after_failover().await;
                     as_flag("complete", self.run(&COMPLETE, key, &args).await?)
                 }
-                Some(waiter) => self.complete_acknowledged(waiter, key, args.to_vec()).await,
+                Some(waiter) => {
+                    self.complete_acknowledged(waiter, key, owner, args.to_vec())
+                        .await
+                }
             }
         })
     }

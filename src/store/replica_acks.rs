@@ -222,9 +222,21 @@ pub(super) enum Completion {
     Lost,
 }
 
+/// How [`keep_completing`] ended, when it did not end well.
+pub(super) enum GaveUp {
+    /// The claim was found lost.
+    Lost,
+    /// `retry_for` passed; the last error.
+    TimedOut(String),
+}
+
 /// Retries `attempt` with backoff (50 ms doubling to 1 s) until the completion is durable, the
-/// claim is found lost, or `retry_for` passes; logs how it ended.
-pub(super) async fn keep_completing<F, Fut>(key: &crate::RecordKey, retry_for: Duration, mut attempt: F)
+/// claim is found lost, or `retry_for` passes; logs how it ended, and answers it unless durable.
+pub(super) async fn keep_completing<F, Fut>(
+    key: &crate::RecordKey,
+    retry_for: Duration,
+    mut attempt: F,
+) -> Option<GaveUp>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Completion, StoreError>>,
@@ -240,7 +252,7 @@ where
         match attempt().await {
             Ok(Completion::Durable) => {
                 tracing::info!(?key, attempts, after = ?started.elapsed(), "the replicas acknowledged the completion");
-                return;
+                return None;
             }
             Ok(Completion::Lost) => {
                 tracing::error!(
@@ -250,7 +262,7 @@ where
                      dropped it, or its lease ran out meanwhile): a retry of this key runs the \
                      operation again"
                 );
-                return;
+                return Some(GaveUp::Lost);
             }
             Ok(Completion::NotAcknowledged(error)) | Err(error) => last_error = Some(error),
         }
@@ -261,4 +273,5 @@ where
         "the replicas did not acknowledge the completion within {retry_for:?}: if the master fails \
          over before they have it, a retry of this key runs the operation again"
     );
+    Some(GaveUp::TimedOut(last_error))
 }

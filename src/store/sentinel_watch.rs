@@ -40,6 +40,14 @@ const FENCE_LIMIT: Duration = Duration::from_secs(10);
 const FOLLOW_ATTEMPTS: u32 = 20;
 const FOLLOW_PAUSE: Duration = Duration::from_millis(50);
 
+/// What a claim refused at a raised [`Fence`] fails with, inside [`StoreError::Unavailable`]
+/// (so it is answered 503 like any unavailable store), told apart for the metrics.
+///
+/// [`StoreError::Unavailable`]: super::StoreError::Unavailable
+#[derive(Debug, thiserror::Error)]
+#[error("the sentinels are failing the master over; retry shortly")]
+pub(super) struct FailingOver;
+
 /// Raised while the sentinels fail the master over; see the module docs.
 #[derive(Default)]
 pub(super) struct Fence {

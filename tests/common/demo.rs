@@ -136,6 +136,24 @@ pub async fn send(sender: &mut SendRequest<Full<Bytes>>, path: &str, key: Option
     }
 }
 
+/// `GET path` on a connection of its own.
+pub async fn fetch(addr: SocketAddr, path: &str) -> Reply {
+    let mut sender = connect(addr).await;
+    sender.ready().await.expect("the connection is open");
+    let response = sender
+        .send_request(Request::get(path).body(Full::new(Bytes::new())).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+        json: serde_json::Value::Null,
+    }
+}
+
 /// [`send`] on a connection of its own.
 pub async fn call(addr: SocketAddr, path: &str, key: Option<&str>, body: &str) -> Reply {
     send(&mut connect(addr).await, path, key, body).await

@@ -1,0 +1,489 @@
+//! Telemetry, in one place: the counters, histogram and gauge recorded through the `metrics`
+//! facade (crate feature `metrics`), and the tracing span of a keyed request.
+//!
+//! The rest of the crate calls the small functions here. Without the feature they are empty and
+//! inline to nothing. With it, a metric is recorded through whatever recorder the application
+//! installed (an exporter), and through the facade's no-op recorder otherwise: one thread-local
+//! read and one atomic load per call. Every label is a string literal, so each call site names a
+//! `static` key the facade hashed at compile time: no allocation, no formatting per request.
+//!
+//! The span costs one check of the callsite's cached interest when no subscriber wants it; its
+//! fields (hashes of the scope and key) are computed only for a subscriber that does. Store calls
+//! are timed only when someone will read the time: an installed recorder or an interested
+//! subscriber.
+//!
+//! Every name, type and label is listed in the README ("Metrics and tracing").
+
+use std::time::Duration;
+
+use tracing::field::Empty;
+use tracing::Span;
+
+use crate::coordinator::{Begin, Error};
+use crate::reconciliation::ReconciliationKind;
+use crate::store::StoreError;
+use crate::RecordKey;
+
+/// The target of the request span and of the check that store timings are wanted, so one
+/// filter directive (`tower_idempotency=…`) governs both.
+const TARGET: &str = "tower_idempotency";
+
+/// What became of one keyed request (HTTP), or one [`Coordinator::begin`](crate::Coordinator::begin):
+/// the `outcome` label of `idempotency_requests_total` and the `outcome` field of the span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The key was claimed: the handler (operation) runs.
+    Executed,
+    /// The stored result was replayed.
+    Replayed,
+    /// Another request holds the key (409 with `Retry-After`), or a newer release wrote it.
+    InFlight,
+    /// The key was used with a different request.
+    Mismatch,
+    /// The key ran before but its response was not stored (`Rejection::ResponseNotStored`).
+    NotStored,
+    /// Refused before the store was asked: no key, an invalid key, no scope, a body too large or
+    /// unreadable.
+    Rejected,
+    /// The store failed or timed out: 503 (fail closed).
+    StoreError,
+    /// The store refused the claim while its master fails over (the Sentinel fence), or the
+    /// replicas did not acknowledge it in time (`ReplicaAcks`): 503.
+    Fenced,
+    /// The store failed and the handler ran unprotected (`with_fail_open(true)`).
+    FailOpen,
+    /// At the bound on running requests, or shutting down: 503, nothing claimed.
+    Overloaded,
+    /// The record at the key cannot be read: 500, nothing run.
+    Unreadable,
+    /// Waited for the request in flight to finish, instead of answering 409. Reserved for the
+    /// "wait instead of 409" option, which records it when it lands.
+    #[allow(dead_code)]
+    Waited,
+}
+
+impl Outcome {
+    /// The label value.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::InFlight => "in_flight",
+            Outcome::Mismatch => "mismatch",
+            Outcome::NotStored => "not_stored",
+            Outcome::Rejected => "rejected",
+            Outcome::StoreError => "store_error",
+            Outcome::Fenced => "fenced",
+            Outcome::FailOpen => "fail_open",
+            Outcome::Overloaded => "overloaded",
+            Outcome::Unreadable => "unreadable",
+            Outcome::Waited => "waited",
+        }
+    }
+
+    /// How a [`Coordinator::begin`](crate::Coordinator::begin) that answered `begun` is counted.
+    pub(crate) fn of_begin(begun: &Result<Begin, Error>) -> Self {
+        match begun {
+            Ok(Begin::Claimed(_)) => Outcome::Executed,
+            Ok(Begin::Completed(_)) => Outcome::Replayed,
+            Ok(Begin::InFlight { .. }) => Outcome::InFlight,
+            Ok(Begin::Mismatch) => Outcome::Mismatch,
+            Err(error) => Outcome::of_error(error),
+        }
+    }
+
+    /// How a request the coordinator could not begin is counted.
+    pub(crate) fn of_error(error: &Error) -> Self {
+        match error {
+            Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
+            Error::Store(error) if error.is_fence() => Outcome::Fenced,
+            Error::Store(_) | Error::ClaimLost => Outcome::StoreError,
+            Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
+        }
+    }
+}
+
+/// A store operation: the `op` label of `idempotency_store_duration_seconds` and the span's
+/// `store_<op>_us` field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StoreOp {
+    Claim,
+    Peek,
+    Complete,
+    Release,
+    Renew,
+    Inspect,
+    Purge,
+}
+
+impl StoreOp {
+    #[cfg(test)]
+    const ALL: [StoreOp; 7] = [
+        StoreOp::Claim,
+        StoreOp::Peek,
+        StoreOp::Complete,
+        StoreOp::Release,
+        StoreOp::Renew,
+        StoreOp::Inspect,
+        StoreOp::Purge,
+    ];
+
+    /// The span field its time goes to, if a request's span has one.
+    fn span_field(self) -> Option<&'static str> {
+        match self {
+            StoreOp::Claim => Some("store_claim_us"),
+            StoreOp::Peek => Some("store_peek_us"),
+            StoreOp::Complete => Some("store_complete_us"),
+            StoreOp::Release => Some("store_release_us"),
+            StoreOp::Renew => Some("store_renew_us"),
+            StoreOp::Inspect | StoreOp::Purge => None,
+        }
+    }
+}
+
+/// Counts a request's outcome (`idempotency_requests_total`).
+#[inline]
+pub(crate) fn outcome(outcome: Outcome) {
+    #[cfg(feature = "metrics")]
+    recorded::outcome(outcome);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
+/// Counts a request's outcome and writes it into its span.
+#[inline]
+pub(crate) fn finish(span: &Span, outcome: Outcome) {
+    self::outcome(outcome);
+    span.record("outcome", outcome.as_str());
+}
+
+/// Counts a rejection sent, by kind (`idempotency_rejections_total`).
+#[inline]
+pub(crate) fn rejection(rejection: &crate::Rejection) {
+    #[cfg(feature = "metrics")]
+    recorded::rejection(rejection);
+    #[cfg(not(feature = "metrics"))]
+    let _ = rejection;
+}
+
+/// Counts a reconciliation event, whether or not a hook is installed
+/// (`idempotency_reconciliation_events_total`).
+#[inline]
+pub(crate) fn reconciliation(kind: &ReconciliationKind) {
+    #[cfg(feature = "metrics")]
+    recorded::reconciliation(kind);
+    #[cfg(not(feature = "metrics"))]
+    let _ = kind;
+}
+
+/// One more claimed operation running (`idempotency_running`).
+#[inline]
+pub(crate) fn running_started() {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("idempotency_running").increment(1.0);
+}
+
+/// One claimed operation fewer running.
+#[inline]
+pub(crate) fn running_ended() {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("idempotency_running").decrement(1.0);
+}
+
+/// Times one store call, if anyone will read the time.
+pub(crate) struct StoreTimer {
+    op: StoreOp,
+    started: Option<std::time::Instant>,
+}
+
+impl StoreTimer {
+    #[inline]
+    pub(crate) fn start(op: StoreOp) -> Self {
+        let wanted = recorder_installed() || tracing::enabled!(target: TARGET, tracing::Level::INFO);
+        Self {
+            op,
+            started: wanted.then(std::time::Instant::now),
+        }
+    }
+
+    /// Records the time since [`start`](Self::start): in the histogram, and in the current span
+    /// (a keyed request's, when the call is made for one).
+    #[inline]
+    pub(crate) fn finish(self) {
+        if let Some(started) = self.started {
+            store_call(self.op, started.elapsed());
+        }
+    }
+}
+
+fn store_call(op: StoreOp, took: Duration) {
+    #[cfg(feature = "metrics")]
+    recorded::store_call(op, took);
+    if let Some(field) = op.span_field() {
+        Span::current().record(field, u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
+    }
+}
+
+/// Whether an application installed a metrics recorder. The facade does not say, so this asks
+/// the recorder in force for its size: the facade's fallback is a zero-sized no-op, and every
+/// exporter holds state. A recorder that is itself zero-sized gets every counter and the gauge,
+/// but not the store timings.
+#[inline]
+fn recorder_installed() -> bool {
+    #[cfg(feature = "metrics")]
+    return metrics::with_recorder(|recorder| std::mem::size_of_val(recorder) != 0);
+    #[cfg(not(feature = "metrics"))]
+    false
+}
+
+/// The span of one keyed request. Its `scope` and `key` fields are hashes, never the raw values
+/// (a key may be guessable, a scope may name a tenant): `key` is the first 16 hex digits of the
+/// record's digest (which names the record in the store, e.g. in its Redis key), `scope` those of
+/// a SHA-256 of the scope alone, so one tenant's requests can be grouped.
+pub(crate) fn request_span(key: &RecordKey) -> Span {
+    let span = tracing::info_span!(
+        target: TARGET,
+        "idempotency",
+        outcome = Empty,
+        key = Empty,
+        scope = Empty,
+        store_claim_us = Empty,
+        store_peek_us = Empty,
+        store_complete_us = Empty,
+        store_release_us = Empty,
+        store_renew_us = Empty,
+    );
+    if !span.is_disabled() {
+        let mut hex = [0u8; 16];
+        span.record("key", short_hex(key.digest(), &mut hex));
+        if let Some(scope) = key.scope() {
+            use sha2::Digest;
+            let digest = sha2::Sha256::new()
+                .chain_update(b"tower-idempotency/scope/v1\0")
+                .chain_update(scope.as_bytes())
+                .finalize();
+            let mut hex = [0u8; 16];
+            span.record("scope", short_hex(&digest, &mut hex));
+        }
+    }
+    span
+}
+
+/// The first 8 bytes of `digest` in lower-case hex, written into `out`.
+fn short_hex<'a>(digest: &[u8], out: &'a mut [u8; 16]) -> &'a str {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (pair, byte) in out.chunks_exact_mut(2).zip(digest) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0xf)];
+    }
+    std::str::from_utf8(out).unwrap_or_default()
+}
+
+/// The recording itself. Each arm names its labels as literals: the facade then keeps the key in
+/// a `static`, hashed at compile time; a label given as a variable would build a `Vec` per call.
+#[cfg(feature = "metrics")]
+mod recorded {
+    use std::time::Duration;
+
+    use metrics::{counter, histogram};
+
+    use super::{Outcome, StoreOp};
+    use crate::reconciliation::ReconciliationKind;
+    use crate::Rejection;
+
+    pub(super) fn outcome(outcome: Outcome) {
+        macro_rules! count {
+            ($($variant:ident => $label:literal),* $(,)?) => {
+                match outcome {
+                    $(Outcome::$variant => counter!("idempotency_requests_total", "outcome" => $label).increment(1),)*
+                }
+            };
+        }
+        count!(
+            Executed => "executed",
+            Replayed => "replayed",
+            InFlight => "in_flight",
+            Mismatch => "mismatch",
+            NotStored => "not_stored",
+            Rejected => "rejected",
+            StoreError => "store_error",
+            Fenced => "fenced",
+            FailOpen => "fail_open",
+            Overloaded => "overloaded",
+            Unreadable => "unreadable",
+            Waited => "waited",
+        );
+    }
+
+    pub(super) fn rejection(rejection: &Rejection) {
+        macro_rules! count {
+            ($($pattern:pat => $label:literal),* $(,)?) => {
+                match rejection {
+                    $($pattern => counter!("idempotency_rejections_total", "kind" => $label).increment(1),)*
+                }
+            };
+        }
+        count!(
+            Rejection::MissingKey => "MissingKey",
+            Rejection::InvalidKey(_) => "InvalidKey",
+            Rejection::BodyTooLarge { .. } => "BodyTooLarge",
+            Rejection::BodyUnreadable => "BodyUnreadable",
+            Rejection::InFlight { .. } => "InFlight",
+            Rejection::Mismatch { .. } => "Mismatch",
+            Rejection::StoreUnavailable => "StoreUnavailable",
+            Rejection::UnreadableRecord => "UnreadableRecord",
+            Rejection::Overloaded => "Overloaded",
+            Rejection::HandlerPanicked => "HandlerPanicked",
+            Rejection::MissingScope => "MissingScope",
+            Rejection::ResponseNotStored { .. } => "ResponseNotStored",
+            Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
+        );
+    }
+
+    pub(super) fn reconciliation(kind: &ReconciliationKind) {
+        macro_rules! count {
+            ($($pattern:pat => $label:literal),* $(,)?) => {
+                match kind {
+                    $($pattern => counter!("idempotency_reconciliation_events_total", "kind" => $label).increment(1),)*
+                }
+            };
+        }
+        count!(
+            ReconciliationKind::CompletionFailed { .. } => "completion_failed",
+            ReconciliationKind::NotStorable { .. } => "not_storable",
+            ReconciliationKind::ClaimLost => "claim_lost",
+            ReconciliationKind::ReplicationAbandoned { .. } => "replication_abandoned",
+            ReconciliationKind::LostBeforeReplicated => "lost_before_replicated",
+        );
+    }
+
+    pub(super) fn store_call(op: StoreOp, took: Duration) {
+        let seconds = took.as_secs_f64();
+        macro_rules! record {
+            ($($variant:ident => $label:literal),* $(,)?) => {
+                match op {
+                    $(StoreOp::$variant => histogram!("idempotency_store_duration_seconds", "op" => $label).record(seconds),)*
+                }
+            };
+        }
+        record!(
+            Claim => "claim",
+            Peek => "peek",
+            Complete => "complete",
+            Release => "release",
+            Renew => "renew",
+            Inspect => "inspect",
+            Purge => "purge",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_hex_is_the_first_eight_bytes_in_lower_case() {
+        let mut out = [0u8; 16];
+        let digest: Vec<u8> = (0u8..16).map(|n| n * 17).chain([0; 16]).collect();
+        assert_eq!(
+            short_hex(&digest, &mut out),
+            "00112233445566778899aabbccddeeff"[..16].to_owned()
+        );
+    }
+
+    #[test]
+    fn every_store_operation_but_operator_calls_has_a_span_field() {
+        for op in StoreOp::ALL {
+            let expected = !matches!(op, StoreOp::Inspect | StoreOp::Purge);
+            assert_eq!(op.span_field().is_some(), expected, "{op:?}");
+        }
+    }
+
+    /// The label values a dashboard is built on are part of the contract (README lists them).
+    #[test]
+    fn outcome_labels_are_the_documented_ones() {
+        let all = [
+            (Outcome::Executed, "executed"),
+            (Outcome::Replayed, "replayed"),
+            (Outcome::InFlight, "in_flight"),
+            (Outcome::Mismatch, "mismatch"),
+            (Outcome::NotStored, "not_stored"),
+            (Outcome::Rejected, "rejected"),
+            (Outcome::StoreError, "store_error"),
+            (Outcome::Fenced, "fenced"),
+            (Outcome::FailOpen, "fail_open"),
+            (Outcome::Overloaded, "overloaded"),
+            (Outcome::Unreadable, "unreadable"),
+            (Outcome::Waited, "waited"),
+        ];
+        for (outcome, label) in all {
+            assert_eq!(outcome.as_str(), label);
+        }
+    }
+
+    /// The metric's labels and the span's field go through separate literal tables; a local
+    /// recorder checks they agree, and that a rejection's label is its problem type's name.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn recorded_labels_agree_with_the_names_used_elsewhere() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::MetricKind;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let outcomes = [
+            Outcome::Executed,
+            Outcome::Replayed,
+            Outcome::InFlight,
+            Outcome::Mismatch,
+            Outcome::NotStored,
+            Outcome::Rejected,
+            Outcome::StoreError,
+            Outcome::Fenced,
+            Outcome::FailOpen,
+            Outcome::Overloaded,
+            Outcome::Unreadable,
+            Outcome::Waited,
+        ];
+        let rejections = [
+            crate::Rejection::MissingKey,
+            crate::Rejection::BodyUnreadable,
+            crate::Rejection::StoreUnavailable,
+            crate::Rejection::Overloaded,
+            crate::Rejection::HandlerPanicked,
+            crate::Rejection::UnreadableRecord,
+            crate::Rejection::MissingScope,
+        ];
+        metrics::with_local_recorder(&recorder, || {
+            for outcome in outcomes {
+                self::outcome(outcome);
+            }
+            for rejection in &rejections {
+                self::rejection(rejection);
+            }
+        });
+        let snapshot = snapshotter.snapshot().into_hashmap();
+        for outcome in outcomes {
+            let found = snapshot.iter().any(|(key, (_, _, value))| {
+                key.kind() == MetricKind::Counter
+                    && key.key().name() == "idempotency_requests_total"
+                    && key
+                        .key()
+                        .labels()
+                        .any(|l| l.key() == "outcome" && l.value() == outcome.as_str())
+                    && *value == DebugValue::Counter(1)
+            });
+            assert!(found, "{outcome:?}");
+        }
+        for rejection in &rejections {
+            let name = rejection.problem_type();
+            let name = name.rsplit('.').next().unwrap_or_default();
+            let found = snapshot.iter().any(|(key, _)| {
+                key.key().name() == "idempotency_rejections_total"
+                    && key.key().labels().any(|l| l.key() == "kind" && l.value() == name)
+            });
+            assert!(found, "{rejection:?}");
+        }
+    }
+}
