@@ -199,7 +199,7 @@ pub(crate) struct StoreTimer {
 impl StoreTimer {
     #[inline]
     pub(crate) fn start(op: StoreOp) -> Self {
-        let wanted = recorder_installed() || tracing::enabled!(target: TARGET, tracing::Level::INFO);
+        let wanted = recorder_installed() || tracing::enabled!(target: TARGET, tracing::Level::DEBUG);
         Self {
             op,
             started: wanted.then(std::time::Instant::now),
@@ -241,7 +241,7 @@ fn recorder_installed() -> bool {
 /// record's digest (which names the record in the store, e.g. in its Redis key), `scope` those of
 /// a SHA-256 of the scope alone, so one tenant's requests can be grouped.
 pub(crate) fn request_span(key: &RecordKey) -> Span {
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         target: TARGET,
         "idempotency",
         outcome = Empty,
