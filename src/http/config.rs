@@ -39,6 +39,11 @@ pub(crate) struct Config {
     pub(crate) handler_timeout: Duration,
     /// Hand each claimed request's claim to its handler, for a completion in its transaction.
     pub(crate) transactional_completion: bool,
+    /// The longest a request whose key is in flight may wait for the running one (zero: none
+    /// waits).
+    pub(crate) max_wait: Duration,
+    /// How long such a request waits when it does not say (`Prefer: wait=N`).
+    pub(crate) default_wait: Duration,
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
@@ -62,6 +67,8 @@ impl Default for Config {
             not_stored_status: StatusCode::CONFLICT,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
             transactional_completion: false,
+            max_wait: Duration::ZERO,
+            default_wait: Duration::ZERO,
             typical_duration: Arc::default(),
         }
     }

@@ -1,0 +1,255 @@
+//! Waiting for the first request instead of 409 (`Prefer: wait=N`, `with_max_wait`,
+//! `with_default_wait`, `with_max_waiters`), on the memory store, a real Redis and a Redis
+//! Cluster; and two nodes sharing one Redis with a hundred waiters on one key.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use common::app::{payment_with, router, send, spawn_send, Answer, Runs};
+use common::Backend;
+use http::StatusCode;
+use tower_idempotency::IdempotencyLayer;
+
+const IN_FLIGHT: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.InFlight";
+
+fn waiting_layer(backend: &Backend) -> IdempotencyLayer {
+    IdempotencyLayer::new(backend.store.clone()).with_max_wait(Duration::from_secs(10))
+}
+
+/// Starts a first request with `key` whose handler takes `delay_ms` (and answers `status`),
+/// and waits until it runs.
+async fn start_first(
+    app: &Router,
+    runs: &Runs,
+    key: &str,
+    delay_ms: u64,
+    status: u16,
+) -> tokio::task::JoinHandle<(Answer, Instant)> {
+    let before = runs.get();
+    let app = app.clone();
+    let request = payment_with(
+        key,
+        &[
+            ("x-delay-ms", &delay_ms.to_string()),
+            ("x-status", &status.to_string()),
+        ],
+    );
+    let first = tokio::spawn(async move {
+        let answer = send(&app, request).await;
+        (answer, Instant::now())
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while runs.get() == before {
+        assert!(Instant::now() < deadline, "the first request never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first
+}
+
+fn applied(answer: &Answer) -> Option<&str> {
+    answer
+        .headers
+        .get("preference-applied")
+        .map(|v| v.to_str().unwrap())
+}
+
+async fn a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes(backend: Backend) {
+    let (app, runs) = router(waiting_layer(&backend));
+    let first = start_first(&app, &runs, "wait-replay", 600, 201).await;
+    let started = Instant::now();
+    let retry = send(&app, payment_with("wait-replay", &[("prefer", "wait=5")])).await;
+    let answered = Instant::now();
+    let (first, first_done) = first.await.unwrap();
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", backend.name);
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, first.body, "byte-exact");
+    assert_eq!(applied(&retry), Some("wait=5"));
+    assert_eq!(runs.get(), 1);
+    // The lease (30 s) and the wait (5 s) are far off: only a notice answers this quickly.
+    let after_first = answered.saturating_duration_since(first_done);
+    assert!(
+        after_first < Duration::from_secs(1),
+        "{after_first:?} after the first"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(300), "it did wait");
+}
+
+async fn a_released_key_lets_the_waiter_run_the_handler(backend: Backend) {
+    let (app, runs) = router(waiting_layer(&backend));
+    // 503 is not stored: the first request releases its key.
+    let first = start_first(&app, &runs, "wait-released", 400, 503).await;
+    let retry = send(&app, payment_with("wait-released", &[("prefer", "wait=5")])).await;
+    let (first, first_done) = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", backend.name);
+    assert!(!retry.is_replay(), "the waiter ran the handler itself");
+    assert!(retry.body.starts_with(b"run 2"), "{:?}", retry.body);
+    assert_eq!(applied(&retry), Some("wait=5"));
+    assert_eq!(runs.get(), 2);
+    assert!(first_done.elapsed() < Duration::from_secs(2));
+    // And its answer is stored like any other.
+    let again = send(&app, payment_with("wait-released", &[])).await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, retry.body);
+}
+
+async fn a_wait_that_runs_out_gets_the_usual_409(backend: Backend) {
+    let (app, runs) = router(waiting_layer(&backend));
+    let first = start_first(&app, &runs, "wait-out", 2500, 201).await;
+    let started = Instant::now();
+    let retry = send(&app, payment_with("wait-out", &[("prefer", "wait=1")])).await;
+    let waited = started.elapsed();
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", backend.name);
+    assert_eq!(retry.problem_type(), IN_FLIGHT);
+    assert!(retry.headers.contains_key("retry-after"));
+    assert_eq!(applied(&retry), Some("wait=1"));
+    assert!(
+        waited >= Duration::from_millis(950) && waited < Duration::from_millis(1800),
+        "{waited:?}"
+    );
+    assert_eq!(first.await.unwrap().0.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+async fn the_maximum_caps_the_wait_asked_for(backend: Backend) {
+    let layer = IdempotencyLayer::new(backend.store.clone()).with_max_wait(Duration::from_secs(1));
+    let (app, runs) = router(layer);
+    let first = start_first(&app, &runs, "wait-capped", 2500, 201).await;
+    let started = Instant::now();
+    let retry = send(&app, payment_with("wait-capped", &[("prefer", "wait=30")])).await;
+    let waited = started.elapsed();
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", backend.name);
+    assert_eq!(applied(&retry), Some("wait=1"), "the wait it got");
+    assert!(waited < Duration::from_millis(1800), "capped at 1 s: {waited:?}");
+    first.await.unwrap();
+}
+
+/// Unparsable waits are ignored (as if not asked); without a maximum nobody waits; a default
+/// wait applies to a retry that does not ask, and `wait=0` opts out of it.
+async fn prefer_values_that_are_not_waits_are_ignored_and_defaults_apply(backend: Backend) {
+    let quick = Duration::from_millis(300);
+    let (app, runs) = router(waiting_layer(&backend));
+    let first = start_first(&app, &runs, "wait-bad", 1500, 201).await;
+    for bad in [
+        "wait=soon",
+        "wait=-1",
+        "wait=",
+        "wait=1.5",
+        "respond-async",
+        "wait=0",
+    ] {
+        let started = Instant::now();
+        let retry = send(&app, payment_with("wait-bad", &[("prefer", bad)])).await;
+        assert_eq!(retry.status, StatusCode::CONFLICT, "{bad} on {}", backend.name);
+        assert_eq!(applied(&retry), None, "{bad}");
+        assert!(started.elapsed() < quick, "{bad}: {:?}", started.elapsed());
+    }
+    first.await.unwrap();
+
+    let (off, runs) = router(IdempotencyLayer::new(backend.store.clone()));
+    let first = start_first(&off, &runs, "wait-off", 1000, 201).await;
+    let started = Instant::now();
+    let retry = send(&off, payment_with("wait-off", &[("prefer", "wait=5")])).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "no maximum, no wait");
+    assert_eq!(applied(&retry), None);
+    assert!(started.elapsed() < quick);
+    first.await.unwrap();
+
+    let by_default = IdempotencyLayer::new(backend.store.clone()).with_default_wait(Duration::from_secs(5));
+    let (app, runs) = router(by_default);
+    let first = start_first(&app, &runs, "wait-default", 600, 201).await;
+    let opted_out = send(&app, payment_with("wait-default", &[("prefer", "wait=0")])).await;
+    assert_eq!(opted_out.status, StatusCode::CONFLICT);
+    let retry = send(&app, payment_with("wait-default", &[])).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.is_replay());
+    assert_eq!(applied(&retry), None, "the client asked for nothing");
+    assert_eq!(retry.body, first.await.unwrap().0.body);
+}
+
+async fn waiters_are_bounded_and_a_client_that_hangs_up_frees_its_place(backend: Backend) {
+    let layer = waiting_layer(&backend).with_max_waiters(2);
+    let coordinator = layer.coordinator().clone();
+    let (app, runs) = router(layer);
+    let first = start_first(&app, &runs, "wait-bound", 1500, 201).await;
+    let waiters: Vec<_> = (0..2)
+        .map(|_| spawn_send(&app, payment_with("wait-bound", &[("prefer", "wait=10")])))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while coordinator.waiting() < 2 {
+        assert!(Instant::now() < deadline, "the waiters never waited");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // On Redis the two waiters share one subscription, on the store's subscriber connection.
+    if let Some(client) = backend.redis_client() {
+        let channels = common::admin(client, &["PUBSUB", "SHARDCHANNELS"]).await;
+        assert!(
+            matches!(&channels, fred::types::Value::Array(list) if list.len() == 1),
+            "{channels:?}"
+        );
+        let subscribers = common::admin(client, &["PUBSUB", "SHARDNUMSUB", &channel_of(&channels)]).await;
+        assert!(
+            format!("{subscribers:?}").ends_with("Integer(1)])"),
+            "{subscribers:?}"
+        );
+    }
+    // A third finds no place: the usual 409, at once, not told it waited.
+    let started = Instant::now();
+    let third = send(&app, payment_with("wait-bound", &[("prefer", "wait=10")])).await;
+    assert_eq!(third.status, StatusCode::CONFLICT, "{}", backend.name);
+    assert_eq!(applied(&third), None);
+    assert!(started.elapsed() < Duration::from_millis(300));
+    // One waiter's client hangs up (its response future is dropped, as hyper does).
+    waiters[0].abort();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while coordinator.waiting() > 1 {
+        assert!(Instant::now() < deadline, "the place was not freed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let fourth = spawn_send(&app, payment_with("wait-bound", &[("prefer", "wait=10")]));
+    let (first, _) = first.await.unwrap();
+    for answer in [
+        fourth.await.unwrap(),
+        waiters.into_iter().nth(1).unwrap().await.unwrap(),
+    ] {
+        assert!(answer.is_replay(), "{}", answer.status);
+        assert_eq!(answer.body, first.body);
+    }
+    assert_eq!(coordinator.waiting(), 0);
+    assert_eq!(runs.get(), 1);
+    // On Redis the last waiter out unsubscribes.
+    if let Some(client) = backend.redis_client() {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        loop {
+            let channels = common::admin(client, &["PUBSUB", "SHARDCHANNELS"]).await;
+            if matches!(&channels, fred::types::Value::Array(list) if list.is_empty()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "still subscribed: {channels:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+fn channel_of(channels: &fred::types::Value) -> String {
+    match channels {
+        fred::types::Value::Array(list) => list[0].as_string().expect("a channel name"),
+        other => panic!("{other:?}"),
+    }
+}
+
+on_both_stores!(
+    a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
+    a_released_key_lets_the_waiter_run_the_handler,
+    a_wait_that_runs_out_gets_the_usual_409,
+    the_maximum_caps_the_wait_asked_for,
+    prefer_values_that_are_not_waits_are_ignored_and_defaults_apply,
+    waiters_are_bounded_and_a_client_that_hangs_up_frees_its_place,
+);
+on_cluster!(
+    a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
+    a_released_key_lets_the_waiter_run_the_handler,
+);
