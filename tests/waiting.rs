@@ -253,3 +253,175 @@ on_cluster!(
     a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
     a_released_key_lets_the_waiter_run_the_handler,
 );
+
+mod two_nodes {
+    //! The headline: two nodes (two HTTP servers, each with its own layer over its own
+    //! `RedisStore` client of one Redis) and a hundred waiters on one key, split between them.
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use axum::routing::post;
+    use axum::Router;
+    use bytes::Bytes;
+    use http::{Request, StatusCode};
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
+    use tower_idempotency::{IdempotencyLayer, RedisStore};
+
+    use crate::common::cluster::Cluster;
+    use crate::common::RedisServer;
+
+    const WAITERS: usize = 100;
+
+    /// What the two nodes' handlers share: how often they ran, a gate the test opens to let the
+    /// one run finish, and when it finished.
+    #[derive(Clone, Default)]
+    struct Shared {
+        executions: Arc<AtomicUsize>,
+        gate: Arc<tokio::sync::Notify>,
+        finished_at: Arc<Mutex<Option<Instant>>>,
+    }
+
+    fn node(layer: IdempotencyLayer, shared: Shared, name: &'static str) -> Router {
+        let handler = move |body: Bytes| {
+            let shared = shared.clone();
+            async move {
+                let run = shared.executions.fetch_add(1, Ordering::SeqCst) + 1;
+                shared.gate.notified().await;
+                // Binary, so a replay that mangled bytes would show.
+                let mut answer = format!("payment run {run} on {name}: ").into_bytes();
+                answer.extend((0..=255u8).cycle().take(4096));
+                answer.extend_from_slice(&body);
+                *shared.finished_at.lock().unwrap() = Some(Instant::now());
+                (
+                    StatusCode::CREATED,
+                    [("content-type", "application/octet-stream")],
+                    answer,
+                )
+            }
+        };
+        Router::new().route("/payments", post(handler)).layer(layer)
+    }
+
+    async fn serve(app: Router) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    }
+
+    struct Reply {
+        status: StatusCode,
+        headers: http::HeaderMap,
+        body: Bytes,
+        at: Instant,
+    }
+
+    /// One request on a connection of its own, as a separate client would send it.
+    async fn call(addr: std::net::SocketAddr, prefer: Option<&str>) -> Reply {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .expect("connect to a node");
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let mut request = Request::post("/payments")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "one-key-two-nodes");
+        if let Some(prefer) = prefer {
+            request = request.header("prefer", prefer);
+        }
+        let request = request
+            .body(Full::new(Bytes::from_static(b"{\"amount\":42}")))
+            .unwrap();
+        let response = sender.send_request(request).await.expect("an answer");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("a body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+            at: Instant::now(),
+        }
+    }
+
+    async fn a_hundred_waiters_on_two_nodes_get_one_execution(url: &str, prefix: &str, topology: &str) {
+        let shared = Shared::default();
+        let mut layers = Vec::new();
+        let mut addrs = Vec::new();
+        for name in ["node-a", "node-b"] {
+            let store = RedisStore::connect(url)
+                .await
+                .expect("connect a node's store")
+                .with_prefix(prefix);
+            let layer = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
+            addrs.push(serve(node(layer.clone(), shared.clone(), name)).await);
+            layers.push(layer);
+        }
+        let first = tokio::spawn(call(addrs[0], None));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while shared.executions.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "the first request never ran");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let waiters: Vec<_> = (0..WAITERS)
+            .map(|i| tokio::spawn(call(addrs[i % 2], Some("wait=10"))))
+            .collect();
+        let waiting = || layers.iter().map(|l| l.coordinator().waiting()).sum::<usize>();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while waiting() < WAITERS {
+            assert!(Instant::now() < deadline, "only {} waiters waiting", waiting());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Every waiter is subscribed and waiting: let the one execution finish.
+        shared.gate.notify_waiters();
+        let first = first.await.unwrap();
+        let finished_at = shared.finished_at.lock().unwrap().expect("the handler finished");
+        assert_eq!(first.status, StatusCode::CREATED);
+        let mut latencies = Vec::new();
+        for waiter in waiters {
+            let reply = waiter.await.unwrap();
+            assert_eq!(reply.status, StatusCode::CREATED);
+            assert_eq!(reply.headers["idempotent-replayed"], "true");
+            assert_eq!(reply.headers["preference-applied"], "wait=10");
+            assert_eq!(reply.headers["content-type"], "application/octet-stream");
+            assert!(reply.body == first.body, "a replay differs from the first answer");
+            latencies.push(reply.at.saturating_duration_since(finished_at));
+        }
+        assert_eq!(
+            shared.executions.load(Ordering::SeqCst),
+            1,
+            "exactly one execution"
+        );
+        assert_eq!(waiting(), 0);
+        latencies.sort();
+        let at = |q: f64| latencies[((latencies.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "{topology}: {WAITERS} waiters on two nodes, from the handler's end to each waiter's whole answer: \
+             min {:?}, p50 {:?}, p99 {:?}, max {:?} (the first client's own answer: {:?})",
+            at(0.0),
+            at(0.5),
+            at(0.99),
+            at(1.0),
+            first.at.saturating_duration_since(finished_at),
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn standalone() {
+        let server = RedisServer::start();
+        a_hundred_waiters_on_two_nodes_get_one_execution(&server.url(), "idempotency", "Redis standalone")
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cluster() {
+        let url = tokio::task::spawn_blocking(|| Cluster::shared().url())
+            .await
+            .unwrap();
+        a_hundred_waiters_on_two_nodes_get_one_execution(&url, "two-nodes", "Redis Cluster").await;
+    }
+}
