@@ -234,6 +234,53 @@ async fn waiters_are_bounded_and_a_client_that_hangs_up_frees_its_place(backend:
     }
 }
 
+/// A store without notices (`Store::watch` not implemented) is read at growing intervals.
+async fn a_store_that_cannot_notify_is_read_at_intervals(backend: Backend) {
+    let blind = common::FaultyStore::new(backend.store.clone());
+    let layer = IdempotencyLayer::new(blind).with_max_wait(Duration::from_secs(10));
+    let (app, runs) = router(layer);
+    let first = start_first(&app, &runs, "wait-blind", 600, 201).await;
+    let retry = send(&app, payment_with("wait-blind", &[("prefer", "wait=8")])).await;
+    let answered = Instant::now();
+    let (first, first_done) = first.await.unwrap();
+    assert!(retry.is_replay(), "{} on {}", retry.status, backend.name);
+    assert_eq!(retry.body, first.body);
+    // Intervals of 50 ms doubling: the read after the completion comes within one interval.
+    let after_first = answered.saturating_duration_since(first_done);
+    assert!(after_first < Duration::from_millis(1200), "{after_first:?}");
+    assert_eq!(runs.get(), 1);
+}
+
+/// An owner that died notifies nobody: the waiter reads the key again when its lease ends,
+/// and claims it.
+async fn a_waiter_takes_over_the_key_of_an_owner_that_died(backend: Backend) {
+    use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, OwnerToken, RecordKey};
+    let coordinator = Coordinator::new(backend.store.clone());
+    let key = RecordKey::new(None, IdempotencyKey::parse("wait-dead-owner").unwrap());
+    let fingerprint = Fingerprint::new([b"job".as_slice()]);
+    let dead = OwnerToken::generate();
+    backend
+        .store
+        .claim(&key, &fingerprint, &dead, Duration::from_millis(400))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let begun = coordinator
+        .begin_or_wait(&key, &fingerprint, Duration::from_secs(8))
+        .await
+        .unwrap();
+    let Begin::Claimed(claim) = begun else {
+        panic!("expected the key, got {begun:?} on {}", backend.name);
+    };
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    claim.complete("taken over".into()).await.unwrap();
+    assert_eq!(coordinator.waiting(), 0);
+}
+
 fn channel_of(channels: &fred::types::Value) -> String {
     match channels {
         fred::types::Value::Array(list) => list[0].as_string().expect("a channel name"),
@@ -248,7 +295,111 @@ on_both_stores!(
     the_maximum_caps_the_wait_asked_for,
     prefer_values_that_are_not_waits_are_ignored_and_defaults_apply,
     waiters_are_bounded_and_a_client_that_hangs_up_frees_its_place,
+    a_store_that_cannot_notify_is_read_at_intervals,
+    a_waiter_takes_over_the_key_of_an_owner_that_died,
 );
+
+mod redis_only {
+    use std::time::{Duration, Instant};
+
+    use common::app::{payment, payment_with, router, send, spawn_send};
+    use common::{admin, client, RedisServer};
+    use fred::clients::Client;
+    use http::StatusCode;
+    use tower_idempotency::{IdempotencyLayer, RedisStore};
+
+    use crate::{applied, common, start_first};
+
+    /// The store's subscriber connections on the server (`CLIENT LIST TYPE pubsub`).
+    async fn subscribers(admin_client: &Client) -> usize {
+        let list = admin(admin_client, &["CLIENT", "LIST", "TYPE", "pubsub"]).await;
+        let list = list.as_string().unwrap_or_default();
+        list.lines().filter(|line| !line.trim().is_empty()).count()
+    }
+
+    /// Waits up to 5 s for `$done` (an expression that may await) to hold.
+    macro_rules! until {
+        ($what:expr, $done:expr) => {{
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !$done {
+                assert!(Instant::now() < deadline, "{}", $what);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }};
+    }
+
+    /// A fresh claim, a replay, a mismatch and a 409 without `Prefer` open no subscriber
+    /// connection, even with waiting on; waiters share one per store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_that_do_not_wait_subscribe_to_nothing_and_waiters_share_one_connection() {
+        let server = RedisServer::start();
+        let admin_client = client(&server.url()).await;
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let layer = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
+        let coordinator = layer.coordinator().clone();
+        let (app, runs) = router(layer);
+        assert_eq!(
+            send(&app, payment("quiet", "{}")).await.status,
+            StatusCode::CREATED
+        );
+        assert!(send(&app, payment("quiet", "{}")).await.is_replay());
+        assert_eq!(
+            send(&app, payment("quiet", "{\"x\":1}")).await.status,
+            StatusCode::CONFLICT
+        );
+        let first = start_first(&app, &runs, "quiet-busy", 1500, 201).await;
+        let busy = send(&app, payment_with("quiet-busy", &[])).await;
+        assert_eq!(busy.status, StatusCode::CONFLICT);
+        assert_eq!(
+            subscribers(&admin_client).await,
+            0,
+            "nobody waited: no subscriber connection"
+        );
+        let waiters: Vec<_> = (0..5)
+            .map(|_| spawn_send(&app, payment_with("quiet-busy", &[("prefer", "wait=10")])))
+            .collect();
+        until!("the waiters wait", coordinator.waiting() == 5);
+        assert_eq!(
+            subscribers(&admin_client).await,
+            1,
+            "one connection for every waiter"
+        );
+        let (first, _) = first.await.unwrap();
+        for waiter in waiters {
+            assert_eq!(waiter.await.unwrap().body, first.body);
+        }
+    }
+
+    /// The subscriber connection is cut while a request waits: the store subscribes again once
+    /// it is back, and the waiter still gets the replay as soon as the first request completes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_survives_its_subscriber_connection_being_cut() {
+        let server = RedisServer::start();
+        let admin_client = client(&server.url()).await;
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let layer = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
+        let coordinator = layer.coordinator().clone();
+        let (app, runs) = router(layer);
+        let first = start_first(&app, &runs, "cut", 1500, 201).await;
+        let waiter = spawn_send(&app, payment_with("cut", &[("prefer", "wait=10")]));
+        until!("the waiter waits", coordinator.waiting() == 1);
+        until!("subscribed", subscribers(&admin_client).await == 1);
+        let killed = admin(&admin_client, &["CLIENT", "KILL", "TYPE", "pubsub"]).await;
+        assert_eq!(killed.as_i64(), Some(1), "the subscriber connection was cut");
+        until!("subscribed again", {
+            let channels = admin(&admin_client, &["PUBSUB", "SHARDCHANNELS"]).await;
+            matches!(&channels, fred::types::Value::Array(list) if list.len() == 1)
+        });
+        let (first, first_done) = first.await.unwrap();
+        let reply = waiter.await.unwrap();
+        let after_first = first_done.elapsed();
+        assert!(reply.is_replay(), "{}", reply.status);
+        assert_eq!(reply.body, first.body);
+        assert_eq!(applied(&reply), Some("wait=10"));
+        assert!(after_first < Duration::from_secs(1), "{after_first:?}");
+        assert_eq!(runs.get(), 1);
+    }
+}
 on_cluster!(
     a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
     a_released_key_lets_the_waiter_run_the_handler,
@@ -348,7 +499,13 @@ mod two_nodes {
         }
     }
 
-    async fn a_hundred_waiters_on_two_nodes_get_one_execution(url: &str, prefix: &str, topology: &str) {
+    /// `admin`, when given, is a client of the one server, to count subscriber connections.
+    async fn a_hundred_waiters_on_two_nodes_get_one_execution(
+        url: &str,
+        prefix: &str,
+        topology: &str,
+        admin: Option<fred::clients::Client>,
+    ) {
         let shared = Shared::default();
         let mut layers = Vec::new();
         let mut addrs = Vec::new();
@@ -375,6 +532,14 @@ mod two_nodes {
         while waiting() < WAITERS {
             assert!(Instant::now() < deadline, "only {} waiters waiting", waiting());
             tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if let Some(admin) = &admin {
+            let list = crate::common::admin(admin, &["CLIENT", "LIST", "TYPE", "pubsub"]).await;
+            let connections = list.as_string().unwrap_or_default().lines().count();
+            assert_eq!(
+                connections, 2,
+                "one subscriber connection per node, not per waiter"
+            );
         }
         // Every waiter is subscribed and waiting: let the one execution finish.
         shared.gate.notify_waiters();
@@ -413,8 +578,15 @@ mod two_nodes {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn standalone() {
         let server = RedisServer::start();
-        a_hundred_waiters_on_two_nodes_get_one_execution(&server.url(), "idempotency", "Redis standalone")
-            .await;
+        let admin = crate::common::client(&server.url()).await;
+        let url = server.url();
+        a_hundred_waiters_on_two_nodes_get_one_execution(
+            &url,
+            "idempotency",
+            "Redis standalone",
+            Some(admin),
+        )
+        .await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -422,6 +594,6 @@ mod two_nodes {
         let url = tokio::task::spawn_blocking(|| Cluster::shared().url())
             .await
             .unwrap();
-        a_hundred_waiters_on_two_nodes_get_one_execution(&url, "two-nodes", "Redis Cluster").await;
+        a_hundred_waiters_on_two_nodes_get_one_execution(&url, "two-nodes", "Redis Cluster", None).await;
     }
 }
