@@ -368,6 +368,12 @@ mod redis_only {
         for waiter in waiters {
             assert_eq!(waiter.await.unwrap().body, first.body);
         }
+        // The connection closes with the last clone of the store.
+        drop((app, coordinator));
+        until!(
+            "the subscriber connection closed",
+            subscribers(&admin_client).await == 0
+        );
     }
 
     /// The subscriber connection is cut while a request waits: the store subscribes again once
