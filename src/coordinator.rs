@@ -291,8 +291,9 @@ impl Coordinator {
 
     /// Bounds how many callers may wait at once for a running operation
     /// ([`begin_or_wait`](Coordinator::begin_or_wait); over HTTP, requests with `Prefer: wait`)
-    /// (default: 1 000). Over it a caller does not wait: it gets [`Begin::InFlight`] at once, as
-    /// without asking (over HTTP, the usual 409 with `Retry-After`). Over HTTP every waiter holds
+    /// (default: 1 000; 0: nobody waits). Over it a caller does not wait: it gets
+    /// [`Begin::InFlight`] at once, as without asking (over HTTP, the usual 409 with
+    /// `Retry-After`). Over HTTP every waiter holds
     /// its request body, so size this against the body limit. Setting it starts a new count,
     /// shared by coordinators cloned afterwards.
     ///

@@ -427,7 +427,8 @@ impl IdempotencyLayer {
         })
     }
 
-    /// Bounds how many requests may wait for a running request at once (default: 1 000). Each
+    /// Bounds how many requests may wait for a running request at once (default: 1 000; 0:
+    /// none waits). Each
     /// holds its request body while it waits (up to the body limit). Over the bound a request
     /// that asks to wait gets the usual 409 `InFlight` with `Retry-After` at once, as if it had
     /// not asked: the key is in flight, and its client already knows how to retry that. Starts a
