@@ -49,6 +49,12 @@ impl Drop for Notices {
         for task in &self.tasks {
             task.abort();
         }
+        // fred keeps a client's connection task running until it is told to quit, whether or
+        // not a handle to the client is left.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let client = self.client.clone();
+            runtime.spawn(async move { client.quit().await });
+        }
     }
 }
 
