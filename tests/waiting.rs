@@ -426,6 +426,23 @@ on_cluster!(
     a_released_key_lets_the_waiter_run_the_handler,
 );
 
+/// The same two on the Sentinel topology shared by the binary (a store made by
+/// `RedisStore::connect` from a `redis-sentinel://` URL).
+mod sentinel {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes() {
+        super::a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes(
+            crate::common::Backend::sentinel().await,
+        )
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_released_key_lets_the_waiter_run_the_handler() {
+        super::a_released_key_lets_the_waiter_run_the_handler(crate::common::Backend::sentinel().await).await
+    }
+}
+
 mod two_nodes {
     //! The headline: two nodes (two HTTP servers, each with its own layer over its own
     //! `RedisStore` client of one Redis) and a hundred waiters on one key, split between them.
