@@ -8,6 +8,9 @@
 //! (`RedisStore::with_replica_acks`). Listens on `ADDR` (default `127.0.0.1:3000`), and serves
 //! the layer's metrics at `GET /metrics` in the Prometheus text format.
 //!
+//! A retry sent while the first request still runs gets 409; with `Prefer: wait=N` it waits
+//! for the first one (up to 10 s here) and gets its answer instead.
+//!
 //! ```text
 //! curl -i -X POST localhost:3000/payments -H 'Idempotency-Key: order-1' \
 //!      -H 'Content-Type: application/json' -d '{"amount": 42}'
@@ -67,7 +70,9 @@ async fn create_comment() -> Response {
 
 /// The application, kept apart from `main` so tests can drive it without a socket.
 fn app(store: Arc<dyn Store>, metrics: PrometheusHandle) -> (Router, IdempotencyLayer) {
-    let required = IdempotencyLayer::new(store);
+    // A retry that asks (`Prefer: wait=N`) waits for a running first request, up to 10 s,
+    // instead of getting 409 at once.
+    let required = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
     let optional = required.clone().with_key_required(false);
     let router = Router::new()
         .route("/payments", post(create_payment).layer(required.clone()))

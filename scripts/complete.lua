@@ -9,6 +9,9 @@
 -- ARGV[1]  the caller's head (magic, version, owner)
 -- ARGV[2]  'C' and the retention deadline (9 bytes)    ARGV[3]  payload    ARGV[4]  retention (ms)
 --
+-- Publishes (SPUBLISH, an empty message) on KEYS[1] .. ':settled' when it completes the record, for
+-- requests waiting for it (src/store/redis_notices.rs): a shard channel in the record's slot.
+--
 -- Returns 1 when the record is completed by this owner (also when it already was, so a
 -- completion re-sent after a dropped connection succeeds; the payload is then left as it was),
 -- 0 when the owner lost its claim (lease expired, purged, or claimed again by another owner):
@@ -31,4 +34,5 @@ end
 redis.call('SETRANGE', KEYS[1], #ARGV[1], ARGV[2])
 redis.call('APPEND', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SPUBLISH', KEYS[1] .. ':settled', '')
 return 1

@@ -29,6 +29,17 @@ const MAX_DURATION: Duration = Duration::from_secs(400 * 24 * 60 * 60);
 const RELEASE_RETRY_DELAYS_MS: [u64; 3] = [0, 500, 1500];
 /// How often a completion that failed on a store error is tried in all.
 const COMPLETE_ATTEMPTS: u32 = 3;
+/// How many callers may wait for running operations at once, by default. Over HTTP each holds
+/// its request body (up to the body limit): 1 000 waiters of 1 KiB bodies hold 1 MiB; of
+/// bodies at the default 1 MiB limit, up to 1 GiB, so lower it for large bodies.
+const DEFAULT_MAX_WAITERS: u32 = 1_000;
+/// Waiting on a store that cannot notify: the first re-read after this, then twice as long
+/// each time, up to [`POLL_MAX`].
+const POLL_FIRST: Duration = Duration::from_millis(50);
+const POLL_MAX: Duration = Duration::from_secs(1);
+/// A waiter wakes this long after the lease it last read should have ended, so that the
+/// record has expired by then (a store's clock and ours may differ by a little).
+const LEASE_END_SLACK: Duration = Duration::from_millis(20);
 
 /// Runs operations at most once per key, over any [`Store`], without HTTP.
 ///
@@ -67,6 +78,7 @@ pub struct Coordinator {
     tracker: Arc<Tracker>,
     /// The application's reconciliation hook, if it set one.
     reconciler: Option<Reconciler>,
+    waiters: Arc<Waiters>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -77,6 +89,7 @@ impl std::fmt::Debug for Coordinator {
             .field("store_timeout", &self.store_timeout)
             .field("max_in_flight", &self.tracker.max)
             .field("reconciliation", &self.reconciler.is_some())
+            .field("max_waiters", &self.waiters.max)
             .finish_non_exhaustive()
     }
 }
@@ -175,6 +188,34 @@ impl Drop for Slot {
     }
 }
 
+/// Counts the callers waiting for running operations under one coordinator (and its clones).
+struct Waiters {
+    waiting: AtomicUsize,
+    max: u32,
+}
+
+/// One waiter's place under the bound; counted until dropped (a caller that gives up, or whose
+/// future is dropped when its client hangs up, frees it).
+struct WaiterPlace {
+    waiters: Arc<Waiters>,
+}
+
+impl WaiterPlace {
+    fn take(waiters: &Arc<Waiters>) -> Option<Self> {
+        let before = waiters.waiting.fetch_add(1, Ordering::AcqRel);
+        let place = Self {
+            waiters: waiters.clone(),
+        };
+        (before < waiters.max as usize).then_some(place)
+    }
+}
+
+impl Drop for WaiterPlace {
+    fn drop(&mut self) {
+        self.waiters.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Coordinator {
     /// A coordinator over `store` with the defaults: lease 30 s, retention 24 h, store timeout 2 s,
     /// at most 10 000 operations running at once.
@@ -191,6 +232,10 @@ impl Coordinator {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             tracker: Arc::new(Tracker::new(DEFAULT_MAX_IN_FLIGHT)),
             reconciler: None,
+            waiters: Arc::new(Waiters {
+                waiting: AtomicUsize::new(0),
+                max: DEFAULT_MAX_WAITERS,
+            }),
         }
     }
 
@@ -278,6 +323,35 @@ impl Coordinator {
         self
     }
 
+    /// Bounds how many callers may wait at once for a running operation
+    /// ([`begin_or_wait`](Coordinator::begin_or_wait); over HTTP, requests with `Prefer: wait`)
+    /// (default: 1 000; 0: nobody waits). Over it a caller does not wait: it gets
+    /// [`Begin::InFlight`] at once, as without asking (over HTTP, the usual 409 with
+    /// `Retry-After`). Over HTTP every waiter holds
+    /// its request body, so size this against the body limit. Setting it starts a new count,
+    /// shared by coordinators cloned afterwards.
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_max_waiters(100);
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_max_waiters(mut self, max: u32) -> Self {
+        self.waiters = Arc::new(Waiters {
+            waiting: AtomicUsize::new(0),
+            max,
+        });
+        self
+    }
+
+    /// How many callers wait for a running operation now.
+    pub fn waiting(&self) -> usize {
+        self.waiters
+            .waiting
+            .load(Ordering::Acquire)
+            .min(self.waiters.max as usize)
+    }
+
     /// The lease in force.
     pub fn lease(&self) -> Duration {
         self.lease
@@ -300,6 +374,132 @@ impl Coordinator {
         let begun = self.claim(key, fingerprint, Renewal::Background).await;
         telemetry::outcome(Outcome::of_begin(&begun));
         begun
+    }
+
+    /// Like [`begin`](Coordinator::begin), but when another caller is running the operation,
+    /// waits up to `wait` for it to finish instead of answering [`Begin::InFlight`] at once.
+    ///
+    /// - It completes: its result, [`Begin::Completed`], as soon as the store tells (on Redis
+    ///   through pub/sub, in memory in-process; see [`Store::watch`]), whichever instance ran it.
+    /// - Its key is released (the operation failed in a way worth retrying, or its lease ran
+    ///   out): this caller claims the key itself ([`Begin::Claimed`]: run the operation), unless
+    ///   another waiter got there first (then it waits on for that one).
+    /// - `wait` runs out, or [`with_max_waiters`](Coordinator::with_max_waiters) callers wait
+    ///   already: [`Begin::InFlight`], as without waiting.
+    ///
+    /// With a `wait` of zero, or a key not in flight, it is [`begin`](Coordinator::begin)
+    /// exactly, at the same cost. Dropping the future stops the wait and frees its place.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("message-18").unwrap());
+    /// let fingerprint = Fingerprint::new([b"payload".as_slice()]);
+    /// let Begin::Claimed(first) = coordinator.begin(&key, &fingerprint).await? else { unreachable!() };
+    /// let finishing = tokio::spawn(async move {
+    ///     tokio::time::sleep(Duration::from_millis(20)).await;
+    ///     first.complete("done".into()).await
+    /// });
+    /// // Without waiting this would be `Begin::InFlight`.
+    /// match coordinator.begin_or_wait(&key, &fingerprint, Duration::from_secs(5)).await? {
+    ///     Begin::Completed(result) => assert_eq!(result, "done"),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// # finishing.await.unwrap()?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin_or_wait(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+    ) -> Result<Begin, Error> {
+        match self.claim(key, fingerprint, Renewal::Background).await? {
+            Begin::InFlight { lease_left } if !wait.is_zero() => {
+                let (begun, _waited) = self
+                    .wait_in_flight(key, fingerprint, wait, lease_left, Renewal::Background)
+                    .await;
+                begun
+            }
+            begun => Ok(begun),
+        }
+    }
+
+    /// [`begin_or_wait`](Coordinator::begin_or_wait)'s waiting, for a caller whose claim found
+    /// the key in flight (`lease_left`), with its lease renewal driven by the holder. Also
+    /// answers whether it waited: not when no place was left, nor when the store could not
+    /// subscribe.
+    pub(crate) async fn wait_driven(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+        lease_left: Duration,
+    ) -> (Result<Begin, Error>, bool) {
+        self.wait_in_flight(key, fingerprint, wait, lease_left, Renewal::Driven)
+            .await
+    }
+
+    /// Waits up to `wait` for the running operation at `key` to settle: subscribes to the key
+    /// first, then reads it again (claiming it if it was released), so a completion between the
+    /// caller's first read and the subscription is not missed, and again on every notice, at the
+    /// lease's end (an owner that died notifies nobody) and, on a store that cannot notify, at
+    /// growing intervals.
+    async fn wait_in_flight(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+        mut lease_left: Duration,
+        renewal: Renewal,
+    ) -> (Result<Begin, Error>, bool) {
+        let deadline = tokio::time::Instant::now() + wait.min(MAX_DURATION);
+        let Some(_place) = WaiterPlace::take(&self.waiters) else {
+            tracing::debug!(?key, "too many callers waiting already; answering in flight");
+            return (Ok(Begin::InFlight { lease_left }), false);
+        };
+        let mut watch = match tokio::time::timeout_at(deadline, self.bounded(StoreOp::Watch, self.store.watch(key))).await {
+            Ok(Ok(watch)) => watch,
+            Ok(Err(error)) => {
+                // Waiting blind would poll a store that is failing anyway.
+                tracing::debug!(?key, %error, "cannot subscribe to the key; answering in flight");
+                return (Ok(Begin::InFlight { lease_left }), false);
+            }
+            Err(_) => return (Ok(Begin::InFlight { lease_left }), false),
+        };
+        let mut poll_every = POLL_FIRST;
+        loop {
+            match self.claim(key, fingerprint, renewal).await {
+                Ok(Begin::InFlight { lease_left: left }) => lease_left = left,
+                settled => return (settled, true),
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return (Ok(Begin::InFlight { lease_left }), true);
+            }
+            let mut wake_at = deadline.min(now + lease_left + LEASE_END_SLACK);
+            if watch.is_none() {
+                wake_at = wake_at.min(now + poll_every);
+                poll_every = (poll_every * 2).min(POLL_MAX);
+            }
+            let notified = async {
+                match watch.as_mut() {
+                    Some(watch) => watch.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                still_notifying = notified => if !still_notifying {
+                    tracing::debug!(?key, "the store stopped notifying; reading the key at intervals");
+                    watch = None;
+                },
+                () = tokio::time::sleep_until(wake_at) => {}
+            }
+        }
     }
 
     /// Like [`begin`](Coordinator::begin), for a holder that drives its lease renewal itself

@@ -113,5 +113,6 @@ pub use store::redis::RedisStore;
 #[cfg(feature = "redis")]
 pub use store::replica_acks::ReplicaAcks;
 pub use store::{
-    ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture, RECORD_VERSION,
+    ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture,
+    RECORD_VERSION,
 };

@@ -56,9 +56,8 @@ pub(crate) enum Outcome {
     Overloaded,
     /// The record at the key cannot be read: 500, nothing run.
     Unreadable,
-    /// Waited for the request in flight to finish, instead of answering 409. Reserved for the
-    /// "wait instead of 409" option, which records it when it lands.
-    #[allow(dead_code)]
+    /// Waited for the request in flight to finish, instead of answering 409 at once (`Prefer:
+    /// wait`); counted besides the outcome the request ends with.
     Waited,
 }
 
@@ -114,11 +113,13 @@ pub(crate) enum StoreOp {
     Renew,
     Inspect,
     Purge,
+    /// Subscribing to a key's settlement, for a request that waits (`Store::watch`).
+    Watch,
 }
 
 impl StoreOp {
     #[cfg(test)]
-    const ALL: [StoreOp; 7] = [
+    const ALL: [StoreOp; 8] = [
         StoreOp::Claim,
         StoreOp::Peek,
         StoreOp::Complete,
@@ -126,6 +127,7 @@ impl StoreOp {
         StoreOp::Renew,
         StoreOp::Inspect,
         StoreOp::Purge,
+        StoreOp::Watch,
     ];
 
     /// The span field its time goes to, if a request's span has one.
@@ -136,7 +138,7 @@ impl StoreOp {
             StoreOp::Complete => Some("store_complete_us"),
             StoreOp::Release => Some("store_release_us"),
             StoreOp::Renew => Some("store_renew_us"),
-            StoreOp::Inspect | StoreOp::Purge => None,
+            StoreOp::Inspect | StoreOp::Purge | StoreOp::Watch => None,
         }
     }
 }
@@ -374,6 +376,7 @@ mod recorded {
             Renew => "renew",
             Inspect => "inspect",
             Purge => "purge",
+            Watch => "watch",
         );
     }
 }
@@ -395,7 +398,7 @@ mod tests {
     #[test]
     fn every_store_operation_but_operator_calls_has_a_span_field() {
         for op in StoreOp::ALL {
-            let expected = !matches!(op, StoreOp::Inspect | StoreOp::Purge);
+            let expected = !matches!(op, StoreOp::Inspect | StoreOp::Purge | StoreOp::Watch);
             assert_eq!(op.span_field().is_some(), expected, "{op:?}");
         }
     }

@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::demo::{call, connect, fetch, quickstart_binary, send, start, start_with, Demo};
+use common::demo::{call, connect, fetch, quickstart_binary, send, send_with, start, start_with, Demo};
 use http::StatusCode;
 
 async fn check_contract(demo: &Demo) {
@@ -53,6 +53,31 @@ async fn check_contract(demo: &Demo) {
     assert_eq!(busy.status, StatusCode::CONFLICT);
     assert!(busy.headers.contains_key("retry-after"));
     assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    // Prefer: wait=N: a retry waits for the running first request and gets its answer.
+    let slow = tokio::spawn(call(
+        addr,
+        "/payments",
+        Some("qs-wait"),
+        r#"{"amount": 6, "delay_ms": 800}"#,
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    let waited = send_with(
+        &mut connect(addr).await,
+        "/payments",
+        Some("qs-wait"),
+        r#"{"amount": 6, "delay_ms": 800}"#,
+        &[("prefer", "wait=5")],
+    )
+    .await;
+    let slow = slow.await.unwrap();
+    assert_eq!(slow.status, StatusCode::CREATED);
+    assert_eq!(waited.status, StatusCode::CREATED, "{:?}", waited.json);
+    assert_eq!(waited.headers["idempotent-replayed"], "true");
+    assert_eq!(waited.headers["preference-applied"], "wait=5");
+    assert_eq!(
+        waited.body, slow.body,
+        "the first request's answer, byte for byte"
+    );
     // POST /comments: key optional.
     let a = call(addr, "/comments", None, "{}").await;
     let b = call(addr, "/comments", None, "{}").await;

@@ -44,6 +44,11 @@ pub(crate) struct Config {
     pub(crate) fingerprint: FingerprintPolicy,
     /// Put each keyed request's [`RecordKey`](crate::RecordKey) in its extensions.
     pub(crate) key_in_extensions: bool,
+    /// The longest a request whose key is in flight may wait for the running one (zero: none
+    /// waits).
+    pub(crate) max_wait: Duration,
+    /// How long such a request waits when it does not say (`Prefer: wait=N`).
+    pub(crate) default_wait: Duration,
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
@@ -69,6 +74,8 @@ impl Default for Config {
             transactional_completion: false,
             fingerprint: FingerprintPolicy::default(),
             key_in_extensions: false,
+            max_wait: Duration::ZERO,
+            default_wait: Duration::ZERO,
             typical_duration: Arc::default(),
         }
     }

@@ -45,6 +45,8 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("body_limit", &self.config.body_limit)
             .field("response_limit", &self.config.response_limit)
             .field("fail_open", &self.config.fail_open)
+            .field("max_wait", &self.config.max_wait)
+            .field("default_wait", &self.config.default_wait)
             .finish_non_exhaustive()
     }
 }
@@ -451,6 +453,66 @@ impl IdempotencyLayer {
         F: Fn(&crate::ReconciliationEvent) + Send + Sync + 'static,
     {
         self.coordinator = self.coordinator.with_reconciliation(hook);
+        self
+    }
+
+    /// The longest a request whose key is in flight may wait for the running request, instead
+    /// of the 409 `InFlight` it gets at once (default: zero, no request waits).
+    ///
+    /// A client asks with `Prefer: wait=N` (RFC 7240; `N` whole seconds), honoured up to this
+    /// maximum and answered with `Preference-Applied: wait=<the seconds it got>`. A waiting
+    /// request gets the replay as soon as the running one completes, on whichever instance it
+    /// runs (the store notifies: see [`Store::watch`]); if the running request releases its key
+    /// (an answer not stored, a panic), the waiting one claims it and runs the handler itself;
+    /// if the wait runs out, it gets the 409 `InFlight` it would have got at once. Waiters are
+    /// bounded by [`with_max_waiters`](Self::with_max_waiters). A request that does not wait
+    /// pays nothing for this.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_wait(Duration::from_secs(10));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_max_wait(self, max: Duration) -> Self {
+        self.config(|c| {
+            c.max_wait = max;
+            c.default_wait = c.default_wait.min(max);
+        })
+    }
+
+    /// How long a request whose key is in flight waits when its client does not say (no valid
+    /// `Prefer: wait=N`; default: zero, it gets the 409 at once). Raises the
+    /// [maximum](Self::with_max_wait) to `wait` if it is lower. A client still opts out with
+    /// `Prefer: wait=0`. No `Preference-Applied` is sent for a wait the client did not ask for.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_default_wait(Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_default_wait(self, wait: Duration) -> Self {
+        self.config(|c| {
+            c.default_wait = wait;
+            c.max_wait = c.max_wait.max(wait);
+        })
+    }
+
+    /// Bounds how many requests may wait for a running request at once (default: 1 000; 0:
+    /// none waits). Each
+    /// holds its request body while it waits (up to the body limit). Over the bound a request
+    /// that asks to wait gets the usual 409 `InFlight` with `Retry-After` at once, as if it had
+    /// not asked: the key is in flight, and its client already knows how to retry that. Starts a
+    /// new count, shared by the clones made afterwards.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_waiters(200);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_max_waiters(mut self, max: u32) -> Self {
+        self.coordinator = self.coordinator.with_max_waiters(max);
         self
     }
 

@@ -2,7 +2,8 @@
 //!
 //! [`layer`] holds the settings, [`service`] turns a request into a key, a fingerprint and a
 //! claim, [`future`] carries a claimed run past a client that hangs up, [`capture`] turns the
-//! handler's response into what is stored, [`replay`] is the stored form of a response,
+//! handler's response into what is stored, [`replay`] is the stored form of a response, [`prefer`] the wait a retry of a running request
+//! asks for,
 //! [`response`] the problem+json rejections, [`body`] the request and response bodies the
 //! layer hands on, and [`transactional`] the claim handed to a handler that stores its response
 //! in its own transaction. [`fingerprint`] decides what makes two requests the same, [`scope`]
@@ -20,6 +21,7 @@ pub(crate) mod future;
 pub(crate) mod layer;
 #[cfg(feature = "policy")]
 pub(crate) mod policy;
+pub(crate) mod prefer;
 pub(crate) mod replay;
 pub(crate) mod response;
 pub(crate) mod scope;

@@ -18,6 +18,7 @@ use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, Respo
 use crate::http::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
 use crate::http::config::Config;
 use crate::http::future::{BoxFuture, ResponseFuture};
+use crate::http::prefer::Wait;
 use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
@@ -188,7 +189,7 @@ pub(crate) enum Step<B, E> {
 /// [`run_claimed`], the one part that costs a detached future. Counts the request's outcome
 /// and writes it in `span`, the request's.
 async fn begin_keyed<S, ReqBody, ResBody>(
-    mut inner: S,
+    inner: S,
     coordinator: Coordinator,
     config: Arc<Config>,
     key: RecordKey,
@@ -225,10 +226,76 @@ where
         request.extensions_mut().insert(key.clone());
     }
 
-    let claim = match coordinator.begin_driven(&key, &fingerprint).await {
+    let mut begun = coordinator.begin_driven(&key, &fingerprint).await;
+    // Only a request that found its key in flight looks for a wish to wait: a fresh claim, a
+    // replay or a mismatch reads no header for it.
+    let mut waited = None;
+    if let Ok(Begin::InFlight { lease_left }) = begun {
+        if let Some(wait) = Wait::for_request(request.headers(), &config) {
+            // Boxed: the wait's state stays out of every keyed request's future.
+            let waiting = coordinator.wait_driven(&key, &fingerprint, wait.wait, lease_left);
+            let (waited_for, did_wait) = Box::pin(waiting).await;
+            begun = waited_for;
+            waited = did_wait.then_some(wait);
+            if did_wait {
+                // Counted besides the outcome the request ends with (its replay, say).
+                telemetry::outcome(Outcome::Waited);
+            }
+        }
+    }
+    let step = proceed(inner, &coordinator, config, &key, request, begun, span).await;
+    match waited {
+        None => step,
+        Some(wait) => mark_waited(step, wait),
+    }
+}
+
+/// Tells the client of a request that waited that it did, on whatever it gets.
+fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wait) -> Step<B, E> {
+    match step {
+        Step::Done(mut answer) => {
+            if let Ok(response) = &mut answer {
+                wait.mark(response);
+            }
+            Step::Done(answer)
+        }
+        Step::Run(run) => Step::Run(Box::pin(async move {
+            let mut answer = run.await;
+            if let Ok(response) = &mut answer {
+                wait.mark(response);
+            }
+            answer
+        })),
+    }
+}
+
+/// Answers a keyed request from what its claim found: a replay, a rejection, a fail-open run,
+/// or, claimed, the run of its handler.
+async fn proceed<S, ReqBody, ResBody>(
+    mut inner: S,
+    coordinator: &Coordinator,
+    config: Arc<Config>,
+    key: &RecordKey,
+    mut request: Request<RequestBody<ReqBody>>,
+    begun: Result<Begin, Error>,
+    span: Span,
+) -> Step<ResBody, S::Error>
+where
+    S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let reject = |outcome: Outcome, rejection: Rejection| {
+        telemetry::finish(&span, outcome);
+        Step::Done(Ok(rejection.into_response()))
+    };
+    let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            let (outcome, step) = replay_stored(&key, &payload, &config);
+            let (outcome, step) = replay_stored(key, &payload, &config);
             telemetry::finish(&span, outcome);
             return step;
         }

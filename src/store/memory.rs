@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use super::{ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
 use crate::{Fingerprint, RecordKey};
 
 /// 64 MiB: about 115 000 records of a small JSON answer (a stored response of ~200 bytes plus
@@ -72,6 +72,9 @@ struct Records {
     sequence: u64,
     evicted_early: u64,
     warned_of_eviction: bool,
+    /// The keys someone waits on ([`Store::watch`]), each with the channel its waiters are woken
+    /// through; empty (and never allocated) unless a request waits.
+    watched: HashMap<[u8; 32], tokio::sync::watch::Sender<u64>>,
 }
 
 #[derive(Debug)]
@@ -136,6 +139,7 @@ impl MemoryStore {
                 sequence: 0,
                 evicted_early: 0,
                 warned_of_eviction: false,
+                watched: HashMap::new(),
             })),
         }
     }
@@ -224,6 +228,17 @@ impl MemoryStore {
 }
 
 impl Records {
+    /// Wakes whoever waits on `digest`: its record was completed, released or purged.
+    fn settled(&self, digest: &[u8; 32]) {
+        // Checked first: a store nobody waits on pays one length check per transition.
+        if self.watched.is_empty() {
+            return;
+        }
+        if let Some(waiters) = self.watched.get(digest) {
+            waiters.send_modify(|changes| *changes = changes.wrapping_add(1));
+        }
+    }
+
     /// The live entry at `digest`, dropping it first if it has expired.
     fn live(&mut self, digest: &[u8; 32], now: Instant) -> Option<&mut Entry> {
         let expired = self.by_key.get(digest).is_some_and(|e| e.expires_at <= now);
@@ -472,6 +487,7 @@ impl Store for MemoryStore {
                 } else {
                     records.make_room(now, 0, payload.len()).map(|()| {
                         records.complete_in_flight(digest, payload, now, retention);
+                        records.settled(digest);
                         true
                     })
                 }
@@ -487,6 +503,7 @@ impl Store for MemoryStore {
         let owned = records.holds_in_flight(key.digest(), owner, Instant::now());
         if owned {
             records.remove(key.digest());
+            records.settled(key.digest());
         }
         ready(Ok(owned))
     }
@@ -526,7 +543,49 @@ impl Store for MemoryStore {
         let mut records = self.lock();
         let existed = records.live(key.digest(), now).is_some();
         records.remove(key.digest());
+        if existed {
+            records.settled(key.digest());
+        }
         ready(Ok(existed))
+    }
+
+    /// In-process: one channel per watched key, shared by its waiters, dropped with the last.
+    fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
+        let mut records = self.lock();
+        let waiters = records
+            .watched
+            .entry(*key.digest())
+            .or_insert_with(|| tokio::sync::watch::channel(0).0);
+        let changes = waiters.subscribe();
+        let guard = Unwatch {
+            shared: self.shared.clone(),
+            digest: *key.digest(),
+        };
+        ready(Ok(Some(KeyWatch::new(changes, guard))))
+    }
+}
+
+/// Forgets a watched key's channel once its last waiter is gone.
+struct Unwatch {
+    shared: Arc<Mutex<Records>>,
+    digest: [u8; 32],
+}
+
+impl Drop for Unwatch {
+    fn drop(&mut self) {
+        let mut records = self
+            .shared
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // The watch's receiver is dropped before its guard, and receivers are only made under
+        // this lock: no receiver left means no waiter left.
+        let unwatched = records
+            .watched
+            .get(&self.digest)
+            .is_some_and(|waiters| waiters.receiver_count() == 0);
+        if unwatched {
+            records.watched.remove(&self.digest);
+        }
     }
 }
 

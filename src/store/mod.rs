@@ -22,6 +22,8 @@ pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
+mod redis_notices;
+#[cfg(feature = "redis")]
 pub(crate) mod replica_acks;
 #[cfg(feature = "redis")]
 mod sentinel_watch;
@@ -149,6 +151,99 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes the record at `key`, whatever its state. Answers whether there was one.
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool>;
+
+    /// Subscribes to the settling of the record at `key`: its completion, release or purge,
+    /// by any instance sharing the store. Used only for a caller that asked to wait for a
+    /// running operation ([`Coordinator::begin_or_wait`](crate::Coordinator::begin_or_wait)),
+    /// never on the path of one that did not.
+    ///
+    /// Semantics, for implementers:
+    ///
+    /// - once the future answers `Some(watch)`, every completion, release or purge of `key`
+    ///   made afterwards wakes [`KeyWatch::changed`] at least once. The caller reads the record
+    ///   *after* subscribing, so a change between its first read and the subscription is not
+    ///   missed;
+    /// - wake-ups may be spurious (the caller reads the record again and waits on if it is still
+    ///   in flight): a store that loses its notification channel for a while should wake every
+    ///   watch once it is back;
+    /// - a lease that simply runs out need not be notified: the caller also wakes when the lease
+    ///   it last read ends;
+    /// - dropping the watch ends the subscription; many watches of one key should share one
+    ///   subscription, and all watches one connection (never one per waiter).
+    ///
+    /// The default, `Ok(None)`, means the store cannot notify: the coordinator then reads the
+    /// record again at growing intervals (50 ms doubling to 1 s, and at the lease's end) until
+    /// it settles or the wait ends. That costs a read per interval per waiter; stores that can
+    /// notify should.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, RecordKey, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = MemoryStore::new();
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("k").unwrap());
+    /// let owner = OwnerToken::generate();
+    /// store.claim(&key, &Fingerprint::new([b"body".as_slice()]), &owner, Duration::from_secs(30)).await?;
+    /// let mut watch = store.watch(&key).await?.expect("the memory store notifies");
+    /// store.complete(&key, &owner, "result".into(), Duration::from_secs(60)).await?;
+    /// assert!(watch.changed().await, "woken by the completion");
+    /// # Ok(()) }
+    /// ```
+    fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
+        let _ = key;
+        Box::pin(std::future::ready(Ok(None)))
+    }
+}
+
+/// A subscription to the settling of one record, from [`Store::watch`]: woken when the record
+/// may have changed; dropping it ends the subscription.
+///
+/// A store makes one from the receiving end of a `tokio::sync::watch` channel whose sender it
+/// bumps on every change of the key, and a guard that it keeps alive as long as the watch (to
+/// end the subscription when the last watch of a key is dropped).
+///
+/// ```
+/// use tower_idempotency::KeyWatch;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let (notify, changes) = tokio::sync::watch::channel(0u64);
+/// let mut watch = KeyWatch::new(changes, ());
+/// notify.send_modify(|n| *n += 1);
+/// assert!(watch.changed().await);
+/// drop(notify);
+/// assert!(!watch.changed().await, "the store stopped notifying");
+/// # }
+/// ```
+pub struct KeyWatch {
+    changes: tokio::sync::watch::Receiver<u64>,
+    _guard: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl KeyWatch {
+    /// A watch woken by every change `changes` sees after this call, holding `guard` until it
+    /// is dropped.
+    pub fn new(mut changes: tokio::sync::watch::Receiver<u64>, guard: impl Send + Sync + 'static) -> Self {
+        changes.mark_unchanged();
+        Self {
+            changes,
+            _guard: Box::new(guard),
+        }
+    }
+
+    /// Waits for the next change. Answers `false`, at once, if the store can no longer notify
+    /// (the sending side is gone): the caller should stop relying on this watch.
+    pub async fn changed(&mut self) -> bool {
+        self.changes.changed().await.is_ok()
+    }
+}
+
+impl std::fmt::Debug for KeyWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyWatch").finish_non_exhaustive()
+    }
 }
 
 /// A shared store is a store: `Arc<dyn Store>` and `Arc<MemoryStore>` can be handed to a layer.
@@ -204,6 +299,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
 
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
         (**self).purge(key)
+    }
+
+    fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
+        (**self).watch(key)
     }
 }
 

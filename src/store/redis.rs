@@ -10,9 +10,10 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
+use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
-use super::{ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use super::{ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
 use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
 use crate::{Fingerprint, RecordKey};
@@ -86,6 +87,9 @@ pub struct RedisStore {
     /// The durability option: claims and completions wait for replicas on connections of their
     /// own ([`with_replica_acks`](RedisStore::with_replica_acks)).
     acks: Option<Arc<Waiter>>,
+    /// The subscriber connection of requests waiting for running ones ([`Store::watch`]),
+    /// opened with the first waiter, shared by every clone.
+    notices: Arc<tokio::sync::OnceCell<Notices>>,
 }
 
 /// The task that feeds a replay cache its invalidations; stopped with the last store clone.
@@ -220,6 +224,7 @@ impl RedisStore {
             switch_watch: None,
             reviving: Arc::new(AtomicBool::new(false)),
             acks: None,
+            notices: Arc::default(),
         }
     }
 
@@ -1185,6 +1190,28 @@ impl Store for RedisStore {
             } else {
                 RecordInfo::new(RecordState::Completed, expires_in, Some(found.payload))
             }))
+        })
+    }
+
+    /// Subscribes to the record's shard channel (`SSUBSCRIBE <record key>:settled`), on the
+    /// store's subscriber connection, opened with the first waiter; the completion, release and
+    /// purge scripts publish on it (`SPUBLISH`). Waiters on one key share one subscription.
+    fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
+        Box::pin(async move {
+            let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+            let notices = self
+                .notices
+                .get_or_try_init(|| async {
+                    let base = self.connection.client();
+                    let notices = Notices::connect(base, store_reconnect_policy(), timeout).await?;
+                    if let Some(watch) = &self.switch_watch {
+                        watch.also_reconnect(vec![notices.client().clone()]);
+                    }
+                    Ok::<_, StoreError>(notices)
+                })
+                .await?;
+            let channel = settled_channel(&self.redis_key(key));
+            notices.watch(channel, timeout).await.map(Some)
         })
     }
 

@@ -116,9 +116,23 @@ pub async fn connect(addr: SocketAddr) -> SendRequest<Full<Bytes>> {
 
 /// `POST path` with a JSON `body` and, if given, an `Idempotency-Key`.
 pub async fn send(sender: &mut SendRequest<Full<Bytes>>, path: &str, key: Option<&str>, body: &str) -> Reply {
+    send_with(sender, path, key, body, &[]).await
+}
+
+/// [`send`] with more request headers.
+pub async fn send_with(
+    sender: &mut SendRequest<Full<Bytes>>,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
     let mut request = Request::post(path).header("content-type", "application/json");
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
     }
     sender.ready().await.expect("the connection is open");
     let response = sender
