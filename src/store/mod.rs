@@ -581,6 +581,62 @@ mod tests {
         assert!(issued >= before && issued <= SystemTime::now(), "{issued:?}");
     }
 
+    /// A store that does not implement `in_flight` says so, rather than listing nothing.
+    #[tokio::test]
+    async fn a_store_without_a_listing_answers_unsupported() {
+        use super::{Store, StoreError, StoreFuture};
+        use crate::{Fingerprint, MemoryStore, RecordKey};
+        use bytes::Bytes;
+
+        struct Minimal(MemoryStore);
+        impl Store for Minimal {
+            fn claim<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                fingerprint: &'a Fingerprint,
+                owner: &'a OwnerToken,
+                lease: Duration,
+            ) -> StoreFuture<'a, super::ClaimOutcome> {
+                self.0.claim(key, fingerprint, owner, lease)
+            }
+            fn complete<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                owner: &'a OwnerToken,
+                payload: Bytes,
+                retention: Duration,
+            ) -> StoreFuture<'a, bool> {
+                self.0.complete(key, owner, payload, retention)
+            }
+            fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
+                self.0.release(key, owner)
+            }
+            fn renew<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                owner: &'a OwnerToken,
+                lease: Duration,
+            ) -> StoreFuture<'a, bool> {
+                self.0.renew(key, owner, lease)
+            }
+            fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<super::RecordInfo>> {
+                self.0.inspect(key)
+            }
+            fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
+                self.0.purge(key)
+            }
+        }
+        let store = std::sync::Arc::new(Minimal(MemoryStore::new()));
+        let listed = store.in_flight(Duration::ZERO, 10).await;
+        assert!(matches!(listed, Err(StoreError::Unsupported(_))), "{listed:?}");
+        let layer = crate::IdempotencyLayer::new(store);
+        let listed = layer.in_flight(Duration::ZERO, 10).await;
+        assert!(
+            matches!(listed, Err(crate::Error::Store(StoreError::Unsupported(_)))),
+            "{listed:?}"
+        );
+    }
+
     #[test]
     fn tokens_without_a_time_have_none() {
         for token in [
