@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use crate::reconciliation::{self, Reconciler, ReconciliationEvent, ReconciliationKind};
-use crate::store::{ClaimOutcome, OwnerToken, RecordInfo, Store, StoreError};
+use crate::store::{ClaimOutcome, InFlightRecord, OwnerToken, RecordInfo, Store, StoreError};
 use crate::telemetry::{self, Outcome, StoreOp, StoreTimer};
 use crate::{Fingerprint, NotStored, RecordKey};
 
@@ -462,7 +462,12 @@ impl Coordinator {
             tracing::debug!(?key, "too many callers waiting already; answering in flight");
             return (Ok(Begin::InFlight { lease_left }), false);
         };
-        let mut watch = match tokio::time::timeout_at(deadline, self.bounded(StoreOp::Watch, self.store.watch(key))).await {
+        let mut watch = match tokio::time::timeout_at(
+            deadline,
+            self.bounded(StoreOp::Watch, self.store.watch(key)),
+        )
+        .await
+        {
             Ok(Ok(watch)) => watch,
             Ok(Err(error)) => {
                 // Waiting blind would poll a store that is failing anyway.
@@ -600,6 +605,33 @@ impl Coordinator {
     /// again. Answers whether there was a record.
     pub async fn purge(&self, key: &RecordKey) -> Result<bool, Error> {
         Ok(self.bounded(StoreOp::Purge, self.store.purge(key)).await?)
+    }
+
+    /// Lists the records in flight claimed at least `older_than` ago, the oldest first, at most
+    /// `limit` (see [`Store::in_flight`]), for operators looking for stuck or slow operations.
+    ///
+    /// The listing reads every record of the store in many bounded steps, so it is not bounded
+    /// by the store timeout as a whole (each step is, by the store's command timeout); bound it
+    /// with `tokio::time::timeout` if it must end by a deadline.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(Some("tenant-7"), IdempotencyKey::parse("order-42").unwrap());
+    /// let Begin::Claimed(claim) = coordinator.begin(&key, &Fingerprint::new([b"{}".as_slice()])).await? else {
+    ///     unreachable!("a new key");
+    /// };
+    /// let running = coordinator.in_flight(Duration::ZERO, 10).await?;
+    /// assert_eq!(running[0].digest, *key.digest());
+    /// assert!(coordinator.in_flight(Duration::from_secs(60), 10).await?.is_empty(), "claimed just now");
+    /// # claim.release().await?; Ok(()) }
+    /// ```
+    pub async fn in_flight(&self, older_than: Duration, limit: usize) -> Result<Vec<InFlightRecord>, Error> {
+        Ok(self.store.in_flight(older_than, limit).await?)
     }
 
     /// Bounds a store call by the store timeout plus a little grace, so a store that enforces the

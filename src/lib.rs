@@ -66,6 +66,7 @@
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
 //! | `policy-yaml` | no | YAML policy files (`serde-saphyr`; needs Rust 1.89) |
 //! | `policy-toml` | no | TOML policy files (`toml`) |
+//! | `cli` | no | the `idempotency-admin` binary (`cargo install tower-idempotency --features cli`): inspect, purge and list records from a shell; turns on both stores and their TLS |
 //!
 //! With no feature at all the crate builds with the [`MemoryStore`] alone. The minimum supported
 //! Rust version is 1.85 (`rust-version` in `Cargo.toml`, checked in CI against what every locked
@@ -113,6 +114,6 @@ pub use store::redis::RedisStore;
 #[cfg(feature = "redis")]
 pub use store::replica_acks::ReplicaAcks;
 pub use store::{
-    ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture,
-    RECORD_VERSION,
+    ClaimOutcome, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError,
+    StoreFuture, RECORD_VERSION,
 };

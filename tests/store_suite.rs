@@ -3,10 +3,11 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use common::Backend;
+use futures_util::StreamExt;
 use tower_idempotency::{
     ClaimOutcome, Fingerprint, IdempotencyKey, OwnerToken, RecordKey, RecordState, Store,
 };
@@ -313,7 +314,164 @@ async fn peek_reports_what_a_claim_would_find_and_writes_nothing(b: Backend) {
     );
 }
 
+/// A token made `ago` before now, as `OwnerToken::generate` makes them (its time after `@`).
+fn token_from(ago: Duration, name: &str) -> OwnerToken {
+    let made = SystemTime::now() - ago;
+    let millis = made.duration_since(UNIX_EPOCH).unwrap().as_millis();
+    OwnerToken::from_string(format!("{name}@{millis}"))
+}
+
+fn about(age: Option<Duration>, expected: Duration) -> bool {
+    age.is_some_and(|age| age >= expected && age < expected + Duration::from_secs(10))
+}
+
+async fn in_flight_lists_running_records_oldest_first(b: Backend) {
+    let s = &*b.store;
+    let f = fp("body");
+    // Claims made 10 min, 5 min, 2 min and 10 s ago (their tokens say so), one just now, and
+    // one under a token that carries no time.
+    let aged = [
+        ("ten-min", Duration::from_secs(600)),
+        ("five-min", Duration::from_secs(300)),
+        ("two-min", Duration::from_secs(120)),
+        ("ten-sec", Duration::from_secs(10)),
+    ];
+    let mut owners = Vec::new();
+    for (name, ago) in aged {
+        let owner = token_from(ago, name);
+        assert_eq!(
+            claim(s, &key(name), &f, &owner, LEASE).await,
+            ClaimOutcome::Claimed
+        );
+        owners.push(owner);
+    }
+    let fresh = OwnerToken::generate();
+    assert_eq!(
+        claim(s, &key("fresh"), &f, &fresh, LEASE).await,
+        ClaimOutcome::Claimed
+    );
+    let timeless = OwnerToken::from_string("custom-token-without-a-time");
+    assert_eq!(
+        claim(s, &key("timeless"), &f, &timeless, LEASE).await,
+        ClaimOutcome::Claimed
+    );
+    // Never listed: a completed record (claimed long ago), a released one, an expired lease.
+    let done = token_from(Duration::from_secs(1200), "done");
+    assert_eq!(
+        claim(s, &key("done"), &f, &done, LEASE).await,
+        ClaimOutcome::Claimed
+    );
+    assert!(s
+        .complete(&key("done"), &done, Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap());
+    let released = token_from(Duration::from_secs(1200), "released");
+    assert_eq!(
+        claim(s, &key("released"), &f, &released, LEASE).await,
+        ClaimOutcome::Claimed
+    );
+    assert!(s.release(&key("released"), &released).await.unwrap());
+    let expired = token_from(Duration::from_secs(1200), "expired");
+    let short = Duration::from_millis(100);
+    assert_eq!(
+        claim(s, &key("expired"), &f, &expired, short).await,
+        ClaimOutcome::Claimed
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let listed = s.in_flight(Duration::ZERO, 100).await.expect("in_flight");
+    let digests: Vec<[u8; 32]> = listed.iter().map(|r| r.digest).collect();
+    let expected: Vec<[u8; 32]> = ["timeless", "ten-min", "five-min", "two-min", "ten-sec", "fresh"]
+        .map(|name| *key(name).digest())
+        .to_vec();
+    assert_eq!(
+        digests, expected,
+        "{}: unknown age first, then the oldest: {listed:#?}",
+        b.name
+    );
+    assert_eq!(listed[0].age, None);
+    assert_eq!(listed[0].owner, timeless);
+    assert!(about(listed[1].age, Duration::from_secs(600)), "{:?}", listed[1]);
+    assert!(about(listed[4].age, Duration::from_secs(10)), "{:?}", listed[4]);
+    assert!(
+        listed[5].age.is_some_and(|age| age < Duration::from_secs(10)),
+        "{:?}",
+        listed[5]
+    );
+    assert_eq!(listed[5].owner, fresh);
+    for record in &listed {
+        assert!(
+            record.lease_left <= LEASE && record.lease_left > LEASE - Duration::from_secs(10),
+            "{record:?}"
+        );
+    }
+
+    let older = s.in_flight(Duration::from_secs(180), 100).await.unwrap();
+    let names: Vec<[u8; 32]> = older.iter().map(|r| r.digest).collect();
+    assert_eq!(names, expected[..3].to_vec(), "older than 3 min: {older:#?}");
+    let two = s.in_flight(Duration::from_secs(60), 2).await.unwrap();
+    assert_eq!(
+        two.iter().map(|r| r.digest).collect::<Vec<_>>(),
+        expected[..2].to_vec()
+    );
+    assert!(s.in_flight(Duration::ZERO, 0).await.unwrap().is_empty());
+
+    // A completion takes a record off the list; so does a purge.
+    assert!(s
+        .complete(&key("ten-min"), &owners[0], Bytes::from_static(b"r"), RETENTION)
+        .await
+        .unwrap());
+    assert!(s.purge(&key("timeless")).await.unwrap());
+    let left = s.in_flight(Duration::from_secs(180), 100).await.unwrap();
+    assert_eq!(
+        left.iter().map(|r| r.digest).collect::<Vec<_>>(),
+        vec![expected[2]]
+    );
+}
+
+/// More records than one page of a listing holds (Redis: a `SCAN` step of 1000; PostgreSQL:
+/// 1000 rows a statement), among completed ones: all are found, and the limit keeps the oldest.
+async fn in_flight_pages_through_many_records(b: Backend) {
+    let s = &*b.store;
+    let f = fp("body");
+    let claims = (0..1500u64).map(|i| {
+        let owner = token_from(Duration::from_secs(60 + i), &format!("owner-{i}"));
+        async move {
+            let k = key(&format!("many-{i}"));
+            assert_eq!(claim(s, &k, &f, &owner, LEASE).await, ClaimOutcome::Claimed);
+            if i % 3 == 0 {
+                assert!(s
+                    .complete(&k, &owner, Bytes::from_static(b"r"), RETENTION)
+                    .await
+                    .unwrap());
+            }
+        }
+    });
+    futures_util::stream::iter(claims)
+        .buffer_unordered(50)
+        .collect::<Vec<()>>()
+        .await;
+    let all = s.in_flight(Duration::ZERO, 5000).await.unwrap();
+    assert_eq!(
+        all.len(),
+        1000,
+        "{}: every record in flight, none completed",
+        b.name
+    );
+    let ten = s.in_flight(Duration::ZERO, 10).await.unwrap();
+    // Record i was claimed 60 + i seconds ago; every third one is completed.
+    let oldest: Vec<[u8; 32]> = (0..1500u64)
+        .rev()
+        .filter(|i| i % 3 != 0)
+        .take(10)
+        .map(|i| *key(&format!("many-{i}")).digest())
+        .collect();
+    assert_eq!(ten.iter().map(|r| r.digest).collect::<Vec<_>>(), oldest);
+}
+
 on_every_store!(
+    in_flight_lists_running_records_oldest_first,
+    in_flight_pages_through_many_records,
     peek_reports_what_a_claim_would_find_and_writes_nothing,
     claim_then_in_flight_then_completed,
     a_claim_sent_twice_does_not_conflict_with_itself,

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::HeaderName;
 use http::{request, response, Method, StatusCode};
 use tower_layer::Layer;
@@ -12,7 +13,7 @@ use crate::http::config::Config;
 use crate::http::replay;
 use crate::http::replay::NotStored;
 use crate::http::service::Idempotency;
-use crate::store::{RecordState, Store};
+use crate::store::{InFlightRecord, RecordState, Store};
 use crate::{IdempotencyKey, RecordKey};
 
 /// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
@@ -79,6 +80,11 @@ pub struct Inspection {
     pub status: Option<StatusCode>,
     /// Why the response was not stored, for a key kept as not replayable.
     pub not_stored: Option<NotStored>,
+    /// The size of the stored payload in bytes (the response's status, headers kept, body and
+    /// trailers, as stored); 0 in flight.
+    pub stored_bytes: usize,
+    /// The stored response's body. It may hold personal data: show it only when asked.
+    pub body: Option<Bytes>,
 }
 
 impl IdempotencyLayer {
@@ -553,8 +559,13 @@ impl IdempotencyLayer {
             state: info.state,
             expires_in: info.expires_in,
             status: decoded.as_ref().and_then(replay::Decoded::status),
-            not_stored: match decoded {
-                Some(replay::Decoded::NotStored { why, .. }) => Some(why),
+            stored_bytes: info.payload.as_ref().map_or(0, Bytes::len),
+            not_stored: match &decoded {
+                Some(replay::Decoded::NotStored { why, .. }) => Some(*why),
+                _ => None,
+            },
+            body: match decoded {
+                Some(replay::Decoded::Response(stored)) => Some(stored.body),
                 _ => None,
             },
         }))
@@ -576,6 +587,25 @@ impl IdempotencyLayer {
             Some(key) => self.coordinator.purge(&key).await,
             None => Ok(false),
         }
+    }
+
+    /// Lists the records in flight claimed at least `older_than` ago, the oldest first, at
+    /// most `limit`: requests still running, or stuck until their lease ends. Records show
+    /// their digest, never the key; see [`Coordinator::in_flight`] and [`Store::in_flight`].
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new());
+    /// for record in layer.in_flight(Duration::from_secs(60), 100).await? {
+    ///     println!("{} in flight for {:?}", record.digest_hex(), record.age);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn in_flight(&self, older_than: Duration, limit: usize) -> Result<Vec<InFlightRecord>, Error> {
+        self.coordinator.in_flight(older_than, limit).await
     }
 }
 

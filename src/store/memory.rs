@@ -7,7 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use super::{
+    ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
+    StoreFuture,
+};
 use crate::{Fingerprint, RecordKey};
 
 /// 64 MiB: about 115 000 records of a small JSON answer (a stored response of ~200 bytes plus
@@ -547,6 +550,29 @@ impl Store for MemoryStore {
             records.settled(key.digest());
         }
         ready(Ok(existed))
+    }
+
+    /// Walks the lease index, which holds the records in flight and nothing else, under the
+    /// lock: O(records in flight), which the claims waiting for the lock meanwhile pay for.
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        let now = Instant::now();
+        let records = self.lock();
+        let mut oldest = Oldest::new(older_than, limit);
+        let live = records
+            .leases
+            .range((now, u64::MAX)..)
+            .filter(|((at, _), _)| *at > now);
+        for (_, digest) in live {
+            if let Some(Entry {
+                state: State::InFlight { owner },
+                expires_at,
+                ..
+            }) = records.by_key.get(digest).map(|entry| &**entry)
+            {
+                oldest.offer(*digest, owner.clone(), *expires_at - now);
+            }
+        }
+        ready(Ok(oldest.into_vec()))
     }
 
     /// In-process: one channel per watched key, shared by its waiters, dropped with the last.

@@ -152,6 +152,26 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes the record at `key`, whatever its state. Answers whether there was one.
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool>;
 
+    /// Lists the records in flight whose claim is at least `older_than` old, for operators
+    /// looking for stuck or slow operations: the oldest first, at most `limit` of them.
+    ///
+    /// A record's age comes from its owner token, which carries the time it was made
+    /// ([`OwnerToken::issued_at`]); a record whose token carries none (one claimed by an earlier
+    /// release of this crate, or under a custom token) is listed whatever `older_than`, before
+    /// the others, with an unknown age. Completed records are never listed, and a listing never
+    /// shows an idempotency key: records are addressed by digest only
+    /// ([`InFlightRecord::digest`]).
+    ///
+    /// This reads every record of the store, in bounded steps (Redis: `SCAN` pages on every
+    /// master; PostgreSQL: pages of the primary key), so it is meant for operators, not for
+    /// requests. The default answers [`StoreError::Unsupported`].
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        let _ = (older_than, limit);
+        Box::pin(std::future::ready(Err(StoreError::Unsupported(
+            "this store cannot list its records in flight",
+        ))))
+    }
+
     /// Subscribes to the settling of the record at `key`: its completion, release or purge,
     /// by any instance sharing the store. Used only for a caller that asked to wait for a
     /// running operation ([`Coordinator::begin_or_wait`](crate::Coordinator::begin_or_wait)),
@@ -301,6 +321,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         (**self).purge(key)
     }
 
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        (**self).in_flight(older_than, limit)
+    }
+
     fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
         (**self).watch(key)
     }
@@ -366,6 +390,121 @@ impl RecordInfo {
     }
 }
 
+/// A record in flight as [`Store::in_flight`] lists it: its address, its owner, how long ago it
+/// was claimed and how much of its lease is left. Never the idempotency key or the scope, which
+/// may hold personal data: stores keep only their digest.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::{InFlightRecord, OwnerToken};
+/// let record = InFlightRecord::new([7; 32], OwnerToken::generate(), Duration::from_secs(20));
+/// assert!(record.age.is_some_and(|age| age < Duration::from_secs(5)), "claimed just now");
+/// assert_eq!(record.digest_hex().len(), 64);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InFlightRecord {
+    /// The record's address, the SHA-256 of its scope and key ([`RecordKey::digest`]).
+    pub digest: [u8; 32],
+    /// The claim's owner. Tokens made by one process share their first 32 characters, so the
+    /// records of one stuck or crashed instance can be told apart from the others'.
+    pub owner: OwnerToken,
+    /// How long ago the record was claimed (from [`OwnerToken::issued_at`]), by the clock of
+    /// the instance that claimed it against this process's; `None` when the token carries no
+    /// time.
+    pub age: Option<Duration>,
+    /// Time left on the lease (renewed while the owner runs).
+    pub lease_left: Duration,
+}
+
+impl InFlightRecord {
+    /// A listed record, its age read from `owner`'s token; for custom [`Store`] implementations.
+    pub fn new(digest: [u8; 32], owner: OwnerToken, lease_left: Duration) -> Self {
+        Self::at(std::time::SystemTime::now(), digest, owner, lease_left)
+    }
+
+    /// [`new`](Self::new), its age counted to `now`: one `now` for a whole listing, so that
+    /// records claimed together show the same age however long the listing takes.
+    pub(crate) fn at(
+        now: std::time::SystemTime,
+        digest: [u8; 32],
+        owner: OwnerToken,
+        lease_left: Duration,
+    ) -> Self {
+        let age = owner
+            .issued_at()
+            .map(|issued| now.duration_since(issued).unwrap_or_default());
+        Self {
+            digest,
+            owner,
+            age,
+            lease_left,
+        }
+    }
+
+    /// The digest in lower-case hex, as `RedisStore` names its keys and an operator reads it.
+    pub fn digest_hex(&self) -> String {
+        crate::key::hex(&self.digest)
+    }
+
+    /// Whether a listing for records at least `older_than` old shows this one: a record of
+    /// unknown age is always shown, since it may be the oldest.
+    pub(crate) fn is_older_than(&self, older_than: Duration) -> bool {
+        match self.age {
+            Some(age) => age >= older_than,
+            None => true,
+        }
+    }
+}
+
+/// The `limit` oldest of the records gathered so far, for [`Store::in_flight`]: memory stays
+/// bounded by twice the limit however many records a store holds.
+pub(crate) struct Oldest {
+    older_than: Duration,
+    limit: usize,
+    /// When the listing started: every age is counted to it.
+    now: std::time::SystemTime,
+    records: Vec<InFlightRecord>,
+}
+
+impl Oldest {
+    pub(crate) fn new(older_than: Duration, limit: usize) -> Self {
+        Self {
+            older_than,
+            limit,
+            now: std::time::SystemTime::now(),
+            records: Vec::new(),
+        }
+    }
+
+    /// Keeps the record of `owner` at `digest` if it is old enough and among the oldest so far.
+    pub(crate) fn offer(&mut self, digest: [u8; 32], owner: OwnerToken, lease_left: Duration) {
+        let record = InFlightRecord::at(self.now, digest, owner, lease_left);
+        if self.limit == 0 || !record.is_older_than(self.older_than) {
+            return;
+        }
+        self.records.push(record);
+        if self.records.len() >= self.limit.saturating_mul(2) {
+            self.trim();
+        }
+    }
+
+    fn trim(&mut self) {
+        // Unknown ages first (possibly the oldest), then by age; the digest makes the order total.
+        self.records.sort_by(|a, b| {
+            let age = |r: &InFlightRecord| r.age.unwrap_or(Duration::MAX);
+            age(b).cmp(&age(a)).then_with(|| a.digest.cmp(&b.digest))
+        });
+        self.records.truncate(self.limit);
+    }
+
+    /// The oldest first.
+    pub(crate) fn into_vec(mut self) -> Vec<InFlightRecord> {
+        self.trim();
+        self.records
+    }
+}
+
 /// A store failure. Every variant but `Corrupt` and `TooLarge` means "the answer is unknown": the
 /// layer fails closed on it (503), or open if configured. `Corrupt` is answered 500 and never
 /// failed open. `TooLarge` comes only from a completion, which is then not retried.
@@ -401,6 +540,10 @@ pub enum StoreError {
         /// The largest result the store holds, in bytes.
         limit: usize,
     },
+    /// The store does not offer this operation (a custom store without
+    /// [`Store::in_flight`], say). Never returned on a request's path.
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
     /// Fewer replicas than required acknowledged a write in time (the durability option,
     /// `RedisStore::with_replica_acks`). A claim answered so was released again.
     #[error("only {acknowledged} of the {wanted} replicas required acknowledged the write in time")]
@@ -428,12 +571,17 @@ impl StoreError {
 
 /// A unique token naming one claim's owner. Completion, release and renewal must present it.
 ///
-/// Tokens are a per-process random prefix and a counter, so they are unique across processes and
-/// cost no system call per request.
+/// Tokens are a per-process random prefix, a counter and the time they were made:
+/// `<32 hex digits>-<counter in hex>@<milliseconds since the Unix epoch>`. The prefix and the
+/// counter make them unique across processes; the time, stored with the claim as part of the
+/// token, tells operators how long a record has been in flight ([`Store::in_flight`]) without
+/// a field of its own in any store's record layout, so records stay readable by the previous
+/// release. Making one reads the wall clock (no system call where the clock is in the vDSO).
 ///
 /// ```
 /// use tower_idempotency::OwnerToken;
 /// assert_ne!(OwnerToken::generate(), OwnerToken::generate());
+/// assert!(OwnerToken::generate().issued_at().is_some());
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct OwnerToken(Box<str>);
@@ -443,10 +591,22 @@ impl OwnerToken {
     pub fn generate() -> Self {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        Self(token_text(process_nonce(), n))
+        let millis = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Self(token_text(process_nonce(), n, millis))
     }
 
-    /// Wraps an existing token, for custom stores and tests.
+    /// Wraps an existing token, for custom stores and tests. A token ending in `@` and a number
+    /// is read as made at that many milliseconds since the Unix epoch ([`issued_at`](Self::issued_at)).
+    ///
+    /// ```
+    /// use std::time::{Duration, UNIX_EPOCH};
+    /// use tower_idempotency::OwnerToken;
+    /// let token = OwnerToken::from_string("worker-1@1700000000000");
+    /// assert_eq!(token.issued_at(), Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+    /// assert_eq!(OwnerToken::from_string("worker-1").issued_at(), None);
+    /// ```
     pub fn from_string(token: impl Into<String>) -> Self {
         Self(token.into().into_boxed_str())
     }
@@ -455,18 +615,37 @@ impl OwnerToken {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// When the token was made, by the clock of the process that made it: the claim's start,
+    /// for a token from [`generate`](Self::generate). `None` for a token that does not end in
+    /// `@<milliseconds since the Unix epoch>`.
+    pub fn issued_at(&self) -> Option<std::time::SystemTime> {
+        let (_, millis) = self.0.rsplit_once('@')?;
+        if millis.is_empty() || !millis.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let millis: u64 = millis.parse().ok()?;
+        std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(millis))
+    }
 }
 
-/// `<nonce>-<n in hex>`, built at its exact length: one allocation per claim.
-fn token_text(nonce: &str, n: u64) -> Box<str> {
+/// `<nonce>-<n in hex>@<millis in decimal>`, built at its exact length: one allocation per claim.
+fn token_text(nonce: &str, n: u64, millis: u64) -> Box<str> {
     let digits = (64 - n.leading_zeros() as usize).div_ceil(4).max(1);
-    let mut token = String::with_capacity(nonce.len() + 1 + digits);
+    let decimal_digits = millis.checked_ilog10().map_or(1, |log| log as usize + 1);
+    let mut token = String::with_capacity(nonce.len() + 1 + digits + 1 + decimal_digits);
     token.push_str(nonce);
     token.push('-');
     for shift in (0..digits).rev() {
         let digit = ((n >> (shift * 4)) & 0xf) as u32;
         token.push(char::from_digit(digit, 16).unwrap_or('0'));
     }
+    token.push('@');
+    for place in (0..decimal_digits as u32).rev() {
+        let digit = (millis / 10u64.pow(place) % 10) as u32;
+        token.push(char::from_digit(digit, 10).unwrap_or('0'));
+    }
+    debug_assert_eq!(token.len(), token.capacity());
     token.into_boxed_str()
 }
 
@@ -508,11 +687,98 @@ mod tests {
         assert!(!StoreError::Unavailable(Box::new(reset)).is_fence());
         assert!(!StoreError::Timeout(std::time::Duration::from_secs(2)).is_fence());
     }
+    use super::OwnerToken;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
     #[test]
-    fn owner_tokens_are_the_nonce_and_the_counter_in_hex() {
+    fn owner_tokens_are_the_nonce_the_counter_in_hex_and_the_time() {
         for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {
-            assert_eq!(&*super::token_text("nonce", n), format!("nonce-{n:x}"));
+            for millis in [0, 7, 10, 1_763_807_554_123, u64::MAX] {
+                let token = super::token_text("nonce", n, millis);
+                assert_eq!(&*token, format!("nonce-{n:x}@{millis}"));
+                let issued = OwnerToken::from_string(token).issued_at();
+                let expected = UNIX_EPOCH.checked_add(Duration::from_millis(millis));
+                assert_eq!(issued, expected, "{n} {millis}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_generated_token_was_issued_now() {
+        let before = SystemTime::now() - Duration::from_millis(1);
+        let issued = OwnerToken::generate().issued_at().expect("a time");
+        assert!(issued >= before && issued <= SystemTime::now(), "{issued:?}");
+    }
+
+    /// A store that does not implement `in_flight` says so, rather than listing nothing.
+    #[tokio::test]
+    async fn a_store_without_a_listing_answers_unsupported() {
+        use super::{Store, StoreError, StoreFuture};
+        use crate::{Fingerprint, MemoryStore, RecordKey};
+        use bytes::Bytes;
+
+        struct Minimal(MemoryStore);
+        impl Store for Minimal {
+            fn claim<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                fingerprint: &'a Fingerprint,
+                owner: &'a OwnerToken,
+                lease: Duration,
+            ) -> StoreFuture<'a, super::ClaimOutcome> {
+                self.0.claim(key, fingerprint, owner, lease)
+            }
+            fn complete<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                owner: &'a OwnerToken,
+                payload: Bytes,
+                retention: Duration,
+            ) -> StoreFuture<'a, bool> {
+                self.0.complete(key, owner, payload, retention)
+            }
+            fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
+                self.0.release(key, owner)
+            }
+            fn renew<'a>(
+                &'a self,
+                key: &'a RecordKey,
+                owner: &'a OwnerToken,
+                lease: Duration,
+            ) -> StoreFuture<'a, bool> {
+                self.0.renew(key, owner, lease)
+            }
+            fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<super::RecordInfo>> {
+                self.0.inspect(key)
+            }
+            fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
+                self.0.purge(key)
+            }
+        }
+        let store = std::sync::Arc::new(Minimal(MemoryStore::new()));
+        let listed = store.in_flight(Duration::ZERO, 10).await;
+        assert!(matches!(listed, Err(StoreError::Unsupported(_))), "{listed:?}");
+        let layer = crate::IdempotencyLayer::new(store);
+        let listed = layer.in_flight(Duration::ZERO, 10).await;
+        assert!(
+            matches!(listed, Err(crate::Error::Store(StoreError::Unsupported(_)))),
+            "{listed:?}"
+        );
+    }
+
+    #[test]
+    fn tokens_without_a_time_have_none() {
+        for token in [
+            "",
+            "a",
+            "a@",
+            "a@b",
+            "a@-1",
+            "a@+5",
+            "a@1.5",
+            "a@99999999999999999999999",
+        ] {
+            assert_eq!(OwnerToken::from_string(token).issued_at(), None, "{token}");
         }
     }
 }

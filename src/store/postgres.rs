@@ -10,7 +10,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRo
 use sqlx::Row;
 
 use super::{
-    ClaimOutcome, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture, RECORD_VERSION,
+    ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
+    StoreFuture, RECORD_VERSION,
 };
 use crate::coordinator::ClaimTicket;
 use crate::{Fingerprint, RecordKey};
@@ -22,6 +23,8 @@ const DEFAULT_SWEEP_EVERY: Duration = Duration::from_secs(60);
 const SWEEP_BATCH: i64 = 1000;
 /// Batches one sweep runs at most; what is left waits for the next sweep.
 const SWEEP_MAX_BATCHES: usize = 100;
+/// Rows one statement of a listing (`Store::in_flight`) reads.
+const LISTING_PAGE: i64 = 1000;
 /// How often a statement that lost a race to a concurrent one (see [`Sql::claim`]) is sent again.
 const RACE_ATTEMPTS: usize = 3;
 
@@ -101,6 +104,7 @@ struct Sql {
     renew: String,
     purge: String,
     sweep: String,
+    in_flight_page: String,
 }
 
 impl Sql {
@@ -192,6 +196,16 @@ impl Sql {
                  SELECT key FROM {table} WHERE expires_at <= statement_timestamp()
                   ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)"
         );
+        // One page of the listing (`Store::in_flight`): the next `$2` keys after `$1` in the
+        // primary key's order, an index range scan whatever the table's size, so no statement
+        // of a listing runs long or holds an old snapshot. Every key of the page comes back (the
+        // last one is where the next page starts), the owner only for a live in-flight record.
+        let in_flight_page = format!(
+            "SELECT key, version,
+                    CASE WHEN state = '{IN_FLIGHT}' AND expires_at > statement_timestamp() THEN owner END AS owner,
+                    (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS left_ms
+               FROM {table} WHERE key > $1 ORDER BY key LIMIT $2"
+        );
         Self {
             claim,
             peek,
@@ -200,6 +214,7 @@ impl Sql {
             renew,
             purge,
             sweep,
+            in_flight_page,
         }
     }
 }
@@ -891,6 +906,46 @@ impl Store for PostgresStore {
         Box::pin(async move {
             let statement = sqlx::query_scalar::<_, bool>(&self.sql.purge).bind(&key.digest()[..]);
             self.bounded(statement.fetch_one(&self.pool)).await
+        })
+    }
+
+    /// Pages through the table in primary-key order, 1000 rows a statement, each bounded by
+    /// the command timeout. No index of its own: one would cost every claim a write.
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        Box::pin(async move {
+            let mut oldest = Oldest::new(older_than, limit);
+            let mut after: Vec<u8> = Vec::new();
+            loop {
+                let statement = sqlx::query(&self.sql.in_flight_page)
+                    .bind(&after[..])
+                    .bind(LISTING_PAGE);
+                let rows = self.bounded(statement.fetch_all(&self.pool)).await?;
+                let Some(last) = rows.last() else {
+                    break;
+                };
+                after = column(last, "key")?;
+                for row in &rows {
+                    let Some(owner) = column::<Option<String>>(row, "owner")? else {
+                        continue;
+                    };
+                    let version: i16 = column(row, "version")?;
+                    let key: Vec<u8> = column(row, "key")?;
+                    let Ok(digest) = <[u8; 32]>::try_from(key.as_slice()) else {
+                        continue;
+                    };
+                    if version != RECORD_VERSION as i16 {
+                        tracing::debug!(version, "not listed: a record in another layout");
+                        continue;
+                    }
+                    let left_ms: i64 = column(row, "left_ms")?;
+                    let left = Duration::from_millis(left_ms.max(0) as u64);
+                    oldest.offer(digest, OwnerToken::from_string(owner), left);
+                }
+                if (rows.len() as i64) < LISTING_PAGE {
+                    break;
+                }
+            }
+            Ok(oldest.into_vec())
         })
     }
 }

@@ -13,7 +13,10 @@ use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
-use super::{ClaimOutcome, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError, StoreFuture};
+use super::{
+    ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
+    StoreFuture,
+};
 use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
 use crate::{Fingerprint, RecordKey};
@@ -939,7 +942,23 @@ mod record {
         (u32::from(version) > RECORD_VERSION).then_some(version)
     }
 
-    pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
+    /// The state, owner and deadline of a record: what a listing needs, readable from the
+    /// record's first [`head_len`] bytes.
+    pub(super) struct Head {
+        pub(super) state: u8,
+        pub(super) owner: Bytes,
+        /// Time to the deadline by this instance's clock.
+        pub(super) time_left: Duration,
+    }
+
+    /// How many bytes of a record [`parse_head`] needs, read from its first 6 (`None` when
+    /// `start` is shorter than that).
+    pub(super) fn head_len(start: &[u8]) -> Option<usize> {
+        let owner_len = usize::from(u16::from_be_bytes([*start.get(4)?, *start.get(5)?]));
+        Some(6 + owner_len + 9)
+    }
+
+    pub(super) fn parse_head(record: &Bytes) -> Result<Head, String> {
         let take = |at: usize, len: usize| {
             record
                 .get(at..at + len)
@@ -968,9 +987,27 @@ mod record {
         // Another instance's clock set the deadline: a skew shifts `Retry-After` and how long a
         // replay cache keeps a copy, never the record's own expiry (Redis's TTL).
         let time_left = deadline.duration_since(SystemTime::now()).unwrap_or_default();
+        Ok(Head {
+            state,
+            owner,
+            time_left,
+        })
+    }
+
+    pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
+        let Head {
+            state,
+            owner,
+            time_left,
+        } = parse_head(record)?;
+        let at = 6 + owner.len() + 9;
         let mut fingerprint = [0; 32];
-        fingerprint.copy_from_slice(take(at + 9, 32)?);
-        let payload = record.slice(at + 9 + 32..);
+        fingerprint.copy_from_slice(
+            record
+                .get(at..at + 32)
+                .ok_or_else(|| "a truncated record".to_string())?,
+        );
+        let payload = record.slice(at + 32..);
         if state == IN_FLIGHT && !payload.is_empty() {
             return Err("an in-flight record with a payload".into());
         }
@@ -1223,6 +1260,121 @@ impl Store for RedisStore {
             let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
             as_flag("purge", self.run(&PURGE, key, &args).await?)
         })
+    }
+
+    /// `SCAN MATCH <prefix>:{*} COUNT 1000` (on every master of a Cluster), then the first
+    /// bytes of each record found (`GETRANGE`, sent together: the payloads of completed
+    /// records are not read). Every page and every read is bounded by the command timeout.
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        Box::pin(async move {
+            use fred::types::scan::Scanner;
+            use futures_util::StreamExt;
+
+            let client = self.connection.client();
+            let pattern = format!("{}:{{*}}", glob_escape(&self.prefix));
+            let mut pages = if client.is_clustered() {
+                client.scan_cluster(pattern, Some(SCAN_COUNT), None).boxed()
+            } else {
+                client.scan(pattern, Some(SCAN_COUNT), None).boxed()
+            };
+            let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+            let mut oldest = Oldest::new(older_than, limit);
+            loop {
+                let page = match tokio::time::timeout(timeout, pages.next()).await {
+                    Err(_) => return Err(StoreError::Timeout(timeout)),
+                    Ok(None) => break,
+                    Ok(Some(page)) => page.map_err(|e| self.failed(e))?,
+                };
+                let mut page = page;
+                let keys = page.take_results().unwrap_or_default();
+                let heads = keys.iter().map(|name| self.record_head(name));
+                for found in futures_util::future::join_all(heads).await {
+                    if let Some((digest, owner, lease_left)) = found? {
+                        oldest.offer(digest, owner, lease_left);
+                    }
+                }
+                // Asks for the next page only now: the records of one page at a time are held.
+                Scanner::next(page);
+            }
+            Ok(oldest.into_vec())
+        })
+    }
+}
+
+/// Keys asked for per `SCAN` call: a step of about a millisecond of Redis's time.
+const SCAN_COUNT: u32 = 1000;
+
+/// `text` with the characters special to `SCAN MATCH` escaped.
+fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+impl RedisStore {
+    /// The digest, owner and lease left of the record at `name` if it is in flight, from its
+    /// first bytes, read with `GETRANGE` (twice for an owner token longer than 255 bytes).
+    /// `None` for a completed record, one gone since the scan, or a key that holds no record
+    /// this release reads.
+    async fn record_head(
+        &self,
+        name: &fred::types::Key,
+    ) -> Result<Option<([u8; 32], OwnerToken, Duration)>, StoreError> {
+        const GUESS: usize = 6 + 255 + 9;
+        let Some(digest) = name
+            .as_bytes()
+            .strip_prefix(self.prefix.as_bytes())
+            .and_then(|rest| rest.strip_prefix(b":{"))
+            .and_then(|rest| rest.strip_suffix(b"}"))
+            .and_then(digest_from_hex)
+        else {
+            return Ok(None);
+        };
+        let mut start = match self.first_bytes(name, GUESS).await? {
+            Some(start) => start,
+            None => return Ok(None),
+        };
+        match record::head_len(&start) {
+            Some(needed) if needed > start.len() && start.len() == GUESS => {
+                start = match self.first_bytes(name, needed).await? {
+                    Some(start) => start,
+                    None => return Ok(None),
+                };
+            }
+            _ => {}
+        }
+        match record::parse_head(&start) {
+            Ok(head) if head.state == record::IN_FLIGHT => {
+                let owner = String::from_utf8_lossy(&head.owner).into_owned();
+                Ok(Some((digest, OwnerToken::from_string(owner), head.time_left)))
+            }
+            Ok(_) => Ok(None),
+            Err(reason) => {
+                tracing::debug!(key = ?name, %reason, "not listed: not a record this release reads");
+                Ok(None)
+            }
+        }
+    }
+
+    /// `GETRANGE name 0 len-1`; `None` when the key is gone or holds something else than a string.
+    async fn first_bytes(&self, name: &fred::types::Key, len: usize) -> Result<Option<Bytes>, StoreError> {
+        let client = self.connection.client().with_options(&self.options);
+        let getrange = CustomCommand::new_static("GETRANGE", ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(name.clone()),
+            Value::Integer(0),
+            Value::Integer(i64::try_from(len).unwrap_or(i64::MAX) - 1),
+        ];
+        match client.custom::<Value, Value>(getrange, args).await {
+            Ok(value) => Ok(into_bytes(value).filter(|bytes| !bytes.is_empty())),
+            Err(error) if error.details().starts_with("WRONGTYPE") => Ok(None),
+            Err(error) => Err(self.failed(error)),
+        }
     }
 }
 

@@ -1,0 +1,771 @@
+//! `idempotency-admin`: inspect, purge and list the records of tower-idempotency, on Redis or
+//! PostgreSQL, for operators.
+//!
+//! Install with `cargo install tower-idempotency --features cli`; in a checkout,
+//! `cargo run --features cli --bin idempotency-admin -- inspect --url redis://… --scope tenant-7 --key order-42`.
+//! `--help` prints the usage. Exit codes: 0 found or done, 1 not found (nothing listed), 2 usage
+//! error, 3 store unreachable (or slower than `--timeout`), 4 a record this release cannot read.
+//!
+//! The arguments are parsed by hand: the tool needs no dependency the library does not have.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tower_idempotency::{
+    Coordinator, Error, IdempotencyKey, IdempotencyLayer, InFlightRecord, Inspection, RecordKey, RecordState,
+    Store, StoreError,
+};
+
+const USAGE: &str = "\
+idempotency-admin: inspect, purge and list tower-idempotency records
+
+Usage:
+  idempotency-admin inspect   --url URL --key KEY [--scope SCOPE] [--show-body] [options]
+  idempotency-admin purge     --url URL --key KEY [--scope SCOPE] [options]
+  idempotency-admin in-flight --url URL [--older-than DURATION] [--limit N] [options]
+
+  inspect    the record of KEY in SCOPE: state, lease or retention left, stored status and
+             size (the stored body only with --show-body: it may hold personal data)
+  purge      delete the record of KEY in SCOPE, whatever its state: the next request with
+             the key runs the handler again
+  in-flight  the records in flight claimed at least DURATION ago (default 0s), oldest first,
+             at most N (default 100): digests, ages, lease left and owners, never keys
+
+The scope is what the layer's with_scope function gives the request (none if the layer has
+no scope function); the key is the Idempotency-Key header's value.
+
+Options:
+  --url URL            redis://, rediss://, redis-cluster://, rediss-cluster://,
+                       redis-sentinel://, rediss-sentinel:// (as RedisStore::connect takes
+                       them), or postgres:// and postgresql:// (PostgresStore::connect);
+                       default: the IDEMPOTENCY_STORE_URL environment variable, which keeps
+                       a password out of the process list
+  --prefix PREFIX      the RedisStore's key prefix (default: idempotency)
+  --table NAME         the PostgresStore's table (default: idempotency_records)
+  --timeout DURATION   give up after this long, exit 3 (default: 10s; in-flight: 5m, as
+                       a listing reads the whole store; each store call gives up after 2s)
+  --json               print one JSON object on stdout
+  -h, --help           print this help
+
+Durations: 500ms, 30s, 5m, 2h (a bare number is seconds).
+Exit codes: 0 found or done, 1 not found (in-flight: nothing listed), 2 usage error,
+3 store unreachable or too slow, 4 a record this release cannot read.
+";
+
+const NOT_FOUND: u8 = 1;
+const USAGE_ERROR: u8 = 2;
+const UNREACHABLE: u8 = 3;
+const UNREADABLE: u8 = 4;
+
+#[derive(Debug)]
+enum Command {
+    Inspect {
+        scope: Option<String>,
+        key: String,
+        show_body: bool,
+    },
+    Purge {
+        scope: Option<String>,
+        key: String,
+    },
+    InFlight {
+        older_than: Duration,
+        limit: usize,
+    },
+}
+
+#[derive(Debug)]
+struct Args {
+    command: Command,
+    url: String,
+    prefix: Option<String>,
+    table: Option<String>,
+    timeout: Duration,
+    json: bool,
+}
+
+/// What parsing the arguments ends in when it does not end in [`Args`].
+#[derive(Debug)]
+enum Parsed {
+    Help,
+    Usage(String),
+}
+
+fn main() -> ExitCode {
+    let args = match parse(
+        std::env::args().skip(1),
+        std::env::var("IDEMPOTENCY_STORE_URL").ok(),
+    ) {
+        Ok(args) => args,
+        Err(Parsed::Help) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(Parsed::Usage(problem)) => {
+            eprintln!("idempotency-admin: {problem}\n\n{USAGE}");
+            return ExitCode::from(USAGE_ERROR);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("idempotency-admin: cannot start the runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(async {
+        match tokio::time::timeout(args.timeout, run(&args)).await {
+            Ok(code) => code,
+            Err(_) => {
+                eprintln!(
+                    "idempotency-admin: the store at {} did not answer within {:?} (--timeout){}",
+                    redacted(&args.url),
+                    args.timeout,
+                    match args.command {
+                        Command::InFlight { .. } =>
+                            "; a listing reads the whole store: raise --timeout for a large one",
+                        _ => "",
+                    }
+                );
+                UNREACHABLE
+            }
+        }
+    });
+    // Connection tasks of the stores may linger; the answer is out, so do not wait for them.
+    runtime.shutdown_background();
+    ExitCode::from(code)
+}
+
+fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -> Result<Args, Parsed> {
+    let usage = |problem: String| Parsed::Usage(problem);
+    let command_name = match argv.next() {
+        None => return Err(usage("no command given".into())),
+        Some(flag) if flag == "-h" || flag == "--help" => return Err(Parsed::Help),
+        Some(name) => name,
+    };
+    let (mut url, mut prefix, mut table, mut timeout, mut json) = (None, None, None, None, false);
+    let (mut scope, mut key, mut show_body, mut older_than, mut limit) = (None, None, false, None, None);
+    while let Some(flag) = argv.next() {
+        let mut value = |name: &str| argv.next().ok_or_else(|| usage(format!("{name} needs a value")));
+        match flag.as_str() {
+            "-h" | "--help" => return Err(Parsed::Help),
+            "--url" => url = Some(value("--url")?),
+            "--prefix" => prefix = Some(value("--prefix")?),
+            "--table" => table = Some(value("--table")?),
+            "--timeout" => timeout = Some(duration(&value("--timeout")?).map_err(usage)?),
+            "--json" => json = true,
+            "--scope" => scope = Some(value("--scope")?),
+            "--key" => key = Some(value("--key")?),
+            "--show-body" => show_body = true,
+            "--older-than" => older_than = Some(duration(&value("--older-than")?).map_err(usage)?),
+            "--limit" => {
+                let text = value("--limit")?;
+                limit = Some(
+                    text.parse::<usize>()
+                        .map_err(|_| usage(format!("--limit {text:?} is not a number")))?,
+                );
+            }
+            other => return Err(usage(format!("unknown argument {other:?}"))),
+        }
+    }
+    let only_for = |flag: &str, given: bool, command: &str| {
+        if given {
+            Err(usage(format!("{flag} is not an option of {command}")))
+        } else {
+            Ok(())
+        }
+    };
+    let command = match command_name.as_str() {
+        "inspect" | "purge" => {
+            only_for("--older-than", older_than.is_some(), &command_name)?;
+            only_for("--limit", limit.is_some(), &command_name)?;
+            let key = key.ok_or_else(|| usage(format!("{command_name} needs --key")))?;
+            if IdempotencyKey::parse(&key).is_err() {
+                return Err(usage(format!(
+                    "--key {key:?} is not a valid Idempotency-Key (1 to 255 visible ASCII characters)"
+                )));
+            }
+            if command_name == "inspect" {
+                Command::Inspect {
+                    scope,
+                    key,
+                    show_body,
+                }
+            } else {
+                only_for("--show-body", show_body, "purge")?;
+                Command::Purge { scope, key }
+            }
+        }
+        "in-flight" => {
+            only_for("--scope", scope.is_some(), "in-flight")?;
+            only_for("--key", key.is_some(), "in-flight")?;
+            only_for("--show-body", show_body, "in-flight")?;
+            Command::InFlight {
+                older_than: older_than.unwrap_or(Duration::ZERO),
+                limit: limit.unwrap_or(100),
+            }
+        }
+        other => return Err(usage(format!("unknown command {other:?}"))),
+    };
+    let url = url
+        .or(url_from_env)
+        .ok_or_else(|| usage("no --url given (nor IDEMPOTENCY_STORE_URL)".into()))?;
+    let is_postgres = is_postgres(&url);
+    if !is_postgres && !is_redis(&url) {
+        return Err(usage(format!(
+            "{} is neither a Redis nor a PostgreSQL URL",
+            redacted(&url)
+        )));
+    }
+    if let Some(prefix) = &prefix {
+        only_for("--prefix", is_postgres, "a PostgreSQL store")?;
+        if prefix.contains(['{', '}']) {
+            return Err(usage(format!("--prefix {prefix:?} contains a brace")));
+        }
+    }
+    if let Some(table) = &table {
+        only_for("--table", !is_postgres, "a Redis store")?;
+        if !plain_table_name(table) {
+            return Err(usage(format!(
+                "--table {table:?} is not name or schema.name in lower-case letters, digits and _"
+            )));
+        }
+    }
+    let timeout = timeout.unwrap_or(match command {
+        // A listing reads every record: a million take tens of seconds. Each of its store calls
+        // is bounded on its own, so an unreachable store still fails within seconds.
+        Command::InFlight { .. } => Duration::from_secs(300),
+        Command::Inspect { .. } | Command::Purge { .. } => Duration::from_secs(10),
+    });
+    Ok(Args {
+        command,
+        url,
+        prefix,
+        table,
+        timeout,
+        json,
+    })
+}
+
+/// `500ms`, `30s`, `5m`, `2h`, or a bare number of seconds.
+fn duration(text: &str) -> Result<Duration, String> {
+    let digits = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(digits);
+    let bad = || format!("{text:?} is not a duration (500ms, 30s, 5m, 2h)");
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let millis = match unit {
+        "ms" => 1,
+        "" | "s" => 1_000,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(bad()),
+    };
+    number
+        .checked_mul(millis)
+        .map(Duration::from_millis)
+        .ok_or_else(bad)
+}
+
+fn scheme(url: &str) -> String {
+    url.split_once("://")
+        .map_or(String::new(), |(scheme, _)| scheme.to_ascii_lowercase())
+}
+
+fn is_postgres(url: &str) -> bool {
+    matches!(scheme(url).as_str(), "postgres" | "postgresql")
+}
+
+fn is_redis(url: &str) -> bool {
+    let scheme = scheme(url);
+    let base = scheme.split('-').next().unwrap_or_default();
+    let topology = scheme.split_once('-').map_or("", |(_, topology)| topology);
+    matches!(base, "redis" | "rediss" | "valkey" | "valkeys")
+        && matches!(topology, "" | "cluster" | "sentinel")
+}
+
+/// The rule `PostgresStore::with_table` enforces (it panics on anything else).
+fn plain_table_name(table: &str) -> bool {
+    let part = |p: &str| {
+        let mut chars = p.chars();
+        matches!(chars.next(), Some('a'..='z' | '_'))
+            && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
+            && p.len() <= 48
+    };
+    match table.split_once('.') {
+        Some((schema, name)) => part(schema) && part(name),
+        None => part(table),
+    }
+}
+
+/// `url` fit to print: its scheme and host, without credentials, path or query (where
+/// sentinel passwords go).
+fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "the URL given".into();
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}"),
+        None => format!("{scheme}://{authority}"),
+    }
+}
+
+async fn connect(args: &Args) -> Result<Arc<dyn Store>, StoreError> {
+    if is_postgres(&args.url) {
+        let store = tower_idempotency::PostgresStore::connect(&args.url).await?;
+        Ok(match &args.table {
+            Some(table) => Arc::new(store.with_table(table)),
+            None => Arc::new(store),
+        })
+    } else {
+        let store = tower_idempotency::RedisStore::connect(&args.url).await?;
+        Ok(match &args.prefix {
+            Some(prefix) => Arc::new(store.with_prefix(prefix.as_str())),
+            None => Arc::new(store),
+        })
+    }
+}
+
+async fn run(args: &Args) -> u8 {
+    let store = match connect(args).await {
+        Ok(store) => store,
+        Err(error) => return failed(args, &error),
+    };
+    let layer = IdempotencyLayer::new(store.clone());
+    let mut out = std::io::stdout().lock();
+    let code = match &args.command {
+        Command::Inspect {
+            scope,
+            key,
+            show_body,
+        } => inspect(args, &layer, scope.as_deref(), key, *show_body, &mut out).await,
+        Command::Purge { scope, key } => purge(args, &layer, scope.as_deref(), key, &mut out).await,
+        Command::InFlight { older_than, limit } => {
+            in_flight(args, &layer, *older_than, *limit, &mut out).await
+        }
+    };
+    let _ = out.flush();
+    code
+}
+
+/// Exit code and message for a failed store call.
+fn failed(args: &Args, error: &StoreError) -> u8 {
+    let url = redacted(&args.url);
+    match error {
+        StoreError::Corrupt(reason) => {
+            eprintln!("idempotency-admin: the record is unreadable: {reason}");
+            UNREADABLE
+        }
+        StoreError::Unsupported(what) => {
+            eprintln!("idempotency-admin: {what}");
+            UNREADABLE
+        }
+        StoreError::Timeout(after) => {
+            eprintln!("idempotency-admin: the store at {url} did not answer within {after:?}");
+            UNREACHABLE
+        }
+        error => {
+            eprintln!("idempotency-admin: cannot reach the store at {url}: {error}");
+            UNREACHABLE
+        }
+    }
+}
+
+fn failed_call(args: &Args, error: Error) -> u8 {
+    match error {
+        Error::Store(error) => failed(args, &error),
+        error => {
+            eprintln!("idempotency-admin: {error}");
+            UNREACHABLE
+        }
+    }
+}
+
+fn record_key(scope: Option<&str>, key: &str) -> Option<RecordKey> {
+    IdempotencyKey::parse(key)
+        .ok()
+        .map(|key| RecordKey::new(scope, key))
+}
+
+fn described(scope: Option<&str>, key: &str) -> String {
+    match scope {
+        Some(scope) => format!("key {key:?} in scope {scope:?}"),
+        None => format!("key {key:?} (no scope)"),
+    }
+}
+
+async fn inspect(
+    args: &Args,
+    layer: &IdempotencyLayer,
+    scope: Option<&str>,
+    key: &str,
+    show_body: bool,
+    out: &mut impl Write,
+) -> u8 {
+    let digest = record_key(scope, key)
+        .map(|key| key.digest_hex())
+        .unwrap_or_default();
+    let found = match layer.inspect(scope, key).await {
+        Ok(found) => found.map(Found::Http),
+        // Not a stored HTTP response (a queue consumer's result through the Coordinator, say):
+        // what the store itself says about the record is still worth showing.
+        Err(Error::Store(StoreError::Corrupt(reason))) => {
+            match raw_inspect(layer.coordinator(), scope, key).await {
+                Ok(Some(info)) => Some(Found::Raw(info, reason)),
+                Ok(None) => None,
+                Err(error) => return failed_call(args, error),
+            }
+        }
+        Err(error) => return failed_call(args, error),
+    };
+    let Some(found) = found else {
+        if args.json {
+            let _ = writeln!(out, "{}", json!({ "found": false, "digest": digest }));
+        } else {
+            let _ = writeln!(out, "no record for {}", described(scope, key));
+        }
+        return NOT_FOUND;
+    };
+    let (state, expires_in, stored_bytes) = match &found {
+        Found::Http(record) => (record.state, record.expires_in, record.stored_bytes),
+        Found::Raw(info, _) => (
+            info.state,
+            info.expires_in,
+            info.payload.as_ref().map_or(0, |payload| payload.len()),
+        ),
+    };
+    let state_name = match state {
+        RecordState::InFlight => "in_flight",
+        RecordState::Completed => "completed",
+    };
+    let (status, not_stored, body, unreadable) = match &found {
+        Found::Http(record) => (
+            record.status,
+            record.not_stored.map(|why| why.to_string()),
+            record.body.clone(),
+            None,
+        ),
+        Found::Raw(_, reason) => (None, None, None, Some(reason.clone())),
+    };
+    if args.json {
+        let mut document = json!({
+            "found": true,
+            "digest": digest,
+            "state": state_name,
+            "expires_in_ms": u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX),
+            "status": status.map(|status| status.as_u16()),
+            "not_stored": not_stored,
+            "stored_bytes": stored_bytes,
+            "body_bytes": body.as_ref().map(|body| body.len()),
+        });
+        if let Some(reason) = &unreadable {
+            document["payload_unreadable"] = Value::from(reason.as_str());
+        }
+        if show_body {
+            if let Some(body) = &body {
+                match std::str::from_utf8(body) {
+                    Ok(text) => document["body"] = Value::from(text),
+                    Err(_) => document["body_hex"] = Value::from(hex(body)),
+                }
+            }
+        }
+        let _ = writeln!(out, "{document}");
+        return 0;
+    }
+    let _ = writeln!(out, "record      {} ({digest})", described(scope, key));
+    let left = match state {
+        RecordState::InFlight => {
+            let _ = writeln!(out, "state       in flight");
+            "lease left "
+        }
+        RecordState::Completed => {
+            let _ = writeln!(out, "state       completed");
+            "kept for   "
+        }
+    };
+    let _ = writeln!(out, "{left} {}", human(expires_in));
+    if let Some(status) = status {
+        let _ = writeln!(out, "status      {status}");
+    }
+    if let Some(why) = &not_stored {
+        let _ = writeln!(out, "not stored  {why} (a retry gets 409 ResponseNotStored)");
+    }
+    if state == RecordState::Completed {
+        match &body {
+            Some(body) => {
+                let _ = writeln!(
+                    out,
+                    "stored      {stored_bytes} bytes (body {} bytes)",
+                    body.len()
+                );
+            }
+            None => {
+                let _ = writeln!(out, "stored      {stored_bytes} bytes");
+            }
+        }
+    }
+    if let Some(reason) = &unreadable {
+        let _ = writeln!(out, "payload     not a stored HTTP response ({reason})");
+    }
+    if show_body {
+        if let Some(body) = &body {
+            let _ = writeln!(out, "body:");
+            let _ = out.write_all(body);
+            let _ = writeln!(out);
+        }
+    } else if body.as_ref().is_some_and(|body| !body.is_empty()) {
+        let _ = writeln!(out, "(body not shown: --show-body prints it)");
+    }
+    0
+}
+
+enum Found {
+    Http(Inspection),
+    Raw(tower_idempotency::RecordInfo, String),
+}
+
+async fn raw_inspect(
+    coordinator: &Coordinator,
+    scope: Option<&str>,
+    key: &str,
+) -> Result<Option<tower_idempotency::RecordInfo>, Error> {
+    match record_key(scope, key) {
+        Some(key) => coordinator.inspect(&key).await,
+        None => Ok(None),
+    }
+}
+
+async fn purge(
+    args: &Args,
+    layer: &IdempotencyLayer,
+    scope: Option<&str>,
+    key: &str,
+    out: &mut impl Write,
+) -> u8 {
+    let digest = record_key(scope, key)
+        .map(|key| key.digest_hex())
+        .unwrap_or_default();
+    let purged = match layer.purge(scope, key).await {
+        Ok(purged) => purged,
+        Err(error) => return failed_call(args, error),
+    };
+    if args.json {
+        let _ = writeln!(out, "{}", json!({ "purged": purged, "digest": digest }));
+    } else if purged {
+        let _ = writeln!(
+            out,
+            "purged the record of {}: the next request with it runs the handler",
+            described(scope, key)
+        );
+    } else {
+        let _ = writeln!(out, "no record for {}", described(scope, key));
+    }
+    if purged {
+        0
+    } else {
+        NOT_FOUND
+    }
+}
+
+async fn in_flight(
+    args: &Args,
+    layer: &IdempotencyLayer,
+    older_than: Duration,
+    limit: usize,
+    out: &mut impl Write,
+) -> u8 {
+    let records = match layer.in_flight(older_than, limit).await {
+        Ok(records) => records,
+        Err(error) => return failed_call(args, error),
+    };
+    if args.json {
+        let listed: Vec<Value> = records.iter().map(record_json).collect();
+        let _ = writeln!(out, "{}", json!({ "records": listed }));
+    } else if records.is_empty() {
+        let _ = writeln!(out, "no records in flight for {} or more", human(older_than));
+    } else {
+        let _ = writeln!(
+            out,
+            "{:<64}  {:>12}  {:>10}  OWNER",
+            "DIGEST", "AGE", "LEASE LEFT"
+        );
+        for record in &records {
+            let age = record.age.map_or_else(|| "unknown".to_owned(), human);
+            let _ = writeln!(
+                out,
+                "{:<64}  {:>12}  {:>10}  {}",
+                record.digest_hex(),
+                age,
+                human(record.lease_left),
+                record.owner.as_str()
+            );
+        }
+        if records.len() == limit {
+            let _ = writeln!(out, "(the {limit} oldest; --limit shows more)");
+        }
+    }
+    if records.is_empty() {
+        NOT_FOUND
+    } else {
+        0
+    }
+}
+
+fn record_json(record: &InFlightRecord) -> Value {
+    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    json!({
+        "digest": record.digest_hex(),
+        "age_ms": record.age.map(millis),
+        "lease_left_ms": millis(record.lease_left),
+        "owner": record.owner.as_str(),
+    })
+}
+
+/// `d` for people: `1h 2m 3s`, `4.5s`, `120ms`.
+fn human(d: Duration) -> String {
+    let secs = d.as_secs();
+    match secs {
+        0 => format!("{}ms", d.as_millis()),
+        1..=59 => format!("{:.1}s", d.as_secs_f64()),
+        60..=3599 => format!("{}m {}s", secs / 60, secs % 60),
+        _ => format!("{}h {}m {}s", secs / 3600, secs / 60 % 60, secs % 60),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Result<Args, Parsed> {
+        parse(line.split_whitespace().map(str::to_owned), None)
+    }
+
+    fn problem(line: &str) -> String {
+        match args(line) {
+            Err(Parsed::Usage(problem)) => problem,
+            Err(Parsed::Help) => "help".into(),
+            Ok(args) => panic!("{line}: parsed as {args:?}"),
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(duration("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(duration("2h"), Ok(Duration::from_secs(7200)));
+        for bad in ["", "s", "5x", "-1s", "1.5s", "99999999999999999999h"] {
+            assert!(duration(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn commands_and_their_options() {
+        let parsed = args("inspect --url redis://h:1 --scope t --key k --show-body --json").unwrap();
+        assert!(parsed.json);
+        assert!(matches!(
+            parsed.command,
+            Command::Inspect { scope: Some(ref s), ref key, show_body: true } if s == "t" && key == "k"
+        ));
+        let parsed = args("in-flight --url postgres://h/db --older-than 5m --limit 7").unwrap();
+        assert!(matches!(
+            parsed.command,
+            Command::InFlight { older_than, limit: 7 } if older_than == Duration::from_secs(300)
+        ));
+        let from_env = parse(
+            ["purge", "--key", "k"].map(str::to_owned).into_iter(),
+            Some("redis-sentinel://h?sentinelServiceName=m".into()),
+        );
+        assert!(from_env.is_ok());
+        assert!(matches!(args("--help"), Err(Parsed::Help)));
+        assert!(matches!(args("purge --help"), Err(Parsed::Help)));
+    }
+
+    #[test]
+    fn usage_errors() {
+        for (line, says) in [
+            ("", "no command"),
+            ("frobnicate --url redis://h", "unknown command"),
+            ("inspect --url redis://h", "needs --key"),
+            ("inspect --url redis://h --key", "needs a value"),
+            (
+                "inspect --url redis://h --key a\u{7f}",
+                "not a valid Idempotency-Key",
+            ),
+            (
+                "purge --url redis://h --key k --show-body",
+                "not an option of purge",
+            ),
+            ("in-flight --url redis://h --key k", "not an option of in-flight"),
+            ("in-flight --url redis://h --limit many", "not a number"),
+            ("in-flight --url redis://h --older-than soon", "not a duration"),
+            ("in-flight", "no --url"),
+            ("in-flight --url http://h", "neither a Redis nor a PostgreSQL URL"),
+            (
+                "in-flight --url redis://h --table t",
+                "not an option of a Redis store",
+            ),
+            (
+                "in-flight --url postgres://h --prefix p",
+                "not an option of a PostgreSQL store",
+            ),
+            (
+                "in-flight --url postgres://h --table T;drop",
+                "not name or schema.name",
+            ),
+            ("in-flight --url redis://h --prefix a{b}", "contains a brace"),
+            ("in-flight --url redis://h --verbose", "unknown argument"),
+        ] {
+            let problem = problem(line);
+            assert!(problem.contains(says), "{line}: {problem}");
+        }
+    }
+
+    #[test]
+    fn every_url_form_of_the_stores_is_recognised() {
+        for url in [
+            "redis://h:6379",
+            "rediss://h",
+            "redis-cluster://h:1",
+            "rediss-cluster://h",
+            "redis-sentinel://h?sentinelServiceName=m",
+            "rediss-sentinel://h",
+            "valkey://h",
+            "REDIS://h",
+        ] {
+            assert!(is_redis(url) && !is_postgres(url), "{url}");
+        }
+        for url in ["postgres://u@h/db", "postgresql://h/db"] {
+            assert!(is_postgres(url) && !is_redis(url), "{url}");
+        }
+    }
+
+    #[test]
+    fn printed_urls_carry_no_credentials() {
+        assert_eq!(redacted("redis://:secret@h:1/0"), "redis://***@h:1");
+        assert_eq!(
+            redacted("postgres://u:pw@db:5432/app?sslmode=require"),
+            "postgres://***@db:5432"
+        );
+        assert_eq!(
+            redacted("redis-sentinel://h:1?sentinelPassword=secret"),
+            "redis-sentinel://h:1"
+        );
+        assert_eq!(redacted("nonsense"), "the URL given");
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human(Duration::from_millis(120)), "120ms");
+        assert_eq!(human(Duration::from_millis(4_500)), "4.5s");
+        assert_eq!(human(Duration::from_secs(61)), "1m 1s");
+        assert_eq!(human(Duration::from_secs(3_723)), "1h 2m 3s");
+    }
+}
