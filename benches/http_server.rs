@@ -128,9 +128,7 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
     })
 }
 
-async fn signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
+async fn signal(mut terminate: tokio::signal::unix::Signal) {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = terminate.recv() => {}
@@ -163,6 +161,9 @@ async fn main() -> Result<(), BoxError> {
     };
     let router = router.layer(DefaultBodyLimit::max(2 * 1024 * 1024));
 
+    // Before the server says it listens: a SIGTERM sent at once (a bench cell that failed early)
+    // must end it cleanly, not kill it, or its exit status hides the cell's own error.
+    let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!(
         "bench_server: listening on http://{} (mode {mode})",
@@ -171,7 +172,7 @@ async fn main() -> Result<(), BoxError> {
 
     let (stop, stopped) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        signal().await;
+        signal(terminate).await;
         let _ = stop.send(true);
     });
     let mut on_signal = stopped.clone();
