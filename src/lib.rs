@@ -67,6 +67,7 @@ mod http;
 pub use self::http::body::{BoxError, RequestBody, ResponseBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};
 pub use self::http::future::ResponseFuture;
+pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
 pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
 pub use self::http::response::Rejection;

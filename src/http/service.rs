@@ -15,9 +15,10 @@ use tower_service::Service;
 
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
-use crate::http::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
+use crate::http::capture::{capture, declared_length, release, settle_not_stored, Captured, Storing};
 use crate::http::config::Config;
 use crate::http::future::{BoxFuture, ResponseFuture};
+use crate::http::grpc;
 use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
@@ -91,11 +92,12 @@ where
                 return ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)));
             }
             Ok(None) => {
-                let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
-                return ResponseFuture::ready(rejection);
+                let grpc = grpc::is_grpc_request(request.headers());
+                return ResponseFuture::ready(Rejection::MissingKey.respond(&config.key_header, grpc));
             }
             Err(error) => {
-                let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
+                let grpc = grpc::is_grpc_request(request.headers());
+                let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc);
                 return ResponseFuture::ready(rejection);
             }
         };
@@ -104,7 +106,10 @@ where
         let scope = match &config.scope {
             Some(scope) => match scope(&parts) {
                 Some(scope) => Some(scope),
-                None => return ResponseFuture::ready(Rejection::MissingScope.into_response()),
+                None => {
+                    let grpc = grpc::is_grpc_request(&parts.headers);
+                    return ResponseFuture::ready(Rejection::MissingScope.respond(&config.key_header, grpc));
+                }
             },
             None => None,
         };
@@ -143,14 +148,13 @@ fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<Idemp
 /// and query, `Content-Type` and body. The authority keeps tenants told apart by host name from
 /// colliding on one key; it is normalised first, so a retry that spells the same host another
 /// way is still the same request.
-fn fingerprint(parts: &request::Parts, body: &[u8]) -> Fingerprint {
+fn fingerprint(parts: &request::Parts, content_type: &[u8], body: &[u8]) -> Fingerprint {
     let authority = match parts.uri.authority() {
         Some(authority) => authority.as_str().as_bytes(),
         None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
     };
     let authority = normalized_authority(authority);
     let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-    let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
     Fingerprint::new([
         parts.method.as_str().as_bytes(),
         &authority,
@@ -220,7 +224,12 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let reject = |rejection: Rejection| Step::Done(Ok(rejection.into_response()));
+    // The one look at the `Content-Type`, shared by the fingerprint and the rejections, which
+    // must speak gRPC to a gRPC client.
+    let content_type = parts.headers.get(CONTENT_TYPE);
+    let grpc = grpc::is_grpc(content_type);
+    let content_type = content_type.map_or(&[][..], |v| v.as_bytes());
+    let reject = |rejection: Rejection| Step::Done(Ok(rejection.respond(&config.key_header, grpc)));
     let too_large = Rejection::BodyTooLarge {
         limit: config.body_limit,
     };
@@ -232,13 +241,13 @@ where
         Collected::TooLarge { .. } => return reject(too_large),
         Collected::Failed { .. } => return reject(Rejection::BodyUnreadable),
     };
-    let fingerprint = fingerprint(&parts, &body);
+    let fingerprint = fingerprint(&parts, content_type, &body);
     let mut request = Request::from_parts(parts, RequestBody::buffered(body));
 
     let claim = match coordinator.begin_driven(&key, &fingerprint).await {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            return replay_stored(&key, &payload, &config);
+            return replay_stored(&key, &payload, &config, grpc);
         }
         Ok(Begin::InFlight { lease_left }) => {
             return reject(Rejection::InFlight {
@@ -274,13 +283,13 @@ where
         let handed = TransactionalClaim::new(claim.ticket(), config.clone());
         request.extensions_mut().insert(handed);
     }
-    Step::Run(Box::pin(run_claimed(inner, claim, config, request)))
+    Step::Run(Box::pin(run_claimed(inner, claim, config, request, grpc)))
 }
 
 /// The stored response, replayed. A key whose response was not stored is answered so; a
 /// payload from a newer release (a rolling upgrade under way) like a request in flight, to be
 /// retried; one that cannot be decoded 500, never replayed.
-fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> Step<B, E> {
+fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config, grpc: bool) -> Step<B, E> {
     let rejection = match replay::decode(payload) {
         Ok(Decoded::Response(stored)) => {
             tracing::debug!(?key, "replaying the stored response");
@@ -305,17 +314,18 @@ fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> Ste
             Rejection::UnreadableRecord
         }
     };
-    Step::Done(Ok(rejection.into_response()))
+    Step::Done(Ok(rejection.respond(&config.key_header, grpc)))
 }
 
 /// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its
 /// response head, then stores its answer (now, or as it streams), keeps the key as not
-/// replayable, or releases it.
+/// replayable, or releases it. `grpc`: the request is a gRPC call, answered so if the layer must.
 async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
     mut claim: Claim,
     config: Arc<Config>,
     request: Request<RequestBody<ReqBody>>,
+    grpc: bool,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
@@ -339,10 +349,10 @@ where
             let _ = claim.complete(payload).await;
             Ok(response)
         }
-        Some(Ok(Ok(Captured::Streaming(parts, body, record)))) => {
+        Some(Ok(Ok(Captured::Streaming(parts, body, record, status_rule)))) => {
             // The body outlives this future: its lease is renewed by a task from now on.
             claim.renew_in_background();
-            let storing = Storing::new(body, record, parts.status, claim, &config);
+            let storing = Storing::new(body, record, parts.status, status_rule, claim, &config);
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
         Some(Ok(Ok(Captured::NotStored(response, why)))) => {
@@ -360,13 +370,13 @@ where
         Some(Err(_panic)) => {
             tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
             release(claim).await;
-            Ok(Rejection::HandlerPanicked.into_response())
+            Ok(Rejection::HandlerPanicked.respond(&config.key_header, grpc))
         }
         None => {
             let after = config.handler_timeout;
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
             settle_not_stored(claim, NotStored::TimedOut, None, release_not_stored).await;
-            Ok(Rejection::HandlerTimedOut { after }.into_response())
+            Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc))
         }
     }
 }
@@ -389,13 +399,6 @@ async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> O
         Poll::Pending
     })
     .await
-}
-
-async fn release(claim: Claim) {
-    let key = claim.key().clone();
-    if let Err(error) = claim.release().await {
-        tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
-    }
 }
 
 #[cfg(test)]
