@@ -42,6 +42,10 @@
 //!
 //! With axum, `Router::layer`, `Router::route_layer` and `MethodRouter::layer` all take the
 //! layer; configure each route with its own layer (see `examples/per_route.rs`).
+//! A gRPC server (tonic's `Server::builder().layer(..)`) takes it too: the key comes as
+//! `idempotency-key` metadata, a call is stored only if its `grpc-status` allows
+//! ([`default_grpc_cacheable`]), and rejections are gRPC errors ([`Rejection::grpc_code`]); see
+//! `examples/grpc.rs`.
 //!
 //! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
 //! completed with the result or released. Queue consumers use it directly (see
