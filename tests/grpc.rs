@@ -45,6 +45,75 @@ struct PaymentReply {
     amount: i64,
 }
 
+/// gRPC's rich error model (`google/rpc/status.proto`, `error_details.proto`), as much as the
+/// rejections carry in `grpc-status-details-bin`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RpcStatus {
+    #[prost(int32, tag = "1")]
+    code: i32,
+    #[prost(string, tag = "2")]
+    message: String,
+    #[prost(message, repeated, tag = "3")]
+    details: Vec<Any>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct Any {
+    #[prost(string, tag = "1")]
+    type_url: String,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ErrorInfo {
+    #[prost(string, tag = "1")]
+    reason: String,
+    #[prost(string, tag = "2")]
+    domain: String,
+    #[prost(map = "string, string", tag = "3")]
+    metadata: std::collections::HashMap<String, String>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RetryInfo {
+    #[prost(message, optional, tag = "1")]
+    retry_delay: Option<ProtoDuration>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ProtoDuration {
+    #[prost(int64, tag = "1")]
+    seconds: i64,
+    #[prost(int32, tag = "2")]
+    nanos: i32,
+}
+
+/// A rejection's kind (`ErrorInfo.reason`) and retry delay in seconds (`RetryInfo`), read from
+/// its rich error details as a client would.
+fn kind(status: &Status) -> (String, Option<i64>) {
+    let rpc = RpcStatus::decode(status.details()).expect("grpc-status-details-bin holds a google.rpc.Status");
+    assert_eq!(rpc.code, status.code() as i32);
+    assert_eq!(rpc.message, status.message());
+    let (mut reason, mut delay) = (None, None);
+    for any in rpc.details {
+        match any.type_url.as_str() {
+            "type.googleapis.com/google.rpc.ErrorInfo" => {
+                let info = ErrorInfo::decode(&any.value[..]).expect("an ErrorInfo");
+                assert_eq!(info.domain, "tower-idempotency");
+                assert!(info.metadata["type"].starts_with("https://docs.rs/tower-idempotency/"));
+                reason = Some(info.reason);
+            }
+            "type.googleapis.com/google.rpc.RetryInfo" => {
+                let info = RetryInfo::decode(&any.value[..]).expect("a RetryInfo");
+                delay = info.retry_delay.map(|d| d.seconds);
+            }
+            other => panic!("unexpected detail {other}"),
+        }
+    }
+    (reason.expect("an ErrorInfo in the details"), delay)
+}
+
 const CREATE: &str = "/test.Payments/Create";
 /// Server streaming: one reply, then the request's failure (if any) in the trailers.
 const STREAM: &str = "/test.Payments/Stream";
@@ -438,6 +507,11 @@ async fn a_different_request_under_the_same_key_gets_aborted(b: Backend) {
         "{}",
         status.message()
     );
+    assert_eq!(
+        kind(&status),
+        ("MISMATCH".into(), None),
+        "told apart from IN_FLIGHT"
+    );
     assert!(
         status.metadata().get("grpc-retry-pushback-ms").is_none(),
         "no pushback: the key must not be retried"
@@ -469,6 +543,7 @@ async fn a_call_still_running_gets_aborted_with_a_pushback(b: Backend) {
         status.message()
     );
     assert_eq!(status.metadata().get("grpc-retry-pushback-ms").unwrap(), "1000");
+    assert_eq!(kind(&status), ("IN_FLIGHT".into(), Some(1)));
     running.await.unwrap().expect("the first call succeeds");
     assert_eq!(server.runs(), 1);
 }
@@ -483,10 +558,12 @@ async fn a_missing_or_invalid_key_gets_invalid_argument(b: Backend) {
         "{}",
         status.message()
     );
+    assert_eq!(kind(&status).0, "MISSING_KEY");
     let status = create(&channel, Some("two words"), payment(1))
         .await
         .expect_err("invalid key");
     assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(kind(&status).0, "INVALID_KEY");
     assert_eq!(server.runs(), 0);
 }
 
@@ -501,6 +578,7 @@ async fn a_request_over_the_body_limit_gets_resource_exhausted(b: Backend) {
         .await
         .expect_err("too large");
     assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_eq!(kind(&status).0, "BODY_TOO_LARGE");
     assert_eq!(server.runs(), 0);
 }
 
@@ -525,6 +603,7 @@ async fn the_store_down_gets_unavailable(mut b: Backend) {
         .expect_err("store down");
     assert_eq!(status.code(), Code::Unavailable);
     assert!(status.message().contains("store"), "{}", status.message());
+    assert_eq!(kind(&status), ("STORE_UNAVAILABLE".into(), Some(1)));
     assert_eq!(status.metadata().get("grpc-retry-pushback-ms").unwrap(), "1000");
     assert_eq!(server.runs(), 0, "fail-closed: nothing ran");
 }

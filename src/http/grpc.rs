@@ -18,6 +18,8 @@ use crate::http::response::Rejection;
 
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// gRPC's rich error model: a `google.rpc.Status`, base64-encoded.
+pub(crate) const GRPC_STATUS_DETAILS: HeaderName = HeaderName::from_static("grpc-status-details-bin");
 /// How long a client with a retry policy waits before its next attempt (gRPC's A6 proposal).
 pub(crate) const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
@@ -182,6 +184,13 @@ impl Rejection {
     /// sense, `grpc-retry-pushback-ms` (read by gRPC clients with a retry policy) and
     /// `retry-after`. `self` is in the extensions.
     ///
+    /// The kind is machine-readable in `grpc-status-details-bin`, gRPC's rich error model (what
+    /// `tonic_types::StatusExt::get_error_details` reads): a `google.rpc.Status` with a
+    /// `google.rpc.ErrorInfo` whose `domain` is `tower-idempotency`, whose `reason` is the
+    /// variant's name in upper snake case (`IN_FLIGHT`, `MISMATCH`, `MISSING_KEY`...) and whose
+    /// `metadata["type"]` is the problem type URI; and, where a retry makes sense, a
+    /// `google.rpc.RetryInfo` with the delay.
+    ///
     /// ```
     /// use tower_idempotency::Rejection;
     ///
@@ -200,21 +209,114 @@ impl Rejection {
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(GRPC_STATUS, HeaderValue::from(self.grpc_code()));
-        let message = percent_encode(self.detail_for(key_header).as_bytes());
+        let message_text = self.detail_for(key_header);
+        let message = percent_encode(message_text.as_bytes());
         // Percent-encoding leaves only visible ASCII and spaces, which a header value always takes.
         if let Ok(message) = HeaderValue::from_maybe_shared(message) {
             headers.insert(GRPC_MESSAGE, message);
         }
-        if let Some(seconds) = self.retry_after_seconds() {
+        let retry_after = self.retry_after_seconds();
+        if let Some(seconds) = retry_after {
             headers.insert(
                 GRPC_RETRY_PUSHBACK_MS,
                 HeaderValue::from(seconds.saturating_mul(1000)),
             );
             headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        let details = base64(&self.status_details(&message_text, retry_after));
+        // Base64 is visible ASCII.
+        if let Ok(details) = HeaderValue::from_maybe_shared(details) {
+            headers.insert(GRPC_STATUS_DETAILS, details);
+        }
         response.extensions_mut().insert(self);
         response
     }
+}
+
+impl Rejection {
+    /// The `google.rpc.Status` of this rejection, protobuf-encoded (see
+    /// [`into_grpc_response`](Rejection::into_grpc_response)).
+    fn status_details(&self, message: &str, retry_after: Option<u64>) -> Bytes {
+        let mut reason = String::new();
+        for (i, c) in self.name().char_indices() {
+            if c.is_ascii_uppercase() && i > 0 {
+                reason.push('_');
+            }
+            reason.push(c.to_ascii_uppercase());
+        }
+        let mut type_entry = Vec::new();
+        proto::string(&mut type_entry, 1, "type");
+        proto::string(&mut type_entry, 2, &self.problem_type());
+        let mut error_info = Vec::new();
+        proto::string(&mut error_info, 1, &reason);
+        proto::string(&mut error_info, 2, "tower-idempotency");
+        proto::bytes(&mut error_info, 3, &type_entry);
+        let mut status = Vec::new();
+        // Every code is small and positive: its int32 varint is its u64 varint.
+        proto::varint_field(&mut status, 1, self.grpc_code().unsigned_abs().into());
+        proto::string(&mut status, 2, message);
+        proto::bytes(&mut status, 3, &proto::any("google.rpc.ErrorInfo", &error_info));
+        if let Some(seconds) = retry_after {
+            let mut delay = Vec::new();
+            proto::varint_field(&mut delay, 1, seconds);
+            let mut retry_info = Vec::new();
+            proto::bytes(&mut retry_info, 1, &delay);
+            proto::bytes(&mut status, 3, &proto::any("google.rpc.RetryInfo", &retry_info));
+        }
+        Bytes::from(status)
+    }
+}
+
+/// The few protobuf encodings `google.rpc.Status` needs, written out rather than taken from a
+/// protobuf library the crate would otherwise not need.
+mod proto {
+    fn varint(out: &mut Vec<u8>, mut value: u64) {
+        while value >= 0x80 {
+            out.push((value as u8) | 0x80);
+            value >>= 7;
+        }
+        out.push(value as u8);
+    }
+
+    /// A varint field (wire type 0).
+    pub(super) fn varint_field(out: &mut Vec<u8>, field: u64, value: u64) {
+        varint(out, field << 3);
+        varint(out, value);
+    }
+
+    /// A length-delimited field (wire type 2): bytes, a string or an embedded message.
+    pub(super) fn bytes(out: &mut Vec<u8>, field: u64, value: &[u8]) {
+        varint(out, field << 3 | 2);
+        varint(out, value.len() as u64);
+        out.extend_from_slice(value);
+    }
+
+    pub(super) fn string(out: &mut Vec<u8>, field: u64, value: &str) {
+        bytes(out, field, value.as_bytes());
+    }
+
+    /// A `google.protobuf.Any` holding `message` of type `name`.
+    pub(super) fn any(name: &str, message: &[u8]) -> Vec<u8> {
+        let mut any = Vec::new();
+        string(&mut any, 1, &format!("type.googleapis.com/{name}"));
+        bytes(&mut any, 2, message);
+        any
+    }
+}
+
+/// Standard base64 with padding, as gRPC's `-bin` metadata is sent.
+fn base64(data: &[u8]) -> Bytes {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = BytesMut::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
+        let sextets = [n >> 18, n >> 12, n >> 6, n].map(|s| ALPHABET[(s & 63) as usize]);
+        let kept = chunk.len() + 1;
+        out.put_slice(&sextets[..kept]);
+        out.put_slice(&b"=="[..4 - kept]);
+    }
+    out.freeze()
 }
 
 /// `grpc-message`'s encoding (gRPC over HTTP/2, "Responses"): every byte outside `%x20-%x7E`,
@@ -254,6 +356,16 @@ mod tests {
     fn grpc_message_is_percent_encoded_as_the_spec_asks() {
         assert_eq!(&percent_encode(b"Retry in 1 s.")[..], b"Retry in 1 s.");
         assert_eq!(&percent_encode(b"100% caf\xc3\xa9\n")[..], b"100%25 caf%C3%A9%0A");
+    }
+
+    #[test]
+    fn base64_is_the_standard_alphabet_with_padding() {
+        assert_eq!(&base64(b"")[..], b"");
+        assert_eq!(&base64(b"f")[..], b"Zg==");
+        assert_eq!(&base64(b"fo")[..], b"Zm8=");
+        assert_eq!(&base64(b"foo")[..], b"Zm9v");
+        assert_eq!(&base64(b"foob")[..], b"Zm9vYg==");
+        assert_eq!(&base64(&[0xfb, 0xff])[..], b"+/8=");
     }
 
     #[test]

@@ -106,7 +106,7 @@ impl Rejection {
         }
     }
 
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Rejection::MissingKey => "MissingKey",
             Rejection::InvalidKey(_) => "InvalidKey",
