@@ -582,6 +582,28 @@ async fn a_request_over_the_body_limit_gets_resource_exhausted(b: Backend) {
     assert_eq!(server.runs(), 0);
 }
 
+async fn a_handler_past_its_timeout_gets_deadline_exceeded_and_its_retry_failed_precondition(b: Backend) {
+    let layer = IdempotencyLayer::new(b.store.clone()).with_handler_timeout(Duration::from_millis(200));
+    let server = Server::start(layer).await;
+    let channel = server.channel().await;
+    let hung = PaymentRequest {
+        delay_ms: 5_000,
+        ..payment(4)
+    };
+    let status = create(&channel, Some("hung"), hung.clone())
+        .await
+        .expect_err("timed out");
+    assert_eq!(status.code(), Code::DeadlineExceeded);
+    assert_eq!(kind(&status).0, "HANDLER_TIMED_OUT");
+    // The key is kept as not replayable: the retry is told so, and nothing runs again.
+    let status = create(&channel, Some("hung"), hung)
+        .await
+        .expect_err("not stored");
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert_eq!(kind(&status), ("RESPONSE_NOT_STORED".into(), None));
+    assert_eq!(server.runs(), 1);
+}
+
 async fn the_store_down_gets_unavailable(mut b: Backend) {
     let timeout = Duration::from_millis(200);
     let layer = match &mut b.redis {
@@ -617,5 +639,6 @@ on_both_stores!(
     a_call_still_running_gets_aborted_with_a_pushback,
     a_missing_or_invalid_key_gets_invalid_argument,
     a_request_over_the_body_limit_gets_resource_exhausted,
+    a_handler_past_its_timeout_gets_deadline_exceeded_and_its_retry_failed_precondition,
     the_store_down_gets_unavailable,
 );

@@ -264,7 +264,7 @@ where
                     .as_ref()
                     .is_some_and(|rule| !grpc::cacheable_at_end(trailers, rule)) =>
             {
-                tracing::debug!(key = ?claim.key(), "gRPC call failed; its key is released");
+                tracing::debug!(key = ?claim.key(), "gRPC status not to be stored; the key is released");
                 Box::pin(release(claim))
             }
             (Ok(trailers), Some(record)) => {
