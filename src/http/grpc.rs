@@ -1,8 +1,9 @@
 //! gRPC over the same layer: a gRPC call is an HTTP/2 `POST` whose outcome is in its
 //! `grpc-status`, sent in the trailers, or in the headers of a trailers-only response. So the
 //! cacheable rule waits for that status, and rejections are answered as gRPC clients read them:
-//! HTTP 200, `content-type: application/grpc`, `grpc-status` and a percent-encoded
-//! `grpc-message`. Plain headers and bodies: no gRPC library is needed.
+//! HTTP 200, `content-type: application/grpc`, `grpc-status`, a percent-encoded
+//! `grpc-message`, and the kind in `grpc-status-details-bin`. Plain headers, a few hand-written
+//! protobuf fields: no gRPC library is needed.
 //!
 //! Only what a rejection or the cacheable decision needs is looked at, and only there: a request
 //! that is not rejected pays nothing for gRPC, and a claimed request one look at its response's
