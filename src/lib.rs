@@ -46,6 +46,10 @@
 //! policy file (`Policy`, crate features `policy`, `policy-yaml`, `policy-toml`; see
 //! `examples/policy.rs`). [`Scope`] builds the usual per-tenant scopes, and
 //! [`FingerprintPolicy`] chooses what makes a retry the same request.
+//! A gRPC server (tonic's `Server::builder().layer(..)`) takes it too: the key comes as
+//! `idempotency-key` metadata, a call is stored only if its `grpc-status` allows
+//! ([`default_grpc_cacheable`]), and rejections are gRPC errors ([`Rejection::grpc_code`]); see
+//! `examples/grpc.rs`.
 //!
 //! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
 //! completed with the result or released. Queue consumers use it directly (see
@@ -94,6 +98,7 @@ pub use self::http::config::{default_cacheable, default_unstored_headers};
 pub use self::http::endpoints::{PolicyError, PolicyLayer, PolicyService};
 pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
+pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
 #[cfg(feature = "policy")]
 pub use self::http::policy::Policy;

@@ -12,8 +12,9 @@ use http_body::{Body, Frame, SizeHint};
 
 use crate::coordinator::Claim;
 use crate::http::body::{collect_limited, BoxError, Collected, ResponseBody};
-use crate::http::config::Config;
+use crate::http::config::{Config, GrpcCacheableFn};
 use crate::http::future::BoxFuture;
+use crate::http::grpc::{self, Outcome};
 use crate::http::replay::{self, NotStored, StoredResponse};
 
 /// What became of a handler's response once its head was in.
@@ -27,8 +28,9 @@ pub(crate) enum Captured<B> {
     /// layer is configured so).
     NotStored(Response<ResponseBody<B>>, NotStored),
     /// Of unknown length: it is stored as it streams to the client, by a [`Storing`] body that
-    /// takes over the claim.
-    Streaming(response::Parts, B, StoredResponse),
+    /// takes over the claim; with the rule its `grpc-status` must pass at the end, for a gRPC
+    /// response.
+    Streaming(response::Parts, B, StoredResponse, Option<GrpcCacheableFn>),
 }
 
 /// Reads the handler's response, as far as the storage cap allows, into what the client gets
@@ -38,15 +40,26 @@ pub(crate) enum Captured<B> {
 /// cap is read whole and stored before the response is sent; one known to be over the cap is
 /// sent on and recorded as not stored; one of unknown length (a compression layer inside this
 /// one, a proxied chunked upstream) is sent as it comes and stored as it passes.
+///
+/// A gRPC response's outcome is its `grpc-status`: in the headers of a trailers-only response,
+/// decided at once; otherwise in the trailers, so the decision waits for the end of the body.
 pub(crate) async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (parts, body) = response.into_parts();
+    let not_cacheable =
+        |parts, body| Captured::NotCacheable(Response::from_parts(parts, ResponseBody::streaming(body)));
     if !(config.cacheable)(&parts) {
-        return Captured::NotCacheable(Response::from_parts(parts, ResponseBody::streaming(body)));
+        return not_cacheable(parts, body);
     }
+    let status_at_end = match grpc::outcome(&parts.headers) {
+        Outcome::NotGrpc => None,
+        Outcome::Known(code) if (config.grpc_cacheable)(code) => None,
+        Outcome::Known(_) => return not_cacheable(parts, body),
+        Outcome::AtEnd => Some(&config.grpc_cacheable),
+    };
     let limit = config.response_limit;
     let record = |parts: &response::Parts, expected: usize| {
         StoredResponse::start(
@@ -60,7 +73,7 @@ where
     match declared_length(&parts.headers).or(body.size_hint().exact()) {
         None => {
             let record = record(&parts, 0);
-            return Captured::Streaming(parts, body, record);
+            return Captured::Streaming(parts, body, record, status_at_end.cloned());
         }
         Some(len) if len > limit as u64 => {
             let response = Response::from_parts(parts, ResponseBody::streaming(body));
@@ -70,6 +83,10 @@ where
     }
     match collect_limited(body, limit).await {
         Collected::Complete { data, trailers } => {
+            if status_at_end.is_some_and(|rule| !grpc::cacheable_at_end(trailers.as_ref(), rule)) {
+                let body = ResponseBody::with_trailers(data, trailers);
+                return Captured::NotCacheable(Response::from_parts(parts, body));
+            }
             let mut stored = record(&parts, data.len());
             // Within the limit by construction: `collect_limited` read no more than it.
             stored.push(&data);
@@ -91,6 +108,14 @@ where
 
 pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
+}
+
+/// Releases a claim whose answer is not to be stored, so a retry runs the handler again.
+pub(crate) async fn release(claim: Claim) {
+    let key = claim.key().clone();
+    if let Err(error) = claim.release().await {
+        tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
+    }
 }
 
 /// Settles a claim whose response was not stored: keeps the key completed as not replayable, so
@@ -117,7 +142,8 @@ pub(crate) async fn settle_not_stored(
 
 /// The body of a response of unknown length whose key is still claimed: it passes every frame
 /// on as it comes and keeps a copy up to the cap, then completes the claim when the body ends
-/// (before the client sees the end), with trailers. A body over the cap, or one that fails,
+/// (before the client sees the end), with trailers; a gRPC response whose `grpc-status` the
+/// rule refuses releases it instead. A body over the cap, or one that fails,
 /// settles the claim as not stored at that point and streams on.
 ///
 /// Dropped before it has settled (the client left), it carries on in a task of its own, which
@@ -129,6 +155,8 @@ pub(crate) struct Storing<B> {
     /// The copy, until it is stored or found too large.
     record: Option<StoredResponse>,
     status: StatusCode,
+    /// For a gRPC response, the rule its `grpc-status` (in the trailers) must pass to be stored.
+    status_rule: Option<GrpcCacheableFn>,
     /// The claim, until the copy is stored or the key settled otherwise.
     claim: Option<Claim>,
     release_not_stored: bool,
@@ -152,6 +180,7 @@ where
         body: B,
         record: StoredResponse,
         status: StatusCode,
+        status_rule: Option<GrpcCacheableFn>,
         claim: Claim,
         config: &Config,
     ) -> Self
@@ -162,6 +191,7 @@ where
             body: Some(Box::pin(body)),
             record: Some(record),
             status,
+            status_rule,
             claim: Some(claim),
             release_not_stored: config.release_not_stored,
             settling: None,
@@ -229,6 +259,15 @@ where
         };
         let record = self.record.take();
         self.settling = Some(match (outcome, record) {
+            (Ok(trailers), Some(_))
+                if self
+                    .status_rule
+                    .as_ref()
+                    .is_some_and(|rule| !grpc::cacheable_at_end(trailers, rule)) =>
+            {
+                tracing::debug!(key = ?claim.key(), "gRPC status not to be stored; the key is released");
+                Box::pin(release(claim))
+            }
             (Ok(trailers), Some(record)) => {
                 let (payload, _) = record.finish(trailers);
                 Box::pin(async move {
@@ -268,6 +307,7 @@ impl<B> Drop for Storing<B> {
                 body: self.body.take(),
                 record: self.record.take(),
                 status: self.status,
+                status_rule: self.status_rule.take(),
                 claim: self.claim.take(),
                 release_not_stored: self.release_not_stored,
                 settling: self.settling.take(),
@@ -320,5 +360,58 @@ mod tests {
             stored.contains(&sent.as_ptr()),
             "the client's body is a slice of the stored payload"
         );
+    }
+
+    /// A gRPC response of known length (tonic's are of unknown length, and take the streaming
+    /// path, which tests/grpc.rs covers): the decision waits for its trailers all the same.
+    #[tokio::test]
+    async fn a_grpc_response_of_known_length_is_stored_only_if_its_trailers_say_so() {
+        use http::HeaderValue;
+        use http_body_util::StreamBody;
+        let respond = |status: Option<&'static str>| {
+            let mut frames = vec![Ok::<_, std::convert::Infallible>(Frame::data(
+                Bytes::from_static(b"\0\0\0\0\0"),
+            ))];
+            if let Some(status) = status {
+                let trailers = HeaderMap::from_iter([(grpc::GRPC_STATUS, HeaderValue::from_static(status))]);
+                frames.push(Ok(Frame::trailers(trailers)));
+            }
+            Response::builder()
+                .header("content-type", "application/grpc")
+                .header(CONTENT_LENGTH, 5)
+                .body(StreamBody::new(futures_util::stream::iter(frames)))
+                .unwrap()
+        };
+        let config = Config::default();
+        for (status, stored) in [
+            (Some("0"), true),
+            (Some("5"), true),
+            (Some("14"), false),
+            (None, false),
+        ] {
+            let captured = capture(respond(status), &config).await;
+            match captured {
+                Captured::Stored(..) => assert!(stored, "{status:?} must not be stored"),
+                Captured::NotCacheable(response) => {
+                    assert!(!stored, "{status:?} must be stored");
+                    // The client still gets the whole response, trailers included.
+                    let collected = response.into_body().collect().await.unwrap();
+                    let trailers = collected.trailers().map(|t| t[grpc::GRPC_STATUS].clone());
+                    assert_eq!(trailers, status.map(HeaderValue::from_static));
+                    assert_eq!(&collected.to_bytes()[..], b"\0\0\0\0\0");
+                }
+                _ => panic!("{status:?}: neither stored nor refused by the rule"),
+            }
+        }
+        // A trailers-only response: decided from its headers, before its (empty) body is read.
+        let trailers_only = Response::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "14")
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        assert!(matches!(
+            capture(trailers_only, &config).await,
+            Captured::NotCacheable(_)
+        ));
     }
 }

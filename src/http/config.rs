@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::http::fingerprint::FingerprintPolicy;
+use crate::http::grpc::default_grpc_cacheable;
 use crate::http::response::TypicalDuration;
 
 use http::header::{self, HeaderName};
@@ -11,6 +12,7 @@ use http::{request, response, Method, StatusCode};
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
 pub(crate) type CacheableFn = Arc<dyn Fn(&response::Parts) -> bool + Send + Sync>;
+pub(crate) type GrpcCacheableFn = Arc<dyn Fn(i32) -> bool + Send + Sync>;
 
 pub(crate) const MIB: usize = 1024 * 1024;
 
@@ -28,6 +30,8 @@ pub(crate) struct Config {
     pub(crate) fail_open: bool,
     pub(crate) scope: Option<ScopeFn>,
     pub(crate) cacheable: CacheableFn,
+    /// For gRPC responses, which `grpc-status` codes are stored (on top of `cacheable`).
+    pub(crate) grpc_cacheable: GrpcCacheableFn,
     pub(crate) mismatch_status: StatusCode,
     pub(crate) unstored_headers: Vec<HeaderName>,
     pub(crate) cancel_on_disconnect: bool,
@@ -65,6 +69,7 @@ impl Default for Config {
             fail_open: false,
             scope: None,
             cacheable: Arc::new(default_cacheable),
+            grpc_cacheable: Arc::new(default_grpc_cacheable),
             mismatch_status: StatusCode::CONFLICT,
             unstored_headers: default_unstored_headers(),
             cancel_on_disconnect: false,

@@ -286,6 +286,28 @@ impl IdempotencyLayer {
         self.config(|c| c.cacheable = Arc::new(cacheable))
     }
 
+    /// Decides, for a gRPC response (`content-type: application/grpc…`), which `grpc-status`
+    /// codes are stored (default: [`default_grpc_cacheable`](crate::default_grpc_cacheable):
+    /// `OK`, `INVALID_ARGUMENT`, `NOT_FOUND`, `ALREADY_EXISTS`, `FAILED_PRECONDITION` and
+    /// `OUT_OF_RANGE`). It is asked on top of [`with_cacheable`](Self::with_cacheable), which
+    /// sees the HTTP head (status 200 for every gRPC outcome). The status comes in the trailers,
+    /// so the decision is made when the body ends, before the client sees the end; in the headers
+    /// of a trailers-only response, at once. A call that ends without a status is not stored. A
+    /// call not stored releases its key, so a retry runs the handler again.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// // Store successful calls only.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_grpc_cacheable(|code| code == 0);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_grpc_cacheable<F>(self, cacheable: F) -> Self
+    where
+        F: Fn(i32) -> bool + Send + Sync + 'static,
+    {
+        self.config(|c| c.grpc_cacheable = Arc::new(cacheable))
+    }
+
     /// The status for a key reused with a different request (default: 409, as Stripe; the IETF
     /// draft asks for 422).
     ///

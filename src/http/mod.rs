@@ -2,9 +2,10 @@
 //!
 //! [`layer`] holds the settings, [`service`] turns a request into a key, a fingerprint and a
 //! claim, [`future`] carries a claimed run past a client that hangs up, [`capture`] turns the
-//! handler's response into what is stored, [`replay`] is the stored form of a response, [`prefer`] the wait a retry of a running request
-//! asks for,
-//! [`response`] the problem+json rejections, [`body`] the request and response bodies the
+//! handler's response into what is stored, [`replay`] is the stored form of a response, [`prefer`]
+//! the wait a retry of a running request asks for, [`response`] the problem+json rejections,
+//! [`grpc`] what gRPC calls need beyond that (their status in the trailers, rejections in gRPC's
+//! form), [`body`] the request and response bodies the
 //! layer hands on, and [`transactional`] the claim handed to a handler that stores its response
 //! in its own transaction. [`fingerprint`] decides what makes two requests the same, [`scope`]
 //! builds the common scopes, [`endpoints`] applies settings per method and path under one
@@ -18,6 +19,7 @@ pub(crate) mod config;
 pub(crate) mod endpoints;
 pub(crate) mod fingerprint;
 pub(crate) mod future;
+pub(crate) mod grpc;
 pub(crate) mod layer;
 #[cfg(feature = "policy")]
 pub(crate) mod policy;

@@ -1,4 +1,5 @@
-//! Rejections: every answer the layer gives instead of the handler's, as RFC 9457 problem+json.
+//! Rejections: every answer the layer gives instead of the handler's, as RFC 9457 problem+json
+//! (to a gRPC client, in gRPC's own form: see `grpc.rs`).
 
 use std::time::Duration;
 
@@ -17,7 +18,10 @@ const TYPE_BASE: &str =
 ///
 /// Each rejection is sent as an RFC 9457 `application/problem+json` document whose `type` is
 /// stable per variant (`…/enum.Rejection.html#variant.<Name>`), and the value itself is put in the
-/// response's extensions, so outer layers (metrics, logging) can match on it.
+/// response's extensions, so outer layers (metrics, logging) can match on it. A gRPC call (a
+/// request whose `Content-Type` is `application/grpc…`) gets it as gRPC clients read errors
+/// instead: see [`grpc_code`](Rejection::grpc_code) and
+/// [`into_grpc_response`](Rejection::into_grpc_response).
 ///
 /// ```
 /// use http::StatusCode;
@@ -102,7 +106,7 @@ impl Rejection {
         }
     }
 
-    fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             Rejection::MissingKey => "MissingKey",
             Rejection::InvalidKey(_) => "InvalidKey",
@@ -151,6 +155,14 @@ impl Rejection {
         self.detail_naming(DEFAULT_KEY_HEADER)
     }
 
+    /// The detail, naming the layer's configured key header.
+    pub(crate) fn detail_for(&self, key_header: &HeaderName) -> String {
+        self.detail_naming(match key_header.as_str() {
+            "idempotency-key" => DEFAULT_KEY_HEADER,
+            configured => configured,
+        })
+    }
+
     fn detail_naming(&self, key_header: &str) -> String {
         match self {
             Rejection::MissingKey => format!("This endpoint requires an {key_header} header."),
@@ -193,7 +205,7 @@ impl Rejection {
         }
     }
 
-    fn retry_after(&self) -> Option<u64> {
+    pub(crate) fn retry_after_seconds(&self) -> Option<u64> {
         match self {
             Rejection::InFlight { retry_after } => Some(retry_after.as_secs().max(1)),
             Rejection::StoreUnavailable | Rejection::Overloaded => Some(1),
@@ -210,10 +222,6 @@ impl Rejection {
     /// Like [`into_response`](Rejection::into_response), naming `key_header` in the detail of
     /// key problems (the layer's configured header).
     pub(crate) fn into_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
-        let key_header = match key_header.as_str() {
-            "idempotency-key" => DEFAULT_KEY_HEADER,
-            configured => configured,
-        };
         let status = self.status();
         // Members in RFC 9457's order; serde_json escapes the strings.
         let text = |s: &str| serde_json::Value::from(s).to_string();
@@ -222,18 +230,30 @@ impl Rejection {
             text(&self.problem_type()),
             text(self.title()),
             status.as_u16(),
-            text(&self.detail_naming(key_header)),
+            text(&self.detail_for(key_header)),
         );
         let mut response = Response::new(ResponseBody::full(Bytes::from(body)));
         *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        if let Some(seconds) = self.retry_after() {
+        if let Some(seconds) = self.retry_after_seconds() {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         crate::telemetry::rejection(&self);
         response.extensions_mut().insert(self);
         response
+    }
+}
+
+impl Rejection {
+    /// The rejection in the client's protocol: gRPC for a gRPC call (see
+    /// [`into_grpc_response`](Rejection::into_grpc_response)), problem+json otherwise.
+    pub(crate) fn respond<B>(self, key_header: &HeaderName, grpc: bool) -> Response<ResponseBody<B>> {
+        if grpc {
+            self.into_grpc_response_naming(key_header)
+        } else {
+            self.into_response_naming(key_header)
+        }
     }
 }
 

@@ -15,9 +15,10 @@ use tracing::{Instrument, Span};
 
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
-use crate::http::capture::{capture, declared_length, settle_not_stored, Captured, Storing};
+use crate::http::capture::{capture, declared_length, release, settle_not_stored, Captured, Storing};
 use crate::http::config::Config;
 use crate::http::future::{BoxFuture, ResponseFuture};
+use crate::http::grpc;
 use crate::http::prefer::Wait;
 use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
@@ -114,12 +115,13 @@ where
         }
         Ok(None) => {
             telemetry::outcome(Outcome::Rejected);
-            let rejection = Rejection::MissingKey.into_response_naming(&config.key_header);
-            return ResponseFuture::ready(rejection);
+            let grpc = grpc::is_grpc_request(request.headers());
+            return ResponseFuture::ready(Rejection::MissingKey.respond(&config.key_header, grpc));
         }
         Err(error) => {
             telemetry::outcome(Outcome::Rejected);
-            let rejection = Rejection::InvalidKey(error).into_response_naming(&config.key_header);
+            let grpc = grpc::is_grpc_request(request.headers());
+            let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc);
             return ResponseFuture::ready(rejection);
         }
     };
@@ -130,7 +132,8 @@ where
             Some(scope) => Some(scope),
             None => {
                 telemetry::outcome(Outcome::Rejected);
-                return ResponseFuture::ready(Rejection::MissingScope.into_response());
+                let grpc = grpc::is_grpc_request(&parts.headers);
+                return ResponseFuture::ready(Rejection::MissingScope.respond(&config.key_header, grpc));
             }
         },
         None => None,
@@ -205,9 +208,11 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    // The one look at whether this is a gRPC call: its rejections must speak gRPC.
+    let grpc = grpc::is_grpc(parts.headers.get(http::header::CONTENT_TYPE));
     let reject = |outcome: Outcome, rejection: Rejection| {
         telemetry::finish(&span, outcome);
-        Step::Done(Ok(rejection.into_response()))
+        Step::Done(Ok(rejection.respond(&config.key_header, grpc)))
     };
     let too_large = Rejection::BodyTooLarge {
         limit: config.body_limit,
@@ -243,7 +248,7 @@ where
             }
         }
     }
-    let step = proceed(inner, &coordinator, config, &key, request, begun, span).await;
+    let step = proceed(inner, &coordinator, config, &key, request, begun, span, grpc).await;
     match waited {
         None => step,
         Some(wait) => mark_waited(step, wait),
@@ -271,6 +276,9 @@ fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wai
 
 /// Answers a keyed request from what its claim found: a replay, a rejection, a fail-open run,
 /// or, claimed, the run of its handler.
+// The request's parts travel separately because the wait between the claim and this may have
+// replaced the claim's answer; bundling them would only move the count into a struct.
+#[allow(clippy::too_many_arguments)]
 async fn proceed<S, ReqBody, ResBody>(
     mut inner: S,
     coordinator: &Coordinator,
@@ -279,6 +287,7 @@ async fn proceed<S, ReqBody, ResBody>(
     mut request: Request<RequestBody<ReqBody>>,
     begun: Result<Begin, Error>,
     span: Span,
+    grpc: bool,
 ) -> Step<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
@@ -290,12 +299,12 @@ where
 {
     let reject = |outcome: Outcome, rejection: Rejection| {
         telemetry::finish(&span, outcome);
-        Step::Done(Ok(rejection.into_response()))
+        Step::Done(Ok(rejection.respond(&config.key_header, grpc)))
     };
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            let (outcome, step) = replay_stored(key, &payload, &config);
+            let (outcome, step) = replay_stored(key, &payload, &config, grpc);
             telemetry::finish(&span, outcome);
             return step;
         }
@@ -334,14 +343,19 @@ where
         request.extensions_mut().insert(handed);
     }
     Step::Run(Box::pin(
-        run_claimed(inner, claim, config, request).instrument(span),
+        run_claimed(inner, claim, config, request, grpc).instrument(span),
     ))
 }
 
 /// The stored response, replayed. A key whose response was not stored is answered so; a
 /// payload from a newer release (a rolling upgrade under way) like a request in flight, to be
 /// retried; one that cannot be decoded 500, never replayed.
-fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> (Outcome, Step<B, E>) {
+fn replay_stored<B, E>(
+    key: &RecordKey,
+    payload: &Bytes,
+    config: &Config,
+    grpc: bool,
+) -> (Outcome, Step<B, E>) {
     let (outcome, rejection) = match replay::decode(payload) {
         Ok(Decoded::Response(stored)) => {
             tracing::debug!(?key, "replaying the stored response");
@@ -368,17 +382,21 @@ fn replay_stored<B, E>(key: &RecordKey, payload: &Bytes, config: &Config) -> (Ou
             (Outcome::Unreadable, Rejection::UnreadableRecord)
         }
     };
-    (outcome, Step::Done(Ok(rejection.into_response())))
+    (
+        outcome,
+        Step::Done(Ok(rejection.respond(&config.key_header, grpc))),
+    )
 }
 
 /// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its
 /// response head, then stores its answer (now, or as it streams), keeps the key as not
-/// replayable, or releases it.
+/// replayable, or releases it. `grpc`: the request is a gRPC call, answered so if the layer must.
 async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
     mut claim: Claim,
     config: Arc<Config>,
     request: Request<RequestBody<ReqBody>>,
+    grpc: bool,
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
@@ -402,10 +420,10 @@ where
             let _ = claim.complete(payload).await;
             Ok(response)
         }
-        Some(Ok(Ok(Captured::Streaming(parts, body, record)))) => {
+        Some(Ok(Ok(Captured::Streaming(parts, body, record, status_rule)))) => {
             // The body outlives this future: its lease is renewed by a task from now on.
             claim.renew_in_background();
-            let storing = Storing::new(body, record, parts.status, claim, &config);
+            let storing = Storing::new(body, record, parts.status, status_rule, claim, &config);
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
         Some(Ok(Ok(Captured::NotStored(response, why)))) => {
@@ -423,13 +441,13 @@ where
         Some(Err(_panic)) => {
             tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
             release(claim).await;
-            Ok(Rejection::HandlerPanicked.into_response())
+            Ok(Rejection::HandlerPanicked.respond(&config.key_header, grpc))
         }
         None => {
             let after = config.handler_timeout;
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
             settle_not_stored(claim, NotStored::TimedOut, None, release_not_stored).await;
-            Ok(Rejection::HandlerTimedOut { after }.into_response())
+            Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc))
         }
     }
 }
@@ -452,11 +470,4 @@ async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> O
         Poll::Pending
     })
     .await
-}
-
-async fn release(claim: Claim) {
-    let key = claim.key().clone();
-    if let Err(error) = claim.release().await {
-        tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
-    }
 }
