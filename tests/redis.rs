@@ -559,3 +559,100 @@ async fn a_completion_refused_for_memory_says_so() {
         other => panic!("a completion over maxmemory: {other:?}"),
     }
 }
+
+/// `total_reads_processed` from `INFO stats`: how many reads Redis made from its clients' sockets.
+async fn reads_processed(client: &Client) -> u64 {
+    let info = admin(client, &["INFO", "stats"]).await;
+    let info = info.as_str().unwrap().into_owned();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no total_reads_processed in INFO stats:\n{info}"))
+}
+
+/// Concurrent calls reach Redis in shared socket writes (`redis_coalesce`), and each caller still
+/// gets its own answer: claims, completions and replays of 64 keys at once, each from a task of
+/// its own as the requests of separate connections are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
+    use bytes::Bytes;
+    use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
+
+    const KEYS: usize = 64;
+    const LEASE: Duration = Duration::from_secs(30);
+    let (_server, client, store) = setup().await;
+    store.load_scripts().await.unwrap();
+    let key = |i: usize| RecordKey::new(None, IdempotencyKey::parse(&format!("co-{i}")).unwrap());
+    let body = |i: usize| Fingerprint::new([format!("body {i}").as_bytes()]);
+    let owners: Vec<OwnerToken> = (0..KEYS).map(|_| OwnerToken::generate()).collect();
+    // Runs `call` for every key, each in a task of its own, all started at once.
+    async fn each_in_a_task<T, F>(call: impl Fn(usize) -> F) -> Vec<T>
+    where
+        F: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let tasks: Vec<_> = (0..KEYS).map(|i| tokio::spawn(call(i))).collect();
+        let mut answers = Vec::with_capacity(KEYS);
+        for task in tasks {
+            answers.push(task.await.unwrap());
+        }
+        answers
+    }
+
+    // Rounds of 64 claims, each from a task of its own. Sent one write each they are read by
+    // Redis in 4 to 40 reads a round (the admin connection's RESETSTAT and INFO being 2 of
+    // them); coalesced, in 4 to 6. The bound is 6.5 a round on average.
+    const ROUNDS: usize = 20;
+    let mut reads = 0;
+    for round in (0..ROUNDS).rev() {
+        let key = move |i: usize| key(round * KEYS + i);
+        reset_stats(&client).await;
+        let claims = each_in_a_task(|i| {
+            let (store, owner) = (store.clone(), owners[i].clone());
+            async move { store.claim(&key(i), &body(i), &owner, LEASE).await }
+        })
+        .await;
+        reads += reads_processed(&client).await;
+        for (i, claim) in claims.into_iter().enumerate() {
+            assert_eq!(claim.unwrap(), ClaimOutcome::Claimed, "key {i}");
+        }
+    }
+    assert!(
+        reads * 2 <= 13 * ROUNDS as u64,
+        "{ROUNDS} rounds of 64 concurrent claims took {reads} reads in Redis"
+    );
+
+    let completions = each_in_a_task(|i| {
+        let (store, owner) = (store.clone(), owners[i].clone());
+        let payload = Bytes::from(format!("result of key {i}"));
+        async move {
+            store
+                .complete(&key(i), &owner, payload, Duration::from_secs(3600))
+                .await
+        }
+    })
+    .await;
+    for (i, completion) in completions.into_iter().enumerate() {
+        assert!(completion.unwrap(), "key {i}");
+    }
+
+    // Replays, and a mismatch among them: every answer is its own key's.
+    let replays = each_in_a_task(|i| {
+        let store = store.clone();
+        let sent = if i == 7 {
+            Fingerprint::new([b"another body".as_slice()])
+        } else {
+            body(i)
+        };
+        async move { store.claim(&key(i), &sent, &OwnerToken::generate(), LEASE).await }
+    })
+    .await;
+    for (i, replay) in replays.into_iter().enumerate() {
+        let expected = if i == 7 {
+            ClaimOutcome::Mismatch
+        } else {
+            ClaimOutcome::Completed(Bytes::from(format!("result of key {i}")))
+        };
+        assert_eq!(replay.unwrap(), expected, "key {i}");
+    }
+}

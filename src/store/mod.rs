@@ -22,6 +22,8 @@ pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
+mod redis_coalesce;
+#[cfg(feature = "redis")]
 mod redis_notices;
 #[cfg(feature = "redis")]
 pub(crate) mod replica_acks;

@@ -10,6 +10,7 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
+use super::redis_coalesce::{Coalescer, Command};
 use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
@@ -60,6 +61,8 @@ static INSPECT: LazyLock<Script> =
 /// <lease> GET`): it creates the in-flight record or hands back what is there, with no script to
 /// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts (EVALSHA,
 /// reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or `SCRIPT FLUSH`).
+/// Calls made while others are outstanding (concurrent requests) are handed to fred together, so
+/// they share socket writes; a lone call is sent at once.
 ///
 /// Needs Redis 7.0 or later (`SET` with both `NX` and `GET`), standalone, with replicas, or as a
 /// Cluster: a record is a single key, so each call touches one slot. Every key it writes has a
@@ -93,6 +96,9 @@ pub struct RedisStore {
     /// The subscriber connection of requests waiting for running ones ([`Store::watch`]),
     /// opened with the first waiter, shared by every clone.
     notices: Arc<tokio::sync::OnceCell<Notices>>,
+    /// Sends the claims, completions and other record commands, coalescing concurrent ones
+    /// into one write (see `redis_coalesce`).
+    coalescer: Arc<Coalescer>,
 }
 
 /// The task that feeds a replay cache its invalidations; stopped with the last store clone.
@@ -228,6 +234,7 @@ impl RedisStore {
             reviving: Arc::new(AtomicBool::new(false)),
             acks: None,
             notices: Arc::default(),
+            coalescer: Arc::default(),
         }
     }
 
@@ -566,18 +573,13 @@ impl RedisStore {
         record: Bytes,
         lease: Duration,
     ) -> Result<Value, StoreError> {
-        let client = client.with_options(&self.options);
-        let set = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
-        let args = [
-            Value::from(self.redis_key(key)),
-            Value::Bytes(record),
-            Value::from_static_str("NX"),
-            Value::from_static_str("PX"),
-            millis(lease),
-            Value::from_static_str("GET"),
-        ];
-        client
-            .custom::<Value, Value>(set, args.to_vec())
+        let set = Command::SetIfAbsent {
+            key: self.redis_key(key).into(),
+            value: record,
+            lease_ms: lease_millis(lease),
+        };
+        self.coalescer
+            .send(client, &self.options, set)
             .await
             .map_err(|e| match e.details() {
                 details if details.starts_with("WRONGTYPE") => {
@@ -613,17 +615,25 @@ impl RedisStore {
             command.extend_from_slice(args);
             command
         };
-        let client = client.with_options(&self.options);
         let evalsha = CustomCommand::new_static("EVALSHA", route.clone(), false);
-        match client.custom::<Value, Value>(evalsha, command(script.sha1)).await {
+        let evalsha = Command::Custom {
+            command: evalsha,
+            args: command(script.sha1),
+        };
+        let sent = self.coalescer.send(client, &self.options, evalsha);
+        match sent.await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
                 tracing::debug!(
                     script = script.name,
                     "script missing on the server; reloading it with EVAL"
                 );
                 let eval = CustomCommand::new_static("EVAL", route, false);
-                client
-                    .custom::<Value, Value>(eval, command(script.source))
+                let eval = Command::Custom {
+                    command: eval,
+                    args: command(script.source),
+                };
+                self.coalescer
+                    .send(client, &self.options, eval)
                     .await
                     .map_err(|e| self.failed(e))
             }
@@ -841,8 +851,12 @@ fn eviction_policy(info: &str) -> Option<&str> {
 }
 
 fn millis(duration: Duration) -> Value {
+    Value::from(lease_millis(duration))
+}
+
+fn lease_millis(duration: Duration) -> i64 {
     // A lease of 0 ms would make PEXPIRE delete the key at once.
-    Value::from(i64::try_from(duration.as_millis()).unwrap_or(i64::MAX).max(1))
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX).max(1)
 }
 
 fn unexpected(script: &str, value: &Value) -> StoreError {
@@ -1116,22 +1130,23 @@ impl Store for RedisStore {
     ) -> StoreFuture<'a, Option<ClaimOutcome>> {
         Box::pin(async move {
             let epoch = self.cache.as_deref().map(ReplayCache::epoch);
-            let client = self.connection.client().with_options(&self.options);
-            let get = CustomCommand::new_static("GET", ClusterHash::FirstKey, false);
-            let existing = match client
-                .custom::<Value, Value>(get, vec![Value::from(self.redis_key(key))])
-                .await
-                .map_err(|e| match e.details() {
-                    details if details.starts_with("WRONGTYPE") => {
-                        StoreError::Corrupt("the key holds something other than a record".into())
-                    }
-                    _ => self.failed(e),
-                })? {
-                Value::Null => return Ok(None),
-                value => {
-                    into_bytes(value).ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?
-                }
+            let client = self.connection.client();
+            let get = Command::Get {
+                key: self.redis_key(key).into(),
             };
+            let existing =
+                match (self.coalescer.send(client, &self.options, get).await).map_err(|e| {
+                    match e.details() {
+                        details if details.starts_with("WRONGTYPE") => {
+                            StoreError::Corrupt("the key holds something other than a record".into())
+                        }
+                        _ => self.failed(e),
+                    }
+                })? {
+                    Value::Null => return Ok(None),
+                    value => into_bytes(value)
+                        .ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?,
+                };
             let lease = Duration::MAX;
             Ok(Some(self.found(
                 key,
