@@ -10,6 +10,9 @@ server (`cargo build --release --example bench_server`, benches/http_server.rs) 
                                           -> bench/results.{md,json} and bench/chart.svg
     scripts/bench.sh --soak [MINUTES]     one server under load for MINUTES (default 10); samples
                                           its RSS and Redis used_memory -> bench/soak.md
+    scripts/bench.sh --baseline BIN ...   A/B: every cell also on another build (BIN), right
+                                          before the build under test in every round; prints
+                                          each cell's throughput x base (per-round pairs)
 
 A cell is (store, scenario, concurrency, body size). Every round runs every cell once, in the
 same order (interleaved, so drift hits all cells alike); each cell gets a fresh server process
@@ -42,6 +45,20 @@ ROOT = Path(__file__).resolve().parent.parent
 # BENCH_SERVER points at another build of the server, e.g. one built from an earlier commit for a
 # before/after comparison (each run's ratios are to its own plain cells).
 SERVER_BIN = Path(os.environ.get("BENCH_SERVER") or ROOT / "target" / "release" / "examples" / "bench_server")
+# --baseline (or BENCH_BASELINE): a second build, measured in the same run. Every store's cell is
+# run by both builds, one after the other in every round; the baseline's rows are named
+# "<store>@base".
+BASELINE_BIN = None
+BASELINE_SUFFIX = "@base"
+
+
+def mode_of(store):
+    """The store mode a cell's server runs ("redis" for "redis@base")."""
+    return store.split("@")[0]
+
+
+def binary_of(store):
+    return BASELINE_BIN if store.endswith(BASELINE_SUFFIX) else SERVER_BIN
 
 STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres"]  # every store the driver knows
 REDIS_STORES = {"redis", "redis-cache", "redis-acks"}
@@ -632,13 +649,15 @@ class Server:
     def __init__(self, tmp, store, redis, pg=None):
         self.port = free_port()
         self.log = Path(tmp) / f"server-{store}-{self.port}.log"
+        binary = binary_of(store)
+        store = mode_of(store)
         env = dict(os.environ)
         if redis is not None:
             env["REDIS_URL"] = redis.url
         if pg is not None:
             env["DATABASE_URL"] = pg.url
         self.log_file = open(self.log, "wb")
-        cmd = [str(SERVER_BIN), f"127.0.0.1:{self.port}", store]
+        cmd = [str(binary), f"127.0.0.1:{self.port}", store]
         self.proc = PROCS.spawn(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         if not wait_for_port(self.port, self.proc, "bench_server"):
             self.log_file.close()
@@ -665,7 +684,8 @@ class Server:
 
 
 def run_cell(cfg, cell, tmp, redis, inner, pg=None):
-    store, scenario, conc, body_name = cell
+    name, scenario, conc, body_name = cell
+    store = mode_of(name)
     body = cfg.bodies_bytes[body_name]
     duration = cfg.duration_for(body_name)
     script = write_wrk_script(tmp, scenario, body)
@@ -674,7 +694,7 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         redis.client.cmd("FLUSHALL")
     if pg is not None and store in PG_STORES:
         pg.empty()
-    server = Server(tmp, store, redis if store in REDIS_STORES else None,
+    server = Server(tmp, name, redis if store in REDIS_STORES else None,
                     pg if store in PG_STORES else None)
     holders = []
     measured = False
@@ -729,7 +749,7 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
     requests = max(wrk["requests"], 1)
     tick_us = 1e6 / CLK_TCK
     row = {
-        "store": store, "scenario": scenario, "conc": conc, "body": body_name,
+        "store": name, "scenario": scenario, "conc": conc, "body": body_name,
         "body_bytes": len(body), "duration_s": wrk["duration_s"],
         "rps": wrk["rps"], "requests": wrk["requests"],
         "p50_us": wrk["p50_us"], "p99_us": wrk["p99_us"],
@@ -770,6 +790,37 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
 
 # ---------------------------------------------------------------------------------------------
 # aggregation and output
+
+
+def baseline_lines(runs, cells):
+    """Each cell against its baseline twin: the per-round ratios of throughput (median, min-max),
+    and the median server and Redis CPU per request of both."""
+    if BASELINE_BIN is None:
+        return []
+    lines = ["", f"against the baseline build {BASELINE_BIN} (same run, the pair of each round):", "",
+             "| cell | req/s × base | server CPU µs/req base → this | Redis CPU µs/req base → this |",
+             "|---|---|---|---|"]
+    by_key = {(cell_key(r), r["round"]): r for r in runs}
+    for cell in cells:
+        if cell[0].endswith(BASELINE_SUFFIX) or cell[0] == "plain":
+            continue
+        twin = (cell[0] + BASELINE_SUFFIX,) + tuple(cell[1:])
+        pairs = [(by_key[(cell, rnd)], by_key[(twin, rnd)]) for (key, rnd) in by_key
+                 if key == cell and (twin, rnd) in by_key]
+        ratios = [this["rps"] / base["rps"] for this, base in pairs if base["rps"] > 0]
+        if not ratios:
+            continue
+
+        def med(rows, name):
+            values = [r[name] for r in rows if r.get(name) is not None]
+            return fmt_num(statistics.median(values), 1) if values else "–"
+
+        this_rows, base_rows = [p[0] for p in pairs], [p[1] for p in pairs]
+        lines.append(f"| {cell[0]} {cell[1]} {cell[2]} {BODY_LABEL[cell[3]]} "
+                     f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) "
+                     f"| {med(base_rows, 'server_cpu_us_per_req')} → {med(this_rows, 'server_cpu_us_per_req')} "
+                     f"| {med(base_rows, 'redis_cpu_us_per_req')} → {med(this_rows, 'redis_cpu_us_per_req')} |")
+    return lines
 
 
 def cell_key(row):
@@ -1057,6 +1108,8 @@ class Config:
             for conc in self.concs:
                 for store in self.stores:
                     for scenario in self.scenarios_of(store):
+                        if BASELINE_BIN is not None and store != "plain":
+                            cells.append((store + BASELINE_SUFFIX, scenario, conc, body))
                         cells.append((store, scenario, conc, body))
         return cells
 
@@ -1078,8 +1131,8 @@ def probe_stores(cfg, tmp, redis, pg=None):
         if store in ("plain", "memory", "redis"):
             continue
         try:
-            server = Server(tmp, store, redis, pg)
-            server.stop()
+            for name in [store] + ([store + BASELINE_SUFFIX] if BASELINE_BIN is not None else []):
+                Server(tmp, name, redis, pg).stop()
         except UnknownMode as error:
             print(f"note: skipping store {store}: {error}")
             cfg.stores.remove(store)
@@ -1112,7 +1165,7 @@ def run_matrix(args):
             runs = []
             for rnd in range(1, cfg.rounds + 1):
                 for index, cell in enumerate(cells, 1):
-                    cell_redis = acks_redis if cell[0] == "redis-acks" else redis
+                    cell_redis = acks_redis if mode_of(cell[0]) == "redis-acks" else redis
                     row = run_cell(cfg, cell, tmp, cell_redis, inner, pg)
                     row["round"] = rnd
                     runs.append(row)
@@ -1143,6 +1196,9 @@ def run_matrix(args):
     print(floor_text(floor) if redis else "no Redis store in this run")
     for line in warnings:
         print(line)
+    comparison = baseline_lines(runs, cells)
+    for line in comparison:
+        print(line)
     print(f"\n{len(cells)} cells × {cfg.rounds} rounds in {elapsed / 60:.1f} min")
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1162,6 +1218,7 @@ def run_matrix(args):
           "", text, ""]
     md += ["- " + floor_text(floor)] if redis else []
     md += ["- " + line for line in warnings]
+    md += comparison
     md += ["", "Columns: *× plain* is req/s over the plain cell of the same concurrency and body "
            "size in the same round, median (min–max) over rounds; *p50 × plain* likewise for the "
            "median latency. CPU µs/req is utime+stime of the process over the measured run ÷ "
@@ -1320,7 +1377,7 @@ def main():
         epilog="environment: BENCH_ROUNDS (3), BENCH_DURATION (5 s per cell), BENCH_DURATION_1M "
                "(min(duration, 3) s for 1 MiB cells), BENCH_WARMUP (1 s), "
                "BENCH_SOAK_INTERVAL (10 s), BENCH_SERVER (another build of bench_server, for a "
-               "before/after comparison)")
+               "before/after comparison), BENCH_BASELINE (as --baseline)")
     parser.add_argument("--full", action="store_true", help="the whole matrix; writes results.md, "
                         "results.json and chart.svg")
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
@@ -1333,7 +1390,20 @@ def main():
     parser.add_argument("--rounds", type=int, help="overrides BENCH_ROUNDS")
     parser.add_argument("--duration", type=float, help="seconds per cell; overrides BENCH_DURATION")
     parser.add_argument("--out", help="output directory (default: bench/)")
+    parser.add_argument("--baseline", metavar="BIN",
+                        help="another build of bench_server (e.g. of the commit before a change), "
+                             "measured in the same run: each store's cell runs on it too, right "
+                             "before the build under test, in every round (rows <store>@base)")
     args = parser.parse_args()
+
+    global BASELINE_BIN
+    baseline = args.baseline or os.environ.get("BENCH_BASELINE")
+    if baseline:
+        BASELINE_BIN = Path(baseline).resolve()
+        if not BASELINE_BIN.exists():
+            raise BenchError(f"--baseline {baseline}: no such file")
+        if args.soak is not None:
+            raise BenchError("--baseline applies to the matrix, not to --soak")
 
     if not SERVER_BIN.exists():
         raise BenchError(f"{SERVER_BIN} is missing: run `cargo build --release --example bench_server` "

@@ -32,6 +32,11 @@
 # environment BENCH_ROUNDS, BENCH_DURATION, BENCH_DURATION_1M, BENCH_WARMUP, and BENCH_SERVER (a
 # server binary built elsewhere, e.g. from an earlier commit, for a before/after comparison; a
 # store that build does not know is skipped). `--help` lists them all.
+#
+# Before/after a change, in one run: `--baseline BIN` (BIN: bench_server built from the commit
+# before, e.g. in a `git worktree`) runs every store's cell on BIN too, right before the build
+# under test in each round, and adds a table of each cell's req/s × base (the per-round pairs)
+# and both builds' CPU per request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
