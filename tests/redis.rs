@@ -656,3 +656,53 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
         assert_eq!(replay.unwrap(), expected, "key {i}");
     }
 }
+
+/// `connected_clients` from `INFO clients`.
+async fn connected_clients(client: &Client) -> u64 {
+    let info = admin(client, &["INFO", "clients"]).await;
+    let info = info.as_str().unwrap().into_owned();
+    info.lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no connected_clients in INFO clients:\n{info}"))
+}
+
+/// The connections a store opened itself (`connect`, a replay cache's subscriber) close when its
+/// last clone is dropped; fred would otherwise keep them open, and reconnecting, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_connected_store_closes_the_connections_it_opened() {
+    let (server, client, _) = setup().await;
+    let before = connected_clients(&client).await;
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let clone = store.clone();
+    assert_eq!(
+        connected_clients(&client).await,
+        before + 2,
+        "the client and the cache's subscriber"
+    );
+    drop(store);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        connected_clients(&client).await,
+        before + 2,
+        "a clone still holds them"
+    );
+    drop(clone);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = connected_clients(&client).await;
+        if now == before {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{now} clients connected 5 s after the store was dropped, {before} before it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

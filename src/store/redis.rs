@@ -85,6 +85,8 @@ pub struct RedisStore {
     cache: Option<Arc<ReplayCache>>,
     /// Keeps the cache's invalidation listener running while any clone of the store lives.
     _listener: Option<Arc<Listener>>,
+    /// The client [`connect`](RedisStore::connect) opened, quit with the last store clone.
+    _own_client: Option<Arc<Quit>>,
     /// The failover watch of a Sentinel-configured store (see `sentinel_watch`), kept running
     /// while any clone of the store lives.
     switch_watch: Option<Arc<SwitchWatch>>,
@@ -101,12 +103,32 @@ pub struct RedisStore {
     coalescer: Arc<Coalescer>,
 }
 
-/// The task that feeds a replay cache its invalidations; stopped with the last store clone.
-struct Listener(tokio::task::JoinHandle<()>);
+/// The task that feeds a replay cache its invalidations, and its subscriber connection; both
+/// stopped with the last store clone.
+struct Listener {
+    task: tokio::task::JoinHandle<()>,
+    _subscriber: Quit,
+}
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
+    }
+}
+
+/// A client the store made itself (the one [`RedisStore::connect`] opens, a replay cache's
+/// subscriber), told to quit when the last clone of the store is dropped. fred keeps a client's
+/// connection task running, and reconnecting, until it is told to quit, whether or not a handle
+/// to the client is left. A client handed to [`RedisStore::new`] or [`RedisStore::from_pool`]
+/// stays its owner's.
+struct Quit(Client);
+
+impl Drop for Quit {
+    fn drop(&mut self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let client = self.0.clone();
+            runtime.spawn(async move { client.quit().await });
+        }
     }
 }
 
@@ -230,6 +252,7 @@ impl RedisStore {
             },
             cache: None,
             _listener: None,
+            _own_client: None,
             switch_watch: None,
             reviving: Arc::new(AtomicBool::new(false)),
             acks: None,
@@ -311,9 +334,12 @@ impl RedisStore {
         let channel = self.purge_channel();
         subscriber.subscribe(channel.clone()).await.map_err(unavailable)?;
         cache.set_live(true);
-        let task = tokio::spawn(listen_for_purges(subscriber, channel, cache.clone()));
+        let task = tokio::spawn(listen_for_purges(subscriber.clone(), channel, cache.clone()));
         self.cache = Some(cache);
-        self._listener = Some(Arc::new(Listener(task)));
+        self._listener = Some(Arc::new(Listener {
+            task,
+            _subscriber: Quit(subscriber),
+        }));
         Ok(self)
     }
 
@@ -370,6 +396,7 @@ impl RedisStore {
             .build()
             .map_err(unavailable)?;
         client.init().await.map_err(unavailable)?;
+        let own_client = Arc::new(Quit(client.clone()));
         warn_if_records_can_be_evicted(&client).await;
         let switch_watch = match sentinel_watch::watch(&client, store_reconnect_policy()).await {
             Ok(watch) => watch.map(Arc::new),
@@ -380,6 +407,7 @@ impl RedisStore {
         };
         let mut store = Self::new(client);
         store.switch_watch = switch_watch;
+        store._own_client = Some(own_client);
         Ok(store)
     }
 
