@@ -560,14 +560,23 @@ async fn a_completion_refused_for_memory_says_so() {
     }
 }
 
-/// `total_reads_processed` from `INFO stats`: how many reads Redis made from its clients' sockets.
-async fn reads_processed(client: &Client) -> u64 {
-    let info = admin(client, &["INFO", "stats"]).await;
+/// A number from `INFO <section>`, e.g. `total_reads_processed` from `stats` (how many reads
+/// Redis made from its clients' sockets) or `connected_clients` from `clients`.
+async fn info_number(client: &Client, section: &str, field: &str) -> u64 {
+    let info = admin(client, &["INFO", section]).await;
     let info = info.as_str().unwrap().into_owned();
     info.lines()
-        .find_map(|l| l.strip_prefix("total_reads_processed:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no total_reads_processed in INFO stats:\n{info}"))
+        .unwrap_or_else(|| panic!("no {field} in INFO {section}:\n{info}"))
+}
+
+async fn reads_processed(client: &Client) -> u64 {
+    info_number(client, "stats", "total_reads_processed").await
+}
+
+async fn connected_clients(client: &Client) -> u64 {
+    info_number(client, "clients", "connected_clients").await
 }
 
 /// Concurrent calls reach Redis in shared socket writes (`redis_coalesce`), and each caller still
@@ -655,16 +664,6 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
         };
         assert_eq!(replay.unwrap(), expected, "key {i}");
     }
-}
-
-/// `connected_clients` from `INFO clients`.
-async fn connected_clients(client: &Client) -> u64 {
-    let info = admin(client, &["INFO", "clients"]).await;
-    let info = info.as_str().unwrap().into_owned();
-    info.lines()
-        .find_map(|l| l.strip_prefix("connected_clients:"))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no connected_clients in INFO clients:\n{info}"))
 }
 
 /// The connections a store opened itself (`connect`, a replay cache's subscriber) close when its
