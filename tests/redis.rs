@@ -666,8 +666,9 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     }
 }
 
-/// The connections a store opened itself (`connect`, a replay cache's subscriber) close when its
-/// last clone is dropped; fred would otherwise keep them open, and reconnecting, for good.
+/// The connections a store opened itself (`connect`, a replay cache's subscriber, the waiting
+/// requests' subscriber) close when its last clone is dropped; fred would otherwise keep them
+/// open, and reconnecting, for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_a_connected_store_closes_the_connections_it_opened() {
     let (server, client, _) = setup().await;
@@ -678,17 +679,18 @@ async fn dropping_a_connected_store_closes_the_connections_it_opened() {
         .with_replay_cache(1 << 20)
         .await
         .unwrap();
+    let watched = RecordKey::new(None, IdempotencyKey::parse("watched").unwrap());
+    let watch = tower_idempotency::Store::watch(&store, &watched).await.unwrap();
+    assert!(watch.is_some(), "Redis watches keys on a subscriber of its own");
+    drop(watch);
     let clone = store.clone();
-    assert_eq!(
-        connected_clients(&client).await,
-        before + 2,
-        "the client and the cache's subscriber"
-    );
+    let opened = 3; // the client, the cache's subscriber, the waiting requests' subscriber
+    assert_eq!(connected_clients(&client).await, before + opened);
     drop(store);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         connected_clients(&client).await,
-        before + 2,
+        before + opened,
         "a clone still holds them"
     );
     drop(clone);

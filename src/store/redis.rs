@@ -117,11 +117,11 @@ impl Drop for Listener {
 }
 
 /// A client the store made itself (the one [`RedisStore::connect`] opens, a replay cache's
-/// subscriber), told to quit when the last clone of the store is dropped. fred keeps a client's
-/// connection task running, and reconnecting, until it is told to quit, whether or not a handle
-/// to the client is left. A client handed to [`RedisStore::new`] or [`RedisStore::from_pool`]
-/// stays its owner's.
-struct Quit(Client);
+/// subscriber, the waiting requests' subscriber, the Sentinel watch's), told to quit when the last
+/// clone of the store is dropped. fred keeps a client's connection task running, and
+/// reconnecting, until it is told to quit, whether or not a handle to the client is left. A
+/// client handed to [`RedisStore::new`] or [`RedisStore::from_pool`] stays its owner's.
+pub(super) struct Quit(pub(super) Client);
 
 impl Drop for Quit {
     fn drop(&mut self) {

@@ -23,7 +23,7 @@ use fred::types::Builder;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use super::redis::unavailable;
+use super::redis::{unavailable, Quit};
 use crate::store::{KeyWatch, StoreError};
 
 /// The channel a record's settling is published on; `complete.lua`, `release.lua` and
@@ -41,7 +41,7 @@ pub(super) struct Notices {
     registry: Arc<Registry>,
     commands: mpsc::UnboundedSender<Command>,
     tasks: [JoinHandle<()>; 2],
-    client: Client,
+    client: Quit,
 }
 
 impl Drop for Notices {
@@ -49,12 +49,7 @@ impl Drop for Notices {
         for task in &self.tasks {
             task.abort();
         }
-        // fred keeps a client's connection task running until it is told to quit, whether or
-        // not a handle to the client is left.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let client = self.client.clone();
-            runtime.spawn(async move { client.quit().await });
-        }
+        // The client quits when the `Quit` field is dropped, after this.
     }
 }
 
@@ -164,13 +159,13 @@ impl Notices {
             registry,
             commands,
             tasks,
-            client,
+            client: Quit(client),
         })
     }
 
     /// The subscriber connection, for a Sentinel store's failover watch to reconnect.
     pub(super) fn client(&self) -> &Client {
-        &self.client
+        &self.client.0
     }
 
     /// A watch of `channel`, answered once the subscription is in place (within `timeout`).

@@ -30,6 +30,8 @@ use fred::types::config::{Config, ReconnectPolicy, Server, ServerConfig};
 use fred::types::Builder;
 use tokio::sync::Notify;
 
+use super::redis::Quit;
+
 const SWITCH_MASTER: &str = "+switch-master";
 const PROMOTING: &str = "+failover-state-send-slaveof-noone";
 const ABORTED: &str = "-failover-abort-*";
@@ -85,7 +87,7 @@ impl Fence {
 /// store clone.
 pub(super) struct SwitchWatch {
     task: tokio::task::JoinHandle<()>,
-    subscribers: Vec<Client>,
+    _subscribers: Vec<Quit>,
     /// The clients to reconnect on a switch: the store's, and those of its waiting calls.
     targets: Arc<Mutex<Vec<Client>>>,
     pub(super) fence: Arc<Fence>,
@@ -94,12 +96,7 @@ pub(super) struct SwitchWatch {
 impl Drop for SwitchWatch {
     fn drop(&mut self) {
         self.task.abort();
-        // fred's connection tasks outlive the client handles: close the connections.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            for subscriber in self.subscribers.drain(..) {
-                runtime.spawn(async move { subscriber.quit().await });
-            }
-        }
+        // The subscribers quit when the `Quit` field is dropped, after this.
     }
 }
 
@@ -156,7 +153,7 @@ pub(super) async fn watch(
     ));
     Ok(Some(SwitchWatch {
         task,
-        subscribers,
+        _subscribers: subscribers.into_iter().map(Quit).collect(),
         targets,
         fence,
     }))
