@@ -668,8 +668,8 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     // connection carries to Redis (`TCP_NODELAY` is set, so each socket write is one). Redis's
     // own count of reads is no measure: a busy Redis reads many writes at once. Sent one write
     // each, the 64 claims of a round take 64 segments; coalesced, 3 (the first claim alone, the
-    // rest in one or two; Redis 7.0, 8.0 and Valkey 8.1, idle or loaded). The bound is 8 for the median of
-    // 20 rounds, so that a round preempted on a busy machine does not decide it.
+    // rest in one or two; Redis 7.0, 8.0 and Valkey 8.1, idle or loaded). The bound is 8 for the
+    // median of 20 rounds, so that a round preempted on a busy machine does not decide it.
     const ROUNDS: usize = 20;
     let mut segments = Vec::with_capacity(ROUNDS);
     for round in (0..ROUNDS).rev() {
