@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit tests, the behaviour suites on every store, Redis and
 # PostgreSQL fault tests, TLS, doctests and examples, then the library's TLS tests once more built
-# without its `tls` feature. The Redis and PostgreSQL tests start their own redis-server and
+# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis and PostgreSQL tests start their own redis-server and
 # postgres processes on free loopback ports (never 6379 or 5432); on a machine without
 # redis-server or PostgreSQL's server binaries this installs them with apt-get first.
 set -euo pipefail
@@ -21,4 +21,15 @@ if [ "$#" -eq 0 ]; then
   # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be
   # refused (never a plain-text connection).
   cargo test --no-default-features --features redis,postgres --lib -- tls
+  # The Redis tests once more on the newest Redis and Valkey in Debian's registry (fetched into
+  # target/servers, nothing installed): the store, layer and waiting suites on standalone,
+  # Sentinel and Cluster, and the Redis-only tests but the failover storms
+  # (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
+  for server in $(scripts/newer-servers.sh); do
+    echo "the Redis tests on $("$server" --version)"
+    REDIS_SERVER_BIN="$server" cargo test --all-features --test store_suite --test layer_suite \
+      --test waiting -- redis sentinel:: cluster two_nodes::
+    REDIS_SERVER_BIN="$server" cargo test --all-features --test redis --test redis_faults \
+      --test redis_replica_acks --test redis_cluster
+  done
 fi

@@ -27,9 +27,16 @@ struct Pair {
 
 impl Pair {
     async fn start() -> Self {
-        let master = RedisServer::start();
+        Self::start_with(&[], &[]).await
+    }
+
+    /// A pair whose master and replica also take `master_args` and `replica_args`.
+    async fn start_with(master_args: &[&str], replica_args: &[&str]) -> Self {
+        let master = RedisServer::start_with(master_args);
         let port = master.port().to_string();
-        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+        let mut args = vec!["--replicaof", "127.0.0.1", &port];
+        args.extend_from_slice(replica_args);
+        let replica = RedisServer::start_with(&args);
         let pair = Self { master, replica };
         wait_for_replica(&client(&pair.master.url()).await).await;
         pair
@@ -231,4 +238,114 @@ async fn a_completion_lost_in_a_failover_is_completed_again_on_the_new_master() 
         "the new master replays the answer the client got"
     );
     assert_eq!(runs.get(), 1);
+}
+
+/// The server's `redis_version` from `INFO server` (Valkey gives the Redis version it is
+/// compatible with there: 7.2.4), as (major, minor).
+async fn server_version(server: &Client) -> (u32, u32) {
+    let info = admin(server, &["INFO", "server"]).await;
+    let info = info.as_str().expect("INFO answers text").into_owned();
+    let version = info
+        .lines()
+        .find_map(|line| line.strip_prefix("redis_version:"))
+        .unwrap_or_else(|| panic!("no redis_version in INFO server:\n{info}"));
+    let mut parts = version.trim().split('.').map(|part| part.parse().unwrap());
+    (parts.next().unwrap(), parts.next().unwrap())
+}
+
+/// `ReplicaAcks::fsync`, where the server has `WAITAOF` (7.2 and later): a claim and a completion
+/// wait until the master and the replica have them in their append-only files; a replica without
+/// one never acknowledges, so new keys are answered 503 and never run (plain `WAIT` lets them
+/// run); a master without one is refused when the store connects. Where the server lacks
+/// `WAITAOF` (Redis 7.0), the store refuses the option when it connects. `scripts/test.sh` runs
+/// this on Redis 7.0, Redis 8.0 and Valkey 8.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
+    const AOF: [&str; 4] = ["--appendonly", "yes", "--appendfsync", "always"];
+    let fsync = || {
+        ReplicaAcks::new(1)
+            .fsync(true)
+            .timeout(Duration::from_millis(500))
+    };
+    let connect = |url: String, acks: ReplicaAcks| async move {
+        let store = RedisStore::connect(&url).await.expect("connect");
+        store.with_replica_acks(acks).await
+    };
+
+    let on_disk = Pair::start_with(&AOF, &AOF).await;
+    let master = client(&on_disk.master.url()).await;
+    let version = server_version(&master).await;
+    if version < (7, 2) {
+        let refused = connect(on_disk.master.url(), fsync()).await;
+        let error = refused.expect_err("fsync refused without WAITAOF").to_string();
+        assert!(error.contains("WAITAOF"), "{error}");
+        return;
+    }
+    // Until the replica's append-only file has caught up with the master's.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        admin(&master, &["SET", "probe", "1"]).await;
+        let answer = admin(&master, &["WAITAOF", "1", "1", "100"]).await;
+        if answer
+            .clone()
+            .into_array()
+            .iter()
+            .map(|n| n.as_i64())
+            .eq([Some(1), Some(1)])
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replica never fsynced: {answer:?}");
+    }
+    let store = connect(on_disk.master.url(), fsync())
+        .await
+        .expect("fsync on 7.2+");
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    let (before, waits_before) = (
+        command_calls(&master, "waitaof").await,
+        command_calls(&master, "wait").await,
+    );
+    let first = send(&app, payment("on-disk", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{version:?}");
+    let replica = client(&on_disk.replica.url()).await;
+    assert_eq!(state_on(&replica, &store, "on-disk").await, Some(b'C'));
+    assert_eq!(
+        command_calls(&master, "waitaof").await - before,
+        2,
+        "one WAITAOF for the claim, one for the completion"
+    );
+    assert_eq!(
+        command_calls(&master, "wait").await,
+        waits_before,
+        "no WAIT with fsync"
+    );
+    assert!(send(&app, payment("on-disk", "{}")).await.is_replay());
+    assert_eq!(runs.get(), 1);
+
+    // A replica without an append-only file: received counts for WAIT, not for WAITAOF.
+    let in_memory = Pair::start_with(&AOF, &[]).await;
+    let store = connect(in_memory.master.url(), fsync())
+        .await
+        .expect("the master has its file");
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    let refused = send(&app, payment("replica-in-memory", "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.get(), 0, "a claim not on the replica's disk must not run");
+    let store = connect(in_memory.master.url(), ReplicaAcks::new(1))
+        .await
+        .unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    let created = send(&app, payment("replica-in-memory", "{}")).await;
+    assert_eq!(
+        created.status,
+        StatusCode::CREATED,
+        "WAIT counts a replica that received it"
+    );
+    assert_eq!(runs.get(), 1);
+
+    // A master without an append-only file: refused when the store connects.
+    let without_file = RedisServer::start();
+    let refused = connect(without_file.url(), fsync()).await;
+    let error = refused.expect_err("fsync refused without appendonly").to_string();
+    assert!(error.contains("appendonly"), "{error}");
 }

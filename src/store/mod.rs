@@ -555,6 +555,10 @@ pub enum StoreError {
         /// How many were required.
         wanted: u32,
     },
+    /// The master did not write a claim or a completion to its append-only file in time (the
+    /// durability option with `ReplicaAcks::fsync`). A claim answered so was released again.
+    #[error("the master did not write the record to its append-only file in time")]
+    NotFsynced,
 }
 
 impl StoreError {
@@ -563,7 +567,7 @@ impl StoreError {
     /// time (`ReplicaAcks`). Answered 503 all the same; counted apart (`fenced`).
     pub(crate) fn is_fence(&self) -> bool {
         match self {
-            StoreError::NotReplicated { .. } => true,
+            StoreError::NotReplicated { .. } | StoreError::NotFsynced => true,
             #[cfg(feature = "redis")]
             StoreError::Unavailable(source) => source.is::<sentinel_watch::FailingOver>(),
             _ => false,
@@ -673,8 +677,8 @@ fn process_nonce() -> &'static str {
 
 #[cfg(test)]
 mod tests {
-    /// The metrics count a claim refused at the Sentinel fence, or unacknowledged by replicas,
-    /// as `fenced`, and any other failure as a store error.
+    /// The metrics count a claim refused at the Sentinel fence, or unacknowledged by replicas or
+    /// by the master's disk, as `fenced`, and any other failure as a store error.
     #[test]
     fn fence_refusals_are_told_apart_from_failures() {
         use super::StoreError;
@@ -683,6 +687,7 @@ mod tests {
             wanted: 1,
         };
         assert!(replicas.is_fence());
+        assert!(StoreError::NotFsynced.is_fence());
         #[cfg(feature = "redis")]
         assert!(StoreError::Unavailable(Box::new(super::sentinel_watch::FailingOver)).is_fence());
         let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");

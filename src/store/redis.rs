@@ -472,10 +472,11 @@ impl RedisStore {
     /// other call keeps the shared connection. Replays, 409s and mismatches do not wait. Each
     /// claim and completion costs one more round trip plus the replicas' acknowledgement.
     ///
-    /// Redis 7.0's `WAIT` counts replicas that received a write, not ones that wrote it to disk
-    /// (`WAITAOF`, from Redis 7.2, is not used). With as many replicas as required and no more,
-    /// losing one stops new claims (503) until it is back: require fewer than you run.
-    /// Call after [`with_prefix`](RedisStore::with_prefix) and
+    /// `WAIT` counts replicas that received a write, not ones that wrote it to disk; with
+    /// [`ReplicaAcks::fsync`] the store waits with `WAITAOF` (Redis and Valkey 7.2 and later)
+    /// until the master and the replicas have it in their append-only files. With as many
+    /// replicas as required and no more, losing one stops new claims (503) until it is back:
+    /// require fewer than you run. Call after [`with_prefix`](RedisStore::with_prefix) and
     /// [`with_command_timeout`](RedisStore::with_command_timeout).
     ///
     /// ```no_run

@@ -15,6 +15,10 @@
 //! - a completion that is not acknowledged in time must outlast a failover: the handler's answer
 //!   goes back to the client, and a background task keeps completing the record (on whichever
 //!   node is master by then) and waiting until the replicas have it.
+//!
+//! With [`ReplicaAcks::fsync`] the wait is `WAITAOF 1 n timeout` (Redis and Valkey 7.2 and
+//! later) instead: the master and `n` replicas must have written the writes to their
+//! append-only files, so that a restart of every node loses nothing either.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,8 +38,8 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(60);
 /// How many replicas must acknowledge a claim and a completion, and for how long to wait: the
 /// durability option of [`RedisStore::with_replica_acks`](crate::RedisStore::with_replica_acks).
 ///
-/// Defaults: a 500 ms timeout per `WAIT`, 32 connections for waiting calls, and completions kept
-/// trying for 60 s.
+/// Defaults: a 500 ms timeout per `WAIT`, 32 connections for waiting calls, completions kept
+/// trying for 60 s, and replicas that received a write count (no [`fsync`](ReplicaAcks::fsync)).
 ///
 /// ```
 /// use std::time::Duration;
@@ -46,6 +50,7 @@ const DEFAULT_RETRY_FOR: Duration = Duration::from_secs(60);
 ///     .connections(64)
 ///     .retry_completions_for(Duration::from_secs(120));
 /// assert_eq!(acks.replicas(), 1);
+/// assert!(!acks.is_fsync());
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicaAcks {
@@ -53,6 +58,7 @@ pub struct ReplicaAcks {
     timeout: Duration,
     connections: usize,
     retry_for: Duration,
+    fsync: bool,
 }
 
 impl ReplicaAcks {
@@ -63,10 +69,40 @@ impl ReplicaAcks {
             timeout: DEFAULT_TIMEOUT,
             connections: DEFAULT_CONNECTIONS,
             retry_for: DEFAULT_RETRY_FOR,
+            fsync: false,
         }
     }
 
-    /// How long one `WAIT` may take (default 500 ms). A claim not acknowledged by then is released
+    /// Also waits until the master and the replicas have written each claim and completion to
+    /// their append-only files (`WAITAOF 1 <replicas> <timeout>` instead of `WAIT`), so that no
+    /// acknowledged write is lost even if every node restarts at once (default: off, replicas
+    /// that received a write count).
+    ///
+    /// Needs Redis or Valkey 7.2 or later and `appendonly yes` on the master and on the replicas
+    /// that count: [`RedisStore::with_replica_acks`](crate::RedisStore::with_replica_acks)
+    /// refuses a server without `WAITAOF` or a master without an append-only file, and a replica
+    /// without one never acknowledges (every claim is answered 503). Each wait then lasts until
+    /// the next fsync: at once with `appendfsync always`, up to a second with `everysec`
+    /// (Redis's default), so set the [`timeout`](ReplicaAcks::timeout) to match.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::ReplicaAcks;
+    ///
+    /// let acks = ReplicaAcks::new(1).fsync(true).timeout(Duration::from_millis(1500));
+    /// assert!(acks.is_fsync());
+    /// ```
+    pub fn fsync(mut self, fsync: bool) -> Self {
+        self.fsync = fsync;
+        self
+    }
+
+    /// Whether the writes must also be on the nodes' disks ([`fsync`](ReplicaAcks::fsync)).
+    pub fn is_fsync(&self) -> bool {
+        self.fsync
+    }
+
+    /// How long one `WAIT` (or `WAITAOF`) may take (default 500 ms). A claim not acknowledged by then is released
     /// and answered 503. Keep the command timeout plus this under the layer's store timeout
     /// (2 s by default), or the layer gives up on the claim first (also a 503).
     pub fn timeout(mut self, timeout: Duration) -> Self {
@@ -138,6 +174,23 @@ impl Waiter {
         )
         .map_err(super::redis::unavailable)?;
         pool.init().await.map_err(super::redis::unavailable)?;
+        if acks.fsync {
+            // Refuse now what every claim would otherwise fail on: no `WAITAOF` (before 7.2), or
+            // no append-only file on the master. On a connection that wrote nothing yet it
+            // answers at once.
+            let probe = CustomCommand::new_static("WAITAOF", ClusterHash::Random, false);
+            let args = vec![Value::from(1), Value::from(0), Value::from(1000)];
+            let client = pool.acquire().await;
+            if let Err(error) = client.custom::<Value, Value>(probe, args).await {
+                return Err(StoreError::Unavailable(
+                    format!(
+                        "ReplicaAcks::fsync needs WAITAOF (Redis or Valkey 7.2 and later) and \
+                         `appendonly yes` on the master: {error}"
+                    )
+                    .into(),
+                ));
+            }
+        }
         let command_timeout = command_options.timeout.unwrap_or(Duration::from_secs(2));
         let wait_options = Options {
             timeout: Some(command_timeout + acks.timeout),
@@ -165,46 +218,64 @@ impl Waiter {
         self.pool.acquire().await
     }
 
-    /// Waits until the replicas have every write `client` sent to the node holding `redis_key`,
-    /// or the timeout passes. Answers whether enough replicas acknowledged, and how many did.
+    /// Waits until the replicas have every write `client` sent to the node holding `redis_key`
+    /// (and, with `fsync`, until they and the master have it on disk), or the timeout passes.
+    /// Answers whether that happened, and how many replicas acknowledged.
     pub(super) async fn wait(&self, client: &Client, redis_key: &str) -> Result<Acked, StoreError> {
         // On a Cluster, to the node of the record's slot: the node the write went to. A standalone
         // or Sentinel client ignores the slot.
         let slot = fred::util::redis_keyslot(redis_key.as_bytes());
-        let wait = CustomCommand::new_static("WAIT", ClusterHash::Custom(slot), false);
         let timeout_ms = i64::try_from(self.acks.timeout.as_millis()).unwrap_or(i64::MAX);
-        let args = vec![
-            Value::from(i64::from(self.acks.replicas)),
-            Value::from(timeout_ms),
-        ];
+        let replicas = Value::from(i64::from(self.acks.replicas));
+        let (name, args) = if self.acks.fsync {
+            ("WAITAOF", vec![Value::from(1), replicas, Value::from(timeout_ms)])
+        } else {
+            ("WAIT", vec![replicas, Value::from(timeout_ms)])
+        };
+        let command = CustomCommand::new_static(name, ClusterHash::Custom(slot), false);
         let answer = (client.with_options(&self.wait_options))
-            .custom::<Value, Value>(wait, args)
+            .custom::<Value, Value>(command, args)
             .await
             .map_err(super::redis::unavailable)?;
-        let acknowledged = answer
-            .as_i64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| StoreError::Corrupt(format!("unexpected answer to WAIT: {answer:?}")))?;
+        let count = |value: &Value| value.as_i64().and_then(|n| u32::try_from(n).ok());
+        // `WAIT` answers the replicas' count; `WAITAOF` the master's (0 or 1) and the replicas'.
+        let counts = match &answer {
+            Value::Array(counts) if self.acks.fsync => match counts.as_slice() {
+                [master, replicas] => count(master).zip(count(replicas)),
+                _ => None,
+            },
+            single if !self.acks.fsync => count(single).map(|replicas| (1, replicas)),
+            _ => None,
+        };
+        let (master, acknowledged) =
+            counts.ok_or_else(|| StoreError::Corrupt(format!("unexpected answer to {name}: {answer:?}")))?;
         Ok(Acked {
             acknowledged,
             wanted: self.acks.replicas,
+            on_master: master >= 1,
         })
     }
 }
 
-/// What a `WAIT` answered.
+/// What a `WAIT` or `WAITAOF` answered.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Acked {
     pub(super) acknowledged: u32,
     pub(super) wanted: u32,
+    /// Whether the master has the writes as required: always after `WAIT`; on its disk after
+    /// `WAITAOF`.
+    pub(super) on_master: bool,
 }
 
 impl Acked {
     pub(super) fn enough(self) -> bool {
-        self.acknowledged >= self.wanted
+        self.on_master && self.acknowledged >= self.wanted
     }
 
     pub(super) fn into_error(self) -> StoreError {
+        if !self.on_master {
+            return StoreError::NotFsynced;
+        }
         StoreError::NotReplicated {
             acknowledged: self.acknowledged,
             wanted: self.wanted,
@@ -274,4 +345,31 @@ where
          over before they have it, a retry of this key runs the operation again"
     );
     Some(GaveUp::TimedOut(last_error))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Acked, StoreError};
+
+    /// A `WAITAOF` the replicas answered but the master's disk did not is not enough, and says
+    /// which it lacked.
+    #[test]
+    fn the_master_disk_and_the_replicas_are_both_required() {
+        let acked = |acknowledged, on_master| Acked {
+            acknowledged,
+            wanted: 1,
+            on_master,
+        };
+        assert!(acked(1, true).enough());
+        assert!(!acked(0, true).enough());
+        assert!(!acked(1, false).enough());
+        assert!(matches!(acked(1, false).into_error(), StoreError::NotFsynced));
+        assert!(matches!(
+            acked(0, true).into_error(),
+            StoreError::NotReplicated {
+                acknowledged: 0,
+                wanted: 1
+            }
+        ));
+    }
 }
