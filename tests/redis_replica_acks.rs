@@ -32,7 +32,10 @@ impl Pair {
 
     /// A pair whose master and replica also take `master_args` and `replica_args`.
     async fn start_with(master_args: &[&str], replica_args: &[&str]) -> Self {
-        let master = RedisServer::start_with(master_args);
+        // Redis waits 5 s by default before a diskless full sync, for more replicas to join.
+        let mut args = vec!["--repl-diskless-sync-delay", "0"];
+        args.extend_from_slice(master_args);
+        let master = RedisServer::start_with(&args);
         let port = master.port().to_string();
         let mut args = vec!["--replicaof", "127.0.0.1", &port];
         args.extend_from_slice(replica_args);
@@ -272,15 +275,17 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
         store.with_replica_acks(acks).await
     };
 
-    let on_disk = Pair::start_with(&AOF, &AOF).await;
-    let master = client(&on_disk.master.url()).await;
-    let version = server_version(&master).await;
+    let single = RedisServer::start_with(&AOF);
+    let version = server_version(&client(&single.url()).await).await;
     if version < (7, 2) {
-        let refused = connect(on_disk.master.url(), fsync()).await;
+        let refused = connect(single.url(), fsync()).await;
         let error = refused.expect_err("fsync refused without WAITAOF").to_string();
         assert!(error.contains("WAITAOF"), "{error}");
         return;
     }
+    drop(single);
+    let on_disk = Pair::start_with(&AOF, &AOF).await;
+    let master = client(&on_disk.master.url()).await;
     // Until the replica's append-only file has caught up with the master's.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -152,9 +152,18 @@ impl SentinelTopology {
 
     fn start_with(replicas: usize, tls: Option<&Pki>) -> Self {
         let started = Instant::now();
-        let mut auth: Vec<String> = ["--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD]
-            .map(str::to_owned)
-            .to_vec();
+        // Redis waits 5 s by default before a diskless full sync (also after a failover, from
+        // the promoted replica), for more replicas to join.
+        let mut auth: Vec<String> = [
+            "--requirepass",
+            DATA_PASSWORD,
+            "--masterauth",
+            DATA_PASSWORD,
+            "--repl-diskless-sync-delay",
+            "0",
+        ]
+        .map(str::to_owned)
+        .to_vec();
         if let Some(pki) = tls {
             auth.extend(pki.server_args());
         }
