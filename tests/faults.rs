@@ -26,6 +26,16 @@ fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
     payment_with(key, &[("x-delay-ms", &delay_ms.to_string())])
 }
 
+/// Waits until `done` holds (a request has claimed its key, say), polling; panics after 10 s.
+/// Instead of a fixed sleep, which a loaded machine can outlast.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn rejection(answer: &Answer) -> Option<&Rejection> {
     answer.extensions.get::<Rejection>()
 }
@@ -176,7 +186,9 @@ async fn a_panicking_handler_answers_500_and_releases_the_key(b: Backend) {
 // Promise 4
 async fn a_long_handler_keeps_its_claim_past_the_lease(b: Backend) {
     let (app, runs) = router(layer(&b).with_lease(Duration::from_millis(300)));
-    let first = spawn_send(&app, slow("long", 1200));
+    // Six leases: the retries below end at about 1 s, well before the handler does.
+    let first = spawn_send(&app, slow("long", 1800));
+    until("the handler runs", || runs.get() == 1).await;
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let retry = send(&app, slow("long", 0)).await;
@@ -244,12 +256,14 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
     let (app, runs) = router(layer.clone());
     let running: Vec<_> = ["s1", "s2"]
         .into_iter()
-        .map(|key| spawn_send(&app, slow(key, 400)))
+        .map(|key| spawn_send(&app, slow(key, 800)))
         .collect();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until("both handlers run", || runs.get() == 2).await;
     assert_eq!(handle.running(), 2);
-    // One client hangs up; its handler is still tracked.
-    let _ = tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(slow("s3", 400))).await;
+    // One client hangs up once its handler runs; the handler is still tracked.
+    let hangs_up = tokio::spawn(app.clone().oneshot(slow("s3", 800)));
+    until("the third handler runs", || runs.get() == 3).await;
+    hangs_up.abort();
     assert_eq!(handle.running(), 3);
     let shutdown = {
         let handle = handle.clone();
@@ -281,9 +295,9 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
 // Promise 8, the deadline
 async fn shutdown_reports_handlers_still_running_at_the_deadline(b: Backend) {
     let layer = layer(&b);
-    let (app, _) = router(layer.clone());
+    let (app, runs) = router(layer.clone());
     let running = spawn_send(&app, slow("late", 800));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until("the handler runs", || runs.get() == 1).await;
     let timed_out = layer
         .shutdown_handle()
         .shutdown(Duration::from_millis(100))
@@ -298,9 +312,9 @@ async fn over_the_in_flight_bound_answers_503_and_claims_nothing(b: Backend) {
     let (app, runs) = router(layer(&b).with_max_in_flight(2));
     let running: Vec<_> = ["b1", "b2"]
         .into_iter()
-        .map(|key| spawn_send(&app, slow(key, 300)))
+        .map(|key| spawn_send(&app, slow(key, 800)))
         .collect();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until("both handlers run", || runs.get() == 2).await;
     let over = send(&app, payment("b3", "{}")).await;
     assert_eq!(over.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(rejection(&over), Some(&Rejection::Overloaded));
@@ -328,8 +342,9 @@ async fn at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered(b: Bac
         send(&app, payment("done", "{}")).await.status,
         StatusCode::CREATED
     );
-    let busy = spawn_send(&app, slow("busy", 500));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Long enough for both rounds of checks below, however slow the machine.
+    let busy = spawn_send(&app, slow("busy", 1500));
+    until("busy runs", || runs.get() == 2).await;
     assert_eq!(handle.running(), 1, "at the bound");
     let check = |phase: &'static str| {
         let app = app.clone();
@@ -394,15 +409,14 @@ async fn fail_open_runs_are_counted_and_waited_for(b: Backend) {
         .with_max_in_flight(1);
     let handle = layer.shutdown_handle();
     let (app, runs) = router(layer);
-    let unprotected = spawn_send(&app, slow("open-1", 600));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let unprotected = spawn_send(&app, slow("open-1", 800));
+    until("the unprotected handler runs", || runs.get() == 1).await;
     assert_eq!(handle.running(), 1, "counted");
     let over = send(&app, payment("open-2", "{}")).await;
     assert_eq!(rejection(&over), Some(&Rejection::Overloaded), "the bound holds");
-    let started = std::time::Instant::now();
+    assert_eq!(runs.finished(), 0, "still running when the shutdown starts");
     assert!(handle.shutdown(Duration::from_secs(5)).await.is_ok());
-    assert!(started.elapsed() >= Duration::from_millis(100), "waited for it");
-    assert_eq!(runs.finished(), 1);
+    assert_eq!(runs.finished(), 1, "waited for it");
     assert_eq!(unprotected.await.unwrap().status, StatusCode::CREATED);
 }
 
