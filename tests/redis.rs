@@ -26,7 +26,7 @@ async fn reset_stats(client: &Client) {
 async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
     let (_server, client, store) = setup().await;
     store.load_scripts().await.unwrap();
-    let (app, _) = router(IdempotencyLayer::new(store));
+    let (app, runs) = router(IdempotencyLayer::new(store));
 
     reset_stats(&client).await;
     assert_eq!(send(&app, payment("rt", "{}")).await.status, StatusCode::CREATED);
@@ -52,7 +52,15 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
         let app = app.clone();
         tokio::spawn(async move { send(&app, payment_with("rt-busy", &[("x-delay-ms", "600")])).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Counted from once the slow request runs (its claim made) until its handler ends.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while runs.get() < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slow request never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     reset_stats(&client).await;
     let busy = send(&app, payment("rt-busy", "{}")).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
