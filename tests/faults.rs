@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use common::app::{payment, payment_with, router, send, spawn_send, Answer};
-use common::Backend;
+use common::{until, Backend};
 use http::StatusCode;
 use tower::ServiceExt;
 use tower_idempotency::{
@@ -24,16 +24,6 @@ fn layer(b: &Backend) -> IdempotencyLayer {
 
 fn slow(key: &str, delay_ms: u64) -> http::Request<Body> {
     payment_with(key, &[("x-delay-ms", &delay_ms.to_string())])
-}
-
-/// Waits until `done` holds (a request has claimed its key, say), polling; panics after 10 s.
-/// Instead of a fixed sleep, which a loaded machine can outlast.
-async fn until(what: &str, done: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !done() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 fn rejection(answer: &Answer) -> Option<&Rejection> {

@@ -262,11 +262,7 @@ async fn a_running_request_answers_409_with_a_retry_after_that_fits_the_handler(
                 let app = app.clone();
                 tokio::spawn(async move { send(&app, payment_with(key, &[("x-delay-ms", delay_ms)])).await })
             };
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            while runs.get() < run {
-                assert!(tokio::time::Instant::now() < deadline, "{key} never ran");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            common::until(key, || runs.get() == run).await;
             let busy = send(&app, payment(key, "{}")).await;
             assert_problem(&busy, StatusCode::CONFLICT, "InFlight");
             assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);

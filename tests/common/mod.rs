@@ -219,6 +219,16 @@ pub async fn client(url: &str) -> Client {
     client
 }
 
+/// Waits until `done` holds (a request has claimed its key, say), polling; panics after 10 s.
+/// Instead of a fixed sleep, which a loaded machine can outlast.
+pub async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Runs one admin command and returns its answer.
 pub async fn admin(client: &Client, args: &[&str]) -> Value {
     let command = CustomCommand::new_static(leak(args[0]), ClusterHash::Random, false);
