@@ -53,14 +53,7 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
         tokio::spawn(async move { send(&app, payment_with("rt-busy", &[("x-delay-ms", "600")])).await })
     };
     // Counted from once the slow request runs (its claim made) until its handler ends.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while runs.get() < 3 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the slow request never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::until("the slow request runs", || runs.get() == 3).await;
     reset_stats(&client).await;
     let busy = send(&app, payment("rt-busy", "{}")).await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
