@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit tests, the behaviour suites on every store, Redis and
 # PostgreSQL fault tests, TLS, doctests and examples, then the library's TLS tests once more built
-# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis and PostgreSQL tests start their own redis-server and
-# postgres processes on free loopback ports (never 6379 or 5432); on a machine without
-# redis-server or PostgreSQL's server binaries this installs them with apt-get first.
+# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis and
+# PostgreSQL tests start their own redis-server and postgres processes on free loopback ports
+# (never 6379 or 5432); on a machine without redis-server or PostgreSQL's server binaries this
+# installs them with apt-get first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

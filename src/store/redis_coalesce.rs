@@ -10,7 +10,7 @@
 //! A [`Coalescer`] sends a command directly when no other is outstanding, so a lone request
 //! (concurrency 1) pays nothing, and sends every script directly too: fred writes a script
 //! alone whatever waits behind it, so queueing one would buy nothing but the hand-off (measured:
-//! fresh keys 5% faster at c32 with the scripts sent directly). Otherwise it queues the command
+//! fresh keys 3–5% faster at c32 with the scripts sent directly). Otherwise it queues the command
 //! for one task which steps back once behind the tasks already ready on its worker (the requests
 //! about to send theirs), then hands fred everything queued in one go; the claim is fred's own
 //! `SET`, which fred feeds without a flush, so a batch of claims and replays leaves in one write.

@@ -80,8 +80,9 @@ impl ReplicaAcks {
     ///
     /// Needs Redis or Valkey 7.2 or later and `appendonly yes` on the master and on the replicas
     /// that count: [`RedisStore::with_replica_acks`](crate::RedisStore::with_replica_acks)
-    /// refuses a server without `WAITAOF` or a master without an append-only file, and a replica
-    /// without one never acknowledges (every claim is answered 503). Each wait then lasts until
+    /// refuses a server without `WAITAOF` or a master without an append-only file (on a Cluster,
+    /// it asks one master), and a replica without one never acknowledges (every claim is
+    /// answered 503). Each wait then lasts until
     /// the next fsync: at once with `appendfsync always`, up to a second with `everysec`
     /// (Redis's default), so set the [`timeout`](ReplicaAcks::timeout) to match.
     ///
@@ -102,9 +103,9 @@ impl ReplicaAcks {
         self.fsync
     }
 
-    /// How long one `WAIT` (or `WAITAOF`) may take (default 500 ms). A claim not acknowledged by then is released
-    /// and answered 503. Keep the command timeout plus this under the layer's store timeout
-    /// (2 s by default), or the layer gives up on the claim first (also a 503).
+    /// How long one `WAIT` (or `WAITAOF`) may take (default 500 ms). A claim not acknowledged by
+    /// then is released and answered 503. Keep the command timeout plus this under the layer's
+    /// store timeout (2 s by default), or the layer gives up on the claim first (also a 503).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
