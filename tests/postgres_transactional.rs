@@ -268,17 +268,20 @@ fn warnings_during(test: impl std::future::Future<Output = ()>) -> Vec<String> {
 #[test]
 fn a_transaction_open_across_renewals_is_not_taken_for_a_lost_claim() {
     let warnings = warnings_during(async {
-        let orders = orders(shared_store().await, Duration::from_millis(300)).await;
+        // Renewals every second: the one at 1 s waits on the row lock until the commit at 2 s.
+        // The lease (3 s) outlasts the lock, so a slow machine cannot let it lapse first.
+        let orders = orders(shared_store().await, Duration::from_secs(3)).await;
         let running = tokio::spawn({
             let router = orders.router.clone();
-            async move { send(&router, order("t-long", &[("x-ending", "commit-after-400")])).await }
+            async move { send(&router, order("t-long", &[("x-ending", "commit-after-2000")])).await }
         });
         tokio::time::sleep(Duration::from_millis(200)).await;
         let started = Instant::now();
         let busy = orders.post("t-long", &[]).await;
         assert_eq!(busy.status, StatusCode::CONFLICT);
+        // Held up by the lock, it would wait until the commit, about 1.8 s.
         assert!(
-            started.elapsed() < Duration::from_millis(200),
+            started.elapsed() < Duration::from_secs(1),
             "not held up by the row lock"
         );
         let first = running.await.unwrap();

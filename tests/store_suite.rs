@@ -183,13 +183,14 @@ async fn renew_extends_the_lease(b: Backend) {
         OwnerToken::generate(),
         OwnerToken::generate(),
     );
-    let lease = Duration::from_millis(300);
+    // Renewed every 400 ms, 600 ms before each lease would end: room for a slow machine.
+    let lease = Duration::from_millis(1000);
     assert_eq!(claim(s, &k, &f, &a, lease).await, ClaimOutcome::Claimed);
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(s.renew(&k, &a, lease).await.unwrap());
     }
-    // 600 ms after a 300 ms lease began, the renewed claim still holds.
+    // 1.6 s after a 1 s lease began, the renewed claim still holds.
     assert!(matches!(
         claim(s, &k, &f, &other, LEASE).await,
         ClaimOutcome::InFlight { .. }
@@ -206,13 +207,13 @@ async fn retention_ends(b: Backend) {
     );
     assert_eq!(claim(s, &k, &f, &a, LEASE).await, ClaimOutcome::Claimed);
     assert!(s
-        .complete(&k, &a, Bytes::from_static(b"r"), Duration::from_millis(150))
+        .complete(&k, &a, Bytes::from_static(b"r"), Duration::from_secs(1))
         .await
         .unwrap());
     let info = s.inspect(&k).await.unwrap().expect("a completed record");
     assert_eq!(info.state, RecordState::Completed);
-    assert!(info.expires_in <= Duration::from_millis(150));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(info.expires_in <= Duration::from_secs(1));
+    tokio::time::sleep(Duration::from_millis(1300)).await;
     assert!(s.inspect(&k).await.unwrap().is_none());
     assert_eq!(claim(s, &k, &f, &next, LEASE).await, ClaimOutcome::Claimed);
 }
