@@ -5,34 +5,48 @@
 -- the retention's end once completed); the fingerprint; and, once completed, the stored payload.
 -- The claim itself is not a script: it is `SET key <in-flight record> NX PX <lease> GET`.
 --
--- KEYS[1]  the record
--- ARGV[1]  the caller's head (magic, version, owner)
--- ARGV[2]  'C' and the retention deadline (9 bytes)    ARGV[3]  payload    ARGV[4]  retention (ms)
+-- KEYS[i]   a record; one or many: completions sent together are one call (src/store/redis_coalesce.rs)
+-- For record i, from j = 4 * (i - 1):
+-- ARGV[j+1]  the caller's head (magic, version, owner)
+-- ARGV[j+2]  'C' and the retention deadline (9 bytes)    ARGV[j+3]  payload    ARGV[j+4]  retention (ms)
 --
--- Publishes (SPUBLISH, an empty message) on KEYS[1] .. ':settled' when it completes the record, for
+-- Publishes (SPUBLISH, an empty message) on KEYS[i] .. ':settled' when it completes the record, for
 -- requests waiting for it (src/store/redis_notices.rs): a shard channel in the record's slot.
 --
--- Returns 1 when the record is completed by this owner (also when it already was, so a
--- completion re-sent after a dropped connection succeeds; the payload is then left as it was),
+-- Answers, per record, 1 when the record is completed by this owner (also when it already was, so
+-- a completion re-sent after a dropped connection succeeds; the payload is then left as it was),
 -- 0 when the owner lost its claim (lease expired, purged, or claimed again by another owner):
--- the newer owner's record is never overwritten.
-local ok, head = pcall(redis.call, 'GETRANGE', KEYS[1], 0, #ARGV[1])
-if not ok then
-  return 0
-end
-if head == ARGV[1] .. 'C' then
-  -- Completed already, by this owner: the retention restarts. Writing again also matters to a
-  -- WAIT sent after this script on the same connection (RedisStore::with_replica_acks): it counts
-  -- the connection's own writes, and the first completion may have gone over another one.
-  redis.call('SETRANGE', KEYS[1], #ARGV[1], ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+-- the newer owner's record is never overwritten. One record: that flag; several: an array of them,
+-- in the order of KEYS. Each record is decided on its own: one lost claim fails no other.
+local function complete(key, head, state, payload, retention)
+  local ok, found = pcall(redis.call, 'GETRANGE', key, 0, #head)
+  if not ok then
+    return 0
+  end
+  if found == head .. 'C' then
+    -- Completed already, by this owner: the retention restarts. Writing again also matters to a
+    -- WAIT sent after this script on the same connection (RedisStore::with_replica_acks): it
+    -- counts the connection's own writes, and the first completion may have gone over another one.
+    redis.call('SETRANGE', key, #head, state)
+    redis.call('PEXPIRE', key, retention)
+    return 1
+  end
+  if found ~= head .. 'F' then
+    return 0
+  end
+  redis.call('SETRANGE', key, #head, state)
+  redis.call('APPEND', key, payload)
+  redis.call('PEXPIRE', key, retention)
+  redis.call('SPUBLISH', key .. ':settled', '')
   return 1
 end
-if head ~= ARGV[1] .. 'F' then
-  return 0
+
+if #KEYS == 1 then
+  return complete(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
-redis.call('SETRANGE', KEYS[1], #ARGV[1], ARGV[2])
-redis.call('APPEND', KEYS[1], ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SPUBLISH', KEYS[1] .. ':settled', '')
-return 1
+local flags = {}
+for i, key in ipairs(KEYS) do
+  local j = 4 * (i - 1)
+  flags[i] = complete(key, ARGV[j + 1], ARGV[j + 2], ARGV[j + 3], ARGV[j + 4])
+end
+return flags

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::app::{payment, payment_with, router, send};
-use common::{admin, client, round_trips, RedisServer};
+use common::{admin, client, command_calls, round_trips, RedisServer};
 use fred::prelude::*;
 use http::StatusCode;
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore, Rejection};
@@ -636,6 +636,7 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
         .build()
         .unwrap();
     client.init().await.unwrap();
+    let stats = client.clone();
     let store = RedisStore::new(client);
     store.load_scripts().await.unwrap();
     let key = |i: usize| RecordKey::new(None, IdempotencyKey::parse(&format!("co-{i}")).unwrap());
@@ -693,9 +694,20 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
         segments[ROUNDS / 2]
     );
 
+    // Completions, merged into few calls of the completion script (fred would write each call
+    // alone): each record still gets its own payload and its own answer. Two of them lost their
+    // claims: key 5's record was purged, key 9's claimed again by another owner.
+    assert!(store.purge(&key(5)).await.unwrap());
+    assert!(store.purge(&key(9)).await.unwrap());
+    let usurper = OwnerToken::generate();
+    let claimed_again = store.claim(&key(9), &body(9), &usurper, LEASE).await.unwrap();
+    assert_eq!(claimed_again, ClaimOutcome::Claimed);
+    admin(&stats, &["CONFIG", "RESETSTAT"]).await;
+    let before = segments_sent_to(server.port());
     let completions = each_in_a_task(|i| {
         let (store, owner) = (store.clone(), owners[i].clone());
-        let payload = Bytes::from(format!("result of key {i}"));
+        // Payloads of different lengths: a record given another's arguments would show.
+        let payload = Bytes::from(format!("result of key {i}{}", ".".repeat(i)));
         async move {
             store
                 .complete(&key(i), &owner, payload, Duration::from_secs(3600))
@@ -703,9 +715,27 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
         }
     })
     .await;
+    let segments = segments_sent_to(server.port()) - before;
     for (i, completion) in completions.into_iter().enumerate() {
-        assert!(completion.unwrap(), "key {i}");
+        assert_eq!(completion.unwrap(), ![5, 9].contains(&i), "key {i}");
     }
+    // One script call per record would be 64 calls in 64 writes; merged, at most 32 records a
+    // call: 3 calls here (the first alone, then the rest), in as many writes.
+    let calls = command_calls(&stats, "evalsha").await;
+    assert!(calls <= 8, "64 concurrent completions took {calls} script calls");
+    assert!(
+        segments <= 8,
+        "64 concurrent completions took {segments} socket writes"
+    );
+    let in_flight = store.peek(&key(9), &body(9)).await.unwrap();
+    assert!(
+        matches!(in_flight, Some(ClaimOutcome::InFlight { .. })),
+        "the newer owner's claim is left as it was: {in_flight:?}"
+    );
+    let usurpers_result = Bytes::from(format!("result of key 9{}", ".".repeat(9)));
+    let key_9 = key(9);
+    let completed = store.complete(&key_9, &usurper, usurpers_result, Duration::from_secs(3600));
+    assert!(completed.await.unwrap(), "the newer owner completes its record");
 
     // Replays, and a mismatch among them: every answer is its own key's.
     let replays = each_in_a_task(|i| {
@@ -719,12 +749,63 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     })
     .await;
     for (i, replay) in replays.into_iter().enumerate() {
-        let expected = if i == 7 {
-            ClaimOutcome::Mismatch
-        } else {
-            ClaimOutcome::Completed(Bytes::from(format!("result of key {i}")))
+        let expected = match i {
+            7 => ClaimOutcome::Mismatch,
+            // Purged before its completion, so nothing was stored: the key is claimed afresh.
+            5 => ClaimOutcome::Claimed,
+            _ => ClaimOutcome::Completed(Bytes::from(format!("result of key {i}{}", ".".repeat(i)))),
         };
         assert_eq!(replay.unwrap(), expected, "key {i}");
+    }
+}
+
+/// Completions merged into one script call still reach Redis after its script cache was
+/// flushed: the merged EVALSHA is refused as a whole (NOSCRIPT), and each completion falls back
+/// to EVAL on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn merged_completions_fall_back_to_eval_after_a_script_flush() {
+    use bytes::Bytes;
+    use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
+
+    let (_server, client, store) = setup().await;
+    store.load_scripts().await.unwrap();
+    let key = |i: usize| RecordKey::new(None, IdempotencyKey::parse(&format!("fl-{i}")).unwrap());
+    let body = Fingerprint::new([b"{}".as_slice()]);
+    let mut owners = Vec::new();
+    for i in 0..16 {
+        let owner = OwnerToken::generate();
+        let claim = store.claim(&key(i), &body, &owner, Duration::from_secs(30)).await;
+        assert_eq!(claim.unwrap(), ClaimOutcome::Claimed);
+        owners.push(owner);
+    }
+    admin(&client, &["SCRIPT", "FLUSH"]).await;
+    reset_stats(&client).await;
+    let start = std::sync::Arc::new(tokio::sync::Barrier::new(17));
+    let tasks: Vec<_> = owners
+        .into_iter()
+        .enumerate()
+        .map(|(i, owner)| {
+            let (store, start) = (store.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                let payload = Bytes::from(format!("result {i}"));
+                store
+                    .complete(&key(i), &owner, payload, Duration::from_secs(60))
+                    .await
+            })
+        })
+        .collect();
+    start.wait().await;
+    for (i, task) in tasks.into_iter().enumerate() {
+        assert!(task.await.unwrap().unwrap(), "key {i}");
+    }
+    let merged = command_calls(&client, "evalsha").await;
+    assert!(merged < 16, "the completions were merged: {merged} EVALSHA calls");
+    assert!(command_calls(&client, "eval").await >= 1);
+    for i in 0..16 {
+        let replay = store.peek(&key(i), &body).await.unwrap();
+        let expected = ClaimOutcome::Completed(Bytes::from(format!("result {i}")));
+        assert_eq!(replay, Some(expected), "key {i}");
     }
 }
 

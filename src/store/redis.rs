@@ -31,6 +31,9 @@ struct Script {
     source: &'static str,
     /// Leaked once per script per process, so every call can pass it without a copy.
     sha1: &'static str,
+    /// Takes any number of records in one call (complete.lua): calls made at the same time are
+    /// merged into one (`redis_coalesce`).
+    per_record: bool,
 }
 
 impl Script {
@@ -40,12 +43,20 @@ impl Script {
             name,
             source,
             sha1: Box::leak(sha1.into_boxed_str()),
+            per_record: false,
+        }
+    }
+
+    fn per_record(self) -> Self {
+        Self {
+            per_record: true,
+            ..self
         }
     }
 }
 
 static COMPLETE: LazyLock<Script> =
-    LazyLock::new(|| Script::new("complete", include_str!("../../scripts/complete.lua")));
+    LazyLock::new(|| Script::new("complete", include_str!("../../scripts/complete.lua")).per_record());
 static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new("release", include_str!("../../scripts/release.lua")));
 static RENEW: LazyLock<Script> =
@@ -644,10 +655,17 @@ impl RedisStore {
             command.extend_from_slice(args);
             command
         };
-        let evalsha = CustomCommand::new_static("EVALSHA", route.clone(), false);
-        let evalsha = Command::Custom {
-            command: evalsha,
-            args: command(script.sha1),
+        let evalsha = if script.per_record {
+            Command::PerRecord {
+                sha: script.sha1,
+                key: redis_key.clone(),
+                args: args.to_vec(),
+            }
+        } else {
+            Command::Custom {
+                command: CustomCommand::new_static("EVALSHA", route.clone(), false),
+                args: command(script.sha1),
+            }
         };
         let sent = self.coalescer.send(client, &self.options, evalsha);
         match sent.await {

@@ -4,16 +4,18 @@
 //! and flushes after every script and custom command whatever waits. Under load that queue is
 //! nearly always empty: a request hands fred its command, fred's connection task is woken into
 //! the same worker's next slot and writes that command alone. So at 32 concurrent requests
-//! nearly every claim cost a `writev` of its own here and a read of its own in Redis: the largest
-//! cost of a request after the round trip itself (`bench/profile.md`).
+//! nearly every claim and every completion cost a `writev` of its own here and a read of its own
+//! in Redis: the largest cost of a request after the round trip itself (`bench/profile.md`).
 //!
 //! A [`Coalescer`] sends a command directly when no other is outstanding, so a lone request
-//! (concurrency 1) pays nothing, and sends every script directly too: fred writes a script
-//! alone whatever waits behind it, so queueing one would buy nothing but the hand-off (measured:
-//! fresh keys 3–5% faster at c32 with the scripts sent directly). Otherwise it queues the command
-//! for one task which steps back once behind the tasks already ready on its worker (the requests
-//! about to send theirs), then hands fred everything queued in one go; the claim is fred's own
-//! `SET`, which fred feeds without a flush, so a batch of claims and replays leaves in one write.
+//! (concurrency 1) pays nothing. Otherwise it queues the command for one task which steps back
+//! once behind the tasks already ready on its worker (the requests about to send theirs), then
+//! hands fred everything queued in one go: first the commands fred feeds without a flush (the
+//! claim is fred's own `SET`), then the completions, merged into one call of the completion
+//! script per connection (complete.lua takes any number of records), since fred would write each
+//! script call alone. A batch of claims, replays and completions thus leaves in one
+//! write. Other scripts are sent directly: they are rare, and fred writes them alone anyway; so
+//! are completions on a Cluster, where every record's key has a slot of its own.
 //! Each command keeps its own answer, timeout and retries. A command whose caller gives up after
 //! queueing it is still sent, as it would be once fred had it.
 
@@ -25,7 +27,7 @@ use fred::clients::Client;
 use fred::error::{Error, ErrorKind};
 use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::config::Options;
-use fred::types::{CustomCommand, Expiration, Key, SetOptions, Value};
+use fred::types::{ClusterHash, CustomCommand, Expiration, Key, SetOptions, Value};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 
@@ -36,18 +38,43 @@ pub(crate) enum Command {
     SetIfAbsent { key: Key, value: Bytes, lease_ms: i64 },
     /// `GET key`.
     Get { key: Key },
-    /// Anything else (the scripts).
+    /// A call of a script that takes one record or many (complete.lua): `EVALSHA sha 1 key
+    /// args…`. Calls of one script that are queued together for one connection go as one `EVALSHA sha n key… args…`, answered with one value per record: fred writes every
+    /// script in a write of its own, so one call for many records is one write instead of many.
+    PerRecord {
+        sha: &'static str,
+        key: Value,
+        args: Vec<Value>,
+    },
+    /// Anything else (the other scripts, and EVAL).
     Custom {
         command: CustomCommand,
         args: Vec<Value>,
     },
 }
 
+/// At most this many records in one merged script call, and at most [`MAX_MERGED_BYTES`] of
+/// arguments: a script blocks Redis while it runs, and a retry resends the whole call.
+const MAX_MERGED: usize = 32;
+const MAX_MERGED_BYTES: usize = 64 * 1024;
+
+/// A script call routed to the slot of its first key (argument 2), not to that of the SHA-1 (the
+/// first argument, which fred would hash by default). fred hashes only when it routes, so a
+/// standalone server pays nothing for it.
+fn evalsha() -> CustomCommand {
+    CustomCommand::new_static("EVALSHA", ClusterHash::Offset(2), false)
+}
+
 impl Command {
-    /// Whether fred writes this command in a write of its own, whatever waits behind it: it
-    /// flushes its socket after every script and custom command.
-    fn is_flushed_alone(&self) -> bool {
-        matches!(self, Command::Custom { .. })
+    /// Whether nothing could share this command's write: fred flushes its socket after every
+    /// script and custom command, and on a Cluster every record has a slot of its own (its key's
+    /// hash tag), so no two completions could be one call.
+    fn is_sent_alone(&self, client: &Client) -> bool {
+        match self {
+            Command::Custom { .. } => true,
+            Command::PerRecord { .. } => client.is_clustered(),
+            Command::SetIfAbsent { .. } | Command::Get { .. } => false,
+        }
     }
 
     async fn send(self, client: &Client, options: &Options) -> Result<Value, Error> {
@@ -58,6 +85,14 @@ impl Command {
                 client.set(key, value, expiry, Some(SetOptions::NX), true).await
             }
             Command::Get { key } => client.get(key).await,
+            Command::PerRecord { sha, key, args } => {
+                let mut command = Vec::with_capacity(args.len() + 3);
+                command.push(Value::from_static_str(sha));
+                command.push(Value::Integer(1));
+                command.push(key);
+                command.extend(args);
+                client.custom(evalsha(), command).await
+            }
             Command::Custom { command, args } => client.custom(command, args).await,
         }
     }
@@ -111,7 +146,7 @@ impl Coalescer {
     ) -> Result<Value, Error> {
         let others = self.outstanding.fetch_add(1, Ordering::Relaxed);
         let _outstanding = Outstanding(self.outstanding.clone());
-        if others == 0 || command.is_flushed_alone() {
+        if others == 0 || command.is_sent_alone(client) {
             return command.send(client, options).await;
         }
         let (answer, answered) = oneshot::channel();
@@ -153,14 +188,153 @@ async fn coalesce(mut jobs: mpsc::UnboundedReceiver<Job>) {
                 let Some(job) = job else { break };
                 // Let the requests that are ready to run queue their commands first.
                 YieldOnce(false).await;
-                running.push(job.run());
+                let mut batch = vec![job];
                 while let Ok(job) = jobs.try_recv() {
-                    running.push(job.run());
+                    batch.push(job);
+                }
+                for send in plan(batch) {
+                    running.push(send.run());
                 }
             }
         }
     }
     while running.next().await.is_some() {}
+}
+
+/// What the coalescing task hands fred for one or more commands.
+enum Send {
+    One(Job),
+    Merged(Merged),
+}
+
+impl Send {
+    async fn run(self) {
+        match self {
+            Send::One(job) => job.run().await,
+            Send::Merged(merged) => merged.run().await,
+        }
+    }
+}
+
+/// Calls of one per-record script, for one connection, sent as one call.
+struct Merged {
+    client: Client,
+    options: Options,
+    sha: &'static str,
+    records: Vec<MergedRecord>,
+    /// The size of the records' arguments, bounded by [`MAX_MERGED_BYTES`].
+    bytes: usize,
+}
+
+struct MergedRecord {
+    key: Value,
+    args: Vec<Value>,
+    answer: oneshot::Sender<Result<Value, Error>>,
+}
+
+/// The order fred gets a batch in: the commands it feeds without a flush first, so that the
+/// write the first script flushes carries them too; then the per-record script calls, merged.
+fn plan(batch: Vec<Job>) -> Vec<Send> {
+    let mut sends = Vec::with_capacity(batch.len());
+    let mut merged: Vec<Merged> = Vec::new();
+    for job in batch {
+        let Job {
+            client,
+            options,
+            command: Command::PerRecord { sha, key, args },
+            answer,
+        } = job
+        else {
+            sends.push(Send::One(job));
+            continue;
+        };
+        let bytes = args.iter().map(argument_size).sum::<usize>() + argument_size(&key);
+        let record = MergedRecord { key, args, answer };
+        let joins = |m: &&mut Merged| {
+            m.sha == sha
+                && m.records.len() < MAX_MERGED
+                && m.bytes + bytes <= MAX_MERGED_BYTES
+                && m.client.id() == client.id()
+        };
+        match merged.iter_mut().find(joins) {
+            Some(m) => {
+                m.bytes += bytes;
+                m.records.push(record);
+            }
+            None => merged.push(Merged {
+                client,
+                options,
+                sha,
+                records: vec![record],
+                bytes,
+            }),
+        }
+    }
+    sends.extend(merged.into_iter().map(Send::Merged));
+    sends
+}
+
+/// About what an argument adds to a command, for [`MAX_MERGED_BYTES`].
+fn argument_size(value: &Value) -> usize {
+    value.as_bytes().map_or(8, <[u8]>::len)
+}
+
+impl Merged {
+    async fn run(self) {
+        let Merged {
+            client,
+            options,
+            sha,
+            mut records,
+            ..
+        } = self;
+        if records.len() == 1 {
+            let Some(MergedRecord { key, args, answer }) = records.pop() else {
+                return;
+            };
+            let job = Job {
+                client,
+                options,
+                command: Command::PerRecord { sha, key, args },
+                answer,
+            };
+            return job.run().await;
+        }
+        let count = records.len();
+        let mut command = Vec::with_capacity(2 + count * 5);
+        command.push(Value::from_static_str(sha));
+        command.push(Value::Integer(count as i64));
+        for record in &mut records {
+            command.push(std::mem::replace(&mut record.key, Value::Null));
+        }
+        for record in &mut records {
+            command.append(&mut record.args);
+        }
+        let answered = client.with_options(&options).custom(evalsha(), command).await;
+        match answered {
+            Ok(Value::Array(answers)) if answers.len() == count => {
+                for (record, answer) in records.into_iter().zip(answers) {
+                    // The caller may have gone (a client hung up); the command ran all the same.
+                    let _ = record.answer.send(Ok(answer));
+                }
+            }
+            Ok(other) => {
+                let error = Error::new(
+                    ErrorKind::Protocol,
+                    format!("{count} records in one script call, answered with {other:?}"),
+                );
+                for record in records {
+                    let _ = record.answer.send(Err(error.clone()));
+                }
+            }
+            // NOSCRIPT among them: each caller falls back to EVAL on its own.
+            Err(error) => {
+                for record in records {
+                    let _ = record.answer.send(Err(error.clone()));
+                }
+            }
+        }
+    }
 }
 
 /// Goes to the back of the worker's run queue once: a task woken while it runs is queued behind
