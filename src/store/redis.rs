@@ -655,7 +655,9 @@ impl RedisStore {
             command.extend_from_slice(args);
             command
         };
-        let evalsha = if script.per_record {
+        // The durability option's completions each have a connection of their own, where nothing
+        // could be merged with them: a trip through the coalescing task would buy nothing.
+        let evalsha = if script.per_record && self.acks.is_none() {
             Command::PerRecord {
                 sha: script.sha1,
                 key: redis_key.clone(),
