@@ -196,10 +196,12 @@ async fn a_long_handler_keeps_its_claim_past_the_lease(b: Backend) {
 
 // Promise 4, fencing
 async fn a_lost_claim_is_fenced_and_never_overwrites_the_new_owner(b: Backend) {
-    let layer = layer(&b).with_lease(Duration::from_millis(300));
+    // A lease the first request's renewals keep up on a loaded machine: its claim is lost to the
+    // purge, not to the lease.
+    let layer = layer(&b).with_lease(Duration::from_secs(1));
     let (app, runs) = router(layer.clone());
-    let first = spawn_send(&app, slow("fenced", 1000));
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let first = spawn_send(&app, slow("fenced", 2000));
+    until("the first request runs", || runs.get() == 1).await;
     // An operator purges the key mid-run; a retry takes it over and completes first.
     assert!(layer.purge(None, "fenced").await.unwrap());
     let second = send(&app, slow("fenced", 0)).await;
@@ -219,7 +221,9 @@ async fn a_lost_claim_is_fenced_and_never_overwrites_the_new_owner(b: Backend) {
 
 // Promise 5
 async fn a_crashed_owner_blocks_its_key_only_until_its_lease_ends(b: Backend) {
-    let lease = Duration::from_millis(400);
+    // Long enough that the claim is still live when the request below arrives on a loaded
+    // machine, short enough for a Retry-After of 1 s.
+    let lease = Duration::from_secs(1);
     let (app, runs) = router(layer(&b).with_lease(lease));
     // A node claimed the key and died: nobody renews or releases its claim.
     let key = RecordKey::new(None, IdempotencyKey::parse("orphan").unwrap());

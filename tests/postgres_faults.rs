@@ -195,6 +195,7 @@ async fn a_failed_completion_is_retried() {
     let proxy = FaultProxy::start(server.addr()).await;
     let (app, runs) = router(layer(store(&postgres::url_for(proxy.addr())).await));
     let first = spawn_send(&app, slow("retried", 300));
+    common::until("the handler runs", || runs.get() == 1).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
     proxy.set(Fault::Drop);
     tokio::time::sleep(Duration::from_millis(250)).await;
@@ -210,9 +211,9 @@ async fn a_failed_completion_is_retried() {
 async fn a_completion_that_keeps_failing_still_answers_the_client() {
     let server = server().await;
     let proxy = FaultProxy::start(server.addr()).await;
-    let (app, _) = router(layer(store(&postgres::url_for(proxy.addr())).await));
+    let (app, runs) = router(layer(store(&postgres::url_for(proxy.addr())).await));
     let first = spawn_send(&app, slow("unstored", 200));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    common::until("the handler runs", || runs.get() == 1).await;
     proxy.set(Fault::BlackHole);
     let started = Instant::now();
     let answer = first.await.unwrap();
@@ -230,7 +231,8 @@ async fn a_completion_that_keeps_failing_still_answers_the_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_node_loses_its_key_at_lease_end_and_is_fenced() {
     let server = server().await;
-    let lease = Duration::from_millis(400);
+    // 1 s: node B's first request must land within it on a loaded machine.
+    let lease = Duration::from_secs(1);
     let proxy = FaultProxy::start(server.addr()).await;
     let partitioned = store(&postgres::url_for(proxy.addr())).await;
     let direct = PostgresStore::connect(&server.url())
@@ -241,12 +243,13 @@ async fn a_partitioned_node_loses_its_key_at_lease_end_and_is_fenced() {
     let node_b_layer = IdempotencyLayer::new(direct).with_lease(lease);
     let (node_b, runs_b) = router(node_b_layer.clone());
 
-    let on_a = tokio::spawn(async move { send(&node_a, slow("split", 1500)).await });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Node A's handler outlasts its lease and node B's takeover by far.
+    let on_a = tokio::spawn(async move { send(&node_a, slow("split", 3500)).await });
+    common::until("node A runs the key", || runs_a.get() == 1).await;
     proxy.set(Fault::BlackHole);
     let blocked = send(&node_b, payment("split", "{}")).await;
     assert_eq!(blocked.status, StatusCode::CONFLICT, "the live lease holds");
-    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
     let taken_over = send(&node_b, payment("split", "{}")).await;
     assert_eq!(
         (taken_over.status, taken_over.is_replay()),

@@ -220,12 +220,13 @@ async fn a_claim_whose_lease_ran_out_while_the_handler_ran_is_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_purged_and_taken_over_while_the_handler_ran_is_reported() {
     let journal = Journal::default();
+    // A lease far longer than the test: the claim is lost to the purge, never to its lease.
     let layer = IdempotencyLayer::new(MemoryStore::new())
-        .with_lease(Duration::from_millis(90))
+        .with_lease(Duration::from_secs(30))
         .with_reconciliation(journal.hook());
     let (app, runs) = router(layer.clone());
-    let first = spawn_send(&app, payment_with("taken", &[("x-delay-ms", "400")]));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first = spawn_send(&app, payment_with("taken", &[("x-delay-ms", "1500")]));
+    common::until("the first request runs", || runs.get() == 1).await;
     assert!(layer.purge(None, "taken").await.unwrap());
     let second = send(&app, payment("taken", "{}")).await;
     assert_eq!(second.status, StatusCode::CREATED, "the key was free again");
