@@ -35,19 +35,20 @@ async fn check_contract(demo: &Demo) {
         assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert!(failed.headers.get("idempotent-replayed").is_none());
     }
-    // delay_ms: a retry while the first runs gets 409 with Retry-After.
+    // delay_ms: a retry while the first runs gets 409 with Retry-After. The first runs for 2 s:
+    // the retry, 500 ms after it, lands inside that on a loaded machine.
     let slow = tokio::spawn(call(
         addr,
         "/payments",
         Some("qs-slow"),
-        r#"{"amount": 5, "delay_ms": 800}"#,
+        r#"{"amount": 5, "delay_ms": 2000}"#,
     ));
-    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let busy = call(
         addr,
         "/payments",
         Some("qs-slow"),
-        r#"{"amount": 5, "delay_ms": 800}"#,
+        r#"{"amount": 5, "delay_ms": 2000}"#,
     )
     .await;
     assert_eq!(busy.status, StatusCode::CONFLICT);
@@ -58,14 +59,14 @@ async fn check_contract(demo: &Demo) {
         addr,
         "/payments",
         Some("qs-wait"),
-        r#"{"amount": 6, "delay_ms": 800}"#,
+        r#"{"amount": 6, "delay_ms": 2000}"#,
     ));
-    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let waited = send_with(
         &mut connect(addr).await,
         "/payments",
         Some("qs-wait"),
-        r#"{"amount": 6, "delay_ms": 800}"#,
+        r#"{"amount": 6, "delay_ms": 2000}"#,
         &[("prefer", "wait=5")],
     )
     .await;
@@ -307,9 +308,9 @@ async fn sigterm_drains_the_request_in_progress_and_exits_0() {
         addr,
         "/payments",
         Some("qs-term"),
-        r#"{"amount": 7, "delay_ms": 700}"#,
+        r#"{"amount": 7, "delay_ms": 1500}"#,
     ));
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let sent = Command::new("kill")
         .args(["-TERM", &demo.child.id().to_string()])
         .status()

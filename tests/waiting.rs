@@ -581,14 +581,24 @@ mod two_nodes {
             assert!(Instant::now() < deadline, "only {} waiters waiting", waiting());
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // A waiter is counted once it has its place, just before it subscribes: give the
-        // subscriptions (and each node's subscriber connection) a moment to land.
+        // A waiter is counted once it has its place, just before it subscribes: wait for each
+        // node's subscriber connection to land, then give the subscriptions a moment more.
+        let subscribers = |admin: fred::clients::Client| async move {
+            let list = crate::common::admin(&admin, &["CLIENT", "LIST", "TYPE", "pubsub"]).await;
+            list.as_string().unwrap_or_default().lines().count()
+        };
+        if let Some(admin) = &admin {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while subscribers(admin.clone()).await < 2 {
+                assert!(Instant::now() < deadline, "the nodes never subscribed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
         tokio::time::sleep(Duration::from_millis(300)).await;
         if let Some(admin) = &admin {
-            let list = crate::common::admin(admin, &["CLIENT", "LIST", "TYPE", "pubsub"]).await;
-            let connections = list.as_string().unwrap_or_default().lines().count();
             assert_eq!(
-                connections, 2,
+                subscribers(admin.clone()).await,
+                2,
                 "one subscriber connection per node, not per waiter"
             );
         }
