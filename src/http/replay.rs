@@ -282,12 +282,17 @@ fn read_fields(reader: &mut Reader<'_>) -> Result<HeaderMap, String> {
     if count as usize > reader.payload.len() / 9 {
         return Err("stored header count exceeds the record".into());
     }
-    let mut fields = HeaderMap::new();
+    // Sized once for a usual response; capped, since a corrupt count must not size (or, past
+    // HeaderMap's limit, panic) anything: the loop below fails on it first.
+    let mut fields = HeaderMap::with_capacity((count as usize).min(64));
     for _ in 0..count {
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let name = HeaderName::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header name")?;
         let len = u32::from_be_bytes(reader.array()?) as usize;
-        let value = HeaderValue::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header value")?;
+        // A view of the record, not a copy: the replayed body is one too, so the record stays
+        // in memory until the response is sent either way.
+        let value = HeaderValue::from_maybe_shared(reader.take_shared(len)?)
+            .map_err(|_| "invalid stored header value")?;
         fields
             .try_append(name, value)
             .map_err(|_| "too many stored headers")?;
@@ -307,6 +312,12 @@ impl Reader<'_> {
         let slice = &self.payload[self.at..end];
         self.at = end;
         Ok(slice)
+    }
+
+    fn take_shared(&mut self, len: usize) -> Result<Bytes, String> {
+        let start = self.at;
+        self.take(len)?;
+        Ok(self.payload.slice(start..self.at))
     }
 
     fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
