@@ -73,7 +73,8 @@ static INSPECT: LazyLock<Script> =
 /// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts (EVALSHA,
 /// reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or `SCRIPT FLUSH`).
 /// Calls made while others are outstanding (concurrent requests) are handed to fred together, so
-/// they share socket writes; a lone call is sent at once.
+/// they share socket writes, and completions made together are one script call (not on a
+/// Cluster); a lone call is sent at once.
 ///
 /// Needs Redis 7.0 or later (`SET` with both `NX` and `GET`), standalone, with replicas, or as a
 /// Cluster: a record is a single key, so each call touches one slot. Every key it writes has a

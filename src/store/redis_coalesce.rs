@@ -13,10 +13,10 @@
 //! hands fred everything queued in one go: first the commands fred feeds without a flush (the
 //! claim is fred's own `SET`), then the completions, merged into one call of the completion
 //! script per connection (complete.lua takes any number of records), since fred would write each
-//! script call alone. A batch of claims, replays and completions thus leaves in one
-//! write. Other scripts are sent directly: they are rare, and fred writes them alone anyway; so
-//! are completions on a Cluster, where every record's key has a slot of its own.
-//! Each command keeps its own answer, timeout and retries. A command whose caller gives up after
+//! script call alone. A batch of claims, replays and completions thus leaves in one write.
+//! Other scripts are sent directly: they are rare, and fred writes them alone anyway; so are
+//! completions on a Cluster, where every record's key has a slot of its own. Each command keeps
+//! its own answer, timeout and retries. A command whose caller gives up after
 //! queueing it is still sent, as it would be once fred had it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,8 +39,9 @@ pub(crate) enum Command {
     /// `GET key`.
     Get { key: Key },
     /// A call of a script that takes one record or many (complete.lua): `EVALSHA sha 1 key
-    /// args…`. Calls of one script that are queued together for one connection go as one `EVALSHA sha n key… args…`, answered with one value per record: fred writes every
-    /// script in a write of its own, so one call for many records is one write instead of many.
+    /// args…`. Calls of one script queued together for one connection go as one `EVALSHA sha n
+    /// key… args…`, answered with one value per record: fred writes every script call in a
+    /// write of its own, so one call for many records is one write instead of many.
     PerRecord {
         sha: &'static str,
         key: Value,
@@ -327,7 +328,8 @@ impl Merged {
                     let _ = record.answer.send(Err(error.clone()));
                 }
             }
-            // NOSCRIPT among them: each caller falls back to EVAL on its own.
+            // Every record's error (a NOSCRIPT too): each caller retries, or falls back to EVAL,
+            // on its own.
             Err(error) => {
                 for record in records {
                     let _ = record.answer.send(Err(error.clone()));
