@@ -282,9 +282,9 @@ fn read_fields(reader: &mut Reader<'_>) -> Result<HeaderMap, String> {
     if count as usize > reader.payload.len() / 9 {
         return Err("stored header count exceeds the record".into());
     }
-    // Sized once for a usual response; capped, since a corrupt count must not size (or, past
-    // HeaderMap's limit, panic) anything: the loop below fails on it first.
-    let mut fields = HeaderMap::with_capacity((count as usize).min(64));
+    // Not sized from `count`: the replay adds `Idempotent-Replayed` after, which a map sized to
+    // the stored fields would have to grow for (and a corrupt count must size nothing).
+    let mut fields = HeaderMap::new();
     for _ in 0..count {
         let len = u32::from_be_bytes(reader.array()?) as usize;
         let name = HeaderName::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header name")?;
