@@ -5,10 +5,12 @@
 -- the retention's end once completed); the fingerprint; and, once completed, the stored payload.
 -- The claim itself is not a script: it is `SET key <in-flight record> NX PX <lease> GET`.
 --
--- KEYS[i]   a record; one or many: completions sent together are one call (src/store/redis_coalesce.rs)
--- For record i, from j = 4 * (i - 1):
+-- KEYS[i]    a record; one or many (completions sent together are one call: see
+--            src/store/redis_coalesce.rs). For record i, from j = 4 * (i - 1):
 -- ARGV[j+1]  the caller's head (magic, version, owner)
--- ARGV[j+2]  'C' and the retention deadline (9 bytes)    ARGV[j+3]  payload    ARGV[j+4]  retention (ms)
+-- ARGV[j+2]  'C' and the retention deadline (9 bytes)
+-- ARGV[j+3]  payload
+-- ARGV[j+4]  retention (ms)
 --
 -- Publishes (SPUBLISH, an empty message) on KEYS[i] .. ':settled' when it completes the record, for
 -- requests waiting for it (src/store/redis_notices.rs): a shard channel in the record's slot.
