@@ -10,7 +10,7 @@ use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface
 use fred::types::config::{Config, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
-use super::redis_coalesce::{Coalescer, Command};
+use super::redis_coalesce::{Coalescer, Command, ScriptCall, ScriptText};
 use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
@@ -644,32 +644,11 @@ impl RedisStore {
         args: &[Value],
     ) -> Result<Value, StoreError> {
         let redis_key = Value::from(self.redis_key(key));
-        // On a cluster, the command goes to the slot of the record key (argument 2), not to that
-        // of the SHA-1 (the first argument, which fred would hash by default). fred hashes only
-        // when it routes, so a standalone server pays nothing for it.
-        let route = ClusterHash::Offset(2);
-        let command = |script_or_sha: &'static str| {
-            let mut command = Vec::with_capacity(args.len() + 3);
-            command.push(Value::from_static_str(script_or_sha));
-            command.push(Value::Integer(1));
-            command.push(redis_key.clone());
-            command.extend_from_slice(args);
-            command
-        };
         // The durability option's completions each have a connection of their own, where nothing
         // could be merged with them: a trip through the coalescing task would buy nothing.
-        let evalsha = if script.per_record && self.acks.is_none() {
-            Command::PerRecord {
-                sha: script.sha1,
-                key: redis_key.clone(),
-                args: args.to_vec(),
-            }
-        } else {
-            Command::Custom {
-                command: CustomCommand::new_static("EVALSHA", route.clone(), false),
-                args: command(script.sha1),
-            }
-        };
+        let mergeable = script.per_record && self.acks.is_none();
+        let call = |text| ScriptCall::new(text, redis_key.clone(), args, mergeable);
+        let evalsha = Command::Script(call(ScriptText::Sha1(script.sha1)));
         let sent = self.coalescer.send(client, &self.options, evalsha);
         match sent.await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
@@ -677,11 +656,7 @@ impl RedisStore {
                     script = script.name,
                     "script missing on the server; reloading it with EVAL"
                 );
-                let eval = CustomCommand::new_static("EVAL", route, false);
-                let eval = Command::Custom {
-                    command: eval,
-                    args: command(script.source),
-                };
+                let eval = Command::Script(call(ScriptText::Source(script.source)));
                 self.coalescer
                     .send(client, &self.options, eval)
                     .await

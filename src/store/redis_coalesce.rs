@@ -38,20 +38,60 @@ pub(crate) enum Command {
     SetIfAbsent { key: Key, value: Bytes, lease_ms: i64 },
     /// `GET key`.
     Get { key: Key },
-    /// A call of a script that takes one record or many (complete.lua): `EVALSHA sha 1 key
-    /// args…`. Calls of one script queued together for one connection go as one `EVALSHA sha n
-    /// key… args…`, answered with one value per record: fred writes every script call in a
-    /// write of its own, so one call for many records is one write instead of many.
-    PerRecord {
-        sha: &'static str,
-        key: Value,
-        args: Vec<Value>,
-    },
-    /// Anything else (the other scripts, and EVAL).
-    Custom {
-        command: CustomCommand,
-        args: Vec<Value>,
-    },
+    /// A call of one of the crate's scripts on one record.
+    Script(ScriptCall),
+}
+
+/// How a script call names its script: `EVALSHA` with its SHA-1, or `EVAL` with its source (to
+/// load it again after a `NOSCRIPT`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScriptText {
+    Sha1(&'static str),
+    Source(&'static str),
+}
+
+/// `EVALSHA sha 1 key arg…` (or `EVAL source 1 key arg…`): the one place these are built.
+pub(crate) struct ScriptCall {
+    script: ScriptText,
+    /// Everything after the command's name: the SHA-1 or source, 1, the key, the arguments.
+    args: Vec<Value>,
+    /// Whether calls queued together for one connection may go as one call for many records,
+    /// `EVALSHA sha n key… arg…`, answered with one value per record (complete.lua): fred writes
+    /// every script call in a write of its own, so one call for many records is one write.
+    mergeable: bool,
+}
+
+/// Where a script call's key is in [`ScriptCall::args`]; the record's arguments follow it.
+const KEY_AT: usize = 2;
+
+impl ScriptCall {
+    pub(crate) fn new(script: ScriptText, key: Value, args: &[Value], mergeable: bool) -> Self {
+        let text = match script {
+            ScriptText::Sha1(text) | ScriptText::Source(text) => text,
+        };
+        let mut all = Vec::with_capacity(KEY_AT + 1 + args.len());
+        all.push(Value::from_static_str(text));
+        all.push(Value::Integer(1));
+        all.push(key);
+        all.extend_from_slice(args);
+        Self {
+            script,
+            args: all,
+            // Only by SHA-1: a call by source is the rare reload after a script flush.
+            mergeable: mergeable && matches!(script, ScriptText::Sha1(_)),
+        }
+    }
+
+    /// The command, routed to the slot of its first key (argument 2), not to that of the SHA-1
+    /// or source (the first argument, which fred would hash by default). fred hashes only when
+    /// it routes, so a standalone server pays nothing for it.
+    fn command(&self) -> CustomCommand {
+        let name = match self.script {
+            ScriptText::Sha1(_) => "EVALSHA",
+            ScriptText::Source(_) => "EVAL",
+        };
+        CustomCommand::new_static(name, ClusterHash::Offset(KEY_AT), false)
+    }
 }
 
 /// At most this many records in one merged script call, and at most [`MAX_MERGED_BYTES`] of
@@ -59,21 +99,13 @@ pub(crate) enum Command {
 const MAX_MERGED: usize = 32;
 const MAX_MERGED_BYTES: usize = 64 * 1024;
 
-/// A script call routed to the slot of its first key (argument 2), not to that of the SHA-1 (the
-/// first argument, which fred would hash by default). fred hashes only when it routes, so a
-/// standalone server pays nothing for it.
-fn evalsha() -> CustomCommand {
-    CustomCommand::new_static("EVALSHA", ClusterHash::Offset(2), false)
-}
-
 impl Command {
     /// Whether nothing could share this command's write: fred flushes its socket after every
-    /// script and custom command, and on a Cluster every record has a slot of its own (its key's
-    /// hash tag), so no two completions could be one call.
+    /// script call, and on a Cluster every record has a slot of its own (its key's hash tag), so
+    /// no two calls could be one.
     fn is_sent_alone(&self, client: &Client) -> bool {
         match self {
-            Command::Custom { .. } => true,
-            Command::PerRecord { .. } => client.is_clustered(),
+            Command::Script(call) => !call.mergeable || client.is_clustered(),
             Command::SetIfAbsent { .. } | Command::Get { .. } => false,
         }
     }
@@ -86,15 +118,7 @@ impl Command {
                 client.set(key, value, expiry, Some(SetOptions::NX), true).await
             }
             Command::Get { key } => client.get(key).await,
-            Command::PerRecord { sha, key, args } => {
-                let mut command = Vec::with_capacity(args.len() + 3);
-                command.push(Value::from_static_str(sha));
-                command.push(Value::Integer(1));
-                command.push(key);
-                command.extend(args);
-                client.custom(evalsha(), command).await
-            }
-            Command::Custom { command, args } => client.custom(command, args).await,
+            Command::Script(call) => client.custom(call.command(), call.args).await,
         }
     }
 }
@@ -217,24 +241,22 @@ impl Send {
     }
 }
 
-/// Calls of one per-record script, for one connection, sent as one call.
+/// Mergeable calls of one script, for one connection, sent as one call.
 struct Merged {
     client: Client,
     options: Options,
-    sha: &'static str,
     records: Vec<MergedRecord>,
-    /// The size of the records' arguments, bounded by [`MAX_MERGED_BYTES`].
+    /// The size of the records' keys and arguments, bounded by [`MAX_MERGED_BYTES`].
     bytes: usize,
 }
 
 struct MergedRecord {
-    key: Value,
-    args: Vec<Value>,
+    call: ScriptCall,
     answer: oneshot::Sender<Result<Value, Error>>,
 }
 
 /// The order fred gets a batch in: the commands it feeds without a flush first, so that the
-/// write the first script flushes carries them too; then the per-record script calls, merged.
+/// write the first script flushes carries them too; then the mergeable script calls, merged.
 fn plan(batch: Vec<Job>) -> Vec<Send> {
     let mut sends = Vec::with_capacity(batch.len());
     let mut merged: Vec<Merged> = Vec::new();
@@ -242,21 +264,32 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
         let Job {
             client,
             options,
-            command: Command::PerRecord { sha, key, args },
+            command: Command::Script(call),
             answer,
         } = job
         else {
             sends.push(Send::One(job));
             continue;
         };
-        let bytes = args.iter().map(argument_size).sum::<usize>() + argument_size(&key);
-        let record = MergedRecord { key, args, answer };
+        if !call.mergeable {
+            let command = Command::Script(call);
+            sends.push(Send::One(Job {
+                client,
+                options,
+                command,
+                answer,
+            }));
+            continue;
+        }
+        let bytes = call.args[KEY_AT..].iter().map(argument_size).sum::<usize>();
+        let script = call.script;
         let joins = |m: &&mut Merged| {
-            m.sha == sha
+            m.records[0].call.script == script
                 && m.records.len() < MAX_MERGED
                 && m.bytes + bytes <= MAX_MERGED_BYTES
                 && m.client.id() == client.id()
         };
+        let record = MergedRecord { call, answer };
         match merged.iter_mut().find(joins) {
             Some(m) => {
                 m.bytes += bytes;
@@ -265,7 +298,6 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             None => merged.push(Merged {
                 client,
                 options,
-                sha,
                 records: vec![record],
                 bytes,
             }),
@@ -285,33 +317,36 @@ impl Merged {
         let Merged {
             client,
             options,
-            sha,
             mut records,
             ..
         } = self;
         if records.len() == 1 {
-            let Some(MergedRecord { key, args, answer }) = records.pop() else {
+            let Some(MergedRecord { call, answer }) = records.pop() else {
                 return;
             };
+            let command = Command::Script(call);
             let job = Job {
                 client,
                 options,
-                command: Command::PerRecord { sha, key, args },
+                command,
                 answer,
             };
             return job.run().await;
         }
+        // `EVALSHA sha n key… arg…`, from the first call's SHA-1, every call's key, then every
+        // call's arguments, in the same order.
         let count = records.len();
-        let mut command = Vec::with_capacity(2 + count * 5);
-        command.push(Value::from_static_str(sha));
+        let custom = records[0].call.command();
+        let mut command = Vec::with_capacity(KEY_AT + count * records[0].call.args.len());
+        command.push(records[0].call.args[0].clone());
         command.push(Value::Integer(count as i64));
         for record in &mut records {
-            command.push(std::mem::replace(&mut record.key, Value::Null));
+            command.push(std::mem::replace(&mut record.call.args[KEY_AT], Value::Null));
         }
         for record in &mut records {
-            command.append(&mut record.args);
+            command.extend(record.call.args.drain(KEY_AT + 1..));
         }
-        let answered = client.with_options(&options).custom(evalsha(), command).await;
+        let answered = client.with_options(&options).custom(custom, command).await;
         match answered {
             Ok(Value::Array(answers)) if answers.len() == count => {
                 for (record, answer) in records.into_iter().zip(answers) {
