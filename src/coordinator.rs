@@ -1,6 +1,7 @@
 //! The HTTP-free protocol: claim a key, run the operation once, then complete or release.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
@@ -836,13 +837,20 @@ impl Claim {
     /// Runs `work` while renewing the lease of a claim from
     /// [`begin_driven`](Coordinator::begin_driven). The renewal timer starts only if `work` is
     /// not done at its first poll, so a quick operation costs no timer at all.
-    pub(crate) async fn keep_alive<F: Future>(&self, work: F) -> F::Output {
+    ///
+    /// `work` is pinned by the caller, so it is stored once, in the caller's future: taken by
+    /// value and pinned here, it would take its room twice in this future's state (the argument
+    /// and the pinned local), and so would every future wrapping it.
+    pub(crate) async fn keep_alive<F: Future>(&self, mut work: Pin<&mut F>) -> F::Output {
         if self.renewal.is_some() {
             return work.await;
         }
-        let renew = renew_until_lost(&self.coordinator, &self.key, &self.owner, &self.flags);
-        let mut work = std::pin::pin!(work);
-        let mut renew = std::pin::pin!(renew);
+        let mut renew = std::pin::pin!(renew_until_lost(
+            &self.coordinator,
+            &self.key,
+            &self.owner,
+            &self.flags
+        ));
         let mut renewing = true;
         std::future::poll_fn(|cx| {
             if let Poll::Ready(output) = work.as_mut().poll(cx) {

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -404,16 +405,22 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let started = tokio::time::Instant::now();
-    let work = AssertUnwindSafe(async {
-        let response = inner.call(request).await?;
-        Ok(capture(response, &config).await)
-    })
-    .catch_unwind();
-    let produced = claim
-        .keep_alive(within(started.checked_add(config.handler_timeout), work))
-        .await;
+    // Pinned here, each future once: passed by value down the chain, each layer would hold a
+    // copy of what it wraps, and the state of this future would be several times the handler's.
+    // In a block of their own, so that their room is free again for the awaits below.
+    let produced = {
+        let work = std::pin::pin!(AssertUnwindSafe(async {
+            let response = inner.call(request).await?;
+            Ok(capture(response, &config).await)
+        })
+        .catch_unwind());
+        let timed = std::pin::pin!(within(started.checked_add(config.handler_timeout), work));
+        claim.keep_alive(timed).await
+    };
     config.typical_duration.record(started.elapsed());
     let release_not_stored = config.release_not_stored;
+    // The paths that do not store are boxed: inline, their futures (the largest here) would
+    // size the state of every claimed request's future, stored or not.
     match produced {
         Some(Ok(Ok(Captured::Stored(response, payload)))) => {
             // Errors are logged by `complete`; the client gets its response either way.
@@ -427,26 +434,38 @@ where
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
         Some(Ok(Ok(Captured::NotStored(response, why)))) => {
-            settle_not_stored(claim, why, Some(response.status()), release_not_stored).await;
+            Box::pin(settle_not_stored(
+                claim,
+                why,
+                Some(response.status()),
+                release_not_stored,
+            ))
+            .await;
             Ok(response)
         }
         Some(Ok(Ok(Captured::NotCacheable(response)))) => {
-            release(claim).await;
+            Box::pin(release(claim)).await;
             Ok(response)
         }
         Some(Ok(Err(error))) => {
-            release(claim).await;
+            Box::pin(release(claim)).await;
             Err(error)
         }
         Some(Err(_panic)) => {
             tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
-            release(claim).await;
+            Box::pin(release(claim)).await;
             Ok(Rejection::HandlerPanicked.respond(&config.key_header, grpc))
         }
         None => {
             let after = config.handler_timeout;
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
-            settle_not_stored(claim, NotStored::TimedOut, None, release_not_stored).await;
+            Box::pin(settle_not_stored(
+                claim,
+                NotStored::TimedOut,
+                None,
+                release_not_stored,
+            ))
+            .await;
             Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc))
         }
     }
@@ -454,8 +473,10 @@ where
 
 /// `work`'s output, or `None` if it is not done by `deadline` (never, without one). The timer
 /// is set only if `work` is not done at its first poll, so a quick handler costs none.
-async fn within<F: Future>(deadline: Option<tokio::time::Instant>, work: F) -> Option<F::Output> {
-    let mut work = std::pin::pin!(work);
+async fn within<F: Future>(
+    deadline: Option<tokio::time::Instant>,
+    mut work: Pin<&mut F>,
+) -> Option<F::Output> {
     let mut timer = None;
     std::future::poll_fn(|cx| {
         if let Poll::Ready(output) = work.as_mut().poll(cx) {

@@ -636,21 +636,39 @@ impl OwnerToken {
 }
 
 /// `<nonce>-<n in hex>@<millis in decimal>`, built at its exact length: one allocation per claim.
+/// The digits are written back to front into a buffer (every keyed request, replays included,
+/// makes a token: a per-digit power of ten here cost more than the rest of the claim's setup).
 fn token_text(nonce: &str, n: u64, millis: u64) -> Box<str> {
-    let digits = (64 - n.leading_zeros() as usize).div_ceil(4).max(1);
-    let decimal_digits = millis.checked_ilog10().map_or(1, |log| log as usize + 1);
-    let mut token = String::with_capacity(nonce.len() + 1 + digits + 1 + decimal_digits);
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    // "-", 16 hex digits, "@", 20 decimal digits.
+    let mut tail = [0u8; 38];
+    let mut at = tail.len();
+    let mut rest = millis;
+    loop {
+        at -= 1;
+        tail[at] = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    at -= 1;
+    tail[at] = b'@';
+    let mut rest = n;
+    loop {
+        at -= 1;
+        tail[at] = HEX[(rest & 0xf) as usize];
+        rest >>= 4;
+        if rest == 0 {
+            break;
+        }
+    }
+    at -= 1;
+    tail[at] = b'-';
+    let mut token = String::with_capacity(nonce.len() + tail.len() - at);
     token.push_str(nonce);
-    token.push('-');
-    for shift in (0..digits).rev() {
-        let digit = ((n >> (shift * 4)) & 0xf) as u32;
-        token.push(char::from_digit(digit, 16).unwrap_or('0'));
-    }
-    token.push('@');
-    for place in (0..decimal_digits as u32).rev() {
-        let digit = (millis / 10u64.pow(place) % 10) as u32;
-        token.push(char::from_digit(digit, 10).unwrap_or('0'));
-    }
+    // ASCII only, so never lossy: this is the check, without a char-by-char push.
+    token.push_str(&String::from_utf8_lossy(&tail[at..]));
     debug_assert_eq!(token.len(), token.capacity());
     token.into_boxed_str()
 }
