@@ -636,8 +636,8 @@ impl OwnerToken {
 }
 
 /// `<nonce>-<n in hex>@<millis in decimal>`, built at its exact length: one allocation per claim.
-/// The digits are written back to front into a buffer (every keyed request, replays included,
-/// makes a token: a per-digit power of ten here cost more than the rest of the claim's setup).
+/// The digits are written back to front into a buffer, one division by a constant each: every
+/// keyed request makes a token, replays included.
 fn token_text(nonce: &str, n: u64, millis: u64) -> Box<str> {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     // "-", 16 hex digits, "@", 20 decimal digits.
