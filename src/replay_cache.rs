@@ -15,6 +15,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use crate::key::DigestHashing;
+
 /// What an entry costs beyond its payload: key, fingerprint, bookkeeping.
 const ENTRY_OVERHEAD: usize = 128;
 
@@ -36,7 +38,7 @@ pub(crate) struct ReplayCache {
 
 #[derive(Default)]
 struct Entries {
-    by_digest: HashMap<[u8; 32], Entry>,
+    by_digest: HashMap<[u8; 32], Entry, DigestHashing>,
     /// Insertion order, for eviction; a digest whose entry was replaced or removed since is
     /// skipped (its sequence no longer matches).
     order: VecDeque<([u8; 32], u64)>,

@@ -7,6 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use crate::key::DigestHashing;
+
 use super::{
     ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
     StoreFuture,
@@ -78,38 +80,6 @@ struct Records {
     /// The keys someone waits on ([`Store::watch`]), each with the channel its waiters are woken
     /// through; empty (and never allocated) unless a request waits.
     watched: HashMap<[u8; 32], tokio::sync::watch::Sender<u64>, DigestHashing>,
-}
-
-/// Hashes the records' SHA-256 digests, the keys of the store's maps, by their first 8 bytes,
-/// with the same randomly keyed SipHash as `HashMap`'s default. A digest is uniformly spread
-/// already, so 8 of its bytes place it as well as all 32 do, at one SipHash block instead of
-/// five (the default also hashes the length): on the memory store's fresh keys that was 3% of
-/// the request's instructions. Keyed still, so a client choosing its keys cannot aim them at one
-/// bucket: it would need many keys whose digests share their first 8 bytes, 2^64 work per key.
-#[derive(Clone, Debug, Default)]
-struct DigestHashing(std::hash::RandomState);
-
-impl std::hash::BuildHasher for DigestHashing {
-    type Hasher = DigestHasher;
-
-    fn build_hasher(&self) -> DigestHasher {
-        DigestHasher(self.0.build_hasher())
-    }
-}
-
-struct DigestHasher(std::hash::DefaultHasher);
-
-impl std::hash::Hasher for DigestHasher {
-    /// A `[u8; 32]` hashes as its length, then its bytes: the length is the same for every key.
-    fn write_usize(&mut self, _length: usize) {}
-
-    fn write(&mut self, bytes: &[u8]) {
-        self.0.write(&bytes[..bytes.len().min(8)]);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0.finish()
-    }
 }
 
 #[derive(Debug)]
@@ -741,39 +711,6 @@ mod tests {
     /// The bound that holds `records` completed records of `payload` bytes each, exactly.
     fn bytes_for(records: usize, payload: usize) -> usize {
         records * (RECORD_OVERHEAD + payload)
-    }
-
-    /// Digests are told apart by all 32 bytes, though placed by their first 8; keys placed
-    /// alike (the case no client can bring about on purpose) are still found, each as itself.
-    #[test]
-    fn digests_are_hashed_by_their_first_bytes_and_compared_whole() {
-        use std::hash::BuildHasher;
-        let hashing = DigestHashing::default();
-        let digest = |first: u8, last: u8| {
-            let mut digest = [7u8; 32];
-            digest[0] = first;
-            digest[31] = last;
-            digest
-        };
-        assert_eq!(hashing.hash_one(digest(1, 1)), hashing.hash_one(digest(1, 2)));
-        assert_ne!(hashing.hash_one(digest(1, 1)), hashing.hash_one(digest(2, 1)));
-        assert_ne!(
-            hashing.hash_one(digest(1, 1)),
-            DigestHashing::default().hash_one(digest(1, 1)),
-            "keyed per map"
-        );
-        let mut map: HashMap<[u8; 32], usize, DigestHashing> = HashMap::default();
-        for last in 0..=255u8 {
-            map.insert(digest(1, last), usize::from(last));
-        }
-        for last in 0..=255u8 {
-            map.insert(digest(last, 0), 1000 + usize::from(last));
-        }
-        assert_eq!(map.len(), 511);
-        assert_eq!(map.get(&digest(1, 200)), Some(&200));
-        assert_eq!(map.get(&digest(200, 0)), Some(&1200));
-        assert_eq!(map.get(&digest(1, 0)), Some(&1001));
-        assert_eq!(map.get(&[0u8; 32]), None);
     }
 
     #[tokio::test]
