@@ -18,7 +18,11 @@ A cell is (store, scenario, concurrency, body size). Every round runs every cell
 same order (interleaved, so drift hits all cells alike); each cell gets a fresh server process
 and, for Redis stores, a FLUSHALL. The table shows medians over rounds; "x plain" is computed per
 round against the plain cell of the same concurrency and body size, then the median (min-max)
-is taken. See --help for filters and the BENCH_* environment overrides.
+is taken. "wrk CPU" is the load generator's own CPU per request; "machine busy" is the share of
+both cores' time that was not idle during the timed run (from /proc/stat): near 100% a cell is
+CPU-bound, and its throughput is the cores divided by the CPU per request of wrk, the server and
+Redis together; below it, requests also waited on round trips with a core idle. See --help for
+filters and the BENCH_* environment overrides.
 """
 
 import argparse
@@ -28,6 +32,7 @@ import json
 import math
 import os
 import random
+import resource
 import re
 import shlex
 import shutil
@@ -152,6 +157,29 @@ def cpu_ticks(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
+
+
+def machine_ticks():
+    """(all, idle) clock ticks of every CPU of the machine since boot, from /proc/stat; idle
+    counts iowait too."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def busy_fraction(before, after):
+    """The share of the machine's CPU time (all cores) that was not idle between two readings
+    of machine_ticks(): below 1 when nothing was ready to run on some core some of the time, as
+    when every request waits on a round trip."""
+    total = after[0] - before[0]
+    return 1 - (after[1] - before[1]) / total if total > 0 else None
+
+
+def children_cpu_s():
+    """User + system CPU seconds of this script's children that have ended and been waited for:
+    read around run_wrk(), the difference is wrk's own."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def proc_status_kib(pid, field):
@@ -727,7 +755,9 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         before_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
         on_pg = pg is not None and store in PG_STORES
         before_pg = (pg.cpu_ticks(), pg.statements()) if on_pg else None
+        before_machine, before_wrk = machine_ticks(), children_cpu_s()
         out = run_wrk(server.url, conc, duration, script, [key_arg, server.host])
+        after_machine, after_wrk = machine_ticks(), children_cpu_s()
         after_pg = (pg.cpu_ticks(), pg.statements()) if on_pg else None
         after_stats = redis_snapshot(redis.client) if store in REDIS_STORES else None
         after_server = cpu_ticks(server.proc.pid)
@@ -756,6 +786,8 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         "statuses": wrk["statuses"], "replayed": wrk["replayed"],
         "socket_errors": wrk["socket_errors"], "non2xx": wrk["non2xx"],
         "server_cpu_us_per_req": (after_server - before_server) * tick_us / requests,
+        "wrk_cpu_us_per_req": (after_wrk - before_wrk) * 1e6 / requests,
+        "machine_busy": busy_fraction(before_machine, after_machine),
         "peak_rss_mib": peak_rss_kib / 1024,
         "server_warnings": warnings,
         "wrk_output": out,
@@ -856,6 +888,8 @@ def aggregate(runs, cells):
             "p50_us": med("p50_us"), "p99_us": med("p99_us"),
             "p50_ratio": statistics.median(p50_ratios) if p50_ratios else None,
             "server_cpu_us_per_req": med("server_cpu_us_per_req"),
+            "wrk_cpu_us_per_req": med("wrk_cpu_us_per_req"),
+            "machine_busy": med("machine_busy"),
             "redis_cpu_us_per_req": med("redis_cpu_us_per_req"),
             "redis_sent_per_req": med("redis_sent_per_req"),
             "redis_executed_per_req": med("redis_executed_per_req"),
@@ -885,6 +919,10 @@ def fmt_num(value, digits=1):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def fmt_percent(fraction):
+    return "–" if fraction is None else f"{fraction * 100:.0f}%"
+
+
 def fmt_ratio(agg):
     if agg["store"] == "plain":
         return "1"
@@ -898,8 +936,9 @@ def fmt_ratio(agg):
 def table(aggs):
     header = ("| store | scenario | conc | body | req/s | × plain | p50 | p99 | p50 × plain "
               "| server CPU µs/req | Redis (PostgreSQL) CPU µs/req "
-              "| Redis cmds/req sent / executed (PostgreSQL statements/req) | peak RSS MiB |")
-    lines = [header, "|" + "---|" * 13]
+              "| Redis cmds/req sent / executed (PostgreSQL statements/req) | peak RSS MiB "
+              "| wrk CPU µs/req | machine busy |")
+    lines = [header, "|" + "---|" * 15]
     for a in aggs:
         store = a["store"] + (" ⚠" if a["problems"] else "") + (" †" if a["notes"] else "")
         cmds = "–" if a["redis_sent_per_req"] is None else \
@@ -913,7 +952,8 @@ def table(aggs):
             f"| {store} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
             f"| {a['rps']:.0f} | {fmt_ratio(a)} | {fmt_us(a['p50_us'])} | {fmt_us(a['p99_us'])} "
             f"| {p50_ratio} | {fmt_num(a['server_cpu_us_per_req'])} "
-            f"| {fmt_num(store_cpu)} | {cmds} | {fmt_num(a['peak_rss_mib'])} |")
+            f"| {fmt_num(store_cpu)} | {cmds} | {fmt_num(a['peak_rss_mib'])} "
+            f"| {fmt_num(a.get('wrk_cpu_us_per_req'))} | {fmt_percent(a.get('machine_busy'))} |")
     return "\n".join(lines)
 
 
