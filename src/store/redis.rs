@@ -1132,9 +1132,9 @@ impl Store for RedisStore {
         Box::pin(async move {
             self.refuse_claims_during_failover()?;
             if let Some(waiter) = &self.acks {
-                return self
-                    .claim_acknowledged(waiter, key, fingerprint, owner, lease)
-                    .await;
+                // Boxed, like the other rare paths: inline, its state would size every claim.
+                let acknowledged = self.claim_acknowledged(waiter, key, fingerprint, owner, lease);
+                return Box::pin(acknowledged).await;
             }
             let epoch = self.cache.as_deref().map(ReplayCache::epoch);
             let fresh = record::in_flight(owner, fingerprint, lease)?;
@@ -1204,8 +1204,8 @@ impl Store for RedisStore {
                     as_flag("complete", self.run(&COMPLETE, key, &args).await?)
                 }
                 Some(waiter) => {
-                    self.complete_acknowledged(waiter, key, owner, args.to_vec())
-                        .await
+                    let acknowledged = self.complete_acknowledged(waiter, key, owner, args.to_vec());
+                    Box::pin(acknowledged).await
                 }
             }
         })
