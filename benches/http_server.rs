@@ -1,6 +1,7 @@
 //! Run with: scripts/bench.sh (it builds and starts this server itself)
 //!
-//! The HTTP server `scripts/bench.py` measures: `POST /payments` answers `201` with
+//! The HTTP server `scripts/bench.py` measures: `POST /payments` (benches/common.rs, the
+//! handler bench/peers runs too) answers `201` with
 //! `{"id":"pay_<n>","bytes":<request body length>}` (`content-type: application/json`), after
 //! sleeping N ms when the request carries `x-bench-sleep-ms: N` (the bench uses it to hold a key
 //! in flight). The mode picks what wraps the route:
@@ -28,21 +29,16 @@
 //! warning logged on every request measures the layer rather than the terminal; the count is
 //! printed at exit as `bench_server: warnings=<n>`. SIGTERM or SIGINT stops it with status 0.
 
-use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::DefaultBodyLimit;
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::Router;
 use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, ReplicaAcks};
 use tracing_subscriber::filter::{filter_fn, LevelFilter};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::Layer;
+
+#[path = "common.rs"]
+mod common;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -50,35 +46,12 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 static WARNINGS: AtomicU64 = AtomicU64::new(0);
 const PRINTED_WARNINGS: u64 = 10;
 
-/// How long connections and handlers may take to finish after a signal before the server exits
-/// anyway (a request the bench holds in flight sleeps far longer).
-const GRACE: Duration = Duration::from_millis(250);
-
 struct CountWarnings;
 
 impl<S: tracing::Subscriber> Layer<S> for CountWarnings {
     fn on_event(&self, _event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
         WARNINGS.fetch_add(1, Ordering::Relaxed);
     }
-}
-
-async fn create_payment(headers: HeaderMap, body: Bytes) -> Response {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let sleep_ms = headers
-        .get("x-bench-sleep-ms")
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
-    if let Some(ms) = sleep_ms {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
-    }
-    let id = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let json = format!("{{\"id\":\"pay_{id}\",\"bytes\":{}}}", body.len());
-    (
-        StatusCode::CREATED,
-        [(header::CONTENT_TYPE, "application/json")],
-        json,
-    )
-        .into_response()
 }
 
 /// The replay cache of the `redis-cache` mode: room for every key the bench replays.
@@ -128,13 +101,6 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
     })
 }
 
-async fn signal(mut terminate: tokio::signal::unix::Signal) {
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate.recv() => {}
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let printed = filter_fn(|_| WARNINGS.load(Ordering::Relaxed) <= PRINTED_WARNINGS);
@@ -154,42 +120,15 @@ async fn main() -> Result<(), BoxError> {
     let mode = args.next().unwrap_or_else(|| "plain".into());
     let layer = layer_for(&mode).await?;
 
-    let route = Router::new().route("/payments", post(create_payment));
+    let route = common::payments();
     let router = match &layer {
         Some(layer) => route.layer(layer.clone()),
         None => route,
     };
-    let router = router.layer(DefaultBodyLimit::max(2 * 1024 * 1024));
-
-    // Before the server says it listens: a SIGTERM sent at once (a bench cell that failed early)
-    // must end it cleanly, not kill it, or its exit status hides the cell's own error.
-    let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let listener = tokio::net::TcpListener::bind(&addr).await?;
-    println!(
-        "bench_server: listening on http://{} (mode {mode})",
-        listener.local_addr()?
-    );
-
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        signal(terminate).await;
-        let _ = stop.send(true);
-    });
-    let mut on_signal = stopped.clone();
-    let serve = axum::serve(listener, router).with_graceful_shutdown(async move {
-        let _ = on_signal.wait_for(|stop| *stop).await;
-    });
-    let mut after_grace = stopped;
-    tokio::select! {
-        served = serve.into_future() => served?,
-        _ = async {
-            let _ = after_grace.wait_for(|stop| *stop).await;
-            tokio::time::sleep(GRACE).await;
-        } => {}
-    }
+    common::serve(&addr, &mode, router).await?;
     if let Some(layer) = layer {
         // A handler held in flight by the bench sleeps on; do not wait for it.
-        let _ = layer.shutdown_handle().shutdown(GRACE).await;
+        let _ = layer.shutdown_handle().shutdown(common::GRACE).await;
     }
     eprintln!("bench_server: warnings={}", WARNINGS.load(Ordering::Relaxed));
     Ok(())

@@ -50,6 +50,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # BENCH_SERVER points at another build of the server, e.g. one built from an earlier commit for a
 # before/after comparison (each run's ratios are to its own plain cells).
 SERVER_BIN = Path(os.environ.get("BENCH_SERVER") or ROOT / "target" / "release" / "examples" / "bench_server")
+# Other idempotency layers over the same handler (bench/peers), for a same-run comparison.
+PEERS_DIR = ROOT / "bench" / "peers"
+PEERS_BIN = PEERS_DIR / "target" / "release" / "bench_peers"
+# The redis-server every Redis cell runs against. The peer `peer-axum-idempotent` needs Redis
+# 7.4 or newer (HEXPIRE); scripts/newer-servers.sh prints a launcher for Redis 8.0.
+REDIS_SERVER = os.environ.get("BENCH_REDIS_SERVER") or "redis-server"
 # --baseline (or BENCH_BASELINE): a second build, measured in the same run. Every store's cell is
 # run by both builds, one after the other in every round; the baseline's rows are named
 # "<store>@base".
@@ -63,10 +69,21 @@ def mode_of(store):
 
 
 def binary_of(store):
+    if mode_of(store) in PEER_STORES:
+        return PEERS_BIN
     return BASELINE_BIN if store.endswith(BASELINE_SUFFIX) else SERVER_BIN
 
-STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres"]  # every store the driver knows
-REDIS_STORES = {"redis", "redis-cache", "redis-acks"}
+STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres",
+          "peer-idempotent", "peer-axum-idempotent"]  # every store the driver knows
+# Never part of the default selections: named with --stores, built on demand (bench/peers).
+PEER_STORES = {"peer-idempotent", "peer-axum-idempotent"}
+REDIS_STORES = {"redis", "redis-cache", "redis-acks"} | PEER_STORES
+# What the peers' own Lua scripts call, so that "sent" counts their client's commands only
+# (read from idempotent 2.0's valkey/*.lua and ruts 0.13's Redis store).
+PEER_SCRIPT_CALLS = {
+    "peer-idempotent": {"del", "hmget", "hset", "incr", "pexpire"},
+    "peer-axum-idempotent": {"exists", "hdel", "hexpire", "hset", "rename"},
+}
 PG_STORES = {"postgres"}
 PG_TABLE = "idempotency_records"  # PostgresStore's default table
 LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
@@ -262,7 +279,7 @@ class RedisServer:
         self.port = free_port()
         self.dir = Path(tmp) / name
         self.dir.mkdir()
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
         if maxmemory:
@@ -799,7 +816,8 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         # Not the client's: the driver's INFO, and a replica's REPLCONF ACKs (redis-acks).
         own_info, replica_acks = delta.get("info", 0), delta.get("replconf", 0)
         sent = sum(calls for name, calls in delta.items()
-                   if name not in inner and name not in ("info", "replconf"))
+                   if name not in inner | PEER_SCRIPT_CALLS.get(store, set())
+                   and name not in ("info", "replconf"))
         executed = after_stats["total"] - before_stats["total"] - own_info - replica_acks
         row.update({
             "redis_cpu_us_per_req": (after_redis - before_redis) * tick_us / requests,
@@ -1089,7 +1107,7 @@ def environment(redis_started, pg=None):
         "cpu": cpu,
         "kernel": os.uname().release,
         "wrk": tool_version(["wrk", "-v"]),
-        "redis": tool_version(["redis-server", "--version"]) if redis_started else None,
+        "redis": tool_version([REDIS_SERVER, "--version"]) if redis_started else None,
         "postgres": pg.version() if pg is not None else None,
         "rustc": tool_version(["rustc", "-V"]),
     }
@@ -1140,6 +1158,10 @@ class Config:
             # Only claims and completions wait for the replica: replays and in-flight answers
             # are the redis store's.
             return [s for s in self.scenarios if s == "fresh"]
+        if store in PEER_STORES:
+            # axum-idempotent has no claim (a key in flight runs the handler again), so the
+            # peers are compared on fresh keys and replays.
+            return [s for s in self.scenarios if s in ("fresh", "replay")]
         return self.scenarios
 
     def cells(self):
@@ -1152,6 +1174,15 @@ class Config:
                             cells.append((store + BASELINE_SUFFIX, scenario, conc, body))
                         cells.append((store, scenario, conc, body))
         return cells
+
+
+def build_peers():
+    """Builds bench/peers (its own package and lock file; idempotent 2.0 declares rust-version
+    1.98 and builds with older toolchains)."""
+    cmd = ["cargo", "build", "--release", "--locked", "--ignore-rust-version",
+           "--manifest-path", str(PEERS_DIR / "Cargo.toml")]
+    if subprocess.run(cmd).returncode != 0:
+        raise BenchError(f"could not build the peer servers: {shlex.join(cmd)}")
 
 
 def pick(what, given, default, known):
@@ -1450,6 +1481,8 @@ def main():
         if args.soak is not None:
             raise BenchError("--baseline applies to the matrix, not to --soak")
 
+    if args.stores and any(s.strip() in PEER_STORES for s in args.stores.split(",")):
+        build_peers()
     if not SERVER_BIN.exists():
         raise BenchError(f"{SERVER_BIN} is missing: run `cargo build --release --example bench_server` "
                          "(scripts/bench.sh does)")
