@@ -1459,7 +1459,8 @@ def main():
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
                         help="one server under load for MINUTES (default 10); writes soak.md")
     parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
-    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always run)")
+    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always "
+                        "run); peer-idempotent,peer-axum-idempotent are the other layers of bench/peers")
     parser.add_argument("--scenarios", help="e.g. fresh,replay,inflight")
     parser.add_argument("--conc", help="c32,c1")
     parser.add_argument("--bodies", help="100,16k,1m")
