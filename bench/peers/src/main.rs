@@ -70,7 +70,14 @@ async fn axum_idempotent_router(url: &str) -> Result<Router, BoxError> {
     let set_cookie = answer
         .headers()
         .get(header::SET_COOKIE)
-        .ok_or_else(|| format!("no session cookie: {} {:?}", answer.status(), answer.headers()))?
+        .ok_or_else(|| {
+            // ruts's Redis store sets field TTLs with HEXPIRE, which Redis has since 7.4.
+            format!(
+                "could not start a session (answered {}); ruts needs Redis 7.4 or newer: set \
+                 BENCH_REDIS_SERVER (bench/peers/README.md)",
+                answer.status()
+            )
+        })?
         .to_str()?;
     let cookie = HeaderValue::from_str(set_cookie.split(';').next().unwrap_or_default())?;
     let app =
