@@ -196,11 +196,12 @@ impl fmt::Debug for RecordKey {
 }
 
 /// Hashes record digests (the keys of the memory store's and the replay cache's maps) by their
-/// first 8 bytes, with the same randomly keyed SipHash as `HashMap`'s default. A digest is uniformly spread
-/// already, so 8 of its bytes place it as well as all 32 do, at one SipHash block instead of
-/// five (the default also hashes the length): on the memory store's fresh keys that was 3% of
-/// the request's instructions. Keyed still, so a client choosing its keys cannot aim them at one
-/// bucket: it would need many keys whose digests share their first 8 bytes, 2^64 work per key.
+/// first 8 bytes, with the same randomly keyed SipHash as `HashMap`'s default. A digest is
+/// uniformly spread already, so 8 of its bytes place it as well as all 32 do, at one SipHash
+/// block instead of five (the default also hashes the length): on the memory store's fresh keys
+/// that was 3% of the request's instructions. Keyed still, so a client choosing its keys cannot
+/// aim them at one bucket: it would need many keys whose digests share their first 8 bytes,
+/// 2^64 work per key.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct DigestHashing(std::hash::RandomState);
 
@@ -244,11 +245,12 @@ pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Digests are told apart by all 32 bytes, though placed by their first 8; keys placed
     /// alike (the case no client can bring about on purpose) are still found, each as itself.
     #[test]
     fn digests_are_hashed_by_their_first_bytes_and_compared_whole() {
-        use super::DigestHashing;
         use std::hash::BuildHasher;
         let hashing = DigestHashing::default();
         let digest = |first: u8, last: u8| {
@@ -277,8 +279,6 @@ mod tests {
         assert_eq!(map.get(&digest(1, 0)), Some(&1001));
         assert_eq!(map.get(&[0u8; 32]), None);
     }
-
-    use super::*;
 
     #[test]
     fn bare_and_structured_forms_name_the_same_key() {
