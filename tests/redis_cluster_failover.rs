@@ -196,7 +196,10 @@ async fn storm_through(failover: Failover, seed: u64, durability: Option<Replica
         .collect();
     assert_eq!(keys.len(), KEYS, "enough keys on one master");
     let master = shard.master;
-    let replica = shard.replicas[0];
+    let replica = *shard
+        .replicas
+        .first()
+        .unwrap_or_else(|| panic!("the master of slot {} has no replica: {shard:?}", slots[0]));
 
     let every_node = cluster.addrs();
     for node in &every_node {

@@ -1,6 +1,7 @@
 //! A Redis Cluster of 3 masters and 3 replicas on loopback, made of [`RedisServer`]s: started
 //! with `redis-cli --cluster create … --cluster-replicas 1`, ready once every node reports
-//! `cluster_state:ok` and every replica is in sync with its master.
+//! `cluster_state:ok`, sees a replica for every master, and every replica is in sync with its
+//! master.
 //!
 //! Suite tests share one cluster per test binary ([`Cluster::shared`]): six processes started
 //! once instead of once per test. Each test keeps to its own key prefix.
@@ -232,8 +233,8 @@ impl Cluster {
         super::reap_at_exit(&pids, &dirs);
     }
 
-    /// Waits until every live node says `cluster_state:ok`, agrees on who serves every slot, and
-    /// every replica has finished its sync with its master.
+    /// Waits until every live node says `cluster_state:ok`, agrees on who serves every slot and
+    /// which replica follows each master, and every replica has finished its sync with its master.
     pub fn wait_until_ready(&self) {
         let deadline = Instant::now() + READY_TIMEOUT;
         while !self.is_ready() {
@@ -252,10 +253,22 @@ impl Cluster {
                 return false;
             }
             let nodes = parse_cluster_nodes(&self.cli(port, &["CLUSTER", "NODES"]));
-            let live_masters = nodes
+            let live_masters: Vec<&NodeLine> = nodes
                 .iter()
-                .filter(|n| n.is_master && !n.failed && !n.slots.is_empty());
-            if live_masters.count() != MASTERS {
+                .filter(|n| n.is_master && !n.failed && !n.slots.is_empty())
+                .collect();
+            if live_masters.len() != MASTERS {
+                return false;
+            }
+            // Each node learns who replicates whom by gossip, after `--cluster create` has
+            // returned: until then a node's view may show a master with no replica (a test that
+            // asked it for one found none).
+            let has_replica = |master: &NodeLine| {
+                nodes
+                    .iter()
+                    .any(|n| !n.is_master && !n.failed && n.master_id == master.id)
+            };
+            if !live_masters.iter().all(|master| has_replica(master)) {
                 return false;
             }
             let replication = self.cli(port, &["INFO", "replication"]);
