@@ -265,10 +265,12 @@ async fn server_version(server: &Client) -> (u32, u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
     const AOF: [&str; 4] = ["--appendonly", "yes", "--appendfsync", "always"];
-    let fsync = || {
+    // Where the acks must come, the wait is long enough for an fsync on a loaded CI disk (a
+    // 500 ms bound failed there once); where they never come, it is short to keep the test quick.
+    let fsync = |timeout_ms: u64| {
         ReplicaAcks::new(1)
             .fsync(true)
-            .timeout(Duration::from_millis(500))
+            .timeout(Duration::from_millis(timeout_ms))
     };
     let connect = |url: String, acks: ReplicaAcks| async move {
         let store = RedisStore::connect(&url).await.expect("connect");
@@ -278,7 +280,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
     let single = RedisServer::start_with(&AOF);
     let version = server_version(&client(&single.url()).await).await;
     if version < (7, 2) {
-        let refused = connect(single.url(), fsync()).await;
+        let refused = connect(single.url(), fsync(500)).await;
         let error = refused.expect_err("fsync refused without WAITAOF").to_string();
         assert!(error.contains("WAITAOF"), "{error}");
         return;
@@ -302,7 +304,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
         }
         assert!(Instant::now() < deadline, "the replica never fsynced: {answer:?}");
     }
-    let store = connect(on_disk.master.url(), fsync())
+    let store = connect(on_disk.master.url(), fsync(5000))
         .await
         .expect("fsync on 7.2+");
     let (app, runs) = router(IdempotencyLayer::new(store.clone()));
@@ -311,7 +313,12 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
         command_calls(&master, "wait").await,
     );
     let first = send(&app, payment("on-disk", "{}")).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{version:?}");
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "{version:?}: {}",
+        String::from_utf8_lossy(&first.body)
+    );
     let replica = client(&on_disk.replica.url()).await;
     assert_eq!(state_on(&replica, &store, "on-disk").await, Some(b'C'));
     assert_eq!(
@@ -329,7 +336,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
 
     // A replica without an append-only file: received counts for WAIT, not for WAITAOF.
     let in_memory = Pair::start_with(&AOF, &[]).await;
-    let store = connect(in_memory.master.url(), fsync())
+    let store = connect(in_memory.master.url(), fsync(500))
         .await
         .expect("the master has its file");
     let (app, runs) = router(IdempotencyLayer::new(store));
@@ -350,7 +357,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
 
     // A master without an append-only file: refused when the store connects.
     let without_file = RedisServer::start();
-    let refused = connect(without_file.url(), fsync()).await;
+    let refused = connect(without_file.url(), fsync(500)).await;
     let error = refused.expect_err("fsync refused without appendonly").to_string();
     assert!(error.contains("appendonly"), "{error}");
 }
