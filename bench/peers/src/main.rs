@@ -8,7 +8,10 @@
 //!   session at start and puts its cookie on every request that has none (a header insert, the
 //!   only work this harness adds).
 //!
-//! Both mark replays `idempotent-replayed: true`, as the bench expects. It prints what
+//! - `floor-memory`: no library, the least an in-process layer can do per request (see
+//!   `floor.rs`), a yardstick for what the memory store's cells could reach at best.
+//!
+//! All mark replays `idempotent-replayed: true`, as the bench expects. It prints what
 //! bench_server prints (`bench_server: listening on …`, `bench_server: warnings=0` at exit) and
 //! stops with status 0 on SIGTERM.
 
@@ -25,6 +28,7 @@ use tower::ServiceExt;
 
 #[path = "../../../benches/common.rs"]
 mod common;
+mod floor;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type SessionStore = ruts::store::redis::RedisStore<fred::clients::Client>;
@@ -102,8 +106,11 @@ async fn main() -> Result<(), BoxError> {
     let router = match mode.as_str() {
         "peer-idempotent" => idempotent_router(&url).await?,
         "peer-axum-idempotent" => axum_idempotent_router(&url).await?,
+        "floor-memory" => floor::router(common::payments()),
         other => {
-            eprintln!("bench_server: unknown mode `{other}` (peer-idempotent, peer-axum-idempotent)");
+            eprintln!(
+                "bench_server: unknown mode `{other}` (peer-idempotent, peer-axum-idempotent, floor-memory)"
+            );
             std::process::exit(2);
         }
     };
