@@ -72,6 +72,14 @@ const LEASE_END_SLACK: Duration = Duration::from_millis(20);
 /// ```
 #[derive(Clone)]
 pub struct Coordinator {
+    /// Behind one `Arc`: every keyed request clones its coordinator and every claim keeps one, so
+    /// a clone is one count to change, not one per shared part (counts that both worker threads
+    /// write, on cache lines that move between their cores each time).
+    settings: Arc<Settings>,
+}
+
+#[derive(Clone)]
+struct Settings {
     store: Arc<dyn Store>,
     lease: Duration,
     retention: Duration,
@@ -85,12 +93,12 @@ pub struct Coordinator {
 impl std::fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Coordinator")
-            .field("lease", &self.lease)
-            .field("retention", &self.retention)
-            .field("store_timeout", &self.store_timeout)
-            .field("max_in_flight", &self.tracker.max)
-            .field("reconciliation", &self.reconciler.is_some())
-            .field("max_waiters", &self.waiters.max)
+            .field("lease", &self.settings.lease)
+            .field("retention", &self.settings.retention)
+            .field("store_timeout", &self.settings.store_timeout)
+            .field("max_in_flight", &self.settings.tracker.max)
+            .field("reconciliation", &self.settings.reconciler.is_some())
+            .field("max_waiters", &self.settings.waiters.max)
             .finish_non_exhaustive()
     }
 }
@@ -226,7 +234,7 @@ impl Coordinator {
 
     /// Like [`Coordinator::new`], for a store already behind an `Arc`.
     pub fn from_shared_store(store: Arc<dyn Store>) -> Self {
-        Self {
+        let settings = Settings {
             store,
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
@@ -237,7 +245,15 @@ impl Coordinator {
                 waiting: AtomicUsize::new(0),
                 max: DEFAULT_MAX_WAITERS,
             }),
+        };
+        Self {
+            settings: Arc::new(settings),
         }
+    }
+
+    /// The settings, to change while building (copied first if a clone shares them).
+    fn settings_mut(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
     }
 
     /// How long a claim holds a key without renewal (default: 30 s; at least 30 ms). A crashed
@@ -251,7 +267,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_lease(mut self, lease: Duration) -> Self {
-        self.lease = lease.clamp(Duration::from_millis(30), MAX_DURATION);
+        self.settings_mut().lease = lease.clamp(Duration::from_millis(30), MAX_DURATION);
         self
     }
 
@@ -264,7 +280,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = retention.clamp(Duration::from_millis(1), MAX_DURATION);
+        self.settings_mut().retention = retention.clamp(Duration::from_millis(1), MAX_DURATION);
         self
     }
 
@@ -278,7 +294,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
-        self.store_timeout = timeout.min(MAX_DURATION);
+        self.settings_mut().store_timeout = timeout.min(MAX_DURATION);
         self
     }
 
@@ -294,7 +310,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_max_in_flight(mut self, max: u32) -> Self {
-        self.tracker = Arc::new(Tracker::new(max.max(1)));
+        self.settings_mut().tracker = Arc::new(Tracker::new(max.max(1)));
         self
     }
 
@@ -320,7 +336,7 @@ impl Coordinator {
     where
         F: Fn(&ReconciliationEvent) + Send + Sync + 'static,
     {
-        self.reconciler = Some(Reconciler::new(hook));
+        self.settings_mut().reconciler = Some(Reconciler::new(hook));
         self
     }
 
@@ -338,7 +354,7 @@ impl Coordinator {
     /// # let _ = coordinator;
     /// ```
     pub fn with_max_waiters(mut self, max: u32) -> Self {
-        self.waiters = Arc::new(Waiters {
+        self.settings_mut().waiters = Arc::new(Waiters {
             waiting: AtomicUsize::new(0),
             max,
         });
@@ -347,26 +363,27 @@ impl Coordinator {
 
     /// How many callers wait for a running operation now.
     pub fn waiting(&self) -> usize {
-        self.waiters
+        self.settings
+            .waiters
             .waiting
             .load(Ordering::Acquire)
-            .min(self.waiters.max as usize)
+            .min(self.settings.waiters.max as usize)
     }
 
     /// The lease in force.
     pub fn lease(&self) -> Duration {
-        self.lease
+        self.settings.lease
     }
 
     /// The retention in force.
     pub fn retention(&self) -> Duration {
-        self.retention
+        self.settings.retention
     }
 
     /// A handle to stop taking new keys and wait for running operations.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         ShutdownHandle {
-            tracker: self.tracker.clone(),
+            tracker: self.settings.tracker.clone(),
         }
     }
 
@@ -459,13 +476,13 @@ impl Coordinator {
         renewal: Renewal,
     ) -> (Result<Begin, Error>, bool) {
         let deadline = tokio::time::Instant::now() + wait.min(MAX_DURATION);
-        let Some(_place) = WaiterPlace::take(&self.waiters) else {
+        let Some(_place) = WaiterPlace::take(&self.settings.waiters) else {
             tracing::debug!(?key, "too many callers waiting already; answering in flight");
             return (Ok(Begin::InFlight { lease_left }), false);
         };
         let mut watch = match tokio::time::timeout_at(
             deadline,
-            self.bounded(StoreOp::Watch, self.store.watch(key)),
+            self.bounded(StoreOp::Watch, self.settings.store.watch(key)),
         )
         .await
         {
@@ -528,14 +545,18 @@ impl Coordinator {
     ) -> Result<Begin, Error> {
         // A copy held in this process answers before anything a claim needs (a slot, an owner
         // token, a store call): a replay is not new work, so neither the bound nor shutdown stops it.
-        match self.store.cached(key, fingerprint) {
+        match self.settings.store.cached(key, fingerprint) {
             Some(ClaimOutcome::Completed(payload)) => return Ok(Begin::Completed(payload)),
             Some(ClaimOutcome::Mismatch) => return Ok(Begin::Mismatch),
             Some(ClaimOutcome::Claimed | ClaimOutcome::InFlight { .. }) | None => {}
         }
-        let slot = match Slot::take(&self.tracker) {
+        let slot = match Slot::take(&self.settings.tracker) {
             Ok(slot) => slot,
-            Err(refusal) => return self.answer_without_claiming(key, fingerprint, refusal).await,
+            // Boxed: the rare path at capacity would otherwise size every claim's future.
+            Err(refusal) => {
+                let answering = self.answer_without_claiming(key, fingerprint, refusal);
+                return Box::pin(answering).await;
+            }
         };
         let owner = OwnerToken::generate();
         // If this future is dropped while the claim is on its way (the client hung up) or the
@@ -550,7 +571,9 @@ impl Coordinator {
         let outcome = self
             .bounded(
                 StoreOp::Claim,
-                self.store.claim(key, fingerprint, &owner, self.lease),
+                self.settings
+                    .store
+                    .claim(key, fingerprint, &owner, self.settings.lease),
             )
             .await;
         pending.armed = matches!(&outcome, Err(error) if !matches!(error, StoreError::Corrupt(_)));
@@ -579,7 +602,7 @@ impl Coordinator {
         refusal: Error,
     ) -> Result<Begin, Error> {
         match self
-            .bounded(StoreOp::Peek, self.store.peek(key, fingerprint))
+            .bounded(StoreOp::Peek, self.settings.store.peek(key, fingerprint))
             .await
         {
             Ok(Some(ClaimOutcome::Completed(payload))) => Ok(Begin::Completed(payload)),
@@ -594,18 +617,22 @@ impl Coordinator {
     /// A counted place for work run outside a claim (a fail-open run), so that the bound and
     /// a shutdown see it.
     pub(crate) fn slot(&self) -> Result<Slot, Error> {
-        Slot::take(&self.tracker)
+        Slot::take(&self.settings.tracker)
     }
 
     /// Reads the record at `key` (state, time left, stored payload), for operators.
     pub async fn inspect(&self, key: &RecordKey) -> Result<Option<RecordInfo>, Error> {
-        Ok(self.bounded(StoreOp::Inspect, self.store.inspect(key)).await?)
+        Ok(self
+            .bounded(StoreOp::Inspect, self.settings.store.inspect(key))
+            .await?)
     }
 
     /// Deletes the record at `key` whatever its state, so the next request runs the operation
     /// again. Answers whether there was a record.
     pub async fn purge(&self, key: &RecordKey) -> Result<bool, Error> {
-        Ok(self.bounded(StoreOp::Purge, self.store.purge(key)).await?)
+        Ok(self
+            .bounded(StoreOp::Purge, self.settings.store.purge(key))
+            .await?)
     }
 
     /// Lists the records in flight claimed at least `older_than` ago, the oldest first, at most
@@ -632,7 +659,7 @@ impl Coordinator {
     /// # claim.release().await?; Ok(()) }
     /// ```
     pub async fn in_flight(&self, older_than: Duration, limit: usize) -> Result<Vec<InFlightRecord>, Error> {
-        Ok(self.store.in_flight(older_than, limit).await?)
+        Ok(self.settings.store.in_flight(older_than, limit).await?)
     }
 
     /// Bounds a store call by the store timeout plus a little grace, so a store that enforces the
@@ -645,9 +672,9 @@ impl Coordinator {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let timer = StoreTimer::start(op);
-        let answer = tokio::time::timeout(self.store_timeout + STORE_TIMEOUT_GRACE, call)
+        let answer = tokio::time::timeout(self.settings.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
-            .unwrap_or(Err(StoreError::Timeout(self.store_timeout)));
+            .unwrap_or(Err(StoreError::Timeout(self.settings.store_timeout)));
         timer.finish();
         answer
     }
@@ -672,7 +699,7 @@ impl Coordinator {
             for delay_ms in RELEASE_RETRY_DELAYS_MS {
                 tokio::time::sleep(Duration::from_millis(delay_ms)).await;
                 match coordinator
-                    .bounded(StoreOp::Release, coordinator.store.release(&key, &owner))
+                    .bounded(StoreOp::Release, coordinator.settings.store.release(&key, &owner))
                     .await
                 {
                     Ok(true) => return,
@@ -824,7 +851,7 @@ impl Claim {
         ClaimTicket {
             key: self.key.clone(),
             owner: self.owner.clone(),
-            retention: self.coordinator.retention,
+            retention: self.coordinator.settings.retention,
             flags: self.flags.clone(),
         }
     }
@@ -888,11 +915,13 @@ impl Claim {
         let coordinator = &self.coordinator;
         let mut attempt = 1;
         loop {
-            let call =
-                coordinator
-                    .store
-                    .complete(&self.key, &self.owner, payload.clone(), coordinator.retention);
-            let call = reconciliation::carrying(coordinator.reconciler.as_ref(), call);
+            let call = coordinator.settings.store.complete(
+                &self.key,
+                &self.owner,
+                payload.clone(),
+                coordinator.settings.retention,
+            );
+            let call = reconciliation::carrying(coordinator.settings.reconciler.as_ref(), call);
             let outcome = coordinator.bounded(StoreOp::Complete, call).await;
             // A result too large for the store stays too large: trying again only delays the answer.
             let retry = matches!(&outcome, Err(error)
@@ -934,7 +963,7 @@ impl Claim {
         coordinator
             .bounded(
                 StoreOp::Release,
-                coordinator.store.release(&self.key, &self.owner),
+                coordinator.settings.store.release(&self.key, &self.owner),
             )
             .await?;
         self.settled = true;
@@ -950,7 +979,7 @@ impl Claim {
     }
 
     fn reconcile(&self, kind: ReconciliationKind, payload: Option<&Bytes>) {
-        let hook = self.coordinator.reconciler.as_ref();
+        let hook = self.coordinator.settings.reconciler.as_ref();
         reconciliation::report(hook, kind, &self.key, &self.owner, payload);
     }
 
@@ -990,13 +1019,16 @@ async fn renew_until_lost(
     owner: &OwnerToken,
     flags: &ClaimFlags,
 ) {
-    let every = coordinator.lease / 3;
+    let every = coordinator.settings.lease / 3;
     loop {
         tokio::time::sleep(every).await;
         match coordinator
             .bounded(
                 StoreOp::Renew,
-                coordinator.store.renew(key, owner, coordinator.lease),
+                coordinator
+                    .settings
+                    .store
+                    .renew(key, owner, coordinator.settings.lease),
             )
             .await
         {

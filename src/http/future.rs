@@ -118,6 +118,11 @@ where
                 },
                 KindProj::Begin { future, detach } => match ready!(future.as_mut().poll(cx)) {
                     Step::Done(answer) => return Poll::Ready(answer),
+                    Step::Unprotected(run) => Detachable {
+                        future: Some(run),
+                        detach: None,
+                        span: None,
+                    },
                     Step::Run(run) => Detachable {
                         future: Some(run),
                         detach: *detach,

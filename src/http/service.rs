@@ -185,6 +185,9 @@ pub(crate) enum Step<B, E> {
     /// The key is ours: this runs the handler and stores or releases its answer. It must run to
     /// its end even if the client leaves, so the response future detaches it rather than drop it.
     Run(BoxFuture<Answer<B, E>>),
+    /// The store is down and the layer fails open: this runs the handler with no claim. Nothing
+    /// is stored, so a client that leaves cancels it, as any unprotected request.
+    Unprotected(BoxFuture<Answer<B, E>>),
 }
 
 /// Reads the body, fingerprints the request and claims its key, in the request's own future: a
@@ -192,7 +195,13 @@ pub(crate) enum Step<B, E> {
 /// released in the background by the coordinator). Only a claimed request goes on to
 /// [`run_claimed`], the one part that costs a detached future. Counts the request's outcome
 /// and writes it in `span`, the request's.
-async fn begin_keyed<S, ReqBody, ResBody>(
+///
+/// An `async` block rather than an `async fn`: an `async fn` keeps every argument twice in its
+/// state (as passed, and moved into its body), and this state is the one allocation every keyed
+/// request makes. Kept under 1 KiB, glibc's malloc serves it from the thread's own cache instead
+/// of its arena, whose lock both worker threads take.
+#[allow(clippy::manual_async_fn)]
+fn begin_keyed<S, ReqBody, ResBody>(
     inner: S,
     coordinator: Coordinator,
     config: Arc<Config>,
@@ -200,7 +209,7 @@ async fn begin_keyed<S, ReqBody, ResBody>(
     parts: request::Parts,
     body: ReqBody,
     span: Span,
-) -> Step<ResBody, S::Error>
+) -> impl Future<Output = Step<ResBody, S::Error>>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -209,51 +218,60 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // The one look at whether this is a gRPC call: its rejections must speak gRPC.
-    let grpc = grpc::is_grpc(parts.headers.get(http::header::CONTENT_TYPE));
-    let reject = |outcome: Outcome, rejection: Rejection| {
-        telemetry::finish(&span, outcome);
-        Step::Done(Ok(rejection.respond(&config.key_header, grpc)))
-    };
-    let too_large = Rejection::BodyTooLarge {
-        limit: config.body_limit,
-    };
-    if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-        return reject(Outcome::Rejected, too_large);
-    }
-    let body = match collect_limited(body, config.body_limit).await {
-        Collected::Complete { data, .. } => data,
-        Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
-        Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
-    };
-    let fingerprint = config.fingerprint.fingerprint(&parts, &body);
-    let mut request = Request::from_parts(parts, RequestBody::buffered(body));
-    if config.key_in_extensions {
-        request.extensions_mut().insert(key.clone());
-    }
+    async move {
+        // Whether this is a gRPC call (its rejections must speak gRPC) is looked up where it is
+        // needed, not kept across the awaits: that byte would cost this state 16.
+        let reject = |outcome: Outcome, rejection: Rejection| {
+            telemetry::finish(&span, outcome);
+            Step::Done(Ok(rejection.respond(&config.key_header, is_grpc(&parts.headers))))
+        };
+        let too_large = Rejection::BodyTooLarge {
+            limit: config.body_limit,
+        };
+        if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
+            return reject(Outcome::Rejected, too_large);
+        }
+        let body = match collect_limited(body, config.body_limit).await {
+            Collected::Complete { data, .. } => data,
+            Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
+            Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
+        };
+        let fingerprint = config.fingerprint.fingerprint(&parts, &body);
 
-    let mut begun = coordinator.begin_driven(&key, &fingerprint).await;
-    // Only a request that found its key in flight looks for a wish to wait: a fresh claim, a
-    // replay or a mismatch reads no header for it.
-    let mut waited = None;
-    if let Ok(Begin::InFlight { lease_left }) = begun {
-        if let Some(wait) = Wait::for_request(request.headers(), &config) {
-            // Boxed: the wait's state stays out of every keyed request's future.
-            let waiting = coordinator.wait_driven(&key, &fingerprint, wait.wait, lease_left);
-            let (waited_for, did_wait) = Box::pin(waiting).await;
-            begun = waited_for;
-            waited = did_wait.then_some(wait);
-            if did_wait {
-                // Counted besides the outcome the request ends with (its replay, say).
-                telemetry::outcome(Outcome::Waited);
+        let mut begun = coordinator.begin_driven(&key, &fingerprint).await;
+        // Only a request that found its key in flight looks for a wish to wait: a fresh claim, a
+        // replay or a mismatch reads no header for it.
+        let mut waited = None;
+        if let Ok(Begin::InFlight { lease_left }) = begun {
+            if let Some(wait) = Wait::for_request(&parts.headers, &config) {
+                // Boxed: the wait's state stays out of every keyed request's future.
+                let waiting = coordinator.wait_driven(&key, &fingerprint, wait.wait, lease_left);
+                let (waited_for, did_wait) = Box::pin(waiting).await;
+                begun = waited_for;
+                waited = did_wait.then_some(wait);
+                if did_wait {
+                    // Counted besides the outcome the request ends with (its replay, say).
+                    telemetry::outcome(Outcome::Waited);
+                }
             }
         }
+        // Made only now, so that the claim's state does not hold the request beside its parts.
+        let grpc = is_grpc(&parts.headers);
+        let mut request = Request::from_parts(parts, RequestBody::buffered(body));
+        if config.key_in_extensions {
+            request.extensions_mut().insert(key.clone());
+        }
+        let step = proceed(inner, &coordinator, config, &key, request, begun, span, grpc);
+        match waited {
+            None => step,
+            Some(wait) => mark_waited(step, wait),
+        }
     }
-    let step = proceed(inner, &coordinator, config, &key, request, begun, span, grpc).await;
-    match waited {
-        None => step,
-        Some(wait) => mark_waited(step, wait),
-    }
+}
+
+/// Whether a request with these headers is a gRPC call, whose rejections must speak gRPC.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    grpc::is_grpc(headers.get(http::header::CONTENT_TYPE))
 }
 
 /// Tells the client of a request that waited that it did, on whatever it gets.
@@ -265,14 +283,22 @@ fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wai
             }
             Step::Done(answer)
         }
-        Step::Run(run) => Step::Run(Box::pin(async move {
-            let mut answer = run.await;
-            if let Ok(response) = &mut answer {
-                wait.mark(response);
-            }
-            answer
-        })),
+        Step::Run(run) => Step::Run(marked(run, wait)),
+        Step::Unprotected(run) => Step::Unprotected(marked(run, wait)),
     }
+}
+
+fn marked<B: Send + 'static, E: Send + 'static>(
+    run: BoxFuture<Answer<B, E>>,
+    wait: Wait,
+) -> BoxFuture<Answer<B, E>> {
+    Box::pin(async move {
+        let mut answer = run.await;
+        if let Ok(response) = &mut answer {
+            wait.mark(response);
+        }
+        answer
+    })
 }
 
 /// Answers a keyed request from what its claim found: a replay, a rejection, a fail-open run,
@@ -280,8 +306,8 @@ fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wai
 // The request's parts travel separately because the wait between the claim and this may have
 // replaced the claim's answer; bundling them would only move the count into a struct.
 #[allow(clippy::too_many_arguments)]
-async fn proceed<S, ReqBody, ResBody>(
-    mut inner: S,
+fn proceed<S, ReqBody, ResBody>(
+    inner: S,
     coordinator: &Coordinator,
     config: Arc<Config>,
     key: &RecordKey,
@@ -328,9 +354,13 @@ where
             };
             tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
             telemetry::finish(&span, Outcome::FailOpen);
-            let answer = inner.call(request).await;
-            drop(slot);
-            return Step::Done(answer.map(|response| response.map(ResponseBody::streaming)));
+            let mut inner = inner;
+            let run = async move {
+                let answer = inner.call(request).await;
+                drop(slot);
+                answer.map(|response| response.map(ResponseBody::streaming))
+            };
+            return Step::Unprotected(Box::pin(run.instrument(span)));
         }
         Err(error @ Error::Store(_)) => {
             tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
@@ -491,4 +521,54 @@ async fn within<F: Future>(
         Poll::Pending
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use tower::util::BoxCloneSyncService;
+
+    use super::*;
+    use crate::MemoryStore;
+
+    /// The largest request chunk glibc's malloc serves from a thread's own cache (its `tcache`);
+    /// a larger one takes the lock of an arena that both worker threads use.
+    const MALLOC_THREAD_CACHE_MAX: usize = 1032;
+
+    /// Every keyed request allocates this state (boxed, with its span): it must stay within the
+    /// thread cache, with a boxed service such as axum's router inside.
+    #[test]
+    fn the_state_every_keyed_request_allocates_stays_within_the_malloc_thread_cache() {
+        type Inner = BoxCloneSyncService<
+            Request<RequestBody<axum::body::Body>>,
+            Response<axum::body::Body>,
+            Infallible,
+        >;
+        let inner: Inner = BoxCloneSyncService::new(tower::service_fn(|_| async {
+            Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+        }));
+        let layer = IdempotencyLayer::new(MemoryStore::new());
+        let (parts, body) = Request::post("/payments")
+            .body(axum::body::Body::empty())
+            .expect("a request")
+            .into_parts();
+        let key = RecordKey::new(None, IdempotencyKey::parse("k").expect("a key"));
+        let begin = begin_keyed::<Inner, axum::body::Body, axum::body::Body>(
+            inner,
+            layer.coordinator.clone(),
+            layer.config.clone(),
+            key,
+            parts,
+            body,
+            Span::none(),
+        )
+        .instrument(Span::none());
+        let size = std::mem::size_of_val(&begin);
+        assert!(
+            size <= MALLOC_THREAD_CACHE_MAX,
+            "a keyed request's state is {size} bytes, over the {MALLOC_THREAD_CACHE_MAX} that glibc \
+             serves from a thread's cache"
+        );
+    }
 }

@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -589,8 +589,10 @@ impl StoreError {
 /// assert_ne!(OwnerToken::generate(), OwnerToken::generate());
 /// assert!(OwnerToken::generate().issued_at().is_some());
 /// ```
+// An `Arc`: the memory store keeps a clone in the record it claims for the token's holder, and
+// the coordinator hands clones to releases and renewals; each is then a count, not a copy.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
-pub struct OwnerToken(Box<str>);
+pub struct OwnerToken(Arc<str>);
 
 impl OwnerToken {
     /// A new token, different from every other token of this and any other process.
@@ -614,7 +616,7 @@ impl OwnerToken {
     /// assert_eq!(OwnerToken::from_string("worker-1").issued_at(), None);
     /// ```
     pub fn from_string(token: impl Into<String>) -> Self {
-        Self(token.into().into_boxed_str())
+        Self(Arc::from(token.into()))
     }
 
     /// The token's text.
@@ -638,7 +640,7 @@ impl OwnerToken {
 /// `<nonce>-<n in hex>@<millis in decimal>`, built at its exact length: one allocation per claim.
 /// The digits are written back to front into a buffer, one division by a constant each: every
 /// keyed request makes a token, replays included.
-fn token_text(nonce: &str, n: u64, millis: u64) -> Box<str> {
+fn token_text(nonce: &str, n: u64, millis: u64) -> Arc<str> {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     // "-", 16 hex digits, "@", 20 decimal digits.
     let mut tail = [0u8; 38];
@@ -665,13 +667,22 @@ fn token_text(nonce: &str, n: u64, millis: u64) -> Box<str> {
     }
     at -= 1;
     tail[at] = b'-';
-    let mut token = String::with_capacity(nonce.len() + tail.len() - at);
-    token.push_str(nonce);
-    // ASCII only, so never lossy: this is the check, without a char-by-char push.
-    token.push_str(&String::from_utf8_lossy(&tail[at..]));
-    debug_assert_eq!(token.len(), token.capacity());
-    token.into_boxed_str()
+    // The whole token on the stack first (the nonce is 32 digits), so that the `Arc` is the one
+    // allocation.
+    let mut text = [0u8; NONCE_LEN + 38];
+    let len = nonce.len() + tail.len() - at;
+    let Some(whole) = text.get_mut(..len) else {
+        return Arc::from(format!("{nonce}{}", String::from_utf8_lossy(&tail[at..])));
+    };
+    let (head, rest) = whole.split_at_mut(nonce.len());
+    head.copy_from_slice(nonce.as_bytes());
+    rest.copy_from_slice(&tail[at..]);
+    // ASCII only, so never lossy: this is the check.
+    Arc::from(&*String::from_utf8_lossy(whole))
 }
+
+/// The length of [`process_nonce`]: 128 bits in hex.
+const NONCE_LEN: usize = 32;
 
 /// 128 bits that differ between processes. `RandomState` is seeded from the operating system's
 /// random source, so this needs no extra dependency.
@@ -717,15 +728,20 @@ mod tests {
 
     #[test]
     fn owner_tokens_are_the_nonce_the_counter_in_hex_and_the_time() {
-        for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {
-            for millis in [0, 7, 10, 1_763_807_554_123, u64::MAX] {
-                let token = super::token_text("nonce", n, millis);
-                assert_eq!(&*token, format!("nonce-{n:x}@{millis}"));
-                let issued = OwnerToken::from_string(token).issued_at();
-                let expected = UNIX_EPOCH.checked_add(Duration::from_millis(millis));
-                assert_eq!(issued, expected, "{n} {millis}");
+        // A short nonce, the real one, and one longer than the stack buffer is made for.
+        let long = "n".repeat(super::NONCE_LEN + 1);
+        for nonce in ["nonce", super::process_nonce(), &long] {
+            for n in [0, 9, 0xf, 0x10, 0xabc, u64::MAX] {
+                for millis in [0, 7, 10, 1_763_807_554_123, u64::MAX] {
+                    let token = super::token_text(nonce, n, millis);
+                    assert_eq!(&*token, format!("{nonce}-{n:x}@{millis}"));
+                    let issued = OwnerToken::from_string(&*token).issued_at();
+                    let expected = UNIX_EPOCH.checked_add(Duration::from_millis(millis));
+                    assert_eq!(issued, expected, "{n} {millis}");
+                }
             }
         }
+        assert_eq!(super::process_nonce().len(), super::NONCE_LEN);
     }
 
     #[test]
