@@ -171,8 +171,16 @@ async fn the_keyed_request_span_has_its_outcome_hashed_scope_and_key_and_store_t
             scope.len() == 16 && scope.chars().all(|c| c.is_ascii_hexdigit()),
             "{scope}"
         );
-        let claim_us: u64 = fields["store_claim_us"].parse().expect("the claim's time, in µs");
-        assert!(claim_us < 1_000_000, "{claim_us}");
+    }
+    let claim_us: u64 = mine[0]["store_claim_us"]
+        .parse()
+        .expect("the claim's time, in µs");
+    assert!(claim_us < 1_000_000, "{claim_us}");
+    for answered in &mine[1..] {
+        assert!(
+            !answered.contains_key("store_claim_us"),
+            "the memory store answers a completed key before any store call: {answered:?}"
+        );
     }
     assert!(
         mine[0].contains_key("store_complete_us"),

@@ -454,6 +454,25 @@ impl Store for MemoryStore {
         ready(outcome)
     }
 
+    /// The records are in this process, so a completed one is answered here, before the
+    /// coordinator takes an in-flight permit, makes an owner token or times a store call: a
+    /// replay or a mismatch costs one look under the lock. Anything else (no record, one in
+    /// flight, one expired) goes on to [`claim`](Store::claim).
+    fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
+        let records = self.lock();
+        // A new key (the usual miss) costs one lookup and no clock read; an expired record is
+        // left for the claim, which drops it.
+        let entry = records.by_key.get(key.digest())?;
+        if entry.expires_at <= Instant::now() {
+            return None;
+        }
+        match &entry.state {
+            State::InFlight { .. } => None,
+            State::Completed { .. } if entry.fingerprint != *fingerprint => Some(ClaimOutcome::Mismatch),
+            State::Completed { payload, .. } => Some(ClaimOutcome::Completed(payload.clone())),
+        }
+    }
+
     fn peek<'a>(
         &'a self,
         key: &'a RecordKey,
@@ -928,6 +947,45 @@ mod tests {
         );
         assert!(store.inspect(&key("late")).await.unwrap().is_some());
         assert_eq!(store.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn completed_records_are_answered_without_a_claim_and_nothing_else_is() {
+        let store = MemoryStore::new();
+        let same = Fingerprint::new([b"a".as_slice()]);
+        let other = Fingerprint::new([b"other".as_slice()]);
+        assert_eq!(store.cached(&key("a"), &same), None, "no record");
+        let (owner, outcome) = claim(&store, "a", Duration::from_secs(30)).await;
+        assert_eq!(outcome.unwrap(), ClaimOutcome::Claimed);
+        assert_eq!(
+            store.cached(&key("a"), &same),
+            None,
+            "in flight: the claim answers"
+        );
+        assert_eq!(
+            store.cached(&key("a"), &other),
+            None,
+            "in flight: the claim answers"
+        );
+        let retention = Duration::from_millis(50);
+        let payload = Bytes::from_static(b"stored");
+        assert!(store
+            .complete(&key("a"), &owner, payload.clone(), retention)
+            .await
+            .unwrap());
+        assert_eq!(
+            store.cached(&key("a"), &same),
+            Some(ClaimOutcome::Completed(payload))
+        );
+        assert_eq!(store.cached(&key("a"), &other), Some(ClaimOutcome::Mismatch));
+        tokio::time::sleep(retention * 2).await;
+        assert_eq!(store.cached(&key("a"), &same), None, "expired");
+        let (_, outcome) = claim(&store, "a", Duration::from_secs(30)).await;
+        assert_eq!(
+            outcome.unwrap(),
+            ClaimOutcome::Claimed,
+            "the claim takes the expired key"
+        );
     }
 
     #[tokio::test]

@@ -100,7 +100,8 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// [`Coordinator`](crate::Coordinator) asks this first, before it takes an in-flight permit
     /// or makes an owner token, so a cached replay costs neither; any other answer is ignored.
-    /// The default holds no copies.
+    /// The default holds no copies; [`MemoryStore`](crate::MemoryStore) answers from its
+    /// records.
     fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
         let _ = (key, fingerprint);
         None
