@@ -640,7 +640,8 @@ impl OwnerToken {
 
 /// `<nonce>-<n in hex>@<millis in decimal>`, built at its exact length: one allocation per claim.
 /// The digits are written back to front into a buffer, one division by a constant each: every
-/// keyed request makes a token, replays included.
+/// keyed request that reaches a claim makes a token, a replay from Redis included (a replay
+/// answered by [`Store::cached`] makes none).
 fn token_text(nonce: &str, n: u64, millis: u64) -> Arc<str> {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     // "-", 16 hex digits, "@", 20 decimal digits.
