@@ -74,11 +74,12 @@ def binary_of(store):
     return BASELINE_BIN if store.endswith(BASELINE_SUFFIX) else SERVER_BIN
 
 STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres",
-          "peer-idempotent", "peer-axum-idempotent", "floor-memory"]  # every store the driver knows
+          "peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"]  # every store the driver knows
 # Never part of the default selections: named with --stores, built on demand (bench/peers).
-# floor-memory is no library: the least an in-process layer does per request, a yardstick for
-# the memory store's cells (bench/peers/src/floor.rs).
-PEER_STORES = {"peer-idempotent", "peer-axum-idempotent", "floor-memory"}
+# floor-memory and floor-redis are no library: the least an in-process layer, and a layer over
+# Redis with fred, does per request, yardsticks for the memory store's and the Redis store's cells
+# (bench/peers/src/floor.rs, floor_redis.rs).
+PEER_STORES = {"peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"}
 REDIS_STORES = {"redis", "redis-cache", "redis-acks"} | (PEER_STORES - {"floor-memory"})
 # What the peers' own Lua scripts call, so that "sent" counts their client's commands only
 # (read from idempotent 2.0's valkey/*.lua and ruts 0.13's Redis store).
@@ -1463,7 +1464,8 @@ def main():
     parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
     parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always "
                         "run); peer-idempotent,peer-axum-idempotent are the other layers of bench/peers, "
-                        "floor-memory the least an in-process layer does (bench/peers/src/floor.rs)")
+                        "floor-memory and floor-redis the least an in-process layer and a layer over Redis do "
+                        "(bench/peers/src/floor.rs, floor_redis.rs)")
     parser.add_argument("--scenarios", help="e.g. fresh,replay,inflight")
     parser.add_argument("--conc", help="c32,c1")
     parser.add_argument("--bodies", help="100,16k,1m")

@@ -20,6 +20,7 @@ use std::task::{Context, Poll};
 
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
@@ -70,7 +71,29 @@ struct Floor<S> {
     records: Arc<Mutex<Records>>,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The idempotency key of a keyed `POST`, the only requests either floor looks at.
+pub(crate) fn post_key(request: &Request) -> Option<&str> {
+    let key = request.headers().get("idempotency-key")?.to_str().ok()?;
+    (request.method() == Method::POST).then_some(key)
+}
+
+/// The request's parts, its buffered body and one SHA-256 of method, path and body; 400 if the
+/// body cannot be read.
+pub(crate) async fn read_and_fingerprint(request: Request) -> Result<(Parts, Bytes, [u8; 32]), Response> {
+    let (parts, body) = request.into_parts();
+    let Ok(body) = body.collect().await.map(|collected| collected.to_bytes()) else {
+        return Err(StatusCode::BAD_REQUEST.into_response());
+    };
+    let mut hasher = Sha256::new();
+    hasher.update(parts.method.as_str());
+    hasher.update([0]);
+    hasher.update(parts.uri.path());
+    hasher.update([0]);
+    hasher.update(&body);
+    Ok((parts, body, hasher.finalize().into()))
+}
 
 impl<S> Service<Request> for Floor<S>
 where
@@ -86,28 +109,18 @@ where
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        let key = match request.headers().get("idempotency-key").map(HeaderValue::to_str) {
-            Some(Ok(key)) if request.method() == Method::POST => Box::<str>::from(key),
-            _ => {
-                let future = self.inner.call(request);
-                return Box::pin(future);
-            }
+        let Some(key) = post_key(&request).map(Box::<str>::from) else {
+            let future = self.inner.call(request);
+            return Box::pin(future);
         };
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let records = self.records.clone();
         Box::pin(async move {
-            let (parts, body) = request.into_parts();
-            let Ok(body) = body.collect().await.map(|collected| collected.to_bytes()) else {
-                return Ok(StatusCode::BAD_REQUEST.into_response());
+            let (parts, body, fingerprint) = match read_and_fingerprint(request).await {
+                Ok(read) => read,
+                Err(answer) => return Ok(answer),
             };
-            let mut hasher = Sha256::new();
-            hasher.update(parts.method.as_str());
-            hasher.update([0]);
-            hasher.update(parts.uri.path());
-            hasher.update([0]);
-            hasher.update(&body);
-            let fingerprint: [u8; 32] = hasher.finalize().into();
             {
                 let mut records = records.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 match records.by_key.get(&key) {

@@ -10,6 +10,9 @@
 //!
 //! - `floor-memory`: no library, the least an in-process layer can do per request (see
 //!   `floor.rs`), a yardstick for what the memory store's cells could reach at best.
+//! - `floor-redis`: no library, the least a layer over Redis can do per request with `fred` (one
+//!   `SET … NX GET` per request and a `SET` per fresh key, see `floor_redis.rs`), a yardstick for
+//!   the Redis cells.
 //!
 //! All mark replays `idempotent-replayed: true`, as the bench expects. It prints what
 //! bench_server prints (`bench_server: listening on …`, `bench_server: warnings=0` at exit) and
@@ -29,6 +32,7 @@ use tower::ServiceExt;
 #[path = "../../../benches/common.rs"]
 mod common;
 mod floor;
+mod floor_redis;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type SessionStore = ruts::store::redis::RedisStore<fred::clients::Client>;
@@ -107,9 +111,10 @@ async fn main() -> Result<(), BoxError> {
         "peer-idempotent" => idempotent_router(&url).await?,
         "peer-axum-idempotent" => axum_idempotent_router(&url).await?,
         "floor-memory" => floor::router(common::payments()),
+        "floor-redis" => floor_redis::router(common::payments(), &url).await?,
         other => {
             eprintln!(
-                "bench_server: unknown mode `{other}` (peer-idempotent, peer-axum-idempotent, floor-memory)"
+                "bench_server: unknown mode `{other}` (peer-idempotent, peer-axum-idempotent, floor-memory, floor-redis)"
             );
             std::process::exit(2);
         }
