@@ -15,6 +15,7 @@ use tracing::Instrument;
 use crate::reconciliation::{self, Reconciler, ReconciliationEvent, ReconciliationKind};
 use crate::store::{ClaimOutcome, InFlightRecord, OwnerToken, RecordInfo, Store, StoreError};
 use crate::telemetry::{self, Outcome, StoreOp, StoreTimer};
+use crate::wake_anchor::WakeAnchor;
 use crate::{Fingerprint, NotStored, RecordKey};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -88,6 +89,8 @@ struct Settings {
     /// The application's reconciliation hook, if it set one.
     reconciler: Option<Reconciler>,
     waiters: Arc<Waiters>,
+    /// Keeps a timer due while store calls are made, so that theirs wake no parked thread.
+    wake_anchor: Arc<WakeAnchor>,
 }
 
 impl std::fmt::Debug for Coordinator {
@@ -245,6 +248,7 @@ impl Coordinator {
                 waiting: AtomicUsize::new(0),
                 max: DEFAULT_MAX_WAITERS,
             }),
+            wake_anchor: Arc::default(),
         };
         Self {
             settings: Arc::new(settings),
@@ -671,6 +675,7 @@ impl Coordinator {
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
+        self.settings.wake_anchor.touch();
         let timer = StoreTimer::start(op);
         let answer = tokio::time::timeout(self.settings.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
@@ -1193,5 +1198,23 @@ impl ShutdownHandle {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IdempotencyKey, MemoryStore};
+
+    #[tokio::test]
+    async fn a_store_call_keeps_a_timer_due() {
+        let coordinator = Coordinator::new(MemoryStore::new());
+        assert!(!coordinator.settings.wake_anchor.is_running());
+        let key = RecordKey::new(None, IdempotencyKey::parse("anchored").expect("a valid key"));
+        let begun = coordinator
+            .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+            .await;
+        assert!(matches!(begun, Ok(Begin::Claimed(_))));
+        assert!(coordinator.settings.wake_anchor.is_running());
     }
 }

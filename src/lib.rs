@@ -90,6 +90,7 @@ mod replay_cache;
 mod store;
 // Metrics and the request span, for core and adapter alike.
 mod telemetry;
+mod wake_anchor;
 // The tower adapter over it.
 mod http;
 
