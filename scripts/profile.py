@@ -99,22 +99,33 @@ def profile_cell(tmp, redis, store, scenario):
         redis.client.cmd("FLUSHALL")
     server = bench.Server(tmp, store, redis if store in bench.REDIS_STORES else None)
     conc = "c32"
+    holders = []
     try:
-        key_arg = f"k{int(time.time() * 1000) % 100000}"
+        run_id = int(time.time() * 1000) % 100000
+        key_arg = f"k{run_id}"
         if scenario == "replay":
             bench.complete_keys(server.port, body, [f"r-{i}" for i in range(bench.REPLAY_KEYS)])
             if store.endswith("-cache"):
                 bench.complete_keys(server.port, body, [f"r-{i}" for i in range(bench.REPLAY_KEYS)],
                                     replays=True)
             key_arg = "unused"
-        bench.run_wrk(server.url, conc, 1, script, [f"w{key_arg}" if scenario != "replay" else key_arg,
-                                                      server.host])
+        elif scenario == "inflight":
+            # One key held in flight by a request that sleeps in the handler, as bench.py does;
+            # every run then asks for that same key.
+            key_arg = f"inflight-{run_id}"
+            holders = bench.hold_in_flight(server.port, key_arg, body)
+
+        def keys(run):
+            """The wrk script's key argument: a prefix of its own per run for fresh keys."""
+            return key_arg if scenario in ("replay", "inflight") else key_arg + run
+
+        bench.run_wrk(server.url, conc, 1, script, [keys("w"), server.host])
         time.sleep(0.2)
         # 1. calls and CPU per request, without the profiler
         stat_out = Path(tmp) / f"stat-{store}-{scenario}.txt"
         stat = perf_stat(server.proc.pid, DURATION + 0.3, stat_out)
         before = bench.cpu_ticks(server.proc.pid)
-        wrk = bench.parse_wrk(bench.run_wrk(server.url, conc, DURATION, script, [key_arg + "a", server.host]))
+        wrk = bench.parse_wrk(bench.run_wrk(server.url, conc, DURATION, script, [keys("a"), server.host]))
         after = bench.cpu_ticks(server.proc.pid)
         stat.wait()
         problems = bench.check_answers(scenario, wrk)
@@ -126,9 +137,11 @@ def profile_cell(tmp, redis, store, scenario):
         record = subprocess.Popen(["perf", "record", "-F", "2999", "-g", "-o", str(perf_data), "-p",
                                    str(server.proc.pid), "--", "sleep", str(DURATION)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        bench.run_wrk(server.url, conc, DURATION, script, [key_arg + "b", server.host])
+        bench.run_wrk(server.url, conc, DURATION, script, [keys("b"), server.host])
         record.wait()
     finally:
+        for sock in holders:
+            sock.close()
         server.stop()
     total, counts = classify(perf_data)
     return {"store": store, "scenario": scenario, "rps": wrk["rps"], "cpu_us": cpu_us,
