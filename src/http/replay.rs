@@ -92,13 +92,16 @@ impl StoredResponse {
         limit: usize,
     ) -> Self {
         let kept = || headers.iter().filter(|(name, _)| keep(name));
-        let size: usize = kept().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
+        // Sized and counted in one pass over the headers, written in a second.
+        let (size, count) = kept().fold((0, 0), |(size, count), (n, v)| {
+            (size + 8 + n.as_str().len() + v.len(), count + 1)
+        });
         let mut out = BytesMut::with_capacity(MAGIC.len() + 2 + 6 + size + 8 + expected_body.min(limit) + 4);
         out.put_slice(MAGIC);
         out.put_u8(PAYLOAD_VERSION);
         out.put_u8(RESPONSE);
         out.put_u16(status.as_u16());
-        put_fields(&mut out, kept().count(), kept());
+        put_fields(&mut out, count, kept());
         let body_len_at = out.len();
         out.put_u64(0);
         Self {

@@ -1,6 +1,6 @@
 //! The embedded store: one process, no dependencies, the same semantics as Redis.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{hash_map, BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -244,13 +244,19 @@ impl Records {
         }
     }
 
-    /// The live entry at `digest`, dropping it first if it has expired.
+    /// The live entry at `digest`, dropping it first if it has expired. One lookup: every claim
+    /// and every completion comes here.
     fn live(&mut self, digest: &[u8; 32], now: Instant) -> Option<&mut Entry> {
-        let expired = self.by_key.get(digest).is_some_and(|e| e.expires_at <= now);
-        if expired {
-            self.remove(digest);
+        match self.by_key.entry(*digest) {
+            hash_map::Entry::Occupied(found) if found.get().expires_at > now => Some(&mut **found.into_mut()),
+            hash_map::Entry::Occupied(expired) => {
+                let entry = *expired.remove();
+                // Field by field: the entry API holds `by_key` for the arm above.
+                Self::unindex(&mut self.leases, &mut self.retained, &mut self.bytes, &entry);
+                None
+            }
+            hash_map::Entry::Vacant(_) => None,
         }
-        self.by_key.get_mut(digest).map(|entry| &mut **entry)
     }
 
     /// Whether `owner` holds a live in-flight claim at `digest`.
@@ -263,13 +269,23 @@ impl Records {
 
     fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
         let entry = *self.by_key.remove(digest)?;
+        Self::unindex(&mut self.leases, &mut self.retained, &mut self.bytes, &entry);
+        Some(entry)
+    }
+
+    /// Forgets an entry just taken out of `by_key`: its place in its state's index, its cost.
+    fn unindex(
+        leases: &mut BTreeMap<(Instant, u64), [u8; 32]>,
+        retained: &mut BTreeMap<(Instant, u64), [u8; 32]>,
+        bytes: &mut usize,
+        entry: &Entry,
+    ) {
         let index = match entry.state {
-            State::InFlight { .. } => &mut self.leases,
-            State::Completed { .. } => &mut self.retained,
+            State::InFlight { .. } => leases,
+            State::Completed { .. } => retained,
         };
         index.remove(&(entry.expires_at, entry.sequence));
-        self.bytes -= entry.cost();
-        Some(entry)
+        *bytes -= entry.cost();
     }
 
     /// Moves the entry at `digest` to `expires_at` in its state's index.
