@@ -5,7 +5,8 @@
 #
 #   scripts/count-instructions.sh [BIN] [MODE] [N] [SCENARIO]
 #
-# BIN: a bench_server binary (default: target/release/examples/bench_server, built if missing);
+# BIN: a bench_server binary (default: target/release/examples/bench_server, built if missing), or
+# bench/peers/target/release/bench_peers with MODE floor-memory to count the in-process floor;
 # MODE: plain or memory (default memory; the Redis modes would count fred's waiting too);
 # N: POSTs counted (default 2000), after 200 uncounted ones;
 # SCENARIO: fresh (default: a new key each) or replay (one key, completed by the first POST).
