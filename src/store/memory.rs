@@ -1,6 +1,6 @@
 //! The embedded store: one process, no dependencies, the same semantics as Redis.
 
-use std::collections::{hash_map, BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -244,19 +244,16 @@ impl Records {
         }
     }
 
-    /// The live entry at `digest`, dropping it first if it has expired. One lookup: every claim
-    /// and every completion comes here.
+    /// The live entry at `digest`, dropping it first if it has expired. A key with no record (the
+    /// claim of every new key) costs one lookup. Not the map's `entry`, which would make it one
+    /// lookup for a record too: on a miss it reserves room for an insert, so a read (a release, a
+    /// peek) could grow the table, and a claim would grow it before its eviction frees a slot.
     fn live(&mut self, digest: &[u8; 32], now: Instant) -> Option<&mut Entry> {
-        match self.by_key.entry(*digest) {
-            hash_map::Entry::Occupied(found) if found.get().expires_at > now => Some(&mut **found.into_mut()),
-            hash_map::Entry::Occupied(expired) => {
-                let entry = *expired.remove();
-                // Field by field: the entry API holds `by_key` for the arm above.
-                Self::unindex(&mut self.leases, &mut self.retained, &mut self.bytes, &entry);
-                None
-            }
-            hash_map::Entry::Vacant(_) => None,
+        if self.by_key.get(digest)?.expires_at <= now {
+            self.remove(digest);
+            return None;
         }
+        self.by_key.get_mut(digest).map(|entry| &mut **entry)
     }
 
     /// Whether `owner` holds a live in-flight claim at `digest`.
@@ -269,23 +266,13 @@ impl Records {
 
     fn remove(&mut self, digest: &[u8; 32]) -> Option<Entry> {
         let entry = *self.by_key.remove(digest)?;
-        Self::unindex(&mut self.leases, &mut self.retained, &mut self.bytes, &entry);
-        Some(entry)
-    }
-
-    /// Forgets an entry just taken out of `by_key`: its place in its state's index, its cost.
-    fn unindex(
-        leases: &mut BTreeMap<(Instant, u64), [u8; 32]>,
-        retained: &mut BTreeMap<(Instant, u64), [u8; 32]>,
-        bytes: &mut usize,
-        entry: &Entry,
-    ) {
         let index = match entry.state {
-            State::InFlight { .. } => leases,
-            State::Completed { .. } => retained,
+            State::InFlight { .. } => &mut self.leases,
+            State::Completed { .. } => &mut self.retained,
         };
         index.remove(&(entry.expires_at, entry.sequence));
-        *bytes -= entry.cost();
+        self.bytes -= entry.cost();
+        Some(entry)
     }
 
     /// Moves the entry at `digest` to `expires_at` in its state's index.
@@ -1026,6 +1013,39 @@ mod tests {
         );
         let info = store.inspect(&key("a")).await.unwrap().expect("still retained");
         assert_eq!(info.state, RecordState::Completed);
+    }
+
+    /// Only an insert may grow the record table: looking up a key with no record (a release or a
+    /// peek of it, the claim of a new key before its eviction frees a slot) must not, or the
+    /// table could double beyond what the byte bound's per-record overhead was measured with.
+    #[tokio::test]
+    async fn looking_up_a_key_without_a_record_never_grows_the_table() {
+        let store = MemoryStore::new();
+        complete(&store, "first", Duration::from_secs(3600)).await;
+        let capacity = store.lock().by_key.capacity();
+        assert!(capacity > 1);
+        let mut filled = 0;
+        while store.lock().by_key.len() < capacity {
+            complete(&store, &format!("k{filled}"), Duration::from_secs(3600)).await;
+            filled += 1;
+        }
+        assert_eq!(
+            store.lock().by_key.capacity(),
+            capacity,
+            "filled to the brim, not past it"
+        );
+        let absent = key("absent");
+        assert!(!store.release(&absent, &OwnerToken::generate()).await.unwrap());
+        assert_eq!(
+            store
+                .peek(&absent, &Fingerprint::new([b"x".as_slice()]))
+                .await
+                .unwrap(),
+            None
+        );
+        assert!(store.inspect(&absent).await.unwrap().is_none());
+        assert!(store.lock().live(absent.digest(), Instant::now()).is_none());
+        assert_eq!(store.lock().by_key.capacity(), capacity);
     }
 
     #[tokio::test]
