@@ -851,7 +851,7 @@ def baseline_lines(runs, cells):
     if BASELINE_BIN is None:
         return []
     lines = ["", f"against the baseline build {BASELINE_BIN} (same run, the pair of each round):", "",
-             "| cell | req/s × base | server CPU µs/req base → this | Redis CPU µs/req base → this |",
+             "| cell | req/s × base | server CPU µs/req base → this | Redis (PostgreSQL) CPU µs/req base → this |",
              "|---|---|---|---|"]
     by_key = {(cell_key(r), r["round"]): r for r in runs}
     for cell in cells:
@@ -869,10 +869,11 @@ def baseline_lines(runs, cells):
             return fmt_num(statistics.median(values), 1) if values else "–"
 
         this_rows, base_rows = [p[0] for p in pairs], [p[1] for p in pairs]
+        store_cpu = "pg_cpu_us_per_req" if cell[0] in PG_STORES else "redis_cpu_us_per_req"
         lines.append(f"| {cell[0]} {cell[1]} {cell[2]} {BODY_LABEL[cell[3]]} "
                      f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) "
                      f"| {med(base_rows, 'server_cpu_us_per_req')} → {med(this_rows, 'server_cpu_us_per_req')} "
-                     f"| {med(base_rows, 'redis_cpu_us_per_req')} → {med(this_rows, 'redis_cpu_us_per_req')} |")
+                     f"| {med(base_rows, store_cpu)} → {med(this_rows, store_cpu)} |")
     return lines
 
 

@@ -4,7 +4,8 @@
 Run it through scripts/profile.sh, which installs wrk, redis-server and linux-perf if missing and
 builds the bench server with line tables (into target/profile, so the benchmark's own release
 build is untouched). For each cell (store, scenario; 100 B bodies, `wrk -t2 -c32`) it starts its
-own redis-server and a fresh server exactly as scripts/bench.py does, then:
+own redis-server (and PostgreSQL, for the postgres store) and a fresh server exactly as
+scripts/bench.py does, then:
 
 1. runs wrk once under `perf stat` (system calls and context switches of the server process) and
    reads the server's CPU time from /proc: calls and CPU microseconds per request;
@@ -20,6 +21,7 @@ the machine; compare headings between cells of the same run.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,12 +34,13 @@ os.environ.setdefault("BENCH_SERVER", str(PROFILE_BIN))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (reuses its servers, wrk script and checks)
 
-SYSCALLS = ["writev", "recvfrom", "epoll_wait", "futex", "write"]
+SYSCALLS = ["writev", "sendto", "recvfrom", "epoll_wait", "futex", "write"]
 DURATION = 4
 
 # (heading, test on the joined call chain or the leaf); the first that matches wins.
 HEADINGS = [
-    ("send: writev to a socket (kernel)", lambda chain, leaf: "writev" in chain or "write_vectored" in chain),
+    ("send: writev, sendto to a socket (kernel)",
+     lambda chain, leaf: "writev" in chain or "write_vectored" in chain or "sendto" in chain or "__send" in chain),
     ("receive: recvfrom (kernel)", lambda chain, leaf: "recvfrom" in chain or "__libc_recv" in chain),
     ("wait for events: epoll_wait (kernel)", lambda chain, leaf: "epoll_wait" in chain),
     ("park and wake threads: futex, eventfd (kernel)",
@@ -48,6 +51,7 @@ HEADINGS = [
     ("SHA-256 (fingerprint, key digest)", lambda chain, leaf: "sha2::" in leaf),
     ("fred: Redis client (encode, decode, router task)",
      lambda chain, leaf: "fred::" in chain or "redis_protocol::" in chain),
+    ("sqlx: PostgreSQL client (encode, decode, pool)", lambda chain, leaf: "sqlx_" in chain),
     ("tower-idempotency", lambda chain, leaf: "tower_idempotency" in chain),
     ("hyper and axum (HTTP)", lambda chain, leaf: "hyper::" in chain or "axum" in chain or "http::" in chain),
     ("tokio runtime (scheduling tasks)", lambda chain, leaf: "tokio::" in chain),
@@ -92,12 +96,16 @@ def read_stat(path):
     return values
 
 
-def profile_cell(tmp, redis, store, scenario):
+def profile_cell(tmp, redis, pg, store, scenario, keep=None):
     body = bench.make_body(bench.BODIES["100"])  # the benchmark's 100 B body
     script = bench.write_wrk_script(tmp, scenario, body)
     if redis is not None and store in bench.REDIS_STORES:
         redis.client.cmd("FLUSHALL")
-    server = bench.Server(tmp, store, redis if store in bench.REDIS_STORES else None)
+    on_pg = pg is not None and store in bench.PG_STORES
+    if on_pg:
+        pg.empty()
+    server = bench.Server(tmp, store, redis if store in bench.REDIS_STORES else None,
+                          pg if on_pg else None)
     conc = "c32"
     holders = []
     try:
@@ -139,6 +147,8 @@ def profile_cell(tmp, redis, store, scenario):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         bench.run_wrk(server.url, conc, DURATION, script, [keys("b"), server.host])
         record.wait()
+        if keep:
+            shutil.copy(perf_data, keep)
     finally:
         for sock in holders:
             sock.close()
@@ -175,18 +185,23 @@ def main():
     parser.add_argument("cells", nargs="*", default=["plain/plain", "memory/fresh", "redis/fresh", "redis/replay"],
                         help="store/scenario pairs (default: plain/plain memory/fresh redis/fresh redis/replay)")
     parser.add_argument("--out", help="also write the tables to this Markdown file")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="also keep each cell's perf.data in DIR (for perf report -i)")
     args = parser.parse_args()
     cells = [tuple(cell.split("/", 1)) for cell in args.cells]
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         redis = bench.RedisServer(tmp) if any(store in bench.REDIS_STORES for store, _ in cells) else None
+        pg = bench.PgServer(tmp) if any(store in bench.PG_STORES for store, _ in cells) else None
         try:
             results = []
             for store, scenario in cells:
                 print(f"profiling {store}/{scenario} ...", file=sys.stderr)
-                results.append(profile_cell(tmp, redis, store, scenario))
+                results.append(profile_cell(tmp, redis, pg, store, scenario, args.keep))
         finally:
             if redis is not None:
                 redis.stop()
+            if pg is not None:
+                pg.stop()
             bench.PROCS.stop_all()
     text = render(results)
     print(text)
