@@ -19,6 +19,8 @@ use crate::{Fingerprint, RecordKey};
 pub(crate) mod memory;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "postgres")]
+mod postgres_connections;
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]

@@ -6,9 +6,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
-use sqlx::Row;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::query::Query;
+use sqlx::{Postgres, Row};
 
+use super::postgres_connections::Connections;
 use super::{
     ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
     StoreFuture, RECORD_VERSION,
@@ -48,6 +50,10 @@ const COMPLETED: &str = "C";
 ///   an expired row is treated as absent before it is swept.
 /// - Every call is bounded by the command timeout (default 2 s), the wait for a pool connection
 ///   included; [`connect`](PostgresStore::connect) also sets the server's `statement_timeout`.
+/// - A connection taken from the pool is held for up to 100 ms, for the store's next statements,
+///   then given back: sqlx's pool would test each connection given back to it with one more round
+///   trip. A connection that reached the command timeout, or does not answer a test within it, is
+///   closed rather than given back, so a server gone silent never holds a place in the pool.
 /// - The table is created by [`migrate`](PostgresStore::migrate), or by running
 ///   `migrations/postgres.sql` yourself.
 ///
@@ -62,7 +68,7 @@ const COMPLETED: &str = "C";
 /// ```
 #[derive(Clone)]
 pub struct PostgresStore {
-    pool: PgPool,
+    connections: Connections,
     table: Arc<str>,
     sql: Arc<Sql>,
     timeout: Duration,
@@ -186,7 +192,7 @@ impl Sql {
                  DELETE FROM {table} WHERE key = $1
                  RETURNING expires_at > statement_timestamp() AS live
              )
-             SELECT coalesce(bool_or(live), false) FROM gone"
+             SELECT coalesce(bool_or(live), false) AS live FROM gone"
         );
         // SKIP LOCKED: the sweeps of several instances, and claims taking an expired row over,
         // never wait for each other. FOR UPDATE re-checks the expiry on the latest version, so a
@@ -267,12 +273,14 @@ fn valid_table_name(table: &str) -> bool {
 impl PostgresStore {
     /// A store over an existing `sqlx` pool, such as the one the application already has.
     ///
-    /// Every call takes a connection from `pool` for one statement. Two settings of the pool
-    /// matter: its `acquire_timeout` should not exceed the command timeout (the call fails at
-    /// the command timeout either way), and `test_before_acquire` (on by default in `sqlx`)
-    /// costs a round trip before every statement, which [`connect`](PostgresStore::connect)
-    /// turns off. The server's `statement_timeout` is the pool's own affair here; every call is
-    /// still bounded by the command timeout.
+    /// Every call takes a connection from `pool` for one statement, and the store holds it for
+    /// up to 100 ms after that for its next ones; a transaction of the application's own waits
+    /// at most about that long for a connection the store holds when the pool has no other.
+    /// Two settings of the pool matter: its `acquire_timeout` should not exceed the command
+    /// timeout (the call fails at the command timeout either way), and `test_before_acquire`
+    /// (on by default in `sqlx`) costs a round trip before every statement taken from the pool,
+    /// which [`connect`](PostgresStore::connect) turns off. The server's `statement_timeout` is
+    /// the pool's own affair here; every call is still bounded by the command timeout.
     ///
     /// ```no_run
     /// use tower_idempotency::PostgresStore;
@@ -287,7 +295,7 @@ impl PostgresStore {
     /// ```
     pub fn new(pool: PgPool) -> Self {
         Self {
-            pool,
+            connections: Connections::new(pool, DEFAULT_COMMAND_TIMEOUT),
             table: Arc::from(DEFAULT_TABLE),
             sql: Arc::new(Sql::new(DEFAULT_TABLE)),
             timeout: DEFAULT_COMMAND_TIMEOUT,
@@ -375,6 +383,7 @@ impl PostgresStore {
     /// ```
     pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.connections = Connections::new(self.connections.pool().clone(), timeout);
         self
     }
 
@@ -415,7 +424,7 @@ impl PostgresStore {
     /// # transaction.commit().await }
     /// ```
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        self.connections.pool()
     }
 
     /// Creates the record table and its expiry index if they do not exist (the SQL of
@@ -437,7 +446,7 @@ impl PostgresStore {
             "SELECT pg_advisory_xact_lock(7215448731906532221);\n{}",
             migration_sql(&self.table)
         );
-        let migration = sqlx::raw_sql(&sql).execute(&self.pool);
+        let migration = sqlx::raw_sql(&sql).execute(self.pool());
         // Creating a table may wait on locks: give it longer than a record's statement.
         match tokio::time::timeout(self.timeout.max(Duration::from_secs(10)), migration).await {
             Ok(result) => result.map(drop).map_err(|error| self.failed(error)),
@@ -455,7 +464,7 @@ impl PostgresStore {
     /// # let _ = deleted; Ok(()) }
     /// ```
     pub async fn sweep(&self) -> Result<u64, StoreError> {
-        sweep(&self.pool, &self.sql, self.timeout).await
+        sweep(self.pool(), &self.sql, self.timeout).await
     }
 
     /// Completes `ticket`'s claim with `payload` inside the caller's transaction, so the stored
@@ -496,46 +505,28 @@ impl PostgresStore {
         ticket: &ClaimTicket,
         payload: Bytes,
     ) -> Result<bool, StoreError> {
-        let completed = self
-            .complete_on(
-                connection,
-                ticket.key(),
-                ticket.owner(),
-                payload,
-                ticket.retention(),
-            )
-            .await?;
+        let statement = self.completion(ticket.key(), ticket.owner(), &payload, ticket.retention());
+        let row = self.bounded(statement.fetch_one(connection)).await?;
+        let completed = completed(&row)?;
         if completed {
             ticket.note_completed_elsewhere();
         }
         Ok(completed)
     }
 
-    async fn complete_on<'c, E>(
-        &self,
-        executor: E,
-        key: &RecordKey,
-        owner: &OwnerToken,
-        payload: Bytes,
+    /// The statement that completes `owner`'s claim of `key` with `payload`.
+    fn completion<'q>(
+        &'q self,
+        key: &'q RecordKey,
+        owner: &'q OwnerToken,
+        payload: &'q [u8],
         retention: Duration,
-    ) -> Result<bool, StoreError>
-    where
-        E: sqlx::PgExecutor<'c>,
-    {
-        let statement = sqlx::query(&self.sql.complete)
+    ) -> Query<'q, Postgres, PgArguments> {
+        sqlx::query(&self.sql.complete)
             .bind(&key.digest()[..])
             .bind(owner.as_str())
-            .bind(&payload[..])
-            .bind(interval(retention));
-        let row = self.bounded(statement.fetch_one(executor)).await?;
-        let completed: bool = column(&row, "completed")?;
-        let seen: Option<String> = column(&row, "seen")?;
-        Ok(match seen.as_deref() {
-            _ if completed => true,
-            Some(COMPLETED) => true,
-            Some(IN_FLIGHT) => return Err(Race.into()),
-            _ => false,
-        })
+            .bind(payload)
+            .bind(interval(retention))
     }
 
     /// Runs `call` within the command timeout; a database error becomes a store error.
@@ -546,6 +537,38 @@ impl PostgresStore {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(result) => result.map_err(|error| self.failed(error)),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Runs `statement` within the command timeout on one of the store's connections
+    /// ([`Connections`]): its one row, if any.
+    async fn fetch_optional(
+        &self,
+        statement: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Option<PgRow>, StoreError> {
+        let mut lent = self.connections.lend();
+        let fetched = tokio::time::timeout(self.timeout, async {
+            statement.fetch_optional(lent.connection().await?).await
+        })
+        .await;
+        match fetched {
+            Ok(Ok(row)) => {
+                lent.done();
+                Ok(row)
+            }
+            Ok(Err(error)) => Err(self.failed(error)), // `lent` tests its connection as it drops
+            Err(_) => {
+                lent.timed_out();
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    /// As [`fetch_optional`](Self::fetch_optional), for a statement that always answers a row.
+    async fn fetch_one(&self, statement: Query<'_, Postgres, PgArguments>) -> Result<PgRow, StoreError> {
+        match self.fetch_optional(statement).await? {
+            Some(row) => Ok(row),
+            None => Err(self.failed(sqlx::Error::RowNotFound)),
         }
     }
 
@@ -565,7 +588,7 @@ impl PostgresStore {
             return;
         };
         self.sweeper.get_or_init(|| {
-            let (pool, sql, timeout) = (self.pool.clone(), self.sql.clone(), self.timeout);
+            let (pool, sql, timeout) = (self.pool().clone(), self.sql.clone(), self.timeout);
             Sweeper(runtime.spawn(async move {
                 loop {
                     tokio::time::sleep(every).await;
@@ -593,7 +616,7 @@ impl PostgresStore {
             .bind(owner.as_str())
             .bind(&fingerprint.as_bytes()[..])
             .bind(interval(lease));
-        let row = self.bounded(statement.fetch_one(&self.pool)).await?;
+        let row = self.fetch_one(statement).await?;
         if column::<bool>(&row, "claimed")? {
             return Ok(Some(ClaimOutcome::Claimed));
         }
@@ -609,7 +632,7 @@ impl PostgresStore {
 
     async fn peek_row(&self, key: &RecordKey) -> Result<Option<Found>, StoreError> {
         let statement = sqlx::query(&self.sql.peek).bind(&key.digest()[..]);
-        match self.bounded(statement.fetch_optional(&self.pool)).await? {
+        match self.fetch_optional(statement).await? {
             Some(row) => Found::read(&row),
             None => Ok(None),
         }
@@ -627,10 +650,7 @@ impl PostgresStore {
         if let Some(lease) = lease {
             statement = statement.bind(interval(lease));
         }
-        Ok(self
-            .bounded(statement.fetch_optional(&self.pool))
-            .await?
-            .is_some())
+        Ok(self.fetch_optional(statement).await?.is_some())
     }
 }
 
@@ -643,6 +663,19 @@ impl From<Race> for StoreError {
     fn from(race: Race) -> Self {
         StoreError::Unavailable(Box::new(race))
     }
+}
+
+/// Whether a completion's row says the claim is completed: by this statement, or already by
+/// the same owner (a completion sent twice, or one committed in the handler's transaction).
+fn completed(row: &PgRow) -> Result<bool, StoreError> {
+    let completed: bool = column(row, "completed")?;
+    let seen: Option<String> = column(row, "seen")?;
+    Ok(match seen.as_deref() {
+        _ if completed => true,
+        Some(COMPLETED) => true,
+        Some(IN_FLIGHT) => return Err(Race.into()),
+        _ => false,
+    })
 }
 
 fn is_race(error: &StoreError) -> bool {
@@ -851,10 +884,8 @@ impl Store for PostgresStore {
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
             for _ in 0..RACE_ATTEMPTS {
-                match self
-                    .complete_on(&self.pool, key, owner, payload.clone(), retention)
-                    .await
-                {
+                let statement = self.completion(key, owner, &payload, retention);
+                match self.fetch_one(statement).await.and_then(|row| completed(&row)) {
                     Err(error) if is_race(&error) => {
                         tracing::debug!(
                             ?key,
@@ -904,8 +935,8 @@ impl Store for PostgresStore {
 
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let statement = sqlx::query_scalar::<_, bool>(&self.sql.purge).bind(&key.digest()[..]);
-            self.bounded(statement.fetch_one(&self.pool)).await
+            let statement = sqlx::query(&self.sql.purge).bind(&key.digest()[..]);
+            column(&self.fetch_one(statement).await?, "live")
         })
     }
 
@@ -919,7 +950,7 @@ impl Store for PostgresStore {
                 let statement = sqlx::query(&self.sql.in_flight_page)
                     .bind(&after[..])
                     .bind(LISTING_PAGE);
-                let rows = self.bounded(statement.fetch_all(&self.pool)).await?;
+                let rows = self.bounded(statement.fetch_all(self.pool())).await?;
                 let Some(last) = rows.last() else {
                     break;
                 };

@@ -1,5 +1,6 @@
-//! A TCP fault proxy between a client and Redis: pass traffic through, add latency, drop every
-//! connection, or black-hole (accept and forward nothing).
+//! A TCP fault proxy between a client and a server (Redis, PostgreSQL): pass traffic through,
+//! add latency, drop every connection, or black-hole (accept and forward nothing) all of them or
+//! only those open now. It counts what the client sends.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -30,7 +31,17 @@ pub struct FaultProxy {
     fault: Arc<AtomicU8>,
     latency_ms: Arc<AtomicU64>,
     epoch: watch::Sender<u64>,
+    counts: Arc<Counts>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// Connections accepted, and reads from the clients forwarded to the server.
+#[derive(Default)]
+struct Counts {
+    connections: AtomicU64,
+    /// Connections numbered below this are black-holed for good.
+    black_holed_below: AtomicU64,
+    client_reads: AtomicU64,
 }
 
 impl FaultProxy {
@@ -41,14 +52,22 @@ impl FaultProxy {
         let latency_ms = Arc::new(AtomicU64::new(0));
         let (epoch, _) = watch::channel(0);
         let upstream = Arc::new(Mutex::new(upstream));
+        let counts = Arc::new(Counts::default());
         let task = {
             let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.clone());
-            let upstream = upstream.clone();
+            let (upstream, counts) = (upstream.clone(), counts.clone());
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
                     let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.subscribe());
                     let upstream = *upstream.lock().unwrap();
-                    tokio::spawn(serve(client, upstream, fault, latency_ms, epoch));
+                    let number = counts.connections.fetch_add(1, Ordering::SeqCst);
+                    let faults = Faults {
+                        fault,
+                        latency_ms,
+                        counts: counts.clone(),
+                        number,
+                    };
+                    tokio::spawn(serve(client, upstream, faults, epoch));
                 }
             })
         };
@@ -58,8 +77,26 @@ impl FaultProxy {
             fault,
             latency_ms,
             epoch,
+            counts,
             task,
         }
+    }
+
+    /// Black-holes the connections open now, for good; new ones pass (as set by [`set`]).
+    pub fn black_hole_open_connections(&self) {
+        let open = self.counts.connections.load(Ordering::SeqCst);
+        self.counts.black_holed_below.store(open, Ordering::SeqCst);
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.counts.connections.load(Ordering::SeqCst)
+    }
+
+    /// Reads from the clients forwarded so far: one per message a client sends and then
+    /// waits on, as a client does when it waits for each answer.
+    pub fn client_reads(&self) -> u64 {
+        self.counts.client_reads.load(Ordering::SeqCst)
     }
 
     pub fn url(&self) -> String {
@@ -108,14 +145,18 @@ fn current(fault: &AtomicU8) -> Fault {
     }
 }
 
-async fn serve(
-    client: TcpStream,
-    upstream: SocketAddr,
+/// What one connection's forwarding checks.
+#[derive(Clone)]
+struct Faults {
     fault: Arc<AtomicU8>,
     latency_ms: Arc<AtomicU64>,
-    mut epoch: watch::Receiver<u64>,
-) {
-    if current(&fault) == Fault::Drop {
+    counts: Arc<Counts>,
+    /// This connection's number.
+    number: u64,
+}
+
+async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoch: watch::Receiver<u64>) {
+    if current(&faults.fault) == Fault::Drop {
         return;
     }
     let Ok(server) = TcpStream::connect(upstream).await else {
@@ -125,7 +166,7 @@ async fn serve(
     let (mut server_read, mut server_write) = server.into_split();
     epoch.mark_unchanged();
     let up = {
-        let (fault, latency_ms) = (fault.clone(), latency_ms.clone());
+        let faults = faults.clone();
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
             loop {
@@ -133,7 +174,8 @@ async fn serve(
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
-                pause(&fault, &latency_ms).await;
+                faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
+                pause(&faults).await;
                 if server_write.write_all(&buffer[..n]).await.is_err() {
                     return;
                 }
@@ -141,7 +183,7 @@ async fn serve(
         }
     };
     let down = {
-        let fault = fault.clone();
+        let faults = faults.clone();
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
             loop {
@@ -150,13 +192,14 @@ async fn serve(
                     Ok(n) => n,
                 };
                 let once = Fault::DropNextReply as u8;
-                if fault
+                if faults
+                    .fault
                     .compare_exchange(once, Fault::None as u8, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
                 {
                     return;
                 }
-                pause(&fault, &latency_ms).await;
+                pause(&faults).await;
                 if client_write.write_all(&buffer[..n]).await.is_err() {
                     return;
                 }
@@ -170,13 +213,15 @@ async fn serve(
     }
 }
 
-/// Waits out the latency, and for as long as the proxy black-holes traffic.
-async fn pause(fault: &AtomicU8, latency_ms: &AtomicU64) {
-    let latency = latency_ms.load(Ordering::SeqCst);
+/// Waits out the latency, and for as long as the proxy black-holes this connection's traffic.
+async fn pause(faults: &Faults) {
+    let latency = faults.latency_ms.load(Ordering::SeqCst);
     if latency > 0 {
         tokio::time::sleep(Duration::from_millis(latency)).await;
     }
-    while current(fault) == Fault::BlackHole {
+    while current(&faults.fault) == Fault::BlackHole
+        || faults.number < faults.counts.black_holed_below.load(Ordering::SeqCst)
+    {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
