@@ -15,7 +15,10 @@ use common::{admin, client, command_calls, RedisServer};
 use fred::clients::Client;
 use fred::interfaces::KeysInterface;
 use http::StatusCode;
-use tower_idempotency::{IdempotencyLayer, RecordKey, RecordState, RedisStore, Rejection, ReplicaAcks};
+use tower_idempotency::{
+    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, OwnerToken, RecordKey, RecordState,
+    RedisStore, Rejection, ReplicaAcks, Store,
+};
 
 const WAIT_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -111,6 +114,11 @@ async fn claims_and_completions_wait_for_the_replica_and_replays_do_not() {
     );
     let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
     let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    // The first completion on a server loads the script, its WAIT then going behind the load.
+    assert_eq!(
+        send(&app, payment("warm-up", "{}")).await.status,
+        StatusCode::CREATED
+    );
 
     let waits_before = command_calls(&master, "wait").await;
     let first = send(&app, payment("durable", "{}")).await;
@@ -126,12 +134,56 @@ async fn claims_and_completions_wait_for_the_replica_and_replays_do_not() {
     let replay = send(&app, payment("durable", "{}")).await;
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
-    assert_eq!(runs.get(), 1);
+    assert_eq!(runs.get(), 2);
     assert_eq!(
         command_calls(&master, "wait").await - waits_before,
         2,
         "a replay does not wait"
     );
+}
+
+/// The completion's WAIT goes right behind its script, without waiting for the script's answer:
+/// one round trip where it took two. (The claim's cannot: a claim that finds a record writes
+/// nothing, and a WAIT behind it would hold a replay while the replicas lag.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_and_its_wait_are_one_round_trip() {
+    let pair = Pair::start().await;
+    let replica = client(&pair.replica.url()).await;
+    let proxy = FaultProxy::start(pair.master.addr()).await;
+    let acks = ReplicaAcks::new(1).timeout(Duration::from_secs(1));
+    let store = durable_store(&proxy.url(), acks).await;
+    // Claims `key`, then completes it with answers reaching the store 50 ms after Redis sends
+    // them (a command sent only once the one before it is answered takes a turn more): the
+    // round trips the completion took.
+    let complete = |key: &str| {
+        let (store, key) = (
+            store.clone(),
+            RecordKey::new(None, IdempotencyKey::parse(key).unwrap()),
+        );
+        let proxy = &proxy;
+        async move {
+            let owner = OwnerToken::generate();
+            let fingerprint = Fingerprint::new([b"{}".as_slice()]);
+            let claimed = store.claim(&key, &fingerprint, &owner, Duration::from_secs(30));
+            assert_eq!(claimed.await.unwrap(), ClaimOutcome::Claimed);
+            proxy.set_latency(Duration::from_millis(50));
+            let before = proxy.turns();
+            let payload = Bytes::from_static(b"done");
+            let completed = store.complete(&key, &owner, payload, Duration::from_secs(60));
+            assert!(completed.await.unwrap(), "completed");
+            let turns = proxy.turns() - before;
+            proxy.set_latency(Duration::ZERO);
+            turns
+        }
+    };
+    // The first completion on this server loads the script (EVALSHA, then EVAL and a WAIT).
+    complete("warm-up").await;
+    assert_eq!(
+        complete("one-trip").await,
+        1,
+        "the completion and its WAIT in one round trip"
+    );
+    assert_eq!(state_on(&replica, &store, "one-trip").await, Some(b'C'));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@ use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
 use super::redis_coalesce::{Coalescer, Command, ScriptCall, ScriptText};
 use super::redis_notices::{settled_channel, Notices};
-use super::replica_acks::{keep_completing, Completion, GaveUp, ReplicaAcks, Waiter};
+use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
 use super::{
     ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
@@ -789,14 +789,67 @@ impl RedisStore {
     ) -> Result<Completion, StoreError> {
         self.after_failover().await;
         let client = waiter.acquire().await;
-        if !as_flag("complete", self.run_on(&client, &COMPLETE, key, args).await?)? {
+        let (completed, acked) = self.complete_then_wait(waiter, &client, key, args).await?;
+        if !as_flag("complete", completed)? {
             return Ok(Completion::Lost);
         }
-        Ok(match waiter.wait(&client, &self.redis_key(key)).await {
+        Ok(match acked {
             Ok(acked) if acked.enough() => Completion::Durable,
             Ok(acked) => Completion::NotAcknowledged(acked.into_error()),
             Err(error) => Completion::NotAcknowledged(error),
         })
+    }
+
+    /// The completion script and the WAIT behind it, in one round trip: fred's pipeline writes
+    /// them in that order on `client`'s connection without waiting for the script's answer, so
+    /// the WAIT counts the completion's writes. (The claim cannot do the same: a claim that
+    /// finds a record writes nothing, and a WAIT behind it would hold a replay while the
+    /// replicas lag.) The pipeline is bounded by its first command's timeout, set to the wait's.
+    /// Answers the script's answer, and what the WAIT said.
+    async fn complete_then_wait(
+        &self,
+        waiter: &Waiter,
+        client: &Client,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
+        let redis_key = self.redis_key(key);
+        let script = ScriptCall::new(
+            ScriptText::Sha1(COMPLETE.sha1),
+            Value::from(redis_key.clone()),
+            args,
+            false,
+        );
+        let (script, script_args) = script.into_parts();
+        let (wait, wait_args) = waiter.wait_command(&redis_key);
+        let pipeline = client.pipeline();
+        // Queued in memory: these answer at once.
+        let queued: Result<(), _> = (pipeline.with_options(waiter.wait_options()))
+            .custom(script, script_args)
+            .await;
+        queued.map_err(|e| self.failed(e))?;
+        let queued: Result<(), _> = pipeline.custom(wait, wait_args).await;
+        queued.map_err(|e| self.failed(e))?;
+        let mut answers = pipeline.try_all::<Value>().await.into_iter();
+        let (completed, waited) = match (answers.next(), answers.next()) {
+            (Some(completed), Some(waited)) => (completed, waited),
+            (Some(Err(error)), None) => return Err(self.failed(error)),
+            _ => return Err(StoreError::Corrupt("unexpected answer to the completion".into())),
+        };
+        match completed {
+            Err(error) if error.details().starts_with("NOSCRIPT") => {
+                // The server lost its scripts (a failover, a flush): load it, then wait.
+                let completed = self.run_on(client, &COMPLETE, key, args).await?;
+                Ok((completed, waiter.wait(client, &redis_key).await))
+            }
+            Err(error) => Err(self.failed(error)),
+            Ok(completed) => {
+                let acked = waited
+                    .map_err(unavailable)
+                    .and_then(|answer| waiter.acked(answer));
+                Ok((completed, acked))
+            }
+        }
     }
 }
 

@@ -82,6 +82,11 @@ impl ScriptCall {
         }
     }
 
+    /// The command and its arguments, to send on a connection's own (in a pipeline).
+    pub(crate) fn into_parts(self) -> (CustomCommand, Vec<Value>) {
+        (self.command(), self.args)
+    }
+
     /// The command, routed to the slot of its first key (argument 2), not to that of the SHA-1
     /// or source (the first argument, which fred would hash by default). fred hashes only when
     /// it routes, so a standalone server pays nothing for it.

@@ -223,6 +223,21 @@ impl Waiter {
     /// (and, with `fsync`, until they and the master have it on disk), or the timeout passes.
     /// Answers whether that happened, and how many replicas acknowledged.
     pub(super) async fn wait(&self, client: &Client, redis_key: &str) -> Result<Acked, StoreError> {
+        let (command, args) = self.wait_command(redis_key);
+        let answer = (client.with_options(&self.wait_options))
+            .custom::<Value, Value>(command, args)
+            .await
+            .map_err(super::redis::unavailable)?;
+        self.acked(answer)
+    }
+
+    /// The options of a call that ends with a wait: the command timeout plus the wait's.
+    pub(super) fn wait_options(&self) -> &Options {
+        &self.wait_options
+    }
+
+    /// The `WAIT` (or `WAITAOF`) for the writes to the node holding `redis_key`.
+    pub(super) fn wait_command(&self, redis_key: &str) -> (CustomCommand, Vec<Value>) {
         // On a Cluster, to the node of the record's slot: the node the write went to. A standalone
         // or Sentinel client ignores the slot.
         let slot = fred::util::redis_keyslot(redis_key.as_bytes());
@@ -233,11 +248,15 @@ impl Waiter {
         } else {
             ("WAIT", vec![replicas, Value::from(timeout_ms)])
         };
-        let command = CustomCommand::new_static(name, ClusterHash::Custom(slot), false);
-        let answer = (client.with_options(&self.wait_options))
-            .custom::<Value, Value>(command, args)
-            .await
-            .map_err(super::redis::unavailable)?;
+        (
+            CustomCommand::new_static(name, ClusterHash::Custom(slot), false),
+            args,
+        )
+    }
+
+    /// What the answer to [`wait_command`](Waiter::wait_command) says.
+    pub(super) fn acked(&self, answer: Value) -> Result<Acked, StoreError> {
+        let name = if self.acks.fsync { "WAITAOF" } else { "WAIT" };
         let count = |value: &Value| value.as_i64().and_then(|n| u32::try_from(n).ok());
         // `WAIT` answers the replicas' count; `WAITAOF` the master's (0 or 1) and the replicas'.
         let counts = match &answer {

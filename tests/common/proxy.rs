@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,6 +42,9 @@ struct Counts {
     /// Connections numbered below this are black-holed for good.
     black_holed_below: AtomicU64,
     client_reads: AtomicU64,
+    /// Reads from a client that came after an answer was delivered to it (or first on its
+    /// connection): the round trips the clients waited for.
+    turns: AtomicU64,
 }
 
 impl FaultProxy {
@@ -97,6 +100,14 @@ impl FaultProxy {
     /// waits on, as a client does when it waits for each answer.
     pub fn client_reads(&self) -> u64 {
         self.counts.client_reads.load(Ordering::SeqCst)
+    }
+
+    /// Round trips so far, over all connections: reads from a client that came after the proxy
+    /// delivered an answer on that connection. Commands a client sends behind one another
+    /// without waiting count once, provided the answers are late enough (set a latency) not to
+    /// reach it before it has sent them all.
+    pub fn turns(&self) -> u64 {
+        self.counts.turns.load(Ordering::SeqCst)
     }
 
     pub fn url(&self) -> String {
@@ -165,8 +176,10 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     epoch.mark_unchanged();
+    // An answer was delivered since the client last sent something (or it has sent nothing).
+    let answered = Arc::new(AtomicBool::new(true));
     let up = {
-        let faults = faults.clone();
+        let (faults, answered) = (faults.clone(), answered.clone());
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
             loop {
@@ -175,6 +188,9 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     Ok(n) => n,
                 };
                 faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
+                if answered.swap(false, Ordering::SeqCst) {
+                    faults.counts.turns.fetch_add(1, Ordering::SeqCst);
+                }
                 pause(&faults).await;
                 if server_write.write_all(&buffer[..n]).await.is_err() {
                     return;
@@ -203,6 +219,7 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                 if client_write.write_all(&buffer[..n]).await.is_err() {
                     return;
                 }
+                answered.store(true, Ordering::SeqCst);
             }
         }
     };
