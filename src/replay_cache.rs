@@ -6,6 +6,13 @@
 //! and (3) a copy is never served while purges may be missed. The store that owns the cache keeps
 //! (2) and (3) with an invalidation feed: it calls [`ReplayCache::invalidate`] for each purge it
 //! hears of, and [`ReplayCache::set_live`] when the feed is lost or back.
+//!
+//! A feed can also die without a word (a connection frozen by the network), and nobody calls
+//! `set_live(false)` until that is noticed. So the feed's owner also reports its pulse
+//! ([`ReplayCache::heard`]): the time it sent a probe that the feed answered, before which every
+//! purge has been delivered. With a [pulse bound](ReplayCache::with_pulse_bound) a copy is served
+//! only while the latest pulse is that recent: a purge reaches every copy within the bound, whether
+//! or not the feed's death has been noticed yet.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,6 +41,12 @@ pub(crate) struct ReplayCache {
     epoch: AtomicU64,
     /// Whether the invalidation feed is listening: copies are served and added only then.
     live: AtomicBool,
+    /// Copies are served only while the latest pulse is at most this old.
+    pulse_bound: Option<Duration>,
+    /// When the cache was made: the origin of `pulse`.
+    created: Instant,
+    /// The latest pulse, in milliseconds after `created`.
+    pulse: AtomicU64,
 }
 
 #[derive(Default)]
@@ -67,7 +80,33 @@ impl ReplayCache {
             entries: Mutex::new(Entries::default()),
             epoch: AtomicU64::new(0),
             live: AtomicBool::new(false),
+            pulse_bound: None,
+            created: Instant::now(),
+            pulse: AtomicU64::new(0),
         }
+    }
+
+    /// Serves copies only while the feed's latest [pulse](ReplayCache::heard) is at most `bound`
+    /// old (default: no bound). Counted from the cache's making until the first pulse.
+    pub(crate) fn with_pulse_bound(mut self, bound: Duration) -> Self {
+        self.pulse_bound = Some(bound);
+        self
+    }
+
+    /// The feed answered a probe sent at `sent`: every purge published before then was delivered.
+    pub(crate) fn heard(&self, sent: Instant) {
+        let millis =
+            u64::try_from(sent.saturating_duration_since(self.created).as_millis()).unwrap_or(u64::MAX);
+        self.pulse.fetch_max(millis, Ordering::AcqRel);
+    }
+
+    /// Whether the feed's latest pulse is recent enough, `now`, to serve copies.
+    fn pulse_is_recent(&self, now: Instant) -> bool {
+        let Some(bound) = self.pulse_bound else {
+            return true;
+        };
+        let pulse = self.created + Duration::from_millis(self.pulse.load(Ordering::Acquire));
+        now.saturating_duration_since(pulse) <= bound
     }
 
     fn lock(&self) -> MutexGuard<'_, Entries> {
@@ -82,9 +121,13 @@ impl ReplayCache {
         if !self.live.load(Ordering::Acquire) {
             return None;
         }
+        let now = Instant::now();
+        if !self.pulse_is_recent(now) {
+            return None;
+        }
         let mut entries = self.lock();
         let entry = entries.by_digest.get(digest)?;
-        if entry.expires_at <= Instant::now() {
+        if entry.expires_at <= now {
             entries.remove(digest);
             return None;
         }
@@ -217,6 +260,30 @@ mod tests {
         // Larger than the whole cache: not kept.
         keep(&cache, 9, Bytes::from(vec![9; 1000]), Duration::from_secs(60));
         assert!(cache.get(&digest(9)).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn copies_are_served_only_while_the_feed_has_a_recent_pulse() {
+        let cache = ReplayCache::new(1 << 20).with_pulse_bound(Duration::from_secs(2));
+        cache.set_live(true);
+        keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_secs(60));
+        assert!(
+            cache.get(&digest(1)).is_some(),
+            "within the bound of the cache's making"
+        );
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        cache.heard(Instant::now());
+        tokio::time::advance(Duration::from_millis(1900)).await;
+        assert!(cache.get(&digest(1)).is_some(), "1.9 s after the latest pulse");
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert!(
+            cache.get(&digest(1)).is_none(),
+            "2.1 s after it: purges may be unheard"
+        );
+        cache.heard(Instant::now() - Duration::from_secs(10)); // an older pulse changes nothing
+        assert!(cache.get(&digest(1)).is_none());
+        cache.heard(Instant::now());
+        assert!(cache.get(&digest(1)).is_some(), "heard again");
     }
 
     #[tokio::test(start_paused = true)]

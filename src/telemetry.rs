@@ -192,6 +192,71 @@ pub(crate) fn running_ended() {
     metrics::gauge!("idempotency_running").decrement(1.0);
 }
 
+/// One of the connections a store keeps besides its requests' claims: the `connection` label of
+/// `idempotency_connection_events_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Connection {
+    /// The connection (or pool) the store's commands go over.
+    Commands,
+    /// The durability option's connections (`ReplicaAcks`).
+    ReplicaAcks,
+    /// The replay cache's purge feed.
+    ReplayCache,
+    /// The subscriber that wakes waiting requests.
+    Notices,
+    /// The Sentinel failover watch's subscriptions.
+    Sentinels,
+}
+
+impl Connection {
+    /// The label value.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Connection::Commands => "commands",
+            Connection::ReplicaAcks => "replica_acks",
+            Connection::ReplayCache => "replay_cache",
+            Connection::Notices => "notices",
+            Connection::Sentinels => "sentinels",
+        }
+    }
+}
+
+/// A change of a connection's or a feed's state: the `event` label of
+/// `idempotency_connection_events_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ConnectionEvent {
+    /// A heartbeat went unanswered: the connection is taken for dead and replaced.
+    Silent,
+    /// A connection that went silent answers again.
+    Restored,
+    /// What the connection feeds stopped: the replay cache serves nothing, the Sentinel watch
+    /// hears no failover (claims are refused).
+    FeedLost,
+    /// The feed is back (the replay cache starts empty).
+    FeedBack,
+}
+
+impl ConnectionEvent {
+    /// The label value.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            ConnectionEvent::Silent => "silent",
+            ConnectionEvent::Restored => "restored",
+            ConnectionEvent::FeedLost => "feed_lost",
+            ConnectionEvent::FeedBack => "feed_back",
+        }
+    }
+}
+
+/// Counts a change of a connection's state (`idempotency_connection_events_total`).
+#[inline]
+pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
+    #[cfg(feature = "metrics")]
+    recorded::connection_event(connection, event);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (connection, event);
+}
+
 /// Times one store call, if anyone will read the time.
 pub(crate) struct StoreTimer {
     op: StoreOp,
@@ -289,7 +354,7 @@ mod recorded {
 
     use metrics::{counter, histogram};
 
-    use super::{Outcome, StoreOp};
+    use super::{Connection, ConnectionEvent, Outcome, StoreOp};
     use crate::reconciliation::ReconciliationKind;
     use crate::Rejection;
 
@@ -356,6 +421,30 @@ mod recorded {
             ReconciliationKind::ClaimLost => "claim_lost",
             ReconciliationKind::ReplicationAbandoned { .. } => "replication_abandoned",
             ReconciliationKind::LostBeforeReplicated => "lost_before_replicated",
+        );
+    }
+
+    pub(super) fn connection_event(connection: Connection, event: ConnectionEvent) {
+        const NAME: &str = "idempotency_connection_events_total";
+        macro_rules! count {
+            ($($connection:ident => $label:literal),* $(,)?) => {
+                match connection {
+                    $(Connection::$connection => match event {
+                        ConnectionEvent::Silent => counter!(NAME, "connection" => $label, "event" => "silent"),
+                        ConnectionEvent::Restored => counter!(NAME, "connection" => $label, "event" => "restored"),
+                        ConnectionEvent::FeedLost => counter!(NAME, "connection" => $label, "event" => "feed_lost"),
+                        ConnectionEvent::FeedBack => counter!(NAME, "connection" => $label, "event" => "feed_back"),
+                    }
+                    .increment(1),)*
+                }
+            };
+        }
+        count!(
+            Commands => "commands",
+            ReplicaAcks => "replica_acks",
+            ReplayCache => "replay_cache",
+            Notices => "notices",
+            Sentinels => "sentinels",
         );
     }
 
@@ -487,6 +576,48 @@ mod tests {
                     && key.key().labels().any(|l| l.key() == "kind" && l.value() == name)
             });
             assert!(found, "{rejection:?}");
+        }
+    }
+
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn connection_events_are_counted_with_their_labels() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let connections = [
+            Connection::Commands,
+            Connection::ReplicaAcks,
+            Connection::ReplayCache,
+            Connection::Notices,
+            Connection::Sentinels,
+        ];
+        let events = [
+            ConnectionEvent::Silent,
+            ConnectionEvent::Restored,
+            ConnectionEvent::FeedLost,
+            ConnectionEvent::FeedBack,
+        ];
+        metrics::with_local_recorder(&recorder, || {
+            for connection in connections {
+                for event in events {
+                    connection_event(connection, event);
+                }
+            }
+        });
+        let snapshot = snapshotter.snapshot().into_hashmap();
+        for connection in connections {
+            for event in events {
+                let found = snapshot.iter().any(|(key, (_, _, value))| {
+                    let labels: Vec<_> = key.key().labels().map(|l| (l.key(), l.value())).collect();
+                    key.key().name() == "idempotency_connection_events_total"
+                        && labels.contains(&("connection", connection.as_str()))
+                        && labels.contains(&("event", event.as_str()))
+                        && *value == DebugValue::Counter(1)
+                });
+                assert!(found, "{connection:?} {event:?}");
+            }
         }
     }
 }

@@ -26,6 +26,8 @@ pub(crate) mod redis;
 #[cfg(feature = "redis")]
 mod redis_coalesce;
 #[cfg(feature = "redis")]
+mod redis_liveness;
+#[cfg(feature = "redis")]
 mod redis_notices;
 #[cfg(feature = "redis")]
 pub(crate) mod replica_acks;
@@ -572,7 +574,9 @@ impl StoreError {
         match self {
             StoreError::NotReplicated { .. } | StoreError::NotFsynced => true,
             #[cfg(feature = "redis")]
-            StoreError::Unavailable(source) => source.is::<sentinel_watch::FailingOver>(),
+            StoreError::Unavailable(source) => {
+                source.is::<sentinel_watch::FailingOver>() || source.is::<sentinel_watch::SentinelsUnheard>()
+            }
             _ => false,
         }
     }

@@ -1,16 +1,17 @@
 //! The shared store: Redis (standalone, with replicas, or Cluster) through `fred`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use fred::clients::{Client, Pool};
 use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
-use fred::types::config::{Config, Options, ReconnectPolicy};
+use fred::types::config::{Config, ConnectionConfig, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
 use super::redis_coalesce::{Coalescer, Command, ScriptCall, ScriptText};
+use super::redis_liveness::{self, Heartbeat, Watched};
 use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
@@ -20,6 +21,7 @@ use super::{
 };
 use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
+use crate::telemetry::{self, Connection as Role, ConnectionEvent};
 use crate::{Fingerprint, RecordKey};
 
 const DEFAULT_PREFIX: &str = "idempotency";
@@ -113,12 +115,16 @@ pub struct RedisStore {
     /// Sends the claims, completions and other record commands, coalescing concurrent ones
     /// into one write (see `redis_coalesce`).
     coalescer: Arc<Coalescer>,
+    /// Pings the command connection(s), replacing one that goes silent (see `redis_liveness`);
+    /// started with the store inside a runtime, else with its first claim.
+    heartbeat: Arc<OnceLock<Heartbeat>>,
 }
 
 /// The task that feeds a replay cache its invalidations, and its subscriber connection; both
 /// stopped with the last store clone.
 struct Listener {
     task: tokio::task::JoinHandle<()>,
+    _heartbeat: Heartbeat,
     _subscriber: Quit,
 }
 
@@ -255,7 +261,7 @@ impl RedisStore {
     }
 
     fn with_connection(connection: Connection) -> Self {
-        Self {
+        let store = Self {
             connection,
             prefix: Arc::from(DEFAULT_PREFIX),
             options: Options {
@@ -270,7 +276,46 @@ impl RedisStore {
             acks: None,
             notices: Arc::default(),
             coalescer: Arc::default(),
+            heartbeat: Arc::default(),
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            store.keep_alive();
         }
+        store
+    }
+
+    /// Starts the command connection's heartbeat, once (an atomic load after that).
+    fn keep_alive(&self) {
+        self.heartbeat.get_or_init(|| {
+            let clients = self.connection.clients().to_vec();
+            Heartbeat::start(Role::Commands, Watched::Shared(clients))
+        });
+    }
+
+    /// Sets TCP keepalive and, on Linux, `TCP_USER_TIMEOUT` on a fred connection config: what
+    /// [`connect`](Self::connect) sets on every connection it opens, for a client you build
+    /// yourself and hand to [`new`](Self::new) or [`from_pool`](Self::from_pool).
+    ///
+    /// The store pings every connection it uses once a second, yours included, and replaces one
+    /// that answers no ping within 2 s; that needs nothing from you. These socket options are a
+    /// second line the kernel keeps (a socket whose data goes unacknowledged for 10 s is closed;
+    /// an idle one is probed after 10 s), and they can only be set when the client is built.
+    ///
+    /// ```no_run
+    /// use fred::prelude::*;
+    /// use tower_idempotency::RedisStore;
+    ///
+    /// # async fn run() -> Result<(), fred::error::Error> {
+    /// let client = Builder::from_config(Config::from_url("redis://127.0.0.1:6379")?)
+    ///     .with_connection_config(RedisStore::configure_liveness)
+    ///     .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+    ///     .build()?;
+    /// client.init().await?;
+    /// let store = RedisStore::new(client);
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn configure_liveness(connection: &mut ConnectionConfig) {
+        redis_liveness::configure(connection);
     }
 
     /// Maps a failed command to a store error. A failure may mean the connection is gone for
@@ -329,12 +374,15 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub async fn with_replay_cache(mut self, max_bytes: usize) -> Result<Self, StoreError> {
-        let cache = Arc::new(ReplayCache::new(max_bytes));
+        // A copy is served only while the feed answered a ping sent in the last
+        // HEARTBEAT_TIMEOUT: a purge reaches it within that even if the feed's connection died
+        // without a word and nobody has noticed yet.
+        let cache = Arc::new(ReplayCache::new(max_bytes).with_pulse_bound(redis_liveness::HEARTBEAT_TIMEOUT));
         // A connection of its own, with the client's settings; one that reconnects even when the
         // client was built without a reconnect policy (fred's default).
         let base = self.connection.client();
         let subscriber = Builder::from_config(base.client_config())
-            .set_connection_config(base.connection_config().clone())
+            .set_connection_config(redis_liveness::connection_config(base))
             .set_performance_config(base.perf_config())
             .set_policy(
                 base.client_reconnect_policy()
@@ -346,10 +394,30 @@ impl RedisStore {
         let channel = self.purge_channel();
         subscriber.subscribe(channel.clone()).await.map_err(unavailable)?;
         cache.set_live(true);
-        let task = tokio::spawn(listen_for_purges(subscriber.clone(), channel, cache.clone()));
+        let pulse: redis_liveness::OnAnswer = {
+            let cache = cache.clone();
+            Arc::new(move |sent| cache.heard(sent))
+        };
+        let heartbeat = Heartbeat::start_with(
+            Role::ReplayCache,
+            Watched::Shared(vec![subscriber.clone()]),
+            Some(pulse),
+        );
+        let feed = PurgeFeed {
+            subscriber: subscriber.clone(),
+            channel,
+            cache: cache.clone(),
+            silences: heartbeat.silences(),
+        };
+        let task = tokio::spawn(feed.listen());
+        if let Some(watch) = &self.switch_watch {
+            // A purge is published on the master; after a switch the old one may be gone.
+            watch.also_reconnect(vec![subscriber.clone()]);
+        }
         self.cache = Some(cache);
         self._listener = Some(Arc::new(Listener {
             task,
+            _heartbeat: heartbeat,
             _subscriber: Quit(subscriber),
         }));
         Ok(self)
@@ -400,6 +468,7 @@ impl RedisStore {
                 connection.connection_timeout = Duration::from_secs(2);
                 connection.internal_command_timeout = Duration::from_secs(2);
                 connection.max_command_attempts = 3;
+                redis_liveness::configure(connection);
             })
             .with_performance_config(|performance| {
                 performance.default_command_timeout = DEFAULT_COMMAND_TIMEOUT;
@@ -429,7 +498,10 @@ impl RedisStore {
     /// # Panics
     ///
     /// If `prefix` contains `{` or `}`: Redis Cluster hashes a key by its first `{…}`, so such a
-    /// prefix would put every record in one slot.
+    /// prefix would put every record in one slot. And if the store (or the store it was cloned
+    /// from) already has a [replay cache](Self::with_replay_cache): the cache holds the records of
+    /// one prefix and listens for the purges of that prefix alone, so a store with another prefix
+    /// must not share it (it could replay or refuse with another namespace's record).
     ///
     /// ```no_run
     /// # use tower_idempotency::RedisStore;
@@ -443,6 +515,11 @@ impl RedisStore {
             !prefix.contains(['{', '}']),
             "RedisStore::with_prefix: the prefix {prefix:?} contains a brace; Redis Cluster would \
              hash every record by the braces in the prefix, putting all of them in one slot"
+        );
+        assert!(
+            self.cache.is_none(),
+            "RedisStore::with_prefix after with_replay_cache: the cache and its purge channel belong \
+             to the prefix they were made with; call with_prefix first"
         );
         self.prefix = Arc::from(prefix);
         self
@@ -538,6 +615,9 @@ impl RedisStore {
             Some(fence) if fence.is_raised() => {
                 Err(StoreError::Unavailable(Box::new(sentinel_watch::FailingOver)))
             }
+            Some(fence) if fence.is_blind() => Err(StoreError::Unavailable(Box::new(
+                sentinel_watch::SentinelsUnheard,
+            ))),
             _ => Ok(()),
         }
     }
@@ -1113,43 +1193,92 @@ mod record {
     }
 }
 
-/// Feeds `cache` the purges published on `channel`. While the subscriber's connection is down
-/// the cache serves nothing; once it is back (and subscribed again) the cache starts empty.
-async fn listen_for_purges(subscriber: Client, channel: String, cache: Arc<ReplayCache>) {
-    use tokio::sync::broadcast::error::RecvError;
+/// A replay cache's invalidation feed: the purges published on `channel`, heard over
+/// `subscriber`, a connection of the cache's own.
+struct PurgeFeed {
+    subscriber: Client,
+    channel: String,
+    cache: Arc<ReplayCache>,
+    /// Changes each time the heartbeat finds the subscriber silent.
+    silences: tokio::sync::watch::Receiver<u64>,
+}
 
-    let mut messages = subscriber.message_rx();
-    let mut errors = subscriber.error_rx();
-    let mut reconnects = subscriber.reconnect_rx();
-    loop {
-        tokio::select! {
-            message = messages.recv() => match message {
-                Ok(message) if *message.channel == *channel => {
-                    let digest = message.value.as_bytes().and_then(digest_from_hex);
-                    match digest {
-                        Some(digest) => cache.invalidate(&digest),
-                        None => tracing::warn!(?message.value, "unreadable message on the purge channel; ignored"),
+impl PurgeFeed {
+    /// Feeds the cache the purges. Whenever the feed may have missed one (the connection failed,
+    /// went silent, or came back) the cache goes dark, serving nothing, until the subscription is
+    /// confirmed on a live connection; it then starts empty.
+    async fn listen(mut self) {
+        use tokio::sync::broadcast::error::RecvError;
+
+        let mut messages = self.subscriber.message_rx();
+        let mut errors = self.subscriber.error_rx();
+        let mut reconnects = self.subscriber.reconnect_rx();
+        let mut live = true;
+        loop {
+            let resubscribe = tokio::select! {
+                message = messages.recv() => match message {
+                    Ok(message) if *message.channel == *self.channel => {
+                        let digest = message.value.as_bytes().and_then(digest_from_hex);
+                        match digest {
+                            Some(digest) => self.cache.invalidate(&digest),
+                            None => tracing::warn!(?message.value, "unreadable message on the purge channel; ignored"),
+                        }
+                        false
                     }
+                    Ok(_) => false,
+                    Err(RecvError::Lagged(_)) => {
+                        tracing::warn!("replay cache fell behind on purges; dropping every copy");
+                        self.cache.set_live(false);
+                        self.cache.set_live(live);
+                        false
+                    }
+                    Err(RecvError::Closed) => {
+                        self.cache.set_live(false);
+                        return;
+                    }
+                },
+                // An error may be stale by the time it is read (from before a reconnection): the
+                // subscription is checked again rather than the cache left dark on its word.
+                _ = errors.recv() => true,
+                // Also after the heartbeat replaced a silent connection.
+                _ = reconnects.recv() => true,
+                silenced = self.silences.changed() => {
+                    if silenced.is_err() {
+                        self.cache.set_live(false);
+                        return;
+                    }
+                    self.go_dark(&mut live);
+                    false // the heartbeat is replacing the connection; its reconnection resubscribes
                 }
-                Ok(_) => {}
-                Err(RecvError::Lagged(_)) => {
-                    tracing::warn!("replay cache fell behind on purges; dropping every copy");
-                    cache.set_live(false);
-                    cache.set_live(true);
-                }
-                Err(RecvError::Closed) => {
-                    cache.set_live(false);
-                    return;
-                }
-            },
-            _ = errors.recv() => cache.set_live(false),
-            _ = reconnects.recv() => {
-                cache.set_live(false);
-                match subscriber.subscribe(channel.clone()).await {
-                    Ok(()) => cache.set_live(true),
-                    Err(error) => tracing::warn!(%error, "replay cache could not listen for purges; it serves nothing until it can"),
+            };
+            if resubscribe {
+                self.go_dark(&mut live);
+                errors = errors.resubscribe();
+                let subscribed = tokio::time::timeout(
+                    redis_liveness::HEARTBEAT_TIMEOUT,
+                    self.subscriber.subscribe(self.channel.clone()),
+                )
+                .await;
+                match subscribed {
+                    Ok(Ok(())) => {
+                        self.cache.set_live(true);
+                        live = true;
+                        tracing::info!("the replay cache hears purges again; it starts empty");
+                        telemetry::connection_event(Role::ReplayCache, ConnectionEvent::FeedBack);
+                    }
+                    Ok(Err(error)) => tracing::warn!(%error, "the replay cache cannot listen for purges; it serves nothing until it can"),
+                    Err(_) => tracing::warn!("the replay cache's subscription went unanswered; it serves nothing until its connection is replaced"),
                 }
             }
+        }
+    }
+
+    /// Stops serving copies: purges may be missed from now on.
+    fn go_dark(&self, live: &mut bool) {
+        self.cache.set_live(false);
+        if std::mem::replace(live, false) {
+            tracing::warn!("the replay cache's purge feed is down; it serves nothing until the feed is back");
+            telemetry::connection_event(Role::ReplayCache, ConnectionEvent::FeedLost);
         }
     }
 }
@@ -1183,6 +1312,7 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(async move {
+            self.keep_alive();
             self.refuse_claims_during_failover()?;
             if let Some(waiter) = &self.acks {
                 // Boxed, like the other rare paths: inline, its state would size every claim.

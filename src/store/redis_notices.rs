@@ -24,7 +24,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::redis::{unavailable, Quit};
+use super::redis_liveness::{self, Heartbeat, Watched};
 use crate::store::{KeyWatch, StoreError};
+use crate::telemetry::Connection as Role;
 
 /// The channel a record's settling is published on; `complete.lua`, `release.lua` and
 /// `purge.lua` name it the same way.
@@ -41,6 +43,7 @@ pub(super) struct Notices {
     registry: Arc<Registry>,
     commands: mpsc::UnboundedSender<Command>,
     tasks: [JoinHandle<()>; 2],
+    _heartbeat: Heartbeat,
     client: Quit,
 }
 
@@ -143,7 +146,7 @@ impl Notices {
         timeout: Duration,
     ) -> Result<Self, StoreError> {
         let client = Builder::from_config(base.client_config())
-            .set_connection_config(base.connection_config().clone())
+            .set_connection_config(redis_liveness::connection_config(base))
             .set_performance_config(base.perf_config())
             .set_policy(base.client_reconnect_policy().unwrap_or(policy))
             .build()
@@ -151,14 +154,21 @@ impl Notices {
         client.init().await.map_err(unavailable)?;
         let registry = Arc::new(Registry::default());
         let (commands, queue) = mpsc::unbounded_channel();
+        let heartbeat = Heartbeat::start(Role::Notices, Watched::Shared(vec![client.clone()]));
         let tasks = [
             tokio::spawn(run_commands(client.clone(), registry.clone(), queue, timeout)),
-            tokio::spawn(listen(client.clone(), registry.clone(), commands.clone())),
+            tokio::spawn(listen(
+                client.clone(),
+                registry.clone(),
+                commands.clone(),
+                heartbeat.silences(),
+            )),
         ];
         Ok(Self {
             registry,
             commands,
             tasks,
+            _heartbeat: heartbeat,
             client: Quit(client),
         })
     }
@@ -258,8 +268,15 @@ async fn run_commands(
     }
 }
 
-/// Wakes the waiters of each channel a notice arrives on.
-async fn listen(client: Client, registry: Arc<Registry>, commands: mpsc::UnboundedSender<Command>) {
+/// Wakes the waiters of each channel a notice arrives on, and every waiter when notices may have
+/// been missed: the connection went silent (found by its heartbeat) or came back. A woken waiter
+/// reads its record, so while notices cannot arrive, waiters still learn of a settled record.
+async fn listen(
+    client: Client,
+    registry: Arc<Registry>,
+    commands: mpsc::UnboundedSender<Command>,
+    mut silences: watch::Receiver<u64>,
+) {
     use tokio::sync::broadcast::error::RecvError;
 
     let mut messages = client.message_rx();
@@ -277,6 +294,10 @@ async fn listen(client: Client, registry: Arc<Registry>, commands: mpsc::Unbound
                     let _ = commands.send(Command::Resubscribe);
                 }
                 Err(RecvError::Closed) => return,
+            },
+            silenced = silences.changed() => match silenced {
+                Ok(()) => registry.wake_all(),
+                Err(_) => return,
             },
         }
     }

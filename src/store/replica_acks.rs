@@ -29,7 +29,9 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
 
+use super::redis_liveness::{self, Heartbeat, Watched};
 use super::StoreError;
+use crate::telemetry::Connection as Role;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
 const DEFAULT_CONNECTIONS: usize = 32;
@@ -142,6 +144,8 @@ impl ReplicaAcks {
 /// The exclusive connections waiting calls run on, and the settings they wait with.
 pub(super) struct Waiter {
     pool: ExclusivePool,
+    /// Pings each connection when free, replacing one that went silent.
+    _heartbeat: Heartbeat,
     pub(super) acks: ReplicaAcks,
     /// The options of a `WAIT`: the store's command timeout plus the wait itself.
     wait_options: Options,
@@ -169,7 +173,7 @@ impl Waiter {
         let pool = ExclusivePool::new(
             base.client_config(),
             Some(base.perf_config()),
-            Some(base.connection_config().clone()),
+            Some(redis_liveness::connection_config(base)),
             Some(base.client_reconnect_policy().unwrap_or(policy)),
             acks.connections,
         )
@@ -197,7 +201,9 @@ impl Waiter {
             timeout: Some(command_timeout + acks.timeout),
             ..command_options.clone()
         };
+        let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()));
         Ok(Arc::new(Self {
+            _heartbeat: heartbeat,
             pool,
             acks,
             wait_options,

@@ -19,6 +19,14 @@
 //!   followed yet are acted on too;
 //! - a `-failover-abort-*` event for its service lifts the fence, and so does the end of
 //!   [`FENCE_LIMIT`], in case the end of the failover went unseen.
+//!
+//! The watch is only as good as its subscriptions, which sit idle between failovers and can die
+//! without a word. Each is pinged by a heartbeat (`redis_liveness`) and replaced when silent.
+//! While no sentinel can be heard (every subscription silent or disconnected) the store is
+//! *blind*: a failover would go unseen, so claims are refused (503, counted `fenced`) until one
+//! subscription is back; owners' writes go on (they check their ownership in the script). When
+//! the watch sees again, every client is reconnected once, so that a switch made during the gap
+//! is followed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,6 +39,8 @@ use fred::types::Builder;
 use tokio::sync::Notify;
 
 use super::redis::Quit;
+use super::redis_liveness::{self, Heartbeat, Watched, HEARTBEAT_INTERVAL};
+use crate::telemetry::{self, Connection as Role, ConnectionEvent};
 
 const SWITCH_MASTER: &str = "+switch-master";
 const PROMOTING: &str = "+failover-state-send-slaveof-noone";
@@ -50,16 +60,31 @@ const FOLLOW_PAUSE: Duration = Duration::from_millis(50);
 #[error("the sentinels are failing the master over; retry shortly")]
 pub(super) struct FailingOver;
 
+/// What a claim refused while no sentinel can be heard fails with, inside
+/// [`StoreError::Unavailable`] (503, counted `fenced`): a failover could go unseen.
+///
+/// [`StoreError::Unavailable`]: super::StoreError::Unavailable
+#[derive(Debug, thiserror::Error)]
+#[error("no sentinel can be heard, so a failover could go unseen; retry shortly")]
+pub(super) struct SentinelsUnheard;
+
 /// Raised while the sentinels fail the master over; see the module docs.
 #[derive(Default)]
 pub(super) struct Fence {
     raised: AtomicBool,
     lowered: Notify,
+    /// No sentinel can be heard: a failover would go unseen. Claims are refused meanwhile.
+    blind: AtomicBool,
 }
 
 impl Fence {
     pub(super) fn is_raised(&self) -> bool {
         self.raised.load(Ordering::Acquire)
+    }
+
+    /// Whether no sentinel can be heard (claims are refused).
+    pub(super) fn is_blind(&self) -> bool {
+        self.blind.load(Ordering::Acquire)
     }
 
     /// Returns once the fence is down (at once, almost always).
@@ -87,6 +112,8 @@ impl Fence {
 /// store clone.
 pub(super) struct SwitchWatch {
     task: tokio::task::JoinHandle<()>,
+    /// Watches the subscriptions' heartbeat and makes the store blind while none is heard.
+    sight: tokio::task::JoinHandle<()>,
     _subscribers: Vec<Quit>,
     /// The clients to reconnect on a switch: the store's, and those of its waiting calls.
     targets: Arc<Mutex<Vec<Client>>>,
@@ -96,6 +123,7 @@ pub(super) struct SwitchWatch {
 impl Drop for SwitchWatch {
     fn drop(&mut self) {
         self.task.abort();
+        self.sight.abort();
         // The subscribers quit when the `Quit` field is dropped, after this.
     }
 }
@@ -138,7 +166,7 @@ pub(super) async fn watch(
             ..Config::default()
         };
         let subscriber = Builder::from_config(sentinel_config)
-            .set_connection_config(client.connection_config().clone())
+            .set_connection_config(redis_liveness::connection_config(client))
             .set_policy(policy.clone())
             .build()?;
         subscribers.push(subscriber);
@@ -151,12 +179,48 @@ pub(super) async fn watch(
         subscribers.clone(),
         service_name.clone(),
     ));
+    let sight = tokio::spawn(keep_sight(targets.clone(), fence.clone(), subscribers.clone()));
     Ok(Some(SwitchWatch {
         task,
+        sight,
         _subscribers: subscribers.into_iter().map(Quit).collect(),
         targets,
         fence,
     }))
+}
+
+/// Pings the sentinel subscriptions and keeps the fence's `blind` flag: raised while none of them
+/// is heard, lowered (after reconnecting every client once) when one is again.
+async fn keep_sight(targets: Arc<Mutex<Vec<Client>>>, fence: Arc<Fence>, subscribers: Vec<Client>) {
+    let heartbeat = Heartbeat::start(Role::Sentinels, Watched::Shared(subscribers.clone()));
+    let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The subscribers connect in `follow`'s listeners: give them a beat before judging.
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let heard = (subscribers.iter().enumerate())
+            .any(|(index, subscriber)| subscriber.is_connected() && !heartbeat.is_silent(index));
+        let blind = fence.blind.load(Ordering::Acquire);
+        if !heard && !blind {
+            tracing::warn!(
+                "no sentinel can be heard (every subscription is silent or down): a failover would go \
+                 unseen, so claims are refused until one is back"
+            );
+            telemetry::connection_event(Role::Sentinels, ConnectionEvent::FeedLost);
+            fence.blind.store(true, Ordering::Release);
+        } else if heard && blind {
+            // The master may have been switched while nobody heard: go where the sentinels
+            // say the master is now, then take claims again.
+            let clients = targets.lock().map(|clients| clients.clone()).unwrap_or_default();
+            futures_util::future::join_all(clients.iter().map(reconnect)).await;
+            tracing::info!(
+                "a sentinel is heard again; the store reconnected to the master it names and takes claims"
+            );
+            telemetry::connection_event(Role::Sentinels, ConnectionEvent::FeedBack);
+            fence.blind.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// What a sentinel announced about some service.

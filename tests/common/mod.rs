@@ -229,6 +229,19 @@ pub async fn until(what: &str, done: impl Fn() -> bool) {
     }
 }
 
+/// Waits until the async check `done` holds, polling every 20 ms; panics after 15 s.
+pub async fn until_async<F, Fut>(what: &str, done: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !done().await {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Runs one admin command and returns its answer.
 pub async fn admin(client: &Client, args: &[&str]) -> Value {
     let command = CustomCommand::new_static(leak(args[0]), ClusterHash::Random, false);

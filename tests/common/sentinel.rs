@@ -270,6 +270,11 @@ impl SentinelTopology {
         )
     }
 
+    /// The sentinels' ports.
+    pub fn sentinel_ports(&self) -> Vec<u16> {
+        self.sentinels.iter().map(SentinelProcess::port).collect()
+    }
+
     /// The port of the master, as the first sentinel that answers names it.
     pub fn master_port(&self) -> u16 {
         for sentinel in &self.sentinels {

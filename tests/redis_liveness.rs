@@ -1,0 +1,362 @@
+//! Connections that die without a word: a proxy freezes the flows open now (holds the sockets,
+//! passes no byte, sends no FIN or RST) while new connections pass, as a cloud load balancer's
+//! idle timeout, a NAT flush or a partition does. The store must notice and replace every
+//! connection it uses, and what depends on a silent feed must degrade safely meanwhile.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use common::app::{payment, payment_with, router, send, spawn_send};
+use common::proxy::{Fault, FaultProxy};
+use common::sentinel::SentinelTopology;
+use common::{client, RedisServer};
+use fred::prelude::*;
+use http::StatusCode;
+use tower_idempotency::{IdempotencyLayer, RedisStore};
+
+/// The goal: keyed requests are answered normally again this soon after a freeze.
+const GOAL: Duration = Duration::from_secs(10);
+
+/// One request of the steady stream: when it was sent and how it was answered.
+struct Sent {
+    at: Instant,
+    answered: Option<(Instant, StatusCode)>,
+}
+
+/// Fresh keys, one every 20 ms, each from a task of its own (a frozen connection makes requests
+/// wait for their timeout; the stream goes on meanwhile).
+struct Stream {
+    sent: Arc<Mutex<Vec<Sent>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Stream {
+    fn start(app: &Router, name: &'static str) -> Self {
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let (app, sent) = (app.clone(), sent.clone());
+            async move {
+                for n in 0u64.. {
+                    let index = {
+                        let mut sent = sent.lock().unwrap();
+                        sent.push(Sent {
+                            at: Instant::now(),
+                            answered: None,
+                        });
+                        sent.len() - 1
+                    };
+                    let answer = spawn_send(&app, payment(&format!("{name}-{n}"), "{}"));
+                    let sent = sent.clone();
+                    tokio::spawn(async move {
+                        if let Ok(answer) = answer.await {
+                            sent.lock().unwrap()[index].answered = Some((Instant::now(), answer.status));
+                        }
+                    });
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        });
+        Self { sent, task }
+    }
+
+    /// Waits until every request sent in the last second was answered 201, and returns how long
+    /// after `since` the last answer other than 201 came: when requests were answered normally
+    /// again.
+    async fn recovered_after(&self, since: Instant, limit: Duration) -> Duration {
+        loop {
+            let recovered = {
+                let sent = self.sent.lock().unwrap();
+                let last_failure = (sent.iter())
+                    .filter_map(|s| s.answered)
+                    .filter(|(at, status)| *at >= since && *status != StatusCode::CREATED)
+                    .map(|(at, _)| at)
+                    .max();
+                let now = Instant::now();
+                let recent_all_created = sent
+                    .iter()
+                    .filter(|s| now - s.at < Duration::from_secs(2) && now - s.at > Duration::from_secs(1))
+                    .all(|s| {
+                        s.answered
+                            .is_some_and(|(_, status)| status == StatusCode::CREATED)
+                    });
+                match last_failure {
+                    Some(failure) if recent_all_created && now - failure > Duration::from_secs(2) => {
+                        Some(failure - since)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(recovered) = recovered {
+                return recovered;
+            }
+            assert!(
+                since.elapsed() < limit,
+                "keyed requests were not answered normally within {limit:?} of the freeze"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn until_answered_normally(&self) {
+        common::until_async("the stream is answered 201", || async {
+            let sent = self.sent.lock().unwrap();
+            sent.iter()
+                .rev()
+                .filter_map(|s| s.answered)
+                .take(10)
+                .filter(|(_, status)| *status == StatusCode::CREATED)
+                .count()
+                == 10
+        })
+        .await;
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+// The goal: every connection open is frozen, twice in a row, under a steady stream of requests,
+// and keyed requests are answered normally again within 10 s each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_requests_recover_within_10_s_of_a_freeze_twice_in_a_row() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::connect(&proxy.url())
+        .await
+        .unwrap()
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(5)));
+    // A waiter opens the notices subscriber too, so every kind of connection is frozen.
+    let first = spawn_send(&app, payment_with("waited", &[("x-delay-ms", "300")]));
+    common::until("the first request runs", || runs.get() == 1).await;
+    let waiter = send(&app, payment_with("waited", &[("prefer", "wait=5")])).await;
+    assert!(waiter.is_replay(), "{:?}", waiter.status);
+    first.await.unwrap();
+
+    let stream = Stream::start(&app, "steady");
+    stream.until_answered_normally().await;
+    let mut figures = Vec::new();
+    for freeze in 1..=2 {
+        let connections = proxy.connections();
+        proxy.black_hole_open_connections();
+        let frozen = Instant::now();
+        let recovered = stream
+            .recovered_after(frozen, GOAL + Duration::from_secs(5))
+            .await;
+        println!(
+            "freeze {freeze}: {connections} connections frozen; answered normally again after {recovered:?}"
+        );
+        assert!(recovered <= GOAL, "freeze {freeze}: {recovered:?}");
+        assert!(proxy.connections() > connections, "new connections were opened");
+        figures.push(recovered);
+    }
+    println!("FREEZE RECOVERY: {figures:?}");
+}
+
+// A client handed to `RedisStore::new` without a reconnect policy (fred's default) is kept alive
+// by the same heartbeat: the store replaces its silent connection too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_client_without_a_reconnect_policy_is_replaced_too() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let user_client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
+        .with_connection_config(RedisStore::configure_liveness)
+        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
+        .build()
+        .unwrap();
+    user_client.init().await.unwrap();
+    let (app, _runs) = router(IdempotencyLayer::new(RedisStore::new(user_client)));
+    let stream = Stream::start(&app, "user");
+    stream.until_answered_normally().await;
+    proxy.black_hole_open_connections();
+    let frozen = Instant::now();
+    let recovered = stream
+        .recovered_after(frozen, GOAL + Duration::from_secs(5))
+        .await;
+    println!("a user's policy-less client: answered normally again after {recovered:?}");
+    assert!(recovered <= GOAL);
+}
+
+// While its purge feed is silent, a replay cache serves nothing: a purge made meanwhile on
+// another instance is never answered from the stale copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_cache_serves_nothing_while_its_feed_is_silent() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let cached = RedisStore::connect(&proxy.url())
+        .await
+        .unwrap()
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let (node_a, runs_a) = router(IdempotencyLayer::new(cached));
+    let layer_b = IdempotencyLayer::new(RedisStore::new(client(&server.url()).await));
+    let (node_b, _) = router(layer_b.clone());
+
+    assert_eq!(
+        send(&node_b, payment("purged", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(
+        send(&node_a, payment("purged", "{}")).await.is_replay(),
+        "answered from Redis"
+    );
+    assert!(
+        send(&node_a, payment("purged", "{}")).await.is_replay(),
+        "from the copy"
+    );
+
+    proxy.black_hole_open_connections();
+    // The feed cannot carry this purge to node A. Node A has not noticed yet: for up to the
+    // pulse bound (2 s) after the feed's last answered ping, it may still serve its copy; never
+    // after.
+    assert!(layer_b.purge(None, "purged").await.unwrap());
+    let purged = Instant::now();
+    let mut stale = Duration::ZERO;
+    loop {
+        let sent = purged.elapsed();
+        let answer = send(&node_a, payment("purged", "{}")).await;
+        if answer.is_replay() {
+            stale = sent;
+            assert!(
+                sent < Duration::from_millis(2500),
+                "node A replayed a purged record from its cache {sent:?} after the purge"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        if answer.status == StatusCode::CREATED {
+            break;
+        }
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(purged.elapsed() < GOAL, "node A did not recover");
+    }
+    println!("node A's copy was last served {stale:?} after the unheard purge");
+    assert_eq!(runs_a.get(), 1, "the purged key ran again on node A");
+    // The feed is back: copies are made and purges reach them again.
+    common::until_async("node A caches again", || async {
+        send(&node_a, payment("purged", "{}")).await.is_replay()
+    })
+    .await;
+    assert!(layer_b.purge(None, "purged").await.unwrap());
+    common::until_async("the purge reaches node A", || async {
+        !send(&node_a, payment("purged", "{}")).await.is_replay()
+    })
+    .await;
+}
+
+// A waiter whose notices connection goes silent is not left to its deadline: it reads its record
+// and gets the replay once the first request is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_notices_go_silent_still_gets_the_replay() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let waiting = IdempotencyLayer::new(RedisStore::connect(&proxy.url()).await.unwrap())
+        .with_max_wait(Duration::from_secs(30));
+    let (node_a, _) = router(waiting);
+    let (node_b, runs_b) = router(IdempotencyLayer::new(RedisStore::new(
+        client(&server.url()).await,
+    )));
+
+    let first = spawn_send(&node_b, payment_with("slow", &[("x-delay-ms", "1500")]));
+    common::until("the first request runs", || runs_b.get() == 1).await;
+    let started = Instant::now();
+    let waiter = spawn_send(&node_a, payment_with("slow", &[("prefer", "wait=30")]));
+    // The waiter has subscribed before the freeze.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.black_hole_open_connections();
+    let first = first.await.unwrap();
+    let waited = waiter.await.unwrap();
+    println!("the waiter was answered {:?} after it began", started.elapsed());
+    assert!(waited.is_replay(), "{:?}", waited.status);
+    assert_eq!(waited.body, first.body);
+    assert!(started.elapsed() < GOAL, "not left to its 30 s deadline");
+}
+
+/// `topology`'s URL with each sentinel behind a proxy of its own.
+async fn through_sentinel_proxies(topology: &SentinelTopology) -> (String, Vec<FaultProxy>) {
+    let mut url = topology.url();
+    let mut proxies = Vec::new();
+    for port in topology.sentinel_ports() {
+        let proxy = FaultProxy::start(([127, 0, 0, 1], port).into()).await;
+        url = url.replace(
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{}", proxy.addr().port()),
+        );
+        proxies.push(proxy);
+    }
+    (url, proxies)
+}
+
+// The Sentinel watch: frozen subscriptions are replaced; while no sentinel can be heard, claims
+// are refused (a failover would go unseen) and nothing runs; once one is heard, claims go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sentinel_watch_is_replaced_and_claims_wait_while_no_sentinel_is_heard() {
+    let topology = common::sentinel::shared();
+    let (url, proxies) = through_sentinel_proxies(topology).await;
+    let store = RedisStore::connect(&url)
+        .await
+        .unwrap()
+        .with_prefix(common::sentinel::unique_prefix());
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+
+    // Every sentinel has the watch's subscriptions (two channels, one pattern) before the freeze.
+    let subscribed = || {
+        topology.sentinel_ports().into_iter().all(|port| {
+            let clients = topology.sentinel_cli(port, &["CLIENT", "LIST"]);
+            clients.lines().any(|client| client.contains("sub=2 psub=1"))
+        })
+    };
+    common::until("the watch has subscribed on every sentinel", subscribed).await;
+    // Frozen subscriptions: replaced by new ones (which pass), the watch back within the goal.
+    let opened: Vec<u64> = proxies.iter().map(FaultProxy::connections).collect();
+    proxies.iter().for_each(FaultProxy::black_hole_open_connections);
+    common::until_async("every sentinel subscription is replaced", || async {
+        proxies
+            .iter()
+            .zip(&opened)
+            .all(|(proxy, opened)| proxy.connections() > *opened)
+    })
+    .await;
+
+    // No sentinel at all can be heard: claims are refused, 503, until one is.
+    proxies.iter().for_each(|proxy| proxy.set(Fault::BlackHole));
+    let blind = Instant::now();
+    common::until_async("claims are refused", || async {
+        send(
+            &app,
+            payment(&format!("blind-{}", blind.elapsed().as_millis()), "{}"),
+        )
+        .await
+        .status
+            == StatusCode::SERVICE_UNAVAILABLE
+    })
+    .await;
+    println!("blind after {:?}", blind.elapsed());
+    let runs_before = runs.get();
+    let refused = send(&app, payment("refused", "{}")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.get(), runs_before, "nothing ran while the watch was blind");
+    proxies.iter().for_each(|proxy| proxy.set(Fault::None));
+    let heard = Instant::now();
+    common::until_async("claims are taken again", || async {
+        send(&app, payment("refused", "{}")).await.status == StatusCode::CREATED
+    })
+    .await;
+    println!(
+        "claims taken again {:?} after the sentinels were reachable",
+        heard.elapsed()
+    );
+}
