@@ -17,7 +17,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use tokio::time::Instant;
@@ -62,7 +62,11 @@ struct Entries {
 struct Entry {
     fingerprint: [u8; 32],
     payload: Bytes,
+    /// The end of the copy's life by the monotonic clock, which no clock step moves.
     expires_at: Instant,
+    /// The same end by the wall clock, which moves on through a VM pause or a suspend that may
+    /// stop the monotonic one: the copy dies by whichever ends first.
+    expires_at_wall: SystemTime,
     sequence: u64,
 }
 
@@ -127,7 +131,7 @@ impl ReplayCache {
         }
         let mut entries = self.lock();
         let entry = entries.by_digest.get(digest)?;
-        if entry.expires_at <= now {
+        if entry.expires_at <= now || entry.expires_at_wall <= SystemTime::now() {
             entries.remove(digest);
             return None;
         }
@@ -144,6 +148,7 @@ impl ReplayCache {
 
     /// Keeps a copy of a completed record for `retention_left` at most, unless an invalidation
     /// (or a change of the feed) happened since `epoch` was read: the answer may predate a purge.
+    #[cfg(test)]
     pub(crate) fn insert(
         &self,
         epoch: u64,
@@ -152,6 +157,30 @@ impl ReplayCache {
         payload: Bytes,
         retention_left: Duration,
     ) {
+        self.insert_measured(
+            epoch,
+            digest,
+            fingerprint,
+            payload,
+            retention_left,
+            Instant::now(),
+        );
+    }
+
+    /// [`insert`](ReplayCache::insert) for a `retention_left` measured at `measured`: the copy
+    /// expires `retention_left` after `measured`, on this instance's own clocks.
+    pub(crate) fn insert_measured(
+        &self,
+        epoch: u64,
+        digest: [u8; 32],
+        fingerprint: [u8; 32],
+        payload: Bytes,
+        retention_left: Duration,
+        measured: Instant,
+    ) {
+        let now = Instant::now();
+        let expires_at = measured + retention_left;
+        let retention_left = expires_at.saturating_duration_since(now);
         let cost = payload.len() + ENTRY_OVERHEAD;
         if retention_left.is_zero() || cost > self.max_bytes || !self.live.load(Ordering::Acquire) {
             return;
@@ -183,7 +212,8 @@ impl ReplayCache {
             Entry {
                 fingerprint,
                 payload,
-                expires_at: Instant::now() + retention_left,
+                expires_at,
+                expires_at_wall: SystemTime::now() + retention_left,
                 sequence,
             },
         );

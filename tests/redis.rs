@@ -445,6 +445,51 @@ async fn a_cached_copy_never_outlives_the_record_retention() {
     assert_eq!(runs.get(), 2);
 }
 
+// A copy lives as long as Redis keeps its record, by this instance's own clock: not by the
+// deadline written in the record by whichever instance completed it, whose clock may be ahead.
+// Here the record's TTL is cut to 300 ms while the deadline it carries says a minute (what a
+// writer whose clock runs a minute fast would leave).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_copy_lives_by_the_records_ttl_not_the_writers_clock() {
+    let server = RedisServer::start();
+    let admin_client = client(&server.url()).await;
+    let store = RedisStore::new(client(&server.url()).await)
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store).with_retention(Duration::from_secs(60)));
+    send(&app, payment("skewed", "{}")).await;
+    let keys = admin(&admin_client, &["KEYS", "idempotency:*"]).await;
+    let keys: Vec<String> = keys.convert().unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    admin(&admin_client, &["PEXPIRE", &keys[0], "300"]).await;
+    assert!(
+        send(&app, payment("skewed", "{}")).await.is_replay(),
+        "from Redis; a copy is made"
+    );
+    reset_stats(&admin_client).await;
+    assert!(send(&app, payment("skewed", "{}")).await.is_replay());
+    assert_eq!(round_trips(&admin_client).await, 0, "from the copy");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after = send(&app, payment("skewed", "{}")).await;
+    assert!(!after.is_replay(), "the copy outlived its record");
+    assert_eq!(runs.get(), 2);
+}
+
+// A replay cache belongs to the prefix it was made with: it holds that namespace's records and
+// hears that namespace's purges. A later `with_prefix` (on the store or a clone) is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "with_prefix after with_replay_cache")]
+async fn a_prefix_set_after_the_replay_cache_is_refused() {
+    let server = RedisServer::start();
+    let store = RedisStore::new(client(&server.url()).await)
+        .with_prefix("tenant-a")
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let _other_namespace = store.clone().with_prefix("tenant-b");
+}
+
 // A cached replay is not new work: it needs no in-flight permit, so it is answered at the bound
 // while a new key is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -418,3 +418,49 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
     let error = refused.expect_err("fsync refused without appendonly").to_string();
     assert!(error.contains("appendonly"), "{error}");
 }
+
+// The durability option's own connections die without a word too (a frozen flow, no FIN or
+// RST): the store's heartbeat pings each when it is free, and replaces the silent ones, so claims
+// are answered normally again within seconds, on every connection of its pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_connections_of_the_durability_option_are_replaced() {
+    let pair = Pair::start().await;
+    let proxy = FaultProxy::start(pair.master.addr()).await;
+    let store = RedisStore::connect(&proxy.url())
+        .await
+        .unwrap()
+        .with_replica_acks(ReplicaAcks::new(1).connections(4))
+        .await
+        .unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    for n in 0..8 {
+        assert_eq!(
+            send(&app, payment(&format!("warm-{n}"), "{}")).await.status,
+            StatusCode::CREATED
+        );
+    }
+    proxy.black_hole_open_connections();
+    let frozen = Instant::now();
+    let mut n = 0;
+    let mut created_in_a_row = 0;
+    // Every connection of the pool serves one of 8 requests in a row (round robin).
+    while created_in_a_row < 8 {
+        n += 1;
+        let answer = send(&app, payment(&format!("after-{n}"), "{}")).await;
+        if answer.status == StatusCode::CREATED {
+            created_in_a_row += 1;
+        } else {
+            assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+            created_in_a_row = 0;
+        }
+        assert!(
+            frozen.elapsed() < Duration::from_secs(10),
+            "claims were not answered normally within 10 s of the freeze"
+        );
+    }
+    println!(
+        "durability option: answered normally again {:?} after the freeze",
+        frozen.elapsed()
+    );
+    assert!(runs.get() >= 16);
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fred::clients::{Client, Pool};
-use fred::interfaces::{ClientLike, EventInterface, LuaInterface, PubsubInterface};
+use fred::interfaces::{ClientLike, EventInterface, KeysInterface, LuaInterface, PubsubInterface};
 use fred::types::config::{Config, ConnectionConfig, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
@@ -678,13 +678,41 @@ impl RedisStore {
                 lease_left: found.time_left.min(lease),
             }
         } else {
-            if let (Some(cache), Some(epoch)) = (self.cache.as_deref(), epoch) {
-                let payload = found.payload.clone();
-                cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+            if let (Some(cache), Some(epoch)) = (&self.cache, epoch) {
+                self.keep_copy(cache, epoch, key, found.fingerprint, found.payload.clone());
             }
             ClaimOutcome::Completed(found.payload)
         };
         Ok(outcome)
+    }
+
+    /// Gives the replay cache a copy of a completed record, to live as long as Redis keeps the
+    /// record: its `PTTL`, counted on this instance's clocks from before the `PTTL` was sent.
+    /// Not the deadline in the record, which another instance's clock wrote: a skew between the
+    /// two would let the copy outlive the record. One `PTTL` per copy made (a key's first
+    /// repeat on this instance), from a task of its own, so the replay does not wait for it.
+    fn keep_copy(
+        &self,
+        cache: &Arc<ReplayCache>,
+        epoch: u64,
+        key: &RecordKey,
+        fingerprint: [u8; 32],
+        payload: Bytes,
+    ) {
+        let (cache, digest) = (cache.clone(), *key.digest());
+        let client = self.connection.client().with_options(&self.options);
+        let redis_key = self.redis_key(key);
+        tokio::spawn(async move {
+            let asked = tokio::time::Instant::now();
+            match client.pttl::<i64, _>(redis_key).await {
+                Ok(millis) if millis > 0 => {
+                    let left = Duration::from_millis(millis.unsigned_abs());
+                    cache.insert_measured(epoch, digest, fingerprint, payload, left, asked);
+                }
+                Ok(_) => {} // gone already, or no TTL (never written so by this crate): no copy
+                Err(error) => tracing::debug!(%error, "could not read a record's TTL; no copy kept"),
+            }
+        });
     }
 
     async fn set_if_absent(
