@@ -41,8 +41,9 @@ pub(crate) struct ReplayCache {
     epoch: AtomicU64,
     /// Whether the invalidation feed is listening: copies are served and added only then.
     live: AtomicBool,
-    /// Copies are served only while the latest pulse is at most this old.
-    pulse_bound: Option<Duration>,
+    /// Copies are served only while the latest pulse is at most this many milliseconds old
+    /// (0: no bound).
+    pulse_bound_ms: AtomicU64,
     /// When the cache was made: the origin of `pulse`.
     created: Instant,
     /// The latest pulse, in milliseconds after `created`.
@@ -84,17 +85,19 @@ impl ReplayCache {
             entries: Mutex::new(Entries::default()),
             epoch: AtomicU64::new(0),
             live: AtomicBool::new(false),
-            pulse_bound: None,
+            pulse_bound_ms: AtomicU64::new(0),
             created: Instant::now(),
             pulse: AtomicU64::new(0),
         }
     }
 
     /// Serves copies only while the feed's latest [pulse](ReplayCache::heard) is at most `bound`
-    /// old (default: no bound). Counted from the cache's making until the first pulse.
-    pub(crate) fn with_pulse_bound(mut self, bound: Duration) -> Self {
-        self.pulse_bound = Some(bound);
-        self
+    /// old (default, and `None`: no bound). Counted from the cache's making until the first pulse.
+    pub(crate) fn set_pulse_bound(&self, bound: Option<Duration>) {
+        let millis = bound.map_or(0, |bound| {
+            u64::try_from(bound.as_millis()).unwrap_or(u64::MAX).max(1)
+        });
+        self.pulse_bound_ms.store(millis, Ordering::Release);
     }
 
     /// The feed answered a probe sent at `sent`: every purge published before then was delivered.
@@ -106,11 +109,12 @@ impl ReplayCache {
 
     /// Whether the feed's latest pulse is recent enough, `now`, to serve copies.
     fn pulse_is_recent(&self, now: Instant) -> bool {
-        let Some(bound) = self.pulse_bound else {
+        let bound = self.pulse_bound_ms.load(Ordering::Acquire);
+        if bound == 0 {
             return true;
-        };
+        }
         let pulse = self.created + Duration::from_millis(self.pulse.load(Ordering::Acquire));
-        now.saturating_duration_since(pulse) <= bound
+        now.saturating_duration_since(pulse) <= Duration::from_millis(bound)
     }
 
     fn lock(&self) -> MutexGuard<'_, Entries> {
@@ -148,7 +152,6 @@ impl ReplayCache {
 
     /// Keeps a copy of a completed record for `retention_left` at most, unless an invalidation
     /// (or a change of the feed) happened since `epoch` was read: the answer may predate a purge.
-    #[cfg(test)]
     pub(crate) fn insert(
         &self,
         epoch: u64,
@@ -157,30 +160,7 @@ impl ReplayCache {
         payload: Bytes,
         retention_left: Duration,
     ) {
-        self.insert_measured(
-            epoch,
-            digest,
-            fingerprint,
-            payload,
-            retention_left,
-            Instant::now(),
-        );
-    }
-
-    /// [`insert`](ReplayCache::insert) for a `retention_left` measured at `measured`: the copy
-    /// expires `retention_left` after `measured`, on this instance's own clocks.
-    pub(crate) fn insert_measured(
-        &self,
-        epoch: u64,
-        digest: [u8; 32],
-        fingerprint: [u8; 32],
-        payload: Bytes,
-        retention_left: Duration,
-        measured: Instant,
-    ) {
-        let now = Instant::now();
-        let expires_at = measured + retention_left;
-        let retention_left = expires_at.saturating_duration_since(now);
+        let expires_at = Instant::now() + retention_left;
         let cost = payload.len() + ENTRY_OVERHEAD;
         if retention_left.is_zero() || cost > self.max_bytes || !self.live.load(Ordering::Acquire) {
             return;
@@ -217,6 +197,25 @@ impl ReplayCache {
                 sequence,
             },
         );
+    }
+
+    /// Ends the copy at `digest` no later than `left` after `measured` (the record's life left in
+    /// the store, as read at `measured`), or at once when `left` is `None` (the record is gone,
+    /// or its life could not be read).
+    pub(crate) fn shorten(&self, digest: &[u8; 32], left: Option<Duration>, measured: Instant) {
+        let mut entries = self.lock();
+        let Some(left) = left else {
+            entries.remove(digest);
+            return;
+        };
+        if let Some(entry) = entries.by_digest.get_mut(digest) {
+            let end = measured + left;
+            if end < entry.expires_at {
+                let wall_left = end.saturating_duration_since(Instant::now());
+                entry.expires_at = end;
+                entry.expires_at_wall = entry.expires_at_wall.min(SystemTime::now() + wall_left);
+            }
+        }
     }
 
     /// Drops the copy at `digest`: its record was purged.
@@ -294,7 +293,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn copies_are_served_only_while_the_feed_has_a_recent_pulse() {
-        let cache = ReplayCache::new(1 << 20).with_pulse_bound(Duration::from_secs(2));
+        let cache = ReplayCache::new(1 << 20);
+        cache.set_pulse_bound(Some(Duration::from_secs(2)));
         cache.set_live(true);
         keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_secs(60));
         assert!(
@@ -314,6 +314,26 @@ mod tests {
         assert!(cache.get(&digest(1)).is_none());
         cache.heard(Instant::now());
         assert!(cache.get(&digest(1)).is_some(), "heard again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_is_shortened_to_its_records_life_and_dropped_when_that_is_unknown() {
+        let cache = live(1 << 20);
+        keep(&cache, 1, Bytes::from_static(b"r"), Duration::from_secs(60));
+        let measured = Instant::now();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        cache.shorten(&digest(1), Some(Duration::from_millis(100)), measured);
+        cache.shorten(&digest(1), Some(Duration::from_secs(600)), measured); // never lengthened
+        tokio::time::advance(Duration::from_millis(80)).await;
+        assert!(cache.get(&digest(1)).is_some());
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert!(
+            cache.get(&digest(1)).is_none(),
+            "100 ms after the measure, not 60 s"
+        );
+        keep(&cache, 2, Bytes::from_static(b"r"), Duration::from_secs(60));
+        cache.shorten(&digest(2), None, Instant::now());
+        assert!(cache.get(&digest(2)).is_none());
     }
 
     #[tokio::test(start_paused = true)]

@@ -362,3 +362,23 @@ async fn the_sentinel_watch_is_replaced_and_claims_wait_while_no_sentinel_is_hea
         heard.elapsed()
     );
 }
+
+// The heartbeat's pace is the store's setting: a ping a second by default, none when turned off
+// (for connections that are counted command by command, say), and it applies to the heartbeats
+// already running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_pings_at_its_pace_and_can_be_turned_off() {
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let pings = || common::command_calls(&stats, "ping");
+    let before = pings().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let beating = pings().await - before;
+    assert!(beating >= 1, "{beating} pings in 2.5 s");
+    let _quiet = store.with_heartbeat(None);
+    tokio::time::sleep(Duration::from_millis(1100)).await; // a ping already on its way lands
+    let before = pings().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(pings().await - before, 0, "no pings once turned off");
+}

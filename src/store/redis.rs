@@ -11,7 +11,7 @@ use fred::types::config::{Config, ConnectionConfig, Options, ReconnectPolicy};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 
 use super::redis_coalesce::{Coalescer, Command, ScriptCall, ScriptText};
-use super::redis_liveness::{self, Heartbeat, Watched};
+use super::redis_liveness::{self, Heartbeat, Pace, Watched};
 use super::redis_notices::{settled_channel, Notices};
 use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, ReplicaAcks, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
@@ -118,6 +118,8 @@ pub struct RedisStore {
     /// Pings the command connection(s), replacing one that goes silent (see `redis_liveness`);
     /// started with the store inside a runtime, else with its first claim.
     heartbeat: Arc<OnceLock<Heartbeat>>,
+    /// How often every heartbeat of the store pings ([`with_heartbeat`](RedisStore::with_heartbeat)).
+    pace: Arc<Pace>,
 }
 
 /// The task that feeds a replay cache its invalidations, and its subscriber connection; both
@@ -223,6 +225,11 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// A store over a connected (or connecting) `fred` client.
     ///
+    /// The store pings the client's connection once a second and replaces it when it answers
+    /// nothing for 2 s (a flow dropped silently by the network); build the client with
+    /// [`configure_liveness`](Self::configure_liveness) to add TCP keepalive and
+    /// `TCP_USER_TIMEOUT`, which can only be set when a client is built.
+    ///
     /// A client built without a reconnect policy (fred's default) would stay disconnected after
     /// a Redis restart; the store notices the first command that times out or fails on the
     /// connection, logs a warning, and reconnects such clients itself (checking them with PING,
@@ -240,7 +247,7 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub fn new(client: Client) -> Self {
-        Self::with_connection(Connection::Client(client))
+        Self::with_connection(Connection::Client(client), Arc::default())
     }
 
     /// A store over a `fred` pool; each call goes to the pool's next client. Pool clients without
@@ -257,10 +264,10 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub fn from_pool(pool: Pool) -> Self {
-        Self::with_connection(Connection::Pool(pool))
+        Self::with_connection(Connection::Pool(pool), Arc::default())
     }
 
-    fn with_connection(connection: Connection) -> Self {
+    fn with_connection(connection: Connection, pace: Arc<Pace>) -> Self {
         let store = Self {
             connection,
             prefix: Arc::from(DEFAULT_PREFIX),
@@ -277,6 +284,7 @@ impl RedisStore {
             notices: Arc::default(),
             coalescer: Arc::default(),
             heartbeat: Arc::default(),
+            pace,
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             store.keep_alive();
@@ -288,7 +296,7 @@ impl RedisStore {
     fn keep_alive(&self) {
         self.heartbeat.get_or_init(|| {
             let clients = self.connection.clients().to_vec();
-            Heartbeat::start(Role::Commands, Watched::Shared(clients))
+            Heartbeat::start(Role::Commands, Watched::Shared(clients), self.pace.clone())
         });
     }
 
@@ -362,7 +370,12 @@ impl RedisStore {
     /// A record deleted by hand (`DEL`) is not seen: publish its digest on the channel too.
     ///
     /// A copy is made when a repeat is answered from Redis, so the second repeat on an instance is
-    /// the first served from memory. Call after [`with_prefix`](RedisStore::with_prefix).
+    /// the first served from memory, and lives for the record's `PTTL` as read then, on this
+    /// instance's clocks. The listening connection is pinged like the store's others: a copy is
+    /// served only while it answered a ping sent in the last 2 s, so a purge reaches the cache
+    /// within that even over a connection that died without a word. Call after
+    /// [`with_prefix`](RedisStore::with_prefix), which refuses to change the prefix of a store
+    /// with a cache.
     ///
     /// ```no_run
     /// # use tower_idempotency::RedisStore;
@@ -374,10 +387,11 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub async fn with_replay_cache(mut self, max_bytes: usize) -> Result<Self, StoreError> {
-        // A copy is served only while the feed answered a ping sent in the last
-        // HEARTBEAT_TIMEOUT: a purge reaches it within that even if the feed's connection died
-        // without a word and nobody has noticed yet.
-        let cache = Arc::new(ReplayCache::new(max_bytes).with_pulse_bound(redis_liveness::HEARTBEAT_TIMEOUT));
+        // A copy is served only while the feed answered a ping sent in the last interval and a
+        // second: a purge reaches it within that even if the feed's connection died without a
+        // word and nobody has noticed yet.
+        let cache = Arc::new(ReplayCache::new(max_bytes));
+        cache.set_pulse_bound(self.pace.pulse_bound());
         // A connection of its own, with the client's settings; one that reconnects even when the
         // client was built without a reconnect policy (fred's default).
         let base = self.connection.client();
@@ -401,6 +415,7 @@ impl RedisStore {
         let heartbeat = Heartbeat::start_with(
             Role::ReplayCache,
             Watched::Shared(vec![subscriber.clone()]),
+            self.pace.clone(),
             Some(pulse),
         );
         let feed = PurgeFeed {
@@ -479,14 +494,16 @@ impl RedisStore {
         client.init().await.map_err(unavailable)?;
         let own_client = Arc::new(Quit(client.clone()));
         warn_if_records_can_be_evicted(&client).await;
-        let switch_watch = match sentinel_watch::watch(&client, store_reconnect_policy()).await {
+        let pace = Arc::new(Pace::default());
+        let switch_watch = match sentinel_watch::watch(&client, store_reconnect_policy(), pace.clone()).await
+        {
             Ok(watch) => watch.map(Arc::new),
             Err(error) => {
                 tracing::warn!(%error, "cannot listen for +switch-master on the sentinels; the store follows a failover only once the old master refuses writes (READONLY)");
                 None
             }
         };
-        let mut store = Self::new(client);
+        let mut store = Self::with_connection(Connection::Client(client), pace);
         store.switch_watch = switch_watch;
         store._own_client = Some(own_client);
         Ok(store)
@@ -541,6 +558,31 @@ impl RedisStore {
         self
     }
 
+    /// How often the store pings each of its connections to find one that died without a word
+    /// (default: every second; `None`: never). A connection that answers no ping within 2 s is
+    /// replaced, so a dead one is found within the interval plus 2 s; a replay cache serves
+    /// copies only while its listening connection answered a ping sent within the interval plus
+    /// a second (with no pings it cannot tell, and serves copies until a failure is seen).
+    ///
+    /// Each ping is one `PING` per connection: with the durability option's 32 connections and
+    /// the default, about 34 commands a second per instance. Applies to every connection of
+    /// the store and its clones, those already open included.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::RedisStore;
+    /// # async fn run(client: fred::clients::Client) {
+    /// let store = RedisStore::new(client).with_heartbeat(Some(Duration::from_secs(5)));
+    /// # }
+    /// ```
+    pub fn with_heartbeat(self, interval: Option<Duration>) -> Self {
+        self.pace.set(interval);
+        if let Some(cache) = &self.cache {
+            cache.set_pulse_bound(self.pace.pulse_bound());
+        }
+        self
+    }
+
     /// Makes claims and completions wait until `acks.replicas()` replicas have them (`WAIT`),
     /// so that a failover cannot lose them: the durability option (default: off).
     ///
@@ -579,7 +621,14 @@ impl RedisStore {
     /// ```
     pub async fn with_replica_acks(mut self, acks: ReplicaAcks) -> Result<Self, StoreError> {
         let base = self.connection.client();
-        let waiter = Waiter::connect(base, acks, &self.options, store_reconnect_policy()).await?;
+        let waiter = Waiter::connect(
+            base,
+            acks,
+            &self.options,
+            store_reconnect_policy(),
+            self.pace.clone(),
+        )
+        .await?;
         if let Some(watch) = &self.switch_watch {
             watch.also_reconnect(waiter.clients().await);
         }
@@ -679,39 +728,35 @@ impl RedisStore {
             }
         } else {
             if let (Some(cache), Some(epoch)) = (&self.cache, epoch) {
-                self.keep_copy(cache, epoch, key, found.fingerprint, found.payload.clone());
+                let payload = found.payload.clone();
+                cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+                self.bound_copy(cache, key);
             }
             ClaimOutcome::Completed(found.payload)
         };
         Ok(outcome)
     }
 
-    /// Gives the replay cache a copy of a completed record, to live as long as Redis keeps the
-    /// record: its `PTTL`, counted on this instance's clocks from before the `PTTL` was sent.
-    /// Not the deadline in the record, which another instance's clock wrote: a skew between the
-    /// two would let the copy outlive the record. One `PTTL` per copy made (a key's first
-    /// repeat on this instance), from a task of its own, so the replay does not wait for it.
-    fn keep_copy(
-        &self,
-        cache: &Arc<ReplayCache>,
-        epoch: u64,
-        key: &RecordKey,
-        fingerprint: [u8; 32],
-        payload: Bytes,
-    ) {
+    /// Bounds the replay cache's copy of a completed record by the record's life in Redis: its
+    /// `PTTL`, counted on this instance's clocks from before the `PTTL` was sent. The copy was
+    /// kept until the deadline in the record, which another instance's clock wrote; a skew
+    /// between the two would let the copy outlive the record. One `PTTL` per copy made (a key's
+    /// first repeat on this instance), from a task of its own, so the replay does not wait.
+    fn bound_copy(&self, cache: &Arc<ReplayCache>, key: &RecordKey) {
         let (cache, digest) = (cache.clone(), *key.digest());
         let client = self.connection.client().with_options(&self.options);
         let redis_key = self.redis_key(key);
         tokio::spawn(async move {
             let asked = tokio::time::Instant::now();
-            match client.pttl::<i64, _>(redis_key).await {
-                Ok(millis) if millis > 0 => {
-                    let left = Duration::from_millis(millis.unsigned_abs());
-                    cache.insert_measured(epoch, digest, fingerprint, payload, left, asked);
+            let left = match client.pttl::<i64, _>(redis_key).await {
+                Ok(millis) if millis > 0 => Some(Duration::from_millis(millis.unsigned_abs())),
+                Ok(_) => None, // gone already, or no TTL (never written so by this crate)
+                Err(error) => {
+                    tracing::debug!(%error, "could not read a record's TTL; its copy is dropped");
+                    None
                 }
-                Ok(_) => {} // gone already, or no TTL (never written so by this crate): no copy
-                Err(error) => tracing::debug!(%error, "could not read a record's TTL; no copy kept"),
-            }
+            };
+            cache.shorten(&digest, left, asked);
         });
     }
 
@@ -1491,7 +1536,8 @@ impl Store for RedisStore {
                 .notices
                 .get_or_try_init(|| async {
                     let base = self.connection.client();
-                    let notices = Notices::connect(base, store_reconnect_policy(), timeout).await?;
+                    let notices =
+                        Notices::connect(base, store_reconnect_policy(), timeout, self.pace.clone()).await?;
                     if let Some(watch) = &self.switch_watch {
                         watch.also_reconnect(vec![notices.client().clone()]);
                     }

@@ -11,15 +11,17 @@
 //!
 //! So every connection the store uses gets:
 //!
-//! - a **heartbeat**: a `PING` every [`HEARTBEAT_INTERVAL`], bounded by [`HEARTBEAT_TIMEOUT`].
+//! - a **heartbeat**: a `PING` every [`DEFAULT_INTERVAL`] (the store's
+//!   [`with_heartbeat`](crate::RedisStore::with_heartbeat), shared by all its heartbeats as a
+//!   [`Pace`]), bounded by [`HEARTBEAT_TIMEOUT`].
 //!   A ping unanswered in time marks the connection silent (logged once, counted in
 //!   `idempotency_connection_events_total`), tells what depends on it (a replay cache goes dark,
 //!   waiters read their records), and replaces the connection (`force_reconnection`; fred
 //!   opens a new one, which a load balancer routes like any new flow). The first ping answered
 //!   afterwards marks it back. The pings also keep the flow from ever being idle, so an idle
 //!   timeout on the way never fires. This is the bound on unanswered commands: a connection
-//!   that answers nothing for [`HEARTBEAT_TIMEOUT`] is replaced within
-//!   [`HEARTBEAT_INTERVAL`] + [`HEARTBEAT_TIMEOUT`] (3 s).
+//!   that answers nothing for [`HEARTBEAT_TIMEOUT`] is replaced within the interval plus
+//!   [`HEARTBEAT_TIMEOUT`] (3 s by default).
 //! - **TCP keepalive** (first probe after 10 s idle, then every 2 s, 3 probes) and, on Linux,
 //!   **`TCP_USER_TIMEOUT`** (10 s): the kernel closes a socket whose data stays unacknowledged,
 //!   a second line behind the heartbeat for when the process itself is starved.
@@ -30,7 +32,7 @@
 //! [`RedisStore::configure_liveness`](crate::RedisStore::configure_liveness). The heartbeat runs
 //! on every client, the owner's included.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,8 +46,8 @@ use tokio::task::JoinHandle;
 
 use crate::telemetry::{self, Connection, ConnectionEvent};
 
-/// How often each connection is pinged.
-pub(crate) const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often each connection is pinged, unless the store says otherwise.
+pub(crate) const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a ping may go unanswered before its connection is taken for dead and replaced.
 pub(crate) const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a reconnection may take before the heartbeat goes on pinging (and tries again).
@@ -92,6 +94,48 @@ pub(super) fn connection_config(base: &Client) -> ConnectionConfig {
     connection
 }
 
+/// How often a store's heartbeats ping, shared by all of them and read at every beat, so a
+/// change reaches the heartbeats already running.
+#[derive(Debug)]
+pub(crate) struct Pace {
+    /// Milliseconds between pings; 0: no pings.
+    interval_ms: AtomicU64,
+}
+
+impl Default for Pace {
+    fn default() -> Self {
+        Self {
+            interval_ms: AtomicU64::new(millis(DEFAULT_INTERVAL)),
+        }
+    }
+}
+
+impl Pace {
+    /// The interval between pings (`None`: no pings).
+    pub(crate) fn interval(&self) -> Option<Duration> {
+        match self.interval_ms.load(Ordering::Acquire) {
+            0 => None,
+            millis => Some(Duration::from_millis(millis)),
+        }
+    }
+
+    pub(crate) fn set(&self, interval: Option<Duration>) {
+        let millis = interval.map_or(0, |interval| millis(interval).max(1));
+        self.interval_ms.store(millis, Ordering::Release);
+    }
+
+    /// How old a feed's latest answered ping may be while what it feeds is trusted: the
+    /// interval, plus a second for the ping's own way and a late beat (`None`: no pings, so no
+    /// bound can be kept).
+    pub(crate) fn pulse_bound(&self) -> Option<Duration> {
+        self.interval().map(|interval| interval + Duration::from_secs(1))
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// The clients one heartbeat watches.
 pub(super) enum Watched {
     /// Clients that run commands side by side (the command client or pool, subscribers).
@@ -119,20 +163,32 @@ impl Drop for Heartbeat {
 }
 
 impl Heartbeat {
-    /// Starts pinging `watched`, counted and logged as `connection`.
-    pub(super) fn start(connection: Connection, watched: Watched) -> Self {
-        Self::start_with(connection, watched, None)
+    /// Starts pinging `watched` at `pace`, counted and logged as `connection`.
+    pub(super) fn start(connection: Connection, watched: Watched, pace: Arc<Pace>) -> Self {
+        Self::start_with(connection, watched, pace, None)
     }
 
     /// [`start`](Self::start), calling `on_answer` with the time each answered ping was sent.
-    pub(super) fn start_with(connection: Connection, watched: Watched, on_answer: Option<OnAnswer>) -> Self {
+    pub(super) fn start_with(
+        connection: Connection,
+        watched: Watched,
+        pace: Arc<Pace>,
+        on_answer: Option<OnAnswer>,
+    ) -> Self {
         let count = match &watched {
             Watched::Shared(clients) => clients.len(),
             Watched::Exclusive(pool) => pool.size(),
         };
         let silent: Arc<[AtomicBool]> = (0..count).map(|_| AtomicBool::new(false)).collect();
         let (silenced, silences) = watch::channel(0);
-        let task = tokio::spawn(beat(connection, watched, silent.clone(), silenced, on_answer));
+        let task = tokio::spawn(beat(
+            connection,
+            watched,
+            pace,
+            silent.clone(),
+            silenced,
+            on_answer,
+        ));
         Self {
             task,
             silences,
@@ -156,14 +212,23 @@ impl Heartbeat {
 async fn beat(
     connection: Connection,
     watched: Watched,
+    pace: Arc<Pace>,
     silent: Arc<[AtomicBool]>,
     silenced: watch::Sender<u64>,
     on_answer: Option<OnAnswer>,
 ) {
-    let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next = tokio::time::Instant::now();
     loop {
-        ticks.tick().await;
+        tokio::time::sleep_until(next).await;
+        let Some(interval) = pace.interval() else {
+            // Off: look again in a while, in case it is turned back on.
+            next += DEFAULT_INTERVAL;
+            silent
+                .iter()
+                .for_each(|silent| silent.store(false, Ordering::Release));
+            continue;
+        };
+        next = tokio::time::Instant::now() + interval;
         let checks = (0..silent.len()).map(|index| {
             let (watched, silent, silenced, on_answer) = (&watched, &silent[index], &silenced, &on_answer);
             async move {

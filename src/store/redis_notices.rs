@@ -24,7 +24,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::redis::{unavailable, Quit};
-use super::redis_liveness::{self, Heartbeat, Watched};
+use super::redis_liveness::{self, Heartbeat, Pace, Watched};
 use crate::store::{KeyWatch, StoreError};
 use crate::telemetry::Connection as Role;
 
@@ -144,6 +144,7 @@ impl Notices {
         base: &Client,
         policy: ReconnectPolicy,
         timeout: Duration,
+        pace: Arc<Pace>,
     ) -> Result<Self, StoreError> {
         let client = Builder::from_config(base.client_config())
             .set_connection_config(redis_liveness::connection_config(base))
@@ -154,7 +155,7 @@ impl Notices {
         client.init().await.map_err(unavailable)?;
         let registry = Arc::new(Registry::default());
         let (commands, queue) = mpsc::unbounded_channel();
-        let heartbeat = Heartbeat::start(Role::Notices, Watched::Shared(vec![client.clone()]));
+        let heartbeat = Heartbeat::start(Role::Notices, Watched::Shared(vec![client.clone()]), pace);
         let tasks = [
             tokio::spawn(run_commands(client.clone(), registry.clone(), queue, timeout)),
             tokio::spawn(listen(

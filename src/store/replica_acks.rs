@@ -29,7 +29,7 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
 
-use super::redis_liveness::{self, Heartbeat, Watched};
+use super::redis_liveness::{self, Heartbeat, Pace, Watched};
 use super::StoreError;
 use crate::telemetry::Connection as Role;
 
@@ -169,6 +169,7 @@ impl Waiter {
         acks: ReplicaAcks,
         command_options: &Options,
         policy: fred::types::config::ReconnectPolicy,
+        pace: Arc<Pace>,
     ) -> Result<Arc<Self>, StoreError> {
         let pool = ExclusivePool::new(
             base.client_config(),
@@ -201,7 +202,7 @@ impl Waiter {
             timeout: Some(command_timeout + acks.timeout),
             ..command_options.clone()
         };
-        let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()));
+        let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()), pace);
         Ok(Arc::new(Self {
             _heartbeat: heartbeat,
             pool,

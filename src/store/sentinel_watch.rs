@@ -39,7 +39,7 @@ use fred::types::Builder;
 use tokio::sync::Notify;
 
 use super::redis::Quit;
-use super::redis_liveness::{self, Heartbeat, Watched, HEARTBEAT_INTERVAL};
+use super::redis_liveness::{self, Heartbeat, Pace, Watched};
 use crate::telemetry::{self, Connection as Role, ConnectionEvent};
 
 const SWITCH_MASTER: &str = "+switch-master";
@@ -142,6 +142,7 @@ impl SwitchWatch {
 pub(super) async fn watch(
     client: &Client,
     policy: ReconnectPolicy,
+    pace: Arc<Pace>,
 ) -> Result<Option<SwitchWatch>, fred::error::Error> {
     let config = client.client_config();
     let ServerConfig::Sentinel {
@@ -179,7 +180,12 @@ pub(super) async fn watch(
         subscribers.clone(),
         service_name.clone(),
     ));
-    let sight = tokio::spawn(keep_sight(targets.clone(), fence.clone(), subscribers.clone()));
+    let sight = tokio::spawn(keep_sight(
+        targets.clone(),
+        fence.clone(),
+        subscribers.clone(),
+        pace,
+    ));
     Ok(Some(SwitchWatch {
         task,
         sight,
@@ -191,14 +197,21 @@ pub(super) async fn watch(
 
 /// Pings the sentinel subscriptions and keeps the fence's `blind` flag: raised while none of them
 /// is heard, lowered (after reconnecting every client once) when one is again.
-async fn keep_sight(targets: Arc<Mutex<Vec<Client>>>, fence: Arc<Fence>, subscribers: Vec<Client>) {
-    let heartbeat = Heartbeat::start(Role::Sentinels, Watched::Shared(subscribers.clone()));
-    let mut ticks = tokio::time::interval(HEARTBEAT_INTERVAL);
+async fn keep_sight(
+    targets: Arc<Mutex<Vec<Client>>>,
+    fence: Arc<Fence>,
+    subscribers: Vec<Client>,
+    pace: Arc<Pace>,
+) {
+    let heartbeat = Heartbeat::start(Role::Sentinels, Watched::Shared(subscribers.clone()), pace);
+    let mut ticks = tokio::time::interval(redis_liveness::DEFAULT_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The subscribers connect in `follow`'s listeners: give them a beat before judging.
     ticks.tick().await;
     loop {
         ticks.tick().await;
+        // With the heartbeat off, a silent subscription goes unseen: only one that fred knows to
+        // be down counts.
         let heard = (subscribers.iter().enumerate())
             .any(|(index, subscriber)| subscriber.is_connected() && !heartbeat.is_silent(index));
         let blind = fence.blind.load(Ordering::Acquire);
