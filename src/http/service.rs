@@ -106,7 +106,10 @@ where
 {
     let config = &layer.config;
     let guarded = request.extensions().get::<Guarded>().is_some();
-    if guarded || !config.methods.contains(request.method()) {
+    if guarded
+        || !config.methods.contains(request.method())
+        || (config.exempt_grpc_services && grpc::is_grpc_service(request.uri().path()))
+    {
         return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
     }
     let key = match key_from_headers(request.headers(), config) {
