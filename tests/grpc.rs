@@ -115,6 +115,8 @@ fn kind(status: &Status) -> (String, Option<i64>) {
 }
 
 const CREATE: &str = "/test.Payments/Create";
+/// A read: answers at once and runs nothing (not counted in `runs`).
+const GET: &str = "/test.Payments/Get";
 /// Server streaming: one reply, then the request's failure (if any) in the trailers.
 const STREAM: &str = "/test.Payments/Stream";
 
@@ -196,6 +198,16 @@ where
                     }
                 });
                 Ok(grpc.server_streaming(stream, request).await)
+            }),
+            GET => Box::pin(async move {
+                let get = tower::service_fn(|request: tonic::Request<PaymentRequest>| async move {
+                    let amount = request.into_inner().amount;
+                    Ok(tonic::Response::new(PaymentReply {
+                        id: "read".into(),
+                        amount,
+                    }))
+                });
+                Ok(grpc.unary(get, request).await)
             }),
             _ => Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) }),
         }
@@ -822,4 +834,41 @@ async fn the_documented_setup_lets_the_health_check_and_reflection_pass() {
     let status = within(standard::check(&channel, "")).await.expect_err("no key");
     assert_eq!(status.code(), Code::InvalidArgument);
     assert_eq!(kind(&status).0, "MISSING_KEY");
+}
+
+/// Per-method settings: a `PolicyLayer` whose endpoints are gRPC methods keys the writes and lets
+/// the reads (and gRPC's own services) pass; with `refuse_unmatched`, a key sent to a method it
+/// does not cover is refused with UNIMPLEMENTED rather than ignored.
+#[tokio::test]
+async fn a_policy_per_method_keys_the_writes_and_lets_the_reads_pass() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+
+    let policy =
+        tower_idempotency::PolicyLayer::new(IdempotencyLayer::new(tower_idempotency::MemoryStore::new()))
+            .with_refuse_unmatched(true)
+            .endpoint([http::Method::POST], CREATE, |layer| layer)
+            .expect("a gRPC method is a path pattern");
+    let server = standard::server!(policy);
+    let channel = server.channel().await;
+
+    let read = unary(&channel, GET, None, payment(5))
+        .await
+        .expect("a read needs no key");
+    assert_eq!(read.get_ref().id, "read");
+    let health = within(standard::check(&channel, "")).await;
+    assert_eq!(health.expect("a probe needs no key"), ServingStatus::Serving);
+    let status = create(&channel, None, payment(1))
+        .await
+        .expect_err("a write needs its key");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    create(&channel, Some("w-1"), payment(1)).await.expect("keyed");
+    let retry = create(&channel, Some("w-1"), payment(1)).await.expect("replayed");
+    assert!(is_replay(retry.metadata()));
+    assert_eq!(server.runs(), 1);
+
+    let status = unary(&channel, GET, Some("r-1"), payment(5))
+        .await
+        .expect_err("a key where none is honoured");
+    assert_eq!(status.code(), Code::Unimplemented);
+    assert_eq!(kind(&status), ("NO_ENDPOINT".into(), None));
 }

@@ -36,6 +36,7 @@ pub(crate) mod code {
     pub(crate) const FAILED_PRECONDITION: i32 = 9;
     pub(crate) const ABORTED: i32 = 10;
     pub(crate) const OUT_OF_RANGE: i32 = 11;
+    pub(crate) const UNIMPLEMENTED: i32 = 12;
     pub(crate) const INTERNAL: i32 = 13;
     pub(crate) const UNAVAILABLE: i32 = 14;
 }
@@ -163,6 +164,7 @@ impl Rejection {
     /// | `UnreadableRecord`, `HandlerPanicked`, `MissingScope` | 13 `INTERNAL` |
     /// | `ResponseNotStored` | 9 `FAILED_PRECONDITION` |
     /// | `HandlerTimedOut` | 4 `DEADLINE_EXCEEDED` |
+    /// | `NoEndpoint` | 12 `UNIMPLEMENTED` |
     ///
     /// ```
     /// use tower_idempotency::Rejection;
@@ -185,6 +187,8 @@ impl Rejection {
             // The call ran and will not run again under this key until an operator purges it.
             Rejection::ResponseNotStored { .. } => code::FAILED_PRECONDITION,
             Rejection::HandlerTimedOut { .. } => code::DEADLINE_EXCEEDED,
+            // The method is not offered with idempotency here, as HTTP's 501 says.
+            Rejection::NoEndpoint => code::UNIMPLEMENTED,
         }
     }
 
@@ -426,6 +430,7 @@ mod tests {
                 },
                 4,
             ),
+            (Rejection::NoEndpoint, 12),
         ];
         for (rejection, code) in rejections {
             let response = rejection

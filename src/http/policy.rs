@@ -148,6 +148,10 @@ pub struct Policy {
     ttl: Option<Dur>,
     /// The bound on handlers running at once, all endpoints together.
     max_in_flight: Option<u32>,
+    /// Refuse a keyed request that matches no endpoint (`PolicyLayer::with_refuse_unmatched`).
+    refuse_unmatched: Option<bool>,
+    /// `PolicyLayer::with_ignore_trailing_slash`.
+    ignore_trailing_slash: Option<bool>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
 }
@@ -217,7 +221,9 @@ impl PolicyLayer {
             Some(methods) => methods.0.clone(),
             None => base.config.methods.clone(),
         };
-        let mut layer = PolicyLayer::new(base.clone());
+        let mut layer = PolicyLayer::new(base.clone())
+            .with_refuse_unmatched(policy.refuse_unmatched.unwrap_or(false))
+            .with_ignore_trailing_slash(policy.ignore_trailing_slash.unwrap_or(false));
         for endpoint in &policy.endpoints {
             let methods = endpoint
                 .method

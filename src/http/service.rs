@@ -165,7 +165,7 @@ where
 /// `route_layer` around a `MethodRouter::layer`, say) do not claim its key a second time and
 /// find their own claim in flight.
 #[derive(Clone, Copy)]
-struct Guarded;
+pub(crate) struct Guarded;
 
 fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<IdempotencyKey>, KeyError> {
     let mut values = headers.get_all(&config.key_header).iter();
