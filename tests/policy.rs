@@ -817,3 +817,46 @@ async fn ignore_trailing_slash_matches_a_path_with_or_without_one() {
         StatusCode::OK
     );
 }
+
+/// A scope in the file that replaces the one set in code is a warning at load; a file that
+/// leaves the code's scope alone, or a base without one, loads quietly.
+#[test]
+fn a_file_scope_replacing_the_code_scope_is_warned_about_at_load() {
+    let (_guard, warnings) = capture_warnings();
+    let scoped = || IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    let load = |yaml: &str, base: IdempotencyLayer| {
+        PolicyLayer::from_policy(base, &Policy::from_yaml_str(yaml).unwrap()).unwrap();
+    };
+
+    load(
+        "idempotency:\n  scope: none\n  endpoints:\n    - { path: /a, scope: host }\n",
+        scoped(),
+    );
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 1, "the top level's, once: {logged:?}");
+    assert!(
+        logged[0].contains("replaces the scope set in code")
+            && logged[0].contains("share one namespace")
+            && logged[0].contains("field=idempotency.scope"),
+        "{logged:?}"
+    );
+
+    load(
+        "idempotency:\n  endpoints:\n    - { path: /a }\n    - { path: /b, scope: host }\n    - { path: /c, scope: { header: x-user } }\n",
+        scoped(),
+    );
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    assert!(
+        logged[0].contains("endpoint /b") && logged[0].contains("idempotency.endpoints[1].scope"),
+        "{logged:?}"
+    );
+    assert!(logged[1].contains("`header: x-user`"), "{logged:?}");
+
+    load("idempotency:\n  endpoints:\n    - { path: /a }\n", scoped());
+    load(
+        "idempotency:\n  scope: host\n  endpoints:\n    - { path: /a, scope: none }\n",
+        IdempotencyLayer::new(MemoryStore::new()),
+    );
+    assert!(taken(&warnings).is_empty());
+}

@@ -322,7 +322,7 @@ where
 /// A path pattern, compiled once: literal segments, parameters and a trailing wildcard.
 #[derive(Clone, Debug)]
 pub(crate) struct PathPattern {
-    source: Box<str>,
+    pub(crate) source: Box<str>,
     segments: Box<[Segment]>,
     /// A trailing `*`: any rest of the path.
     rest: bool,
