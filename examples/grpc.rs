@@ -4,6 +4,8 @@
 //! The client creates a payment, retries it with the same `idempotency-key` metadata (the
 //! replay, marked `idempotent-replayed`), reuses the key for another payment (ABORTED), forgets
 //! the key (INVALID_ARGUMENT), and meets a failure that is not stored (the retry runs again).
+//! The standard health check, served beside it as a Kubernetes probe calls it, passes without a
+//! key: gRPC's own services (`grpc.health.v1.Health`, reflection) are not covered by the layer.
 //!
 //! The messages are written by hand with `prost`'s derive and the service with tonic's
 //! low-level `tonic::server::Grpc`, as tonic's code generator would write them, so that the
@@ -93,8 +95,11 @@ where
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<Payments>().await;
     let server = Server::builder()
         .layer(IdempotencyLayer::new(MemoryStore::new()))
+        .add_service(health)
         .add_service(Payments {
             runs: Arc::default(),
             bank_busy: Arc::new(AtomicBool::new(true)),
@@ -132,6 +137,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(status) => println!("{what}: {:?}: {}", status.code(), status.message()),
     };
 
+    let probe = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await?;
+    println!("health check, no key       : {:?}", probe.get_ref().status());
     show("create, key order-1        ", &call(Some("order-1"), 42).await);
     show("retry, key order-1         ", &call(Some("order-1"), 42).await);
     let reused = call(Some("order-1"), 43).await;

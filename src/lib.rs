@@ -48,8 +48,8 @@
 //! [`FingerprintPolicy`] chooses what makes a retry the same request.
 //! A gRPC server (tonic's `Server::builder().layer(..)`) takes it too: the key comes as
 //! `idempotency-key` metadata, a call is stored only if its `grpc-status` allows
-//! ([`default_grpc_cacheable`]), and rejections are gRPC errors ([`Rejection::grpc_code`]); see
-//! `examples/grpc.rs`.
+//! ([`default_grpc_cacheable`]), and rejections are gRPC errors ([`Rejection::grpc_code`]);
+//! gRPC's own services (health check, reflection) pass untouched; see `examples/grpc.rs`.
 //!
 //! The protocol itself has no HTTP in it: [`Coordinator`] claims a key, and the [`Claim`] is
 //! completed with the result or released. Queue consumers use it directly (see

@@ -168,6 +168,14 @@ pub(crate) fn rejection(rejection: &crate::Rejection) {
     let _ = rejection;
 }
 
+/// Counts a request that carries an idempotency key but matches no endpoint of a
+/// `PolicyLayer`, passed through or refused (`idempotency_unmatched_requests_total`).
+#[inline]
+pub(crate) fn unmatched() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_unmatched_requests_total").increment(1);
+}
+
 /// Counts a reconciliation event, whether or not a hook is installed
 /// (`idempotency_reconciliation_events_total`).
 #[inline]
@@ -404,6 +412,7 @@ mod recorded {
             Rejection::MissingScope => "MissingScope",
             Rejection::ResponseNotStored { .. } => "ResponseNotStored",
             Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
+            Rejection::NoEndpoint => "NoEndpoint",
         );
     }
 
@@ -546,6 +555,7 @@ mod tests {
             crate::Rejection::HandlerPanicked,
             crate::Rejection::UnreadableRecord,
             crate::Rejection::MissingScope,
+            crate::Rejection::NoEndpoint,
         ];
         metrics::with_local_recorder(&recorder, || {
             for outcome in outcomes {

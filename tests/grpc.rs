@@ -115,6 +115,8 @@ fn kind(status: &Status) -> (String, Option<i64>) {
 }
 
 const CREATE: &str = "/test.Payments/Create";
+/// A read: answers at once and runs nothing (not counted in `runs`).
+const GET: &str = "/test.Payments/Get";
 /// Server streaming: one reply, then the request's failure (if any) in the trailers.
 const STREAM: &str = "/test.Payments/Stream";
 
@@ -197,6 +199,16 @@ where
                 });
                 Ok(grpc.server_streaming(stream, request).await)
             }),
+            GET => Box::pin(async move {
+                let get = tower::service_fn(|request: tonic::Request<PaymentRequest>| async move {
+                    let amount = request.into_inner().amount;
+                    Ok(tonic::Response::new(PaymentReply {
+                        id: "read".into(),
+                        amount,
+                    }))
+                });
+                Ok(grpc.unary(get, request).await)
+            }),
             _ => Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) }),
         }
     }
@@ -217,16 +229,27 @@ impl Drop for Server {
 impl Server {
     /// A tonic server with `layer` around its service, on a free loopback port.
     async fn start(layer: IdempotencyLayer) -> Self {
+        Self::serve(|incoming, payments| {
+            tonic::transport::Server::builder()
+                .layer(layer)
+                .add_service(payments)
+                .serve_with_incoming(incoming)
+        })
+        .await
+    }
+
+    /// A server that `build` makes, given the listener and the `Payments` service.
+    async fn serve<F>(build: impl FnOnce(tonic::transport::server::TcpIncoming, Payments) -> F) -> Self
+    where
+        F: std::future::Future<Output = Result<(), tonic::transport::Error>> + Send + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind a loopback port");
         let addr = listener.local_addr().expect("local address");
         let runs = Arc::new(AtomicUsize::new(0));
-        let service = Payments { runs: runs.clone() };
-        let serve = tonic::transport::Server::builder()
-            .layer(layer)
-            .add_service(service)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener));
+        let payments = Payments { runs: runs.clone() };
+        let serve = build(tonic::transport::server::TcpIncoming::from(listener), payments);
         let task = tokio::spawn(async move { serve.await.expect("the gRPC server runs") });
         Self { addr, runs, task }
     }
@@ -266,11 +289,20 @@ async fn create(
     key: Option<&str>,
     message: PaymentRequest,
 ) -> Result<tonic::Response<PaymentReply>, Status> {
+    unary(channel, CREATE, key, message).await
+}
+
+async fn unary(
+    channel: &Channel,
+    method: &'static str,
+    key: Option<&str>,
+    message: PaymentRequest,
+) -> Result<tonic::Response<PaymentReply>, Status> {
     let mut client = tonic::client::Grpc::new(channel.clone());
     client.ready().await.expect("the channel is ready");
     let codec = ProstCodec::<PaymentRequest, PaymentReply>::default();
     client
-        .unary(request(key, message), PathAndQuery::from_static(CREATE), codec)
+        .unary(request(key, message), PathAndQuery::from_static(method), codec)
         .await
 }
 
@@ -642,3 +674,201 @@ on_both_stores!(
     a_handler_past_its_timeout_gets_deadline_exceeded_and_its_retry_failed_precondition,
     the_store_down_gets_unavailable,
 );
+
+/// The standard health service (`tonic-health`) and server reflection (`tonic-reflection`,
+/// v1 and v1alpha), served beside `Payments`, each asked as its usual client asks.
+mod standard {
+    use super::*;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::{health_check_response::ServingStatus, HealthCheckRequest};
+
+    /// A server with `$layer` around the health service, both reflection services and
+    /// `Payments`. (A macro: tonic's bounds on a layer are long to write out.)
+    macro_rules! server {
+        ($layer:expr) => {{
+            let layer = $layer;
+            let (health, reflection, reflection_alpha) = standard::services().await;
+            Server::serve(move |incoming, payments| {
+                tonic::transport::Server::builder()
+                    .layer(layer)
+                    .add_service(health)
+                    .add_service(reflection)
+                    .add_service(reflection_alpha)
+                    .add_service(payments)
+                    .serve_with_incoming(incoming)
+            })
+            .await
+        }};
+    }
+    pub(super) use server;
+
+    pub(super) async fn services() -> (
+        tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+        tonic_reflection::pb::v1::server_reflection_server::ServerReflectionServer<
+            impl tonic_reflection::pb::v1::server_reflection_server::ServerReflection,
+        >,
+        tonic_reflection::pb::v1alpha::server_reflection_server::ServerReflectionServer<
+            impl tonic_reflection::pb::v1alpha::server_reflection_server::ServerReflection,
+        >,
+    ) {
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter.set_serving::<Payments>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .expect("the reflection service");
+        let reflection_alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()
+            .expect("the v1alpha reflection service");
+        (health, reflection, reflection_alpha)
+    }
+
+    /// `grpc.health.v1.Health/Check`, as a Kubernetes gRPC probe calls it: no metadata.
+    pub(super) async fn check(channel: &Channel, service: &str) -> Result<ServingStatus, Status> {
+        let request = HealthCheckRequest {
+            service: service.into(),
+        };
+        let answer = HealthClient::new(channel.clone()).check(request).await?;
+        Ok(answer.get_ref().status())
+    }
+
+    /// The first answer of `Health/Watch`, a server stream.
+    pub(super) async fn watch(channel: &Channel, service: &str) -> Result<ServingStatus, Status> {
+        let request = HealthCheckRequest {
+            service: service.into(),
+        };
+        let mut stream = HealthClient::new(channel.clone())
+            .watch(request)
+            .await?
+            .into_inner();
+        let first = stream.message().await?.expect("a first status");
+        Ok(first.status())
+    }
+
+    /// The services `ServerReflectionInfo` lists, v1 and v1alpha, asked as `grpcurl list` asks:
+    /// over a bidirectional stream the client keeps open while it waits for the answer.
+    pub(super) async fn list_services(channel: &Channel) -> Result<(Vec<String>, Vec<String>), Status> {
+        use futures_util::StreamExt;
+        use tonic_reflection::pb::{v1, v1alpha};
+
+        let request = v1::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let open = futures_util::stream::iter([request]).chain(futures_util::stream::pending());
+        let mut client = v1::server_reflection_client::ServerReflectionClient::new(channel.clone());
+        let mut answers = client.server_reflection_info(open).await?.into_inner();
+        let v1_names = match answers.message().await?.and_then(|a| a.message_response) {
+            Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
+                list.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("not a list of services: {other:?}"),
+        };
+
+        let request = v1alpha::ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(v1alpha::server_reflection_request::MessageRequest::ListServices(
+                String::new(),
+            )),
+        };
+        let open = futures_util::stream::iter([request]).chain(futures_util::stream::pending());
+        let mut client = v1alpha::server_reflection_client::ServerReflectionClient::new(channel.clone());
+        let mut answers = client.server_reflection_info(open).await?.into_inner();
+        let alpha_names = match answers.message().await?.and_then(|a| a.message_response) {
+            Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) => {
+                list.service.into_iter().map(|s| s.name).collect()
+            }
+            other => panic!("not a list of services: {other:?}"),
+        };
+        Ok((v1_names, alpha_names))
+    }
+}
+
+/// `what`, or a failure after 10 s: a call the layer held open fails rather than stalls.
+async fn within<F: std::future::Future>(what: F) -> F::Output {
+    tokio::time::timeout(Duration::from_secs(10), what)
+        .await
+        .expect("an answer, not a call held open")
+}
+
+/// The documented setup, `Server::builder().layer(IdempotencyLayer::new(..))`, with the
+/// standard health and reflection services beside the application's: probes and `grpcurl`
+/// pass without a key, while the application's methods still need one.
+#[tokio::test]
+async fn the_documented_setup_lets_the_health_check_and_reflection_pass() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+
+    let server = standard::server!(IdempotencyLayer::new(tower_idempotency::MemoryStore::new()));
+    let channel = server.channel().await;
+    let overall = within(standard::check(&channel, "")).await;
+    assert_eq!(
+        overall.expect("the server's overall health, as a Kubernetes probe asks it"),
+        ServingStatus::Serving
+    );
+    let one = within(standard::check(&channel, "test.Payments")).await;
+    assert_eq!(one.expect("one service's health"), ServingStatus::Serving);
+    let watched = within(standard::watch(&channel, "test.Payments")).await;
+    assert_eq!(watched.expect("a watch"), ServingStatus::Serving);
+    let (v1, v1alpha) = within(standard::list_services(&channel))
+        .await
+        .expect("reflection answers");
+    for names in [&v1, &v1alpha] {
+        assert!(names.iter().any(|n| n == "grpc.health.v1.Health"), "{names:?}");
+    }
+    // The application's own methods are covered as before.
+    let status = create(&channel, None, payment(1)).await.expect_err("no key");
+    assert_eq!(kind(&status).0, "MISSING_KEY");
+    create(&channel, Some("h-1"), payment(1)).await.expect("keyed");
+    let retry = create(&channel, Some("h-1"), payment(1)).await.expect("replayed");
+    assert!(is_replay(retry.metadata()));
+    assert_eq!(server.runs(), 1);
+
+    // Turned off, gRPC's own services are covered like any other method: probes are refused.
+    let covered =
+        IdempotencyLayer::new(tower_idempotency::MemoryStore::new()).with_exempt_grpc_services(false);
+    let server = standard::server!(covered);
+    let channel = server.channel().await;
+    let status = within(standard::check(&channel, "")).await.expect_err("no key");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert_eq!(kind(&status).0, "MISSING_KEY");
+}
+
+/// Per-method settings: a `PolicyLayer` whose endpoints are gRPC methods keys the writes and lets
+/// the reads (and gRPC's own services) pass; with `refuse_unmatched`, a key sent to a method it
+/// does not cover is refused with UNIMPLEMENTED rather than ignored.
+#[tokio::test]
+async fn a_policy_per_method_keys_the_writes_and_lets_the_reads_pass() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+
+    let policy =
+        tower_idempotency::PolicyLayer::new(IdempotencyLayer::new(tower_idempotency::MemoryStore::new()))
+            .with_refuse_unmatched(true)
+            .endpoint([http::Method::POST], CREATE, |layer| layer)
+            .expect("a gRPC method is a path pattern");
+    let server = standard::server!(policy);
+    let channel = server.channel().await;
+
+    let read = unary(&channel, GET, None, payment(5))
+        .await
+        .expect("a read needs no key");
+    assert_eq!(read.get_ref().id, "read");
+    let health = within(standard::check(&channel, "")).await;
+    assert_eq!(health.expect("a probe needs no key"), ServingStatus::Serving);
+    let status = create(&channel, None, payment(1))
+        .await
+        .expect_err("a write needs its key");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    create(&channel, Some("w-1"), payment(1)).await.expect("keyed");
+    let retry = create(&channel, Some("w-1"), payment(1)).await.expect("replayed");
+    assert!(is_replay(retry.metadata()));
+    assert_eq!(server.runs(), 1);
+
+    let status = unary(&channel, GET, Some("r-1"), payment(5))
+        .await
+        .expect_err("a key where none is honoured");
+    assert_eq!(status.code(), Code::Unimplemented);
+    assert_eq!(kind(&status), ("NO_ENDPOINT".into(), None));
+}

@@ -19,8 +19,8 @@ use http::StatusCode;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind;
 use tower_idempotency::{
-    Begin, Coordinator, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, RecordKey, RedisStore,
-    ReplicaAcks, Store,
+    Begin, Coordinator, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, PolicyLayer, RecordKey,
+    RedisStore, ReplicaAcks, Store,
 };
 
 /// The recorder is global; the tests of this binary take turns with it.
@@ -318,5 +318,64 @@ async fn each_outcome_moves_its_counter_on_redis() {
     assert_eq!(
         counted(),
         expect(&[("idempotency_requests_total{outcome=fail_open}", 1.0)])
+    );
+}
+
+/// A keyed request that matches no endpoint of a `PolicyLayer` is counted every time (it is
+/// logged once per path), passed through or refused; a matched one and a keyless one are not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_request_no_endpoint_matches_is_counted() {
+    let _turn = TURN.lock().await;
+    let base = IdempotencyLayer::new(MemoryStore::new());
+    let policy = PolicyLayer::new(base)
+        .endpoint([http::Method::POST], "/payments", |layer| layer)
+        .unwrap();
+    let app = |policy: PolicyLayer| {
+        axum::Router::new()
+            .route("/payments", axum::routing::post(|| async { "paid" }))
+            .route(
+                "/payments/",
+                axum::routing::post(|| async { "paid with a slash" }),
+            )
+            .layer(policy)
+    };
+    let passing = app(policy.clone());
+    let refusing = app(policy.with_refuse_unmatched(true));
+    let request = |path: &str, key: Option<&str>| {
+        let builder = http::Request::post(path);
+        let builder = match key {
+            Some(key) => builder.header("idempotency-key", key),
+            None => builder,
+        };
+        builder.body(Body::from("{}")).unwrap()
+    };
+    recorded();
+
+    assert_eq!(
+        send(&passing, request("/payments", Some("u-1"))).await.status,
+        200
+    );
+    assert_eq!(send(&passing, request("/payments/", None)).await.status, 200);
+    assert_eq!(counted(), expect(&[(EXECUTED, 1.0)]), "matched, or without a key");
+
+    for key in ["u-2", "u-3"] {
+        assert_eq!(send(&passing, request("/payments/", Some(key))).await.status, 200);
+    }
+    assert_eq!(
+        counted(),
+        expect(&[("idempotency_unmatched_requests_total{}", 2.0)])
+    );
+
+    assert_eq!(
+        send(&refusing, request("/payments/", Some("u-4"))).await.status,
+        501
+    );
+    assert_eq!(
+        counted(),
+        expect(&[
+            ("idempotency_unmatched_requests_total{}", 1.0),
+            ("idempotency_requests_total{outcome=rejected}", 1.0),
+            ("idempotency_rejections_total{kind=NoEndpoint}", 1.0),
+        ])
     );
 }

@@ -566,3 +566,297 @@ fn a_file_names_its_format_by_extension() {
     assert!(error.starts_with(&format!("{}:1:", path.display())), "{error}");
     assert!(error.contains("idempotency.ttl"), "{error}");
 }
+
+/// Captures the warnings logged on this thread until the guard is dropped: each as its message
+/// followed by its other fields, `name=value`.
+fn capture_warnings() -> (
+    tracing::subscriber::DefaultGuard,
+    Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    use tracing_subscriber::layer::SubscriberExt;
+
+    struct Fields(String);
+    impl tracing::field::Visit for Fields {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0.insert_str(0, &format!("{value:?}"));
+            } else {
+                self.0.push_str(&format!(" {}={value:?}", field.name()));
+            }
+        }
+        fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+            self.0.push_str(&format!(" {}={value}", field.name()));
+        }
+    }
+    struct Capture(Arc<std::sync::Mutex<Vec<String>>>);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut fields = Fields(String::new());
+                event.record(&mut fields);
+                self.0.lock().unwrap().push(fields.0);
+            }
+        }
+    }
+    let warnings = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Capture(warnings.clone()));
+    (tracing::subscriber::set_default(subscriber), warnings)
+}
+
+fn taken(warnings: &std::sync::Mutex<Vec<String>>) -> Vec<String> {
+    std::mem::take(&mut *warnings.lock().unwrap())
+}
+
+/// The routes a policy can miss: a trailing slash the pattern does not have, and a layer inside
+/// a `nest`, which sees the path without the nest's prefix. A keyed request there passes
+/// unprotected, but never silently: each path is logged once (and counted: tests/metrics.rs).
+#[tokio::test]
+async fn a_keyed_request_that_matches_no_endpoint_is_logged_once_per_path() {
+    let (_guard, warnings) = capture_warnings();
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  endpoints:\n    - { path: /payments, method: POST }\n    - { path: /api/payments, method: POST }\n",
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |runs: Arc<AtomicUsize>| {
+        post(move || async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) })
+            .get(|| async { "read" })
+    };
+    let app = Router::new()
+        .route("/payments", handler(runs.clone()))
+        .route("/payments/", handler(runs.clone()))
+        .nest(
+            "/api",
+            Router::new()
+                .route("/payments", handler(runs.clone()))
+                .layer(layer.clone()),
+        )
+        .layer(layer);
+    let key = |k| ("idempotency-key", k);
+    assert!(taken(&warnings).is_empty());
+
+    // Matched: protected, nothing logged.
+    let a = send(&app, "POST", "/payments", &[key("k1")], "{}").await;
+    assert_eq!((a.status, a.body.as_str()), (StatusCode::OK, "run 1"));
+    assert!(taken(&warnings).is_empty());
+
+    // A trailing slash: passes unprotected (a retry runs again), logged the first time only.
+    for (k, run) in [("k2", "run 2"), ("k2", "run 3"), ("k3", "run 4")] {
+        let a = send(&app, "POST", "/payments/", &[key(k)], "{}").await;
+        assert_eq!(
+            (a.status, a.replayed, a.body.as_str()),
+            (StatusCode::OK, false, run)
+        );
+    }
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert!(
+        logged[0].contains("matches no endpoint")
+            && logged[0].contains("passed through unprotected")
+            && logged[0].contains("path=/payments/")
+            && logged[0].contains("method=POST"),
+        "{logged:?}"
+    );
+    // No key, or a safe method: the request asked for no protection; nothing logged.
+    send(&app, "POST", "/payments/", &[], "{}").await;
+    let a = send(&app, "GET", "/payments/", &[key("k4")], "").await;
+    assert_eq!(a.body, "read");
+    assert!(taken(&warnings).is_empty());
+
+    // Inside a nest: the layer sees `/payments`, not `/api/payments`. The outer layer matched
+    // `/api/payments` here, so the request is protected and the inner one does not count it...
+    let a = send(&app, "POST", "/api/payments", &[key("k5")], "{}").await;
+    assert_eq!(a.status, StatusCode::OK);
+    let b = send(&app, "POST", "/api/payments", &[key("k5")], "{}").await;
+    assert!(b.replayed, "{b:?}");
+    assert!(taken(&warnings).is_empty());
+    // ...but a nested router with the policy alone runs it unprotected, and says so.
+    let api_only =
+        Policy::from_yaml_str("idempotency:\n  endpoints:\n    - { path: /api/payments, method: POST }\n")
+            .unwrap();
+    let only_nested = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &api_only).unwrap();
+    let nested = Router::new().nest(
+        "/api",
+        Router::new()
+            .route("/payments", handler(runs.clone()))
+            .layer(only_nested),
+    );
+    for _ in 0..2 {
+        let a = send(&nested, "POST", "/api/payments", &[key("k6")], "{}").await;
+        assert!(!a.replayed, "{a:?}");
+    }
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert!(
+        logged[0].ends_with("path=/payments"),
+        "the path the layer saw: {logged:?}"
+    );
+}
+
+/// `refuse_unmatched`: a request with the configured key header that matches no endpoint is
+/// refused with a problem document of its own type, and nothing runs; without a key, or with
+/// a header that is not the key's, it passes.
+#[tokio::test]
+async fn refuse_unmatched_refuses_a_keyed_request_no_endpoint_matches() {
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  refuse_unmatched: true\n  key_header: x-request-key\n  endpoints:\n    - { path: /payments, method: POST }\n",
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = |runs: Arc<AtomicUsize>| {
+        post(move || async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) })
+            .get(|| async { "read" })
+    };
+    let app = Router::new()
+        .route("/payments", handler(runs.clone()))
+        .route("/payments/", handler(runs.clone()))
+        .layer(layer);
+    let request = Request::post("/payments/")
+        .header("x-request-key", "k1")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(response.headers()["content-type"], "application/problem+json");
+    assert_eq!(
+        response.extensions().get::<tower_idempotency::Rejection>(),
+        Some(&tower_idempotency::Rejection::NoEndpoint)
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        problem["type"],
+        "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.NoEndpoint"
+    );
+    assert_eq!(problem["status"], 501);
+    assert!(
+        problem["detail"].as_str().unwrap().contains("x-request-key"),
+        "{problem}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran");
+
+    // Matched: protected as usual.
+    let a = send(&app, "POST", "/payments", &[("x-request-key", "k1")], "{}").await;
+    let b = send(&app, "POST", "/payments", &[("x-request-key", "k1")], "{}").await;
+    assert_eq!((a.status, b.replayed), (StatusCode::OK, true), "{a:?} {b:?}");
+    // Unmatched but asking for no protection: no key, another header, a safe method.
+    let a = send(&app, "POST", "/payments/", &[], "{}").await;
+    assert_eq!(a.body, "run 2");
+    let a = send(&app, "POST", "/payments/", &[("idempotency-key", "k2")], "{}").await;
+    assert_eq!(a.body, "run 3", "not this layer's key header");
+    let a = send(&app, "GET", "/payments/", &[("x-request-key", "k3")], "").await;
+    assert_eq!(a.body, "read");
+}
+
+/// `ignore_trailing_slash`: `/payments/` gets the endpoint `/payments` (and `/files` the
+/// endpoint `/files/*`), and is not logged as unmatched; a pattern that matches as sent wins.
+#[tokio::test]
+async fn ignore_trailing_slash_matches_a_path_with_or_without_one() {
+    let (_guard, warnings) = capture_warnings();
+    let policy = Policy::from_yaml_str(
+        "idempotency:\n  ignore_trailing_slash: true\n  endpoints:\n    - { path: /payments, method: POST }\n    - { path: '/files/*', method: PUT }\n",
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let count = |runs: Arc<AtomicUsize>| {
+        move || async move { format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1) }
+    };
+    let app = Router::new()
+        .route("/payments/", post(count(runs.clone())))
+        .route("/files", put(count(runs.clone())))
+        .layer(layer);
+    let a = send(&app, "POST", "/payments/", &[], "{}").await;
+    assert_eq!(
+        a.status,
+        StatusCode::BAD_REQUEST,
+        "the key is required there: {a:?}"
+    );
+    let a = send(&app, "POST", "/payments/", &[("idempotency-key", "p1")], "{}").await;
+    let b = send(&app, "POST", "/payments/", &[("idempotency-key", "p1")], "{}").await;
+    assert_eq!(
+        (a.body.as_str(), b.body.as_str(), b.replayed),
+        ("run 1", "run 1", true)
+    );
+    let a = send(&app, "PUT", "/files", &[("idempotency-key", "f1")], "").await;
+    let b = send(&app, "PUT", "/files", &[("idempotency-key", "f1")], "").await;
+    assert_eq!((a.body.as_str(), b.replayed), ("run 2", true));
+    assert!(taken(&warnings).is_empty());
+
+    // Both spellings listed, with different settings: each gets its own.
+    let layer = PolicyLayer::new(IdempotencyLayer::new(MemoryStore::new()))
+        .with_ignore_trailing_slash(true)
+        .endpoint([http::Method::POST], "/a", |layer| layer)
+        .unwrap()
+        .endpoint([http::Method::POST], "/a/", |layer| {
+            layer.with_key_required(false)
+        })
+        .unwrap();
+    let app = Router::new()
+        .route("/a", post(|| async { "a" }))
+        .route("/a/", post(|| async { "a/" }))
+        .layer(layer);
+    assert_eq!(
+        send(&app, "POST", "/a", &[], "").await.status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(send(&app, "POST", "/a/", &[], "").await.status, StatusCode::OK);
+
+    // Off (the default), `/payments/` matches nothing.
+    let policy =
+        Policy::from_yaml_str("idempotency:\n  endpoints:\n    - { path: /payments, method: POST }\n")
+            .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let app = Router::new()
+        .route("/payments/", post(|| async { "ok" }))
+        .layer(layer);
+    assert_eq!(
+        send(&app, "POST", "/payments/", &[], "{}").await.status,
+        StatusCode::OK
+    );
+}
+
+/// A scope in the file that replaces the one set in code is a warning at load; a file that
+/// leaves the code's scope alone, or a base without one, loads quietly.
+#[test]
+fn a_file_scope_replacing_the_code_scope_is_warned_about_at_load() {
+    let (_guard, warnings) = capture_warnings();
+    let scoped = || IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    let load = |yaml: &str, base: IdempotencyLayer| {
+        PolicyLayer::from_policy(base, &Policy::from_yaml_str(yaml).unwrap()).unwrap();
+    };
+
+    load(
+        "idempotency:\n  scope: none\n  endpoints:\n    - { path: /a, scope: host }\n",
+        scoped(),
+    );
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 1, "the top level's, once: {logged:?}");
+    assert!(
+        logged[0].contains("replaces the scope set in code")
+            && logged[0].contains("share one namespace")
+            && logged[0].contains("field=idempotency.scope"),
+        "{logged:?}"
+    );
+
+    load(
+        "idempotency:\n  endpoints:\n    - { path: /a }\n    - { path: /b, scope: host }\n    - { path: /c, scope: { header: x-user } }\n",
+        scoped(),
+    );
+    let logged = taken(&warnings);
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    assert!(
+        logged[0].contains("endpoint /b") && logged[0].contains("idempotency.endpoints[1].scope"),
+        "{logged:?}"
+    );
+    assert!(logged[1].contains("`header: x-user`"), "{logged:?}");
+
+    load("idempotency:\n  endpoints:\n    - { path: /a }\n", scoped());
+    load(
+        "idempotency:\n  scope: host\n  endpoints:\n    - { path: /a, scope: none }\n",
+        IdempotencyLayer::new(MemoryStore::new()),
+    );
+    assert!(taken(&warnings).is_empty());
+}

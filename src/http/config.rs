@@ -56,6 +56,8 @@ pub(crate) struct Config {
     /// How long this layer's handlers take, for `Retry-After`; a reconfigured layer starts its
     /// own (its handlers may differ), clones share it.
     pub(crate) typical_duration: Arc<TypicalDuration>,
+    /// Let calls to gRPC's own services (`/grpc.…`: health, reflection) pass untouched.
+    pub(crate) exempt_grpc_services: bool,
 }
 
 impl Default for Config {
@@ -82,6 +84,7 @@ impl Default for Config {
             max_wait: Duration::ZERO,
             default_wait: Duration::ZERO,
             typical_duration: Arc::default(),
+            exempt_grpc_services: true,
         }
     }
 }

@@ -5,14 +5,18 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Method, Request, Response};
+use http::{HeaderName, Method, Request, Response};
 use http_body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::http::body::{BoxError, RequestBody, ResponseBody};
 use crate::http::future::ResponseFuture;
-use crate::http::service::call_with;
+use crate::http::grpc;
+use crate::http::response::Rejection;
+use crate::http::service::{call_with, Guarded};
+use crate::http::unmatched::UnmatchedPaths;
+use crate::telemetry::{self, Outcome};
 use crate::{IdempotencyLayer, ShutdownHandle};
 
 /// One layer for a whole router, each endpoint (method and path pattern) with its own settings:
@@ -22,6 +26,15 @@ use crate::{IdempotencyLayer, ShutdownHandle};
 /// any other passes through untouched (add `"/*"` for a default). The path is the one this
 /// layer sees: put it on the outermost router (`Router::layer` on the top-level router, or
 /// around it), not inside a `nest`, which strips the nest's prefix.
+///
+/// **A keyed request that matches no endpoint is never silent.** One that carries a key (the
+/// key header of the base layer or of any endpoint) with an unsafe method (not `GET`, `HEAD`,
+/// `OPTIONS` or `TRACE`) and matches no endpoint is counted
+/// (`idempotency_unmatched_requests_total`) and logged, once per path (up to 1 024 paths; past
+/// that, counted only); it passes through unprotected, or is refused with
+/// [`with_refuse_unmatched`](Self::with_refuse_unmatched). A request that matches no endpoint
+/// only because of a trailing slash matches with
+/// [`with_ignore_trailing_slash`](Self::with_ignore_trailing_slash).
 ///
 /// Patterns are literal segments, `{name}` or `:name` for any one non-empty segment, and a
 /// last segment `*` (or `{*name}`) for the rest of the path, empty or not: `/files/*` matches
@@ -56,6 +69,13 @@ use crate::{IdempotencyLayer, ShutdownHandle};
 pub struct PolicyLayer {
     base: IdempotencyLayer,
     endpoints: Arc<[Endpoint]>,
+    /// The key headers of the base and of every endpoint: a request with one of them that
+    /// matches no endpoint expected protection.
+    key_headers: Arc<[HeaderName]>,
+    refuse_unmatched: bool,
+    ignore_trailing_slash: bool,
+    /// Shared by clones, so that each path is logged once per policy.
+    unmatched_paths: Arc<UnmatchedPaths>,
 }
 
 #[derive(Clone)]
@@ -81,10 +101,59 @@ impl fmt::Debug for PolicyLayer {
 impl PolicyLayer {
     /// A policy with no endpoints yet, whose endpoints start from `base`'s settings.
     pub fn new(base: IdempotencyLayer) -> Self {
+        let key_headers = Arc::from([base.config.key_header.clone()]);
         Self {
             base,
             endpoints: Arc::from(Vec::new()),
+            key_headers,
+            refuse_unmatched: false,
+            ignore_trailing_slash: false,
+            unmatched_paths: Arc::default(),
         }
+    }
+
+    /// Whether a request that carries a key but matches no endpoint is refused (default:
+    /// `false`: it passes through unprotected, counted and logged). With `true` it gets 501
+    /// [`Rejection::NoEndpoint`](crate::Rejection::NoEndpoint) (gRPC: `UNIMPLEMENTED`) and
+    /// nothing runs: a client that sends a key is either protected or told, so a route the
+    /// policy misses (a path spelled otherwise than its pattern, a prefix stripped by a `nest`)
+    /// fails in testing rather than running unprotected in production. Requests without a key,
+    /// with a safe method (`GET`, `HEAD`, `OPTIONS`, `TRACE`), or to gRPC's own services (see
+    /// [`IdempotencyLayer::with_exempt_grpc_services`]) pass as before.
+    ///
+    /// ```
+    /// # use http::Method;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, PolicyLayer};
+    /// let policy = PolicyLayer::new(IdempotencyLayer::new(MemoryStore::new()))
+    ///     .with_refuse_unmatched(true)
+    ///     .endpoint([Method::POST], "/payments", |layer| layer)?;
+    /// # let _ = policy;
+    /// # Ok::<(), tower_idempotency::PolicyError>(())
+    /// ```
+    pub fn with_refuse_unmatched(mut self, refuse: bool) -> Self {
+        self.refuse_unmatched = refuse;
+        self
+    }
+
+    /// Whether a trailing slash is insignificant (default: `false`: `/payments/` does not match
+    /// `/payments`, as a router tells them apart). With `true`, a request that matches no
+    /// pattern as sent is matched again without its trailing slash, or with one added:
+    /// `/payments/` gets the endpoint `/payments`, `/payments` the endpoint `/payments/`, and
+    /// `/files` the endpoint `/files/*`. A pattern that matches the path as sent still wins,
+    /// and a request that matches at once pays nothing more.
+    ///
+    /// ```
+    /// # use http::Method;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, PolicyLayer};
+    /// let policy = PolicyLayer::new(IdempotencyLayer::new(MemoryStore::new()))
+    ///     .with_ignore_trailing_slash(true)
+    ///     .endpoint([Method::POST], "/payments", |layer| layer)?;
+    /// # let _ = policy;
+    /// # Ok::<(), tower_idempotency::PolicyError>(())
+    /// ```
+    pub fn with_ignore_trailing_slash(mut self, ignore: bool) -> Self {
+        self.ignore_trailing_slash = ignore;
+        self
     }
 
     /// Adds an endpoint: requests with one of `methods` and a path matching `pattern` are
@@ -132,13 +201,18 @@ impl PolicyLayer {
                 earlier: format!("{:?} {}", earlier.methods, earlier.pattern.source),
             });
         }
+        let mut key_headers = self.key_headers.to_vec();
+        if !key_headers.contains(&endpoint.layer.config.key_header) {
+            key_headers.push(endpoint.layer.config.key_header.clone());
+        }
         endpoints.push(endpoint);
         // Most specific first, so that the first match is the most specific one. The sort is
         // stable, but no two endpoints that can match one request rank alike (see `same_as`).
         endpoints.sort_by(|a, b| b.pattern.rank.cmp(&a.pattern.rank));
         Ok(Self {
-            base: self.base,
             endpoints: Arc::from(endpoints),
+            key_headers: Arc::from(key_headers),
+            ..self
         })
     }
 
@@ -155,10 +229,40 @@ impl PolicyLayer {
 
     /// The layer for a request with this method and path, if an endpoint matches.
     fn select(&self, method: &Method, path: &str) -> Option<&IdempotencyLayer> {
+        let exact = self
+            .endpoints
+            .iter()
+            .find(|e| e.methods.contains(method) && e.pattern.matches(path));
+        if exact.is_some() || !self.ignore_trailing_slash {
+            return exact.map(|e| &e.layer);
+        }
         self.endpoints
             .iter()
-            .find(|e| e.methods.contains(method) && e.pattern.matches(path))
+            .find(|e| e.methods.contains(method) && e.pattern.matches_but_trailing_slash(path))
             .map(|e| &e.layer)
+    }
+
+    /// What becomes of a request no endpoint matches: if it carries a key, it is counted and
+    /// its path logged the first time; with `refuse_unmatched`, this is its refusal.
+    fn unmatched<B, R>(&self, request: &Request<B>) -> Option<Response<ResponseBody<R>>> {
+        let path = request.uri().path();
+        let keyed = !request.method().is_safe()
+            && self.key_headers.iter().any(|name| request.headers().contains_key(name))
+            // An outer idempotency layer handles it already.
+            && request.extensions().get::<Guarded>().is_none()
+            && !(self.base.config.exempt_grpc_services && grpc::is_grpc_service(path));
+        if !keyed {
+            return None;
+        }
+        telemetry::unmatched();
+        self.unmatched_paths
+            .notice(request.method(), path, self.refuse_unmatched);
+        if !self.refuse_unmatched {
+            return None;
+        }
+        telemetry::outcome(Outcome::Rejected);
+        let grpc = grpc::is_grpc_request(request.headers());
+        Some(Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc))
     }
 }
 
@@ -205,17 +309,20 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        match self.policy.select(request.method(), request.uri().path()) {
-            Some(layer) => call_with(&mut self.inner, layer, request),
-            None => ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming))),
+        if let Some(layer) = self.policy.select(request.method(), request.uri().path()) {
+            return call_with(&mut self.inner, layer, request);
         }
+        if let Some(refused) = self.policy.unmatched(&request) {
+            return ResponseFuture::ready(refused);
+        }
+        ResponseFuture::passthrough(self.inner.call(request.map(RequestBody::streaming)))
     }
 }
 
 /// A path pattern, compiled once: literal segments, parameters and a trailing wildcard.
 #[derive(Clone, Debug)]
 pub(crate) struct PathPattern {
-    source: Box<str>,
+    pub(crate) source: Box<str>,
     segments: Box<[Segment]>,
     /// A trailing `*`: any rest of the path.
     rest: bool,
@@ -283,29 +390,44 @@ impl PathPattern {
 
     /// Whether `path` (the request's, from its leading `/`) matches. No allocation.
     pub(crate) fn matches(&self, path: &str) -> bool {
-        let Some(mut rest) = path.strip_prefix('/') else {
+        match path.strip_prefix('/') {
+            Some(rest) => self.matches_segments(rest.split('/')),
+            None => false,
+        }
+    }
+
+    /// Whether `path` matches without its trailing slash, or with one added. No allocation.
+    fn matches_but_trailing_slash(&self, path: &str) -> bool {
+        let Some(rest) = path.strip_prefix('/') else {
             return false;
         };
-        for (i, segment) in self.segments.iter().enumerate() {
-            let (head, tail) = match rest.split_once('/') {
-                Some((head, tail)) => (head, Some(tail)),
-                None => (rest, None),
+        if rest.is_empty() {
+            // `/` alone is the root: no slash to take away, nor one to add.
+            return false;
+        }
+        match rest.strip_suffix('/') {
+            Some(trimmed) => self.matches_segments(trimmed.split('/')),
+            None => self.matches_segments(rest.split('/').chain(std::iter::once(""))),
+        }
+    }
+
+    /// Whether the segments of a path (what follows its leading `/`, split at each `/`)
+    /// match: one per segment of the pattern, then none more, or, for a trailing wildcard, at
+    /// least one more (empty or not: `/files/` has the empty one).
+    fn matches_segments<'a>(&self, mut parts: impl Iterator<Item = &'a str>) -> bool {
+        for segment in self.segments.iter() {
+            let Some(part) = parts.next() else {
+                return false;
             };
             let fits = match segment {
-                Segment::Literal(literal) => head == &**literal,
-                Segment::Param => !head.is_empty(),
+                Segment::Literal(literal) => part == &**literal,
+                Segment::Param => !part.is_empty(),
             };
             if !fits {
                 return false;
             }
-            match tail {
-                Some(tail) => rest = tail,
-                // The path ends here: it matches if the pattern does too.
-                None => return i + 1 == self.segments.len() && !self.rest,
-            }
         }
-        // The path goes on past a `/` (or is just `/` for a pattern of no segments).
-        self.rest
+        parts.next().is_some() == self.rest
     }
 
     /// Whether the two patterns match the same paths.
@@ -419,6 +541,20 @@ mod tests {
         let root = pattern("/");
         assert!(root.matches("/"));
         assert!(!root.matches("/a"));
+    }
+
+    #[test]
+    fn a_trailing_slash_can_be_taken_away_or_added() {
+        let loosely = |p: &str, path: &str| pattern(p).matches_but_trailing_slash(path);
+        assert!(loosely("/payments", "/payments/"));
+        assert!(loosely("/payments/", "/payments"));
+        assert!(loosely("/posts/{id}", "/posts/7/"));
+        assert!(loosely("/files/*", "/files"));
+        assert!(!loosely("/payments", "/payments//"));
+        assert!(!loosely("/payments", "/payment/"));
+        assert!(!loosely("/posts/{id}", "/posts/"));
+        assert!(!loosely("/", "/"), "the root matches as it is, or not at all");
+        assert!(!loosely("/payments", "payments/"));
     }
 
     #[test]

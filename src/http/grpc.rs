@@ -36,6 +36,7 @@ pub(crate) mod code {
     pub(crate) const FAILED_PRECONDITION: i32 = 9;
     pub(crate) const ABORTED: i32 = 10;
     pub(crate) const OUT_OF_RANGE: i32 = 11;
+    pub(crate) const UNIMPLEMENTED: i32 = 12;
     pub(crate) const INTERNAL: i32 = 13;
     pub(crate) const UNAVAILABLE: i32 = 14;
 }
@@ -52,6 +53,16 @@ pub(crate) fn is_grpc(content_type: Option<&HeaderValue>) -> bool {
     value.len() >= GRPC.len()
         && value[..GRPC.len()].eq_ignore_ascii_case(GRPC)
         && matches!(value.get(GRPC.len()), None | Some(b'+' | b';'))
+}
+
+/// Whether `path` calls one of gRPC's own services: a method of a service in the `grpc.` proto
+/// package (`/grpc.health.v1.Health/Check`, `/grpc.reflection.v1.ServerReflection/…`,
+/// `/grpc.channelz.v1.Channelz/…`). The package is reserved for gRPC's own services, which
+/// read state or serve the infrastructure (probes, tools) and never carry an idempotency key.
+/// One comparison of six bytes: the layer asks it of every covered request.
+#[inline]
+pub(crate) fn is_grpc_service(path: &str) -> bool {
+    path.starts_with("/grpc.")
 }
 
 /// Whether a request is a gRPC call, so its rejections must speak gRPC.
@@ -153,6 +164,7 @@ impl Rejection {
     /// | `UnreadableRecord`, `HandlerPanicked`, `MissingScope` | 13 `INTERNAL` |
     /// | `ResponseNotStored` | 9 `FAILED_PRECONDITION` |
     /// | `HandlerTimedOut` | 4 `DEADLINE_EXCEEDED` |
+    /// | `NoEndpoint` | 12 `UNIMPLEMENTED` |
     ///
     /// ```
     /// use tower_idempotency::Rejection;
@@ -175,6 +187,8 @@ impl Rejection {
             // The call ran and will not run again under this key until an operator purges it.
             Rejection::ResponseNotStored { .. } => code::FAILED_PRECONDITION,
             Rejection::HandlerTimedOut { .. } => code::DEADLINE_EXCEEDED,
+            // The method is not offered with idempotency here, as HTTP's 501 says.
+            Rejection::NoEndpoint => code::UNIMPLEMENTED,
         }
     }
 
@@ -416,6 +430,7 @@ mod tests {
                 },
                 4,
             ),
+            (Rejection::NoEndpoint, 12),
         ];
         for (rejection, code) in rejections {
             let response = rejection

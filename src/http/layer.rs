@@ -308,6 +308,26 @@ impl IdempotencyLayer {
         self.config(|c| c.grpc_cacheable = Arc::new(cacheable))
     }
 
+    /// Whether calls to gRPC's own services pass through untouched (default: `true`): every
+    /// method of a service in the `grpc.` proto package, such as the health check
+    /// (`/grpc.health.v1.Health/Check`, what Kubernetes' gRPC probes and load balancers call),
+    /// server reflection (`/grpc.reflection.v1.ServerReflection/…` and `v1alpha`, what
+    /// `grpcurl` calls) and channelz. They read state, their callers never send a key, and
+    /// reflection is a bidirectional stream the layer would otherwise buffer: required keys
+    /// there refuse every probe. With `false` they are covered like any other `POST`.
+    ///
+    /// The application's own read calls are the application's to name: see
+    /// [`PolicyLayer`](crate::PolicyLayer), whose endpoints can be gRPC methods.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_exempt_grpc_services(false);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_exempt_grpc_services(self, exempt: bool) -> Self {
+        self.config(|c| c.exempt_grpc_services = exempt)
+    }
+
     /// The status for a key reused with a different request (default: 409, as Stripe; the IETF
     /// draft asks for 422).
     ///

@@ -9,7 +9,8 @@
 //! layer hands on, and [`transactional`] the claim handed to a handler that stores its response
 //! in its own transaction. [`fingerprint`] decides what makes two requests the same, [`scope`]
 //! builds the common scopes, [`endpoints`] applies settings per method and path under one
-//! layer, and `policy` (feature `policy`) loads those settings from a file. Nothing in the
+//! layer ([`unmatched`] remembers the paths of keyed requests that matched none, to log each
+//! once), and `policy` (feature `policy`) loads those settings from a file. Nothing in the
 //! core (`coordinator`, `store`, `key`, `fingerprint`) depends on
 //! this module.
 
@@ -29,3 +30,4 @@ pub(crate) mod response;
 pub(crate) mod scope;
 pub(crate) mod service;
 pub(crate) mod transactional;
+pub(crate) mod unmatched;

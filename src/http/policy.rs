@@ -148,6 +148,10 @@ pub struct Policy {
     ttl: Option<Dur>,
     /// The bound on handlers running at once, all endpoints together.
     max_in_flight: Option<u32>,
+    /// Refuse a keyed request that matches no endpoint (`PolicyLayer::with_refuse_unmatched`).
+    refuse_unmatched: Option<bool>,
+    /// `PolicyLayer::with_ignore_trailing_slash`.
+    ignore_trailing_slash: Option<bool>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
 }
@@ -205,7 +209,14 @@ impl PolicyLayer {
     /// code such as a scope function or `with_cacheable`) with the file's top-level settings,
     /// and each endpoint that plus its own. See [`PolicyLayer`] for how requests find their
     /// endpoint.
+    ///
+    /// A `scope` in the file replaces a scope set in code on `base`: each such replacement is
+    /// logged as a warning here, at load (the file's scope may be meant, but a file copied from
+    /// another service can also turn a per-tenant scope into a shared one).
     pub fn from_policy(base: IdempotencyLayer, policy: &Policy) -> Result<Self, PolicyError> {
+        if base.config.scope.is_some() {
+            warn_scope_replaced(policy);
+        }
         let mut base = policy.apply(base);
         if let Some(ttl) = policy.ttl {
             base = base.with_retention(ttl.0);
@@ -217,7 +228,9 @@ impl PolicyLayer {
             Some(methods) => methods.0.clone(),
             None => base.config.methods.clone(),
         };
-        let mut layer = PolicyLayer::new(base.clone());
+        let mut layer = PolicyLayer::new(base.clone())
+            .with_refuse_unmatched(policy.refuse_unmatched.unwrap_or(false))
+            .with_ignore_trailing_slash(policy.ignore_trailing_slash.unwrap_or(false));
         for endpoint in &policy.endpoints {
             let methods = endpoint
                 .method
@@ -230,6 +243,35 @@ impl PolicyLayer {
             layer = layer.push_layer(methods, endpoint.path.clone(), configured)?;
         }
         Ok(layer)
+    }
+}
+
+/// Warns of each scope in `policy` that replaces the one set in code: the top level's, or, if
+/// the top sets none, each endpoint's.
+fn warn_scope_replaced(policy: &Policy) {
+    let describe = |scope: &ScopeSpec| match scope {
+        ScopeSpec::Host => "`host` (the request's host)".to_owned(),
+        ScopeSpec::Header(name) => format!("`header: {}`", name.0),
+        ScopeSpec::None => "`none`: keys of every caller share one namespace".to_owned(),
+    };
+    if let Some(scope) = &policy.scope {
+        tracing::warn!(
+            field = "idempotency.scope",
+            "the policy file's scope replaces the scope set in code on every endpoint: {}",
+            describe(scope)
+        );
+        return;
+    }
+    for (i, endpoint) in policy.endpoints.iter().enumerate() {
+        if let Some(scope) = &endpoint.scope {
+            tracing::warn!(
+                field = %format_args!("idempotency.endpoints[{i}].scope"),
+                path = &*endpoint.path.source,
+                "the policy file's scope replaces the scope set in code on endpoint {}: {}",
+                endpoint.path.source,
+                describe(scope)
+            );
+        }
     }
 }
 

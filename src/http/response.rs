@@ -85,6 +85,12 @@ pub enum Rejection {
         /// The timeout.
         after: Duration,
     },
+    /// 501: the request carries an idempotency key, but its method and path match no endpoint
+    /// of a [`PolicyLayer`](crate::PolicyLayer) that refuses such requests
+    /// ([`with_refuse_unmatched`](crate::PolicyLayer::with_refuse_unmatched)), so it would run
+    /// unprotected. Nothing was run. The server's policy does not cover this route (or the path
+    /// is spelled otherwise than its pattern); a retry gets the same answer.
+    NoEndpoint,
 }
 
 impl Rejection {
@@ -103,6 +109,7 @@ impl Rejection {
             }
             Rejection::ResponseNotStored { status, .. } => *status,
             Rejection::HandlerTimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Rejection::NoEndpoint => StatusCode::NOT_IMPLEMENTED,
         }
     }
 
@@ -121,6 +128,7 @@ impl Rejection {
             Rejection::MissingScope => "MissingScope",
             Rejection::ResponseNotStored { .. } => "ResponseNotStored",
             Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
+            Rejection::NoEndpoint => "NoEndpoint",
         }
     }
 
@@ -145,6 +153,7 @@ impl Rejection {
             Rejection::MissingScope => "Idempotency scope unavailable",
             Rejection::ResponseNotStored { .. } => "Response to this Idempotency-Key was not stored",
             Rejection::HandlerTimedOut { .. } => "Request timed out",
+            Rejection::NoEndpoint => "No idempotent endpoint for this request",
         }
     }
 
@@ -201,6 +210,10 @@ impl Rejection {
                 "The request was not answered within {} s and was cancelled; whether it took effect \
                  is unknown.",
                 after.as_secs()
+            ),
+            Rejection::NoEndpoint => format!(
+                "This server honours an {key_header} on none of its endpoints for this method and \
+                 path, so the request was refused rather than run unprotected; it was not processed."
             ),
         }
     }
@@ -344,6 +357,7 @@ mod tests {
             Rejection::HandlerTimedOut {
                 after: Duration::from_secs(60),
             },
+            Rejection::NoEndpoint,
         ]
     }
 

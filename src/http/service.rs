@@ -106,7 +106,10 @@ where
 {
     let config = &layer.config;
     let guarded = request.extensions().get::<Guarded>().is_some();
-    if guarded || !config.methods.contains(request.method()) {
+    if guarded
+        || !config.methods.contains(request.method())
+        || (config.exempt_grpc_services && grpc::is_grpc_service(request.uri().path()))
+    {
         return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
     }
     let key = match key_from_headers(request.headers(), config) {
@@ -162,7 +165,7 @@ where
 /// `route_layer` around a `MethodRouter::layer`, say) do not claim its key a second time and
 /// find their own claim in flight.
 #[derive(Clone, Copy)]
-struct Guarded;
+pub(crate) struct Guarded;
 
 fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<IdempotencyKey>, KeyError> {
     let mut values = headers.get_all(&config.key_header).iter();
