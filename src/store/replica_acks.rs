@@ -20,7 +20,8 @@
 //! later) instead: the master and `n` replicas must have written the writes to their
 //! append-only files, so that a restart of every node loses nothing either.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fred::clients::{Client, ExclusivePool};
@@ -29,7 +30,7 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
 
-use super::StoreError;
+use super::{OwnerToken, StoreError};
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
 const DEFAULT_CONNECTIONS: usize = 32;
@@ -145,6 +146,8 @@ pub(super) struct Waiter {
     pub(super) acks: ReplicaAcks,
     /// The options of a `WAIT`: the store's command timeout plus the wait itself.
     wait_options: Options,
+    /// The claims whose completion a background task owns now: one task per claim.
+    completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
 }
 
 impl Drop for Waiter {
@@ -201,6 +204,7 @@ impl Waiter {
             pool,
             acks,
             wait_options,
+            completing: Mutex::default(),
         }))
     }
 
@@ -277,6 +281,41 @@ impl Waiter {
     }
 }
 
+impl Waiter {
+    /// The completion of `owner`'s claim on `key` for the caller to hand to a background task,
+    /// unless a task owns it already (`None`): a caller that stopped waiting for a slow first
+    /// attempt (the coordinator's store timeout) and tries again must not start a second one.
+    pub(super) fn own_completion(
+        self: &Arc<Self>,
+        key: &crate::RecordKey,
+        owner: &OwnerToken,
+    ) -> Option<OwnedCompletion> {
+        let claim = (*key.digest(), owner.clone());
+        let mut completing = self.completing.lock().unwrap_or_else(PoisonError::into_inner);
+        if completing.contains(&claim) {
+            return None;
+        }
+        completing.insert(claim.clone());
+        Some(OwnedCompletion {
+            waiter: self.clone(),
+            claim,
+        })
+    }
+}
+
+/// A claim's completion, owned by the task that holds this until it ends.
+pub(super) struct OwnedCompletion {
+    waiter: Arc<Waiter>,
+    claim: ([u8; 32], OwnerToken),
+}
+
+impl Drop for OwnedCompletion {
+    fn drop(&mut self) {
+        let mut completing = (self.waiter.completing.lock()).unwrap_or_else(PoisonError::into_inner);
+        completing.remove(&self.claim);
+    }
+}
+
 /// What a `WAIT` or `WAITAOF` answered.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Acked {
@@ -302,6 +341,14 @@ impl Acked {
         }
     }
 }
+
+/// What a claim fails with, inside [`StoreError::Unavailable`], when its `WAIT` failed (the
+/// replicas' count could not be read): the claim may be on the master alone, so it was released
+/// and is refused like one they did not acknowledge, never run unprotected
+/// ([`StoreError::is_fence`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the replicas' acknowledgement of the claim could not be read: {0}")]
+pub(super) struct Unacknowledged(#[source] pub(super) StoreError);
 
 /// The outcome of one attempt to complete a record and have the replicas acknowledge it.
 pub(super) enum Completion {
