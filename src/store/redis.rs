@@ -477,7 +477,10 @@ impl RedisStore {
     /// - a completion the replicas do not acknowledge in time still returns the handler's
     ///   response, and a background task keeps completing the record, on whichever node is
     ///   master by then, until they do (for [`ReplicaAcks::retry_completions_for`]), logging an
-    ///   error if it gives up or finds the claim lost.
+    ///   error if it gives up or finds the claim lost. One task per claim: the completion waits
+    ///   for its first attempt at most the command timeout, then answers that the result is
+    ///   stored (by the task, if not yet), and a completion of a claim whose task still runs
+    ///   answers so at once.
     ///
     /// `WAIT` counts the writes of its own connection and blocks it while it waits, so waiting
     /// calls run on a pool of connections of their own ([`ReplicaAcks::connections`]); every

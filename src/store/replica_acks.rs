@@ -106,7 +106,8 @@ impl ReplicaAcks {
 
     /// How long one `WAIT` (or `WAITAOF`) may take (default 500 ms). A claim not acknowledged by
     /// then is released and answered 503. Keep the command timeout plus this under the layer's
-    /// store timeout (2 s by default), or the layer gives up on the claim first (also a 503).
+    /// store timeout (2 s by default), or the layer gives up on the claim first (also a 503, but
+    /// run unprotected with fail-open, as a store that did not answer).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
