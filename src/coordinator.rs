@@ -262,7 +262,9 @@ impl Coordinator {
 
     /// How long a claim holds a key without renewal (default: 30 s; at least 30 ms). A crashed
     /// caller blocks its key this long at most; a live one renews every third of it, so keep the
-    /// store timeout under a third of the lease for a renewal to land in time.
+    /// store timeout under a third of the lease for a renewal to land in time. Over Redis
+    /// Sentinel, keep it above 15 s: during a failover nothing renews a claim until the store is
+    /// on the new master (up to 10 s), so two thirds of the lease must outlast that.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -941,11 +943,15 @@ impl Claim {
             self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
             return Err(Error::ClaimLost);
         }
+        if self.renewal.is_some() {
+            self.flags.completing.store(true, Ordering::Release);
+        }
         let outcome = match self.complete_once(&payload).await {
             // A renewal task, if the claim has one, goes on until the record lands; a claim
             // renewed by its holder is renewed here from the first failure on (the first attempt
             // almost always lands, and needs no timer).
             Err(error) if worth_completing_again(&error) => {
+                self.flags.completing.store(true, Ordering::Release);
                 let again = std::pin::pin!(self.complete_again(&payload, error));
                 self.keep_alive(again).await
             }
@@ -1078,6 +1084,9 @@ struct ClaimFlags {
     /// A store completed the claim in a transaction of the caller's (through a [`ClaimTicket`]),
     /// so a renewal that then finds it no longer in flight does not take it for lost.
     completed_elsewhere: AtomicBool,
+    /// The claim's completion is under way, with a renewal beside it: a renewal that finds the
+    /// claim no longer in flight leaves the verdict to the completion (which may have landed).
+    completing: AtomicBool,
 }
 
 /// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
@@ -1111,6 +1120,13 @@ async fn renew_until_lost(
             Ok(true) => tracing::trace!(?key, "lease renewed"),
             Ok(false) if flags.completed_elsewhere.load(Ordering::Acquire) => {
                 tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
+                return;
+            }
+            Ok(false) if flags.completing.load(Ordering::Acquire) => {
+                tracing::trace!(
+                    ?key,
+                    "claim no longer in flight while it is completed; renewal ends"
+                );
                 return;
             }
             Ok(false) => {
