@@ -262,7 +262,9 @@ impl Coordinator {
 
     /// How long a claim holds a key without renewal (default: 30 s; at least 30 ms). A crashed
     /// caller blocks its key this long at most; a live one renews every third of it, so keep the
-    /// store timeout under a third of the lease for a renewal to land in time.
+    /// store timeout under a third of the lease for a renewal to land in time. Over Redis
+    /// Sentinel, keep it above 15 s: during a failover nothing renews a claim until the store is
+    /// on the new master (up to 10 s), so two thirds of the lease must outlast that.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -684,6 +686,23 @@ impl Coordinator {
         answer
     }
 
+    /// Waits while the store holds its owners' writes back on purpose (a Sentinel failover:
+    /// [`Store::writes_held`]), outside the store timeout, for at most a lease: a claim the
+    /// store took no renewal of for that long is gone anyway. Answers `false` if it stopped
+    /// waiting at that limit. Nothing at all (no timer, no allocation) when nothing is held.
+    async fn until_store_takes_writes(&self) -> bool {
+        let Some(held) = self.settings.store.writes_held() else {
+            return true;
+        };
+        tracing::debug!("the store holds writes back (a failover is under way); waiting until it takes them");
+        tokio::time::timeout(self.settings.lease, held).await.is_ok()
+    }
+
+    /// Whether the store holds its owners' writes back now (asked after a failed write).
+    fn store_holds_writes(&self) -> bool {
+        self.settings.store.writes_held().is_some()
+    }
+
     /// Releases `owner`'s claim from a task of its own, for claims whose holder is gone (dropped,
     /// cancelled) or whose outcome is unknown (the claim failed in transit).
     ///
@@ -703,6 +722,7 @@ impl Coordinator {
         let releasing = async move {
             for delay_ms in RELEASE_RETRY_DELAYS_MS {
                 tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                coordinator.until_store_takes_writes().await;
                 match coordinator
                     .bounded(StoreOp::Release, coordinator.settings.store.release(&key, &owner))
                     .await
@@ -900,26 +920,74 @@ impl Claim {
     /// Stores `payload` as the key's result, for the retention period.
     ///
     /// A store error is retried (3 attempts in all, each bounded by the store timeout), except
-    /// [`StoreError::TooLarge`], which another attempt would meet again. If the claim was lost,
-    /// nothing is written ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record
-    /// is never overwritten. If every attempt fails, the claim is left to expire with its lease
-    /// and an error is logged. If this future is dropped before the outcome is known, the claim
-    /// is released in the background (a completion that landed is not undone: release only
-    /// removes in-flight records).
+    /// [`StoreError::TooLarge`], which another attempt would meet again; the lease is renewed
+    /// meanwhile, until the record lands. If the claim was lost, nothing is written
+    /// ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record is never
+    /// overwritten. If every attempt fails, the claim is left to expire with its lease and an
+    /// error is logged. If this future is dropped before the outcome is known, the claim is
+    /// released in the background (a completion that landed is not undone: release only removes
+    /// in-flight records).
+    ///
+    /// While the store holds its writes back on purpose (`RedisStore` during a Sentinel
+    /// failover, see [`Store::writes_held`]), the completion waits, outside the store timeout
+    /// and for at most a lease, and goes to the store the moment it takes writes again; a wait
+    /// there is not a failed attempt.
     ///
     /// A result not stored (claim lost, every attempt failed) is reported to the
     /// [reconciliation hook](Coordinator::with_reconciliation), with the payload.
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
-        self.stop_renewal();
         if self.is_lost() {
+            self.stop_renewal();
             self.settled = true;
             tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
             self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
             return Err(Error::ClaimLost);
         }
+        if self.renewal.is_some() {
+            self.flags.completing.store(true, Ordering::Release);
+        }
+        let outcome = match self.complete_once(&payload).await {
+            // A renewal task, if the claim has one, goes on until the record lands; a claim
+            // renewed by its holder is renewed here from the first failure on (the first attempt
+            // almost always lands, and needs no timer).
+            Err(error) if worth_completing_again(&error) => {
+                self.flags.completing.store(true, Ordering::Release);
+                let again = std::pin::pin!(self.complete_again(&payload, error));
+                self.keep_alive(again).await
+            }
+            first => first,
+        };
+        self.stop_renewal();
+        // Every outcome settles the claim: stored, fenced, or left to its lease.
+        self.settled = true;
+        match outcome {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+                self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
+                Err(Error::ClaimLost)
+            }
+            Err(error) => {
+                tracing::error!(
+                    key = ?self.key, %error,
+                    "could not store the result; a retry after the lease ends will run the operation again"
+                );
+                let failed = ReconciliationKind::CompletionFailed {
+                    error: error.to_string(),
+                };
+                self.reconcile(failed, Some(&payload));
+                Err(Error::Store(error))
+            }
+        }
+    }
+
+    /// One attempt at the completion: after the store's hold, if it holds writes back, then one
+    /// call bounded by the store timeout. A call that fails because the store began to hold
+    /// writes back while it was under way is made again once it takes them.
+    async fn complete_once(&self, payload: &Bytes) -> Result<bool, StoreError> {
         let coordinator = &self.coordinator;
-        let mut attempt = 1;
         loop {
+            let takes_writes = coordinator.until_store_takes_writes().await;
             let call = coordinator.settings.store.complete(
                 &self.key,
                 &self.owner,
@@ -928,43 +996,40 @@ impl Claim {
             );
             let call = reconciliation::carrying(coordinator.settings.reconciler.as_ref(), call);
             let outcome = coordinator.bounded(StoreOp::Complete, call).await;
-            // A result too large for the store stays too large: trying again only delays the answer.
-            let retry = matches!(&outcome, Err(error)
-                if attempt < COMPLETE_ATTEMPTS && !matches!(error, StoreError::TooLarge { .. }));
-            // Every outcome but a retry settles the claim: stored, fenced, or left to its lease.
-            self.settled = !retry;
-            match outcome {
-                Ok(true) => return Ok(()),
-                Ok(false) => {
-                    tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
-                    self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
-                    return Err(Error::ClaimLost);
+            match &outcome {
+                Err(error)
+                    if takes_writes && worth_completing_again(error) && coordinator.store_holds_writes() =>
+                {
+                    tracing::debug!(key = ?self.key, %error, "the store began holding writes back during the completion; completing once it takes them");
                 }
-                Err(error) if retry => {
-                    tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
-                    attempt += 1;
+                _ => return outcome,
+            }
+        }
+    }
+
+    /// The attempts after a first that failed with `error`, a pause apart.
+    async fn complete_again(&self, payload: &Bytes, mut error: StoreError) -> Result<bool, StoreError> {
+        let mut attempt = 1;
+        loop {
+            tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            attempt += 1;
+            match self.complete_once(payload).await {
+                Err(failed) if attempt < COMPLETE_ATTEMPTS && worth_completing_again(&failed) => {
+                    error = failed
                 }
-                Err(error) => {
-                    tracing::error!(
-                        key = ?self.key, %error,
-                        "could not store the result; a retry after the lease ends will run the operation again"
-                    );
-                    let failed = ReconciliationKind::CompletionFailed {
-                        error: error.to_string(),
-                    };
-                    self.reconcile(failed, Some(&payload));
-                    return Err(Error::Store(error));
-                }
+                outcome => return outcome,
             }
         }
     }
 
     /// Gives the key up, so a retry runs the operation again. If the store call fails (or this
-    /// future is dropped first), the release is retried in the background.
+    /// future is dropped first), the release is retried in the background. While the store
+    /// holds its writes back (a Sentinel failover), it waits first, as a completion does.
     pub async fn release(mut self) -> Result<(), Error> {
         self.stop_renewal();
         let coordinator = &self.coordinator;
+        coordinator.until_store_takes_writes().await;
         coordinator
             .bounded(
                 StoreOp::Release,
@@ -974,6 +1039,12 @@ impl Claim {
         self.settled = true;
         Ok(())
     }
+}
+
+/// Whether a completion that failed with `error` may land if tried again: not a result too
+/// large for the store, which another attempt would meet again.
+fn worth_completing_again(error: &StoreError) -> bool {
+    !matches!(error, StoreError::TooLarge { .. })
 }
 
 impl Claim {
@@ -1013,6 +1084,9 @@ struct ClaimFlags {
     /// A store completed the claim in a transaction of the caller's (through a [`ClaimTicket`]),
     /// so a renewal that then finds it no longer in flight does not take it for lost.
     completed_elsewhere: AtomicBool,
+    /// The claim's completion is under way, with a renewal beside it: a renewal that finds the
+    /// claim no longer in flight leaves the verdict to the completion (which may have landed).
+    completing: AtomicBool,
 }
 
 /// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
@@ -1025,8 +1099,14 @@ async fn renew_until_lost(
     flags: &ClaimFlags,
 ) {
     let every = coordinator.settings.lease / 3;
+    let mut pause = every;
     loop {
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(pause).await;
+        pause = every;
+        // While the store holds writes back (a Sentinel failover), the renewal waits, outside the
+        // store timeout, and goes the moment it takes them again: to the new master, where the
+        // lease left from the last renewal that reached it is all that keeps the claim meanwhile.
+        coordinator.until_store_takes_writes().await;
         match coordinator
             .bounded(
                 StoreOp::Renew,
@@ -1042,6 +1122,13 @@ async fn renew_until_lost(
                 tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
                 return;
             }
+            Ok(false) if flags.completing.load(Ordering::Acquire) => {
+                tracing::trace!(
+                    ?key,
+                    "claim no longer in flight while it is completed; renewal ends"
+                );
+                return;
+            }
             Ok(false) => {
                 flags.lost.store(true, Ordering::Release);
                 tracing::warn!(
@@ -1049,6 +1136,11 @@ async fn renew_until_lost(
                     "claim lost while the operation runs; its result will not be stored"
                 );
                 return;
+            }
+            // The store began holding writes back during the call: renewed once it takes them.
+            Err(error) if coordinator.store_holds_writes() => {
+                tracing::debug!(?key, %error, "a renewal met a failover; renewing again once it ends");
+                pause = Duration::ZERO;
             }
             // The next renewal may get through; the lease is three renewals long.
             Err(error) => tracing::warn!(?key, %error, "could not renew a lease"),

@@ -221,6 +221,113 @@ async fn a_claim_the_replica_does_not_acknowledge_is_released_and_answered_503_n
     assert_eq!(runs.get(), 1);
 }
 
+/// A claim the replica does not acknowledge is refused on purpose, the store being up: fail-open
+/// does not run it unprotected either (before, it did, on a claim that may have been lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_replica_does_not_acknowledge_is_never_run_even_with_fail_open() {
+    let pair = Pair::start().await;
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    let (app, runs) = router(IdempotencyLayer::new(store).with_fail_open(true));
+
+    signal(&pair.replica, "-STOP");
+    let refused = send(&app, payment("unacked-fail-open", "{}")).await;
+    signal(&pair.replica, "-CONT");
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.extensions.get::<Rejection>(),
+        Some(&Rejection::StoreUnavailable)
+    );
+    assert_eq!(
+        runs.get(),
+        0,
+        "the handler ran unprotected on an unacknowledged claim"
+    );
+
+    let created = send(&app, payment("unacked-fail-open", "{}")).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+/// `blocked_clients` of `INFO clients`: the connections blocked in a `WAIT`.
+async fn blocked_clients(server: &Client) -> u64 {
+    let info = admin(server, &["INFO", "clients"]).await;
+    let info = info.as_str().map(|text| text.into_owned()).unwrap_or_default();
+    (info.lines())
+        .find_map(|line| line.strip_prefix("blocked_clients:"))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no blocked_clients in INFO clients:\n{info}"))
+}
+
+/// A completion whose `WAIT` outlasts the coordinator's bound on a store call (2 s + 100 ms)
+/// runs in one background task, and the caller is told the result is stored (it is on the
+/// master, and reaches the replica once it answers), never `CompletionFailed`. With the store's
+/// command timeout under the coordinator's bound the store answers first; above it, the
+/// coordinator tries again and finds the completion owned by the task. Before, each attempt the
+/// coordinator gave up on started a task of its own (three `WAIT`s at once), and the result
+/// was reported `CompletionFailed`, then stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_acknowledgement_runs_one_background_completion_and_reports_the_result_stored() {
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{Begin, Coordinator};
+
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    let acks = ReplicaAcks::new(1).timeout(Duration::from_secs(3));
+    for (name, command_timeout) in [
+        ("store-first", Duration::from_secs(2)),
+        ("coordinator-first", Duration::from_secs(5)),
+    ] {
+        let store = RedisStore::connect(&pair.master.url())
+            .await
+            .expect("connect")
+            .with_command_timeout(command_timeout)
+            .with_replica_acks(acks.clone())
+            .await
+            .expect("connect the waiting connections");
+        // Else the first completion's script answers NOSCRIPT only with its WAIT, 3 s later, and
+        // is reloaded then: the caller is told "stored" while the task has yet to store it.
+        store.load_scripts().await.expect("load the scripts");
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let journal = events.clone();
+        let coordinator = Coordinator::new(store.clone())
+            .with_reconciliation(move |event| journal.lock().unwrap().push(event.kind.clone()));
+        let key = RecordKey::new(None, IdempotencyKey::parse(name).unwrap());
+        let Ok(Begin::Claimed(claim)) = coordinator
+            .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+            .await
+        else {
+            panic!("{name}: a new key is claimed");
+        };
+
+        signal(&pair.replica, "-STOP");
+        let completed = claim.complete(Bytes::from_static(b"done")).await;
+        let waiting = blocked_clients(&master).await;
+        signal(&pair.replica, "-CONT");
+        assert!(completed.is_ok(), "{name}: {completed:?}");
+        assert!(
+            waiting <= 1,
+            "{name}: {waiting} completions wait for the replica at once"
+        );
+        assert_eq!(state_on(&master, &store, name).await, Some(b'C'), "{name}");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state_on(&replica, &store, name).await != Some(b'C') {
+            assert!(
+                Instant::now() < deadline,
+                "{name}: the replica never got the completion"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let reported = events.lock().unwrap().clone();
+        assert!(
+            reported.is_empty(),
+            "{name}: nothing to reconcile, not {reported:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requiring_more_replicas_than_there_are_refuses_every_new_key() {
     let pair = Pair::start().await;

@@ -350,6 +350,12 @@ where
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
             return reject(Outcome::Unreadable, Rejection::UnreadableRecord);
         }
+        Err(Error::Store(error)) if error.is_fence() => {
+            // The store is up and refused on purpose (a failover under way, or replicas that do
+            // not have the claim): a claim made now could be lost, so nothing runs, fail-open or not.
+            tracing::warn!(?key, %error, "the store refused the claim to protect it from a failover; refusing the request");
+            return reject(Outcome::Fenced, Rejection::StoreUnavailable);
+        }
         Err(Error::Store(error)) if config.fail_open => {
             // Counted like a claimed run, so the bound holds and a shutdown waits for it.
             let Ok(slot) = coordinator.slot() else {

@@ -222,6 +222,26 @@ pub trait Store: Send + Sync + 'static {
         let _ = key;
         Box::pin(std::future::ready(Ok(None)))
     }
+
+    /// While the store holds its owners' writes back on purpose (`RedisStore` during a Sentinel
+    /// failover, from the promotion of a replica until the store is on the new master), a
+    /// future that ends when they may go again; `None` otherwise, which is almost always and
+    /// costs nothing.
+    ///
+    /// [`Coordinator`](crate::Coordinator) waits on it before it completes, renews or releases a
+    /// claim, outside its store timeout: a result held back for longer than the timeout is then
+    /// stored once the store takes writes again, not abandoned. It waits at most a lease (a
+    /// claim cannot outlive that on a store that took no renewal meanwhile). The store's own
+    /// methods should still hold a write that comes while it holds them (the hold may begin
+    /// between this call and the write). The default holds nothing.
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, Store};
+    /// assert!(MemoryStore::new().writes_held().is_none());
+    /// ```
+    fn writes_held(&self) -> Option<StoreFuture<'_, ()>> {
+        None
+    }
 }
 
 /// A subscription to the settling of one record, from [`Store::watch`]: woken when the record
@@ -334,6 +354,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
 
     fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
         (**self).watch(key)
+    }
+
+    fn writes_held(&self) -> Option<StoreFuture<'_, ()>> {
+        (**self).writes_held()
     }
 }
 
@@ -567,15 +591,26 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether the store refused the write to protect it from a failover rather than because it
-    /// failed: a claim refused at the Sentinel fence, or one the replicas did not acknowledge in
-    /// time (`ReplicaAcks`). Answered 503 all the same; counted apart (`fenced`).
-    pub(crate) fn is_fence(&self) -> bool {
+    /// Whether the store refused the write on purpose, to protect it from a failover, rather
+    /// than because it failed: a claim refused at the Sentinel fence, or one the replicas (or the
+    /// master's disk) did not acknowledge in time (`ReplicaAcks`). The layer answers it 503 and
+    /// counts it apart (`fenced`); it never runs the handler unprotected for it, fail-open or not:
+    /// the store is up, and a claim written during a failover may be lost. A
+    /// [`Coordinator`](crate::Coordinator) user with a fail-open of its own should do the same.
+    ///
+    /// ```
+    /// use tower_idempotency::StoreError;
+    /// assert!(StoreError::NotReplicated { acknowledged: 0, wanted: 1 }.is_fence());
+    /// assert!(!StoreError::Timeout(std::time::Duration::from_secs(2)).is_fence());
+    /// ```
+    pub fn is_fence(&self) -> bool {
         match self {
             StoreError::NotReplicated { .. } | StoreError::NotFsynced => true,
             #[cfg(feature = "redis")]
             StoreError::Unavailable(source) => {
-                source.is::<sentinel_watch::FailingOver>() || source.is::<sentinel_watch::SentinelsUnheard>()
+                source.is::<sentinel_watch::FailingOver>()
+                    || source.is::<sentinel_watch::SentinelsUnheard>()
+                    || source.is::<replica_acks::Unacknowledged>()
             }
             _ => false,
         }
@@ -731,6 +766,12 @@ mod tests {
         assert!(StoreError::NotFsynced.is_fence());
         #[cfg(feature = "redis")]
         assert!(StoreError::Unavailable(Box::new(super::sentinel_watch::FailingOver)).is_fence());
+        #[cfg(feature = "redis")]
+        {
+            let wait_failed = StoreError::Timeout(std::time::Duration::from_secs(2));
+            let unacknowledged = super::replica_acks::Unacknowledged(wait_failed);
+            assert!(StoreError::Unavailable(Box::new(unacknowledged)).is_fence());
+        }
         let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert!(!StoreError::Unavailable(Box::new(reset)).is_fence());
         assert!(!StoreError::Timeout(std::time::Duration::from_secs(2)).is_fence());

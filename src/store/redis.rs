@@ -13,7 +13,7 @@ use fred::types::{Builder, ClusterHash, CustomCommand, Value};
 use super::redis_coalesce::{Coalescer, Command, ScriptCall, ScriptText};
 use super::redis_liveness::{self, Heartbeat, Pace, Watched};
 use super::redis_notices::{settled_channel, Notices};
-use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, ReplicaAcks, Waiter};
+use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, ReplicaAcks, Unacknowledged, Waiter};
 use super::sentinel_watch::{self, Fence, SwitchWatch};
 use super::{
     ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
@@ -596,7 +596,10 @@ impl RedisStore {
     /// - a completion the replicas do not acknowledge in time still returns the handler's
     ///   response, and a background task keeps completing the record, on whichever node is
     ///   master by then, until they do (for [`ReplicaAcks::retry_completions_for`]), logging an
-    ///   error if it gives up or finds the claim lost.
+    ///   error if it gives up or finds the claim lost. One task per claim: the completion waits
+    ///   for its first attempt at most the command timeout, then answers that the result is
+    ///   stored (by the task, if not yet), and a completion of a claim whose task still runs
+    ///   answers so at once.
     ///
     /// `WAIT` counts the writes of its own connection and blocks it while it waits, so waiting
     /// calls run on a pool of connections of their own ([`ReplicaAcks::connections`]); every
@@ -859,7 +862,7 @@ impl RedisStore {
         let error = match waiter.wait(&client, &self.redis_key(key)).await {
             Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
             Ok(acked) => acked.into_error(),
-            Err(error) => error,
+            Err(error) => StoreError::Unavailable(Box::new(Unacknowledged(error))),
         };
         // Nobody may run on a claim a failover can lose. The release follows the claim to the
         // replicas; the coordinator also queues one, in case this one fails.
@@ -878,6 +881,13 @@ impl RedisStore {
     /// The attempt runs in that task from the start, so a caller that stops waiting (the
     /// coordinator's store timeout) does not cancel it. If that task gives up, it tells the
     /// coordinator's reconciliation hook, which it takes along from the completion's task.
+    ///
+    /// One task per claim: a call for a claim whose completion a task owns already (the
+    /// coordinator trying again after it stopped waiting for a slow first attempt) is answered
+    /// stored at once, as that task stores it. And the caller waits for the first attempt at
+    /// most the command timeout (an attempt can take longer: it waits at a Sentinel fence, or
+    /// for a connection, and its WAIT has a timeout of its own on top); past it, the result is
+    /// reported stored, and whatever the first attempt finds is the task's to report.
     async fn complete_acknowledged(
         &self,
         waiter: &Arc<Waiter>,
@@ -885,44 +895,72 @@ impl RedisStore {
         owner: &OwnerToken,
         args: Vec<Value>,
     ) -> Result<bool, StoreError> {
+        let Some(owned) = waiter.own_completion(key, owner) else {
+            tracing::debug!(
+                ?key,
+                "a background task owns this completion already; answering with the result"
+            );
+            return Ok(true);
+        };
         let (report, first_outcome) = tokio::sync::oneshot::channel();
         let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
         // The owner is cloned for a hook only; the count of give-ups needs none.
         let hook = reconciliation::in_force().map(|hook| (hook, owner.clone()));
         let completing = async move {
+            let _owned = owned;
+            let payload = match args.get(2) {
+                Some(Value::Bytes(payload)) => Some(payload.clone()),
+                _ => None,
+            };
+            let tell = |kind: ReconciliationKind| match &hook {
+                Some((hook, owner)) => {
+                    reconciliation::report(Some(hook), kind, &record, owner, payload.as_ref())
+                }
+                None => crate::telemetry::reconciliation(&kind),
+            };
             let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
             let retry = match &first {
                 Ok(Completion::NotAcknowledged(_)) => true,
                 Ok(Completion::Durable | Completion::Lost) => false,
                 Err(error) => worth_retrying(error),
             };
-            let _ = report.send(first);
+            if let Err(first) = report.send(first) {
+                // The caller was answered "stored" before this attempt ended: what it would have
+                // reported, this task reports.
+                match first {
+                    Ok(Completion::Lost) => {
+                        tracing::warn!(key = ?record, "claim lost before completion; the result is not stored");
+                        tell(ReconciliationKind::ClaimLost);
+                    }
+                    Err(error) if !retry => {
+                        tracing::error!(key = ?record, %error, "could not store the result; a retry after the lease ends will run the operation again");
+                        tell(ReconciliationKind::CompletionFailed {
+                            error: error.to_string(),
+                        });
+                    }
+                    _ => {}
+                }
+            }
             if retry {
                 let retry_for = waiter.acks.retry_for();
                 let attempt = || store.complete_once_acknowledged(&waiter, &record, &args);
-                let kind = match keep_completing(&record, retry_for, attempt).await {
-                    None => return,
-                    Some(GaveUp::Lost) => ReconciliationKind::LostBeforeReplicated,
-                    Some(GaveUp::TimedOut(error)) => ReconciliationKind::ReplicationAbandoned { error },
-                };
-                let payload = match args.get(2) {
-                    Some(Value::Bytes(payload)) => Some(payload),
-                    _ => None,
-                };
-                match &hook {
-                    Some((hook, owner)) => reconciliation::report(Some(hook), kind, &record, owner, payload),
-                    None => crate::telemetry::reconciliation(&kind),
+                match keep_completing(&record, retry_for, attempt).await {
+                    None => {}
+                    Some(GaveUp::Lost) => tell(ReconciliationKind::LostBeforeReplicated),
+                    Some(GaveUp::TimedOut(error)) => tell(ReconciliationKind::ReplicationAbandoned { error }),
                 }
             }
         };
         tokio::spawn(tracing::Instrument::in_current_span(completing));
-        let error = match first_outcome.await {
-            Ok(Ok(Completion::Durable)) => return Ok(true),
-            Ok(Ok(Completion::Lost)) => return Ok(false),
-            Ok(Ok(Completion::NotAcknowledged(error))) => error,
-            Ok(Err(error)) if worth_retrying(&error) => error,
-            Ok(Err(error)) => return Err(error),
-            Err(_) => return Err(StoreError::Unavailable("the completion task ended".into())),
+        let waited = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+        let error = match tokio::time::timeout(waited, first_outcome).await {
+            Ok(Ok(Ok(Completion::Durable))) => return Ok(true),
+            Ok(Ok(Ok(Completion::Lost))) => return Ok(false),
+            Ok(Ok(Ok(Completion::NotAcknowledged(error)))) => error,
+            Ok(Ok(Err(error))) if worth_retrying(&error) => error,
+            Ok(Ok(Err(error))) => return Err(error),
+            Ok(Err(_)) => return Err(StoreError::Unavailable("the completion task ended".into())),
+            Err(_) => StoreError::Timeout(waited),
         };
         tracing::warn!(
             ?key, %error,
@@ -1596,6 +1634,15 @@ impl Store for RedisStore {
             Ok(oldest.into_vec())
         })
     }
+
+    /// While the Sentinel fence is up (see `sentinel_watch`): until it is lowered.
+    fn writes_held(&self) -> Option<StoreFuture<'_, ()>> {
+        let fence = self.fence().filter(|fence| fence.is_raised())?;
+        Some(Box::pin(async move {
+            fence.until_lowered().await;
+            Ok(())
+        }))
+    }
 }
 
 /// Keys asked for per `SCAN` call: a step of about a millisecond of Redis's time.
@@ -1736,3 +1783,7 @@ mod tests {
         assert_eq!(name, format!("payments:idem:{{{}}}", key.digest_hex()));
     }
 }
+
+#[cfg(test)]
+#[path = "redis_fence_tests.rs"]
+mod fence_tests;

@@ -20,7 +20,8 @@
 //! later) instead: the master and `n` replicas must have written the writes to their
 //! append-only files, so that a restart of every node loses nothing either.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fred::clients::{Client, ExclusivePool};
@@ -30,7 +31,7 @@ use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
 
 use super::redis_liveness::{self, Heartbeat, Pace, Watched};
-use super::StoreError;
+use super::{OwnerToken, StoreError};
 use crate::telemetry::Connection as Role;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -107,7 +108,8 @@ impl ReplicaAcks {
 
     /// How long one `WAIT` (or `WAITAOF`) may take (default 500 ms). A claim not acknowledged by
     /// then is released and answered 503. Keep the command timeout plus this under the layer's
-    /// store timeout (2 s by default), or the layer gives up on the claim first (also a 503).
+    /// store timeout (2 s by default), or the layer gives up on the claim first (also a 503, but
+    /// run unprotected with fail-open, as a store that did not answer).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -149,6 +151,8 @@ pub(super) struct Waiter {
     pub(super) acks: ReplicaAcks,
     /// The options of a `WAIT`: the store's command timeout plus the wait itself.
     wait_options: Options,
+    /// The claims whose completion a background task owns now: one task per claim.
+    completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
 }
 
 impl Drop for Waiter {
@@ -208,6 +212,7 @@ impl Waiter {
             pool,
             acks,
             wait_options,
+            completing: Mutex::default(),
         }))
     }
 
@@ -284,6 +289,41 @@ impl Waiter {
     }
 }
 
+impl Waiter {
+    /// The completion of `owner`'s claim on `key` for the caller to hand to a background task,
+    /// unless a task owns it already (`None`): a caller that stopped waiting for a slow first
+    /// attempt (the coordinator's store timeout) and tries again must not start a second one.
+    pub(super) fn own_completion(
+        self: &Arc<Self>,
+        key: &crate::RecordKey,
+        owner: &OwnerToken,
+    ) -> Option<OwnedCompletion> {
+        let claim = (*key.digest(), owner.clone());
+        let mut completing = self.completing.lock().unwrap_or_else(PoisonError::into_inner);
+        if completing.contains(&claim) {
+            return None;
+        }
+        completing.insert(claim.clone());
+        Some(OwnedCompletion {
+            waiter: self.clone(),
+            claim,
+        })
+    }
+}
+
+/// A claim's completion, owned by the task that holds this until it ends.
+pub(super) struct OwnedCompletion {
+    waiter: Arc<Waiter>,
+    claim: ([u8; 32], OwnerToken),
+}
+
+impl Drop for OwnedCompletion {
+    fn drop(&mut self) {
+        let mut completing = (self.waiter.completing.lock()).unwrap_or_else(PoisonError::into_inner);
+        completing.remove(&self.claim);
+    }
+}
+
 /// What a `WAIT` or `WAITAOF` answered.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Acked {
@@ -309,6 +349,14 @@ impl Acked {
         }
     }
 }
+
+/// What a claim fails with, inside [`StoreError::Unavailable`], when its `WAIT` failed (the
+/// replicas' count could not be read): the claim may be on the master alone, so it was released
+/// and is refused like one they did not acknowledge, never run unprotected
+/// ([`StoreError::is_fence`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the replicas' acknowledgement of the claim could not be read: {0}")]
+pub(super) struct Unacknowledged(#[source] pub(super) StoreError);
 
 /// The outcome of one attempt to complete a record and have the replicas acknowledge it.
 pub(super) enum Completion {

@@ -420,6 +420,32 @@ async fn reconnect(client: &Client) -> Option<Server> {
     }
 }
 
+/// A fence a test raises and lowers itself, in a watch that follows no sentinel: the store's
+/// completions, renewals and claims meet it as they meet the one a failover raises.
+#[cfg(test)]
+pub(super) fn held_by_test() -> (SwitchWatch, Arc<Fence>) {
+    let fence = Arc::new(Fence::default());
+    let watch = SwitchWatch {
+        task: tokio::spawn(async {}),
+        sight: tokio::spawn(async {}),
+        _subscribers: Vec::new(),
+        targets: Arc::default(),
+        fence: fence.clone(),
+    };
+    (watch, fence)
+}
+
+#[cfg(test)]
+impl Fence {
+    pub(super) fn set_raised_by_test(&self, raised: bool) {
+        if raised {
+            self.raise();
+        } else {
+            self.lower();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
