@@ -806,10 +806,9 @@ impl Claim {
         claim
     }
 
-    /// Hands the renewal of a claim from [`begin_driven`](Coordinator::begin_driven) to a task
-    /// of its own, for work that goes on outside [`keep_alive`](Claim::keep_alive) (a response
-    /// body stored as it streams). Does nothing if a task renews it already.
-    pub(crate) fn renew_in_background(&mut self) {
+    /// Hands the renewal of a claim to a task of its own, for callers that simply hold it.
+    /// Does nothing if a task renews it already.
+    fn renew_in_background(&mut self) {
         if self.renewal.is_some() {
             return;
         }

@@ -46,6 +46,8 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("body_limit", &self.config.body_limit)
             .field("response_limit", &self.config.response_limit)
             .field("fail_open", &self.config.fail_open)
+            .field("handler_timeout", &self.config.handler_timeout)
+            .field("stream_timeout", &self.config.stream_timeout())
             .field("max_wait", &self.config.max_wait)
             .field("default_wait", &self.config.default_wait)
             .finish_non_exhaustive()
@@ -386,8 +388,9 @@ impl IdempotencyLayer {
     /// kept as not replayable (or released, see
     /// [`with_release_not_stored`](Self::with_release_not_stored)): a hung handler no longer
     /// holds its key and a running-request slot for ever. The clock covers the handler and the
-    /// reading of a response body of known length; a body of unknown length streams on,
-    /// bounded by the response limit instead. `Duration::MAX` turns the bound off.
+    /// reading of a response body of known length; a body of unknown length is bounded by
+    /// [`with_stream_timeout`](Self::with_stream_timeout) instead. `Duration::MAX` turns the
+    /// bound off.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -397,6 +400,28 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_handler_timeout(self, timeout: Duration) -> Self {
         self.config(|c| c.handler_timeout = timeout)
+    }
+
+    /// The longest a response body of unknown length (a compression layer inside this one, a
+    /// proxied chunked upstream, server-sent events, a gRPC server stream) may hold its key
+    /// while it streams, counted from its head (default: the
+    /// [handler timeout](Self::with_handler_timeout), 60 s unless set). Past it the claim is
+    /// settled as not stored, whether or not the client is reading: the key is kept as not
+    /// replayable (or released, see [`with_release_not_stored`](Self::with_release_not_stored)),
+    /// its lease renewal and its running-request slot end, and a retry gets
+    /// [`Rejection::ResponseNotStored`](crate::Rejection::ResponseNotStored) (or runs) instead
+    /// of the 409 `InFlight` of a key held for as long as the stream lasts. The client's
+    /// response is not cut: it streams on to its end, no longer copied; if the client has left,
+    /// the layer stops reading the body there. `Duration::MAX` turns the bound off.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_stream_timeout(Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_stream_timeout(self, timeout: Duration) -> Self {
+        self.config(|c| c.stream_timeout = Some(timeout))
     }
 
     /// Hands each claimed request's claim to its handler (default: `false`): a

@@ -31,6 +31,7 @@ macro_rules! with_settings {
             body_limit: Option<Size>,
             response_limit: Option<Size>,
             handler_timeout: Option<Dur>,
+            stream_timeout: Option<Dur>,
             store_timeout: Option<Dur>,
             fail_open: Option<bool>,
             cancel_on_disconnect: Option<bool>,
@@ -69,6 +70,9 @@ macro_rules! with_settings {
                 }
                 if let Some(v) = s.handler_timeout {
                     layer = layer.with_handler_timeout(v.0);
+                }
+                if let Some(v) = s.stream_timeout {
+                    layer = layer.with_stream_timeout(v.0);
                 }
                 if let Some(v) = s.store_timeout {
                     layer = layer.with_store_timeout(v.0);

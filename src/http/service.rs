@@ -424,7 +424,7 @@ fn replay_stored<B, E>(
 /// replayable, or releases it. `grpc`: the request is a gRPC call, answered so if the layer must.
 async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
-    mut claim: Claim,
+    claim: Claim,
     config: Arc<Config>,
     request: Request<RequestBody<ReqBody>>,
     grpc: bool,
@@ -458,8 +458,7 @@ where
             Ok(response)
         }
         Some(Ok(Ok(Captured::Streaming(parts, body, record, status_rule)))) => {
-            // The body outlives this future: its lease is renewed by a task from now on.
-            claim.renew_in_background();
+            // The body outlives this future: a task holds its claim from now on.
             let storing = Storing::new(body, record, parts.status, status_rule, claim, &config);
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
