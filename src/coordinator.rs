@@ -146,24 +146,50 @@ pub enum Error {
     ClaimLost,
 }
 
-/// Counts the operations running under one coordinator (and its clones), bounds them, and
-/// tells a shutdown when the last one has finished.
+/// Counts the operations running under one in-flight bound (a coordinator and its clones,
+/// until one sets its own bound), bounds them, and tells a shutdown of its group when the last
+/// one has finished.
 struct Tracker {
-    closing: AtomicBool,
     running: AtomicUsize,
     /// Woken when `running` drops to zero.
     idle: Notify,
     max: u32,
+    /// The shutdown this bound belongs to, shared whatever the bound.
+    group: Arc<Group>,
 }
 
 impl Tracker {
-    fn new(max: u32) -> Self {
-        Self {
-            closing: AtomicBool::new(false),
+    /// A new bound of `max` in `group`, which from now on waits for its operations too.
+    fn join(group: &Arc<Group>, max: u32) -> Arc<Self> {
+        let tracker = Arc::new(Self {
             running: AtomicUsize::new(0),
             idle: Notify::new(),
             max,
-        }
+            group: group.clone(),
+        });
+        let mut members = group.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A bound no coordinator uses any more has nothing running: forget it.
+        members.retain(|member| member.strong_count() > 0);
+        members.push(Arc::downgrade(&tracker));
+        drop(members);
+        tracker
+    }
+}
+
+/// What one shutdown stops and waits for: every bound that joined it (a coordinator, its
+/// clones whatever their settings, and any other coordinator or layer given the same
+/// [`ShutdownHandle`]).
+#[derive(Default)]
+struct Group {
+    closing: AtomicBool,
+    /// Weak: a bound lives as long as a coordinator or a running operation uses it.
+    members: std::sync::Mutex<Vec<std::sync::Weak<Tracker>>>,
+}
+
+impl Group {
+    fn members(&self) -> Vec<Arc<Tracker>> {
+        let members = self.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        members.iter().filter_map(std::sync::Weak::upgrade).collect()
     }
 }
 
@@ -175,15 +201,18 @@ pub(crate) struct Slot {
 impl Slot {
     /// A place for new work, unless shutting down or at the bound.
     fn take(tracker: &Arc<Tracker>) -> Result<Self, Error> {
-        if tracker.closing.load(Ordering::Acquire) {
-            return Err(Error::ShuttingDown);
-        }
-        let before = tracker.running.fetch_add(1, Ordering::AcqRel);
+        // Counted before the shutdown flag is read (both sequentially consistent, as in
+        // `ShutdownHandle::shutdown`, which sets the flag before it reads the count): either the
+        // shutdown sees this operation and waits for it, or this sees the shutdown and refuses.
+        let before = tracker.running.fetch_add(1, Ordering::SeqCst);
         telemetry::running_started();
-        // Built first, so an over-count is undone by its drop.
+        // Built first, so a refusal is undone by its drop.
         let slot = Self {
             tracker: tracker.clone(),
         };
+        if tracker.group.closing.load(Ordering::SeqCst) {
+            return Err(Error::ShuttingDown);
+        }
         if before >= tracker.max as usize {
             return Err(Error::AtCapacity);
         }
@@ -242,7 +271,7 @@ impl Coordinator {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             store_timeout: DEFAULT_STORE_TIMEOUT,
-            tracker: Arc::new(Tracker::new(DEFAULT_MAX_IN_FLIGHT)),
+            tracker: Tracker::join(&Arc::default(), DEFAULT_MAX_IN_FLIGHT),
             reconciler: None,
             waiters: Arc::new(Waiters {
                 waiting: AtomicUsize::new(0),
@@ -305,16 +334,40 @@ impl Coordinator {
     /// Bounds how many claimed operations may run at once (default: 10 000); over it
     /// [`begin`](Coordinator::begin) claims nothing: it still reports a completed, running or
     /// mismatched key (from [`Store::peek`]) and fails with [`Error::AtCapacity`] otherwise.
-    /// Setting it starts a new tracker: coordinators cloned afterwards share it and its
-    /// [`ShutdownHandle`].
+    /// Setting it starts a new bound, with a count of its own, shared by the coordinators cloned
+    /// afterwards; the coordinator stays in its [`ShutdownHandle`]'s group, so one shutdown
+    /// still stops and waits for every clone, whatever its bound.
     ///
     /// ```
     /// # use tower_idempotency::{Coordinator, MemoryStore};
-    /// let coordinator = Coordinator::new(MemoryStore::new()).with_max_in_flight(256);
-    /// # let _ = coordinator;
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let bulk = coordinator.clone().with_max_in_flight(16);
+    /// // One shutdown covers both.
+    /// assert_eq!(bulk.shutdown_handle(), coordinator.shutdown_handle());
     /// ```
     pub fn with_max_in_flight(mut self, max: u32) -> Self {
-        self.settings_mut().tracker = Arc::new(Tracker::new(max.max(1)));
+        let group = self.settings.tracker.group.clone();
+        self.settings_mut().tracker = Tracker::join(&group, max.max(1));
+        self
+    }
+
+    /// Puts this coordinator in the shutdown group of `handle` (default: a group of its own,
+    /// shared by its clones), so that one [`ShutdownHandle::shutdown`] stops and waits for
+    /// several coordinators or layers at once: a Redis layer and a PostgreSQL layer in one
+    /// service, say. Its in-flight bound and its count are kept apart; only the shutdown is
+    /// shared.
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore, ShutdownHandle};
+    /// let shutdown = ShutdownHandle::new();
+    /// let orders = Coordinator::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// let emails = Coordinator::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// assert_eq!(orders.shutdown_handle(), shutdown);
+    /// # let _ = emails;
+    /// ```
+    pub fn with_shutdown_handle(mut self, handle: &ShutdownHandle) -> Self {
+        let max = self.settings.tracker.max;
+        self.settings_mut().tracker = Tracker::join(&handle.group, max);
         self
     }
 
@@ -387,7 +440,7 @@ impl Coordinator {
     /// A handle to stop taking new keys and wait for running operations.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         ShutdownHandle {
-            tracker: self.settings.tracker.clone(),
+            group: self.settings.tracker.group.clone(),
         }
     }
 
@@ -1127,6 +1180,10 @@ impl ClaimTicket {
 /// Operations keep running after their client hangs up; call [`shutdown`](ShutdownHandle::shutdown)
 /// before the process exits so their results are stored.
 ///
+/// A handle covers a group: a coordinator or layer and all its clones, whatever settings a clone
+/// was given (its own `with_max_in_flight` included), and any other coordinator or layer put in
+/// the group with `with_shutdown_handle`. Handles to one group compare equal.
+///
 /// ```
 /// # use std::time::Duration;
 /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -1138,15 +1195,40 @@ impl ClaimTicket {
 /// handle.shutdown(Duration::from_secs(10)).await.expect("handlers finished in time");
 /// # }
 /// ```
-#[derive(Clone)]
+///
+/// Several layers, over different stores, shut down with one call:
+///
+/// ```
+/// # use std::time::Duration;
+/// # use tower_idempotency::{IdempotencyLayer, MemoryStore, ShutdownHandle};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let shutdown = ShutdownHandle::new();
+/// let payments = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+/// let emails = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+/// // ... serve with both, then on SIGTERM:
+/// shutdown.shutdown(Duration::from_secs(10)).await.expect("handlers finished in time");
+/// assert!(payments.shutdown_handle().is_shutting_down() && emails.shutdown_handle().is_shutting_down());
+/// # }
+/// ```
+#[derive(Clone, Default)]
 pub struct ShutdownHandle {
-    tracker: Arc<Tracker>,
+    group: Arc<Group>,
 }
+
+impl PartialEq for ShutdownHandle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.group, &other.group)
+    }
+}
+
+impl Eq for ShutdownHandle {}
 
 impl std::fmt::Debug for ShutdownHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShutdownHandle")
             .field("running", &self.running())
+            .field("shutting_down", &self.is_shutting_down())
             .finish()
     }
 }
@@ -1166,37 +1248,51 @@ pub struct ShutdownTimedOut {
 }
 
 impl ShutdownHandle {
-    /// How many claimed operations are running now.
+    /// A shutdown group of its own, for coordinators and layers to join with
+    /// `with_shutdown_handle` (see [`Coordinator::with_shutdown_handle`]); the same as
+    /// [`ShutdownHandle::default`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many claimed operations are running now, in the whole group.
     pub fn running(&self) -> usize {
-        self.tracker.running.load(Ordering::Acquire)
+        self.group
+            .members()
+            .iter()
+            .map(|tracker| tracker.running.load(Ordering::Acquire))
+            .sum()
     }
 
     /// Whether [`shutdown`](ShutdownHandle::shutdown) was called.
     pub fn is_shutting_down(&self) -> bool {
-        self.tracker.closing.load(Ordering::Acquire)
+        self.group.closing.load(Ordering::Acquire)
     }
 
-    /// Stops taking new keys (they get [`Error::ShuttingDown`], over HTTP a 503; keys already
-    /// done or running are still answered) and waits up to `deadline` for the running
-    /// operations to finish and store their results. [`running`](ShutdownHandle::running) stays
-    /// exact meanwhile.
+    /// Stops taking new keys in the whole group (they get [`Error::ShuttingDown`], over HTTP a
+    /// 503; keys already done or running are still answered) and waits up to `deadline` for
+    /// the running operations to finish and store their results. [`running`](ShutdownHandle::running)
+    /// stays exact meanwhile.
     pub async fn shutdown(&self, deadline: Duration) -> Result<(), ShutdownTimedOut> {
-        self.tracker.closing.store(true, Ordering::Release);
-        let deadline = tokio::time::Instant::now() + deadline;
-        loop {
-            // Registered before the count is read, so the last operation's wake-up is not missed.
-            let idle = self.tracker.idle.notified();
-            let mut idle = std::pin::pin!(idle);
-            idle.as_mut().enable();
-            if self.running() == 0 {
-                return Ok(());
-            }
-            if tokio::time::timeout_at(deadline, idle).await.is_err() {
-                return Err(ShutdownTimedOut {
-                    running: self.running(),
-                });
+        self.group.closing.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + deadline.min(MAX_DURATION);
+        for tracker in self.group.members() {
+            loop {
+                // Registered before the count is read, so the last operation's wake-up is not missed.
+                let idle = tracker.idle.notified();
+                let mut idle = std::pin::pin!(idle);
+                idle.as_mut().enable();
+                if tracker.running.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                    return Err(ShutdownTimedOut {
+                        running: self.running(),
+                    });
+                }
             }
         }
+        Ok(())
     }
 }
 

@@ -33,8 +33,9 @@ use crate::{IdempotencyLayer, ShutdownHandle};
 /// endpoints equally.
 ///
 /// Each endpoint's layer is a clone of the base layer adjusted by a function: clones share the
-/// store and the bound on running requests, so [`shutdown_handle`](Self::shutdown_handle)
-/// covers them all (do not call `with_max_in_flight` per endpoint).
+/// store, the bound on running requests (unless an endpoint sets its own `with_max_in_flight`)
+/// and the shutdown, so [`shutdown_handle`](Self::shutdown_handle) covers them all, whatever
+/// their settings.
 ///
 /// ```
 /// use std::time::Duration;

@@ -19,8 +19,10 @@ use crate::{IdempotencyKey, RecordKey};
 /// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
 /// behaviour, and each `with_*` setter for a setting and its default.
 ///
-/// Clones share the store and the bound on running requests (and so one [`ShutdownHandle`]):
-/// build one layer, then clone and adjust it per route.
+/// Clones share the store, the bound on running requests and one [`ShutdownHandle`]: build one
+/// layer, then clone and adjust it per route. A clone given its own `with_max_in_flight` gets
+/// a bound of its own but stays under the same shutdown; layers over other stores join it with
+/// [`with_shutdown_handle`](Self::with_shutdown_handle).
 ///
 /// ```
 /// use std::time::Duration;
@@ -474,12 +476,15 @@ impl IdempotencyLayer {
     /// Bounds how many keyed requests may run their handler at once, fail-open runs included
     /// (default: 10 000); over it new keys are answered 503 and nothing is claimed, while a key
     /// already done still replays and one running still gets its 409 (one read of the store).
-    /// Starts a new tracker, shared by the clones made afterwards.
+    /// Starts a new bound, with its own count, shared by the clones made afterwards; the layer
+    /// stays under the same [`ShutdownHandle`], so a clone bounded per route is still stopped
+    /// and waited for by one shutdown.
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_in_flight(512);
-    /// # let _ = layer;
+    /// let exports = layer.clone().with_max_in_flight(4);
+    /// assert_eq!(exports.shutdown_handle(), layer.shutdown_handle());
     /// ```
     pub fn with_max_in_flight(mut self, max: u32) -> Self {
         self.coordinator = self.coordinator.with_max_in_flight(max);
@@ -569,9 +574,29 @@ impl IdempotencyLayer {
         self
     }
 
-    /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]).
+    /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]):
+    /// this layer's, its clones' whatever their settings, and those of every layer or
+    /// coordinator in the same group.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.coordinator.shutdown_handle()
+    }
+
+    /// Puts this layer in the shutdown group of `handle` (default: a group of its own, shared by
+    /// its clones), so one [`ShutdownHandle::shutdown`] stops and waits for several layers at
+    /// once: a layer over Redis and one over PostgreSQL in one service, say. See
+    /// [`Coordinator::with_shutdown_handle`].
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, ShutdownHandle};
+    /// let shutdown = ShutdownHandle::new();
+    /// let payments = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// let emails = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// // On SIGTERM: `shutdown.shutdown(deadline).await` stops both.
+    /// # let _ = (payments, emails);
+    /// ```
+    pub fn with_shutdown_handle(mut self, handle: &ShutdownHandle) -> Self {
+        self.coordinator = self.coordinator.with_shutdown_handle(handle);
+        self
     }
 
     /// The coordinator this layer runs on.
