@@ -574,6 +574,26 @@ impl IdempotencyLayer {
         self
     }
 
+    /// Names this layer in its metrics (default: none): each one it records carries a `name`
+    /// label with this value, so two layers (over two stores, or on two routes) keep apart
+    /// series that would otherwise merge; without a name no `name` label is recorded. The
+    /// labelled keys are built once, here, so a named layer's metrics cost no allocation per
+    /// request. Sets the name of the layer's [`Coordinator`] (see
+    /// [`Coordinator::with_name`]); clones made afterwards share it, so name a per-route clone
+    /// after cloning.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let base = IdempotencyLayer::new(MemoryStore::new());
+    /// let payments = base.clone().with_name("payments");
+    /// let refunds = base.with_name("refunds");
+    /// # let _ = (payments, refunds);
+    /// ```
+    pub fn with_name(mut self, name: impl Into<Arc<str>>) -> Self {
+        self.coordinator = self.coordinator.with_name(name);
+        self
+    }
+
     /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]):
     /// this layer's, its clones' whatever their settings, and those of every layer or
     /// coordinator in the same group.

@@ -758,7 +758,7 @@ impl RedisStore {
                 };
                 match &hook {
                     Some((hook, owner)) => reconciliation::report(Some(hook), kind, &record, owner, payload),
-                    None => crate::telemetry::reconciliation(&kind),
+                    None => crate::telemetry::reconciliation(&kind, None),
                 }
             }
         };
