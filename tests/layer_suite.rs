@@ -784,6 +784,61 @@ async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
     assert_eq!(runs.get(), 2);
 }
 
+/// The 4xx statuses named in the doc comment just above `item` in `source`.
+fn statuses_documented_above(source: &str, item: &str) -> std::collections::BTreeSet<u16> {
+    let at = source.find(item).unwrap_or_else(|| panic!("{item} not found"));
+    let doc: Vec<&str> = source[..at]
+        .lines()
+        .rev()
+        .skip(1)
+        .map(str::trim)
+        .take_while(|line| line.starts_with("///") || line.starts_with("#["))
+        .collect();
+    four_xx_in(&doc.join(" "))
+}
+
+fn four_xx_in(text: &str) -> std::collections::BTreeSet<u16> {
+    text.split(|c: char| !c.is_ascii_digit())
+        .filter(|word| word.len() == 3 && word.starts_with('4'))
+        .filter_map(|word| word.parse().ok())
+        .collect()
+}
+
+// Row 11, as documented: every place that lists the 4xx answers not stored by default (the
+// rustdoc of `default_cacheable` and `with_cacheable`, README's table and notes) lists exactly
+// those `default_cacheable` refuses.
+#[test]
+fn every_place_lists_the_4xx_answers_the_default_does_not_store() {
+    let refused: std::collections::BTreeSet<u16> = (400..500)
+        .filter(|&code| {
+            let (parts, ()) = http::Response::builder().status(code).body(()).unwrap().into_parts();
+            !tower_idempotency::default_cacheable(&parts)
+        })
+        .collect();
+    assert_eq!(refused, [401, 403, 408, 409, 425, 429].into(), "the behaviour");
+    let config = include_str!("../src/http/config.rs");
+    let layer = include_str!("../src/http/layer.rs");
+    let readme = include_str!("../README.md");
+    let row = readme
+        .lines()
+        .find(|line| line.starts_with("| 11 |"))
+        .expect("README's row 11");
+    let notes = readme
+        .split("The default `default_cacheable` stores every 4xx but")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .expect("README's note on default_cacheable");
+    let places = [
+        ("default_cacheable", statuses_documented_above(config, "pub fn default_cacheable")),
+        ("with_cacheable", statuses_documented_above(layer, "pub fn with_cacheable")),
+        ("README, row 11", four_xx_in(row)),
+        ("README, notes", four_xx_in(notes)),
+    ];
+    for (place, listed) in places {
+        assert_eq!(listed, refused, "{place}");
+    }
+}
+
 // Row 13
 async fn a_store_slower_than_its_timeout_fails_closed_or_open(b: Backend) {
     let slow = Arc::new(common::FaultyStore::new(b.store.clone()).with_answer_delay(Duration::from_secs(5)));

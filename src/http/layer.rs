@@ -274,13 +274,19 @@ impl IdempotencyLayer {
     }
 
     /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):
-    /// all but 5xx, 408, 409, 425, 429 and `Cache-Control: no-store`). An answer not stored goes
-    /// to the client unchanged and releases the key, so a retry runs the handler again.
+    /// all but 5xx, 401, 403, 408, 409, 425, 429 and `Cache-Control: no-store`; 401 and 403
+    /// are given before the operation starts, so a retry with fixed credentials must run). An
+    /// answer not stored goes to the client unchanged and releases the key, so a retry runs the
+    /// handler again.
     ///
     /// ```
-    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # use http::StatusCode;
+    /// # use tower_idempotency::{default_cacheable, IdempotencyLayer, MemoryStore};
     /// // Store successes only.
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_cacheable(|parts| parts.status.is_success());
+    /// // Or the default, and a 403 too (a refusal this handler gives after the operation ran).
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_cacheable(|parts| parts.status == StatusCode::FORBIDDEN || default_cacheable(parts));
     /// # let _ = layer;
     /// ```
     pub fn with_cacheable<F>(self, cacheable: F) -> Self
