@@ -676,4 +676,80 @@ mod tests {
             assert!(found, "{rejection:?}");
         }
     }
+
+    /// A named coordinator's keys are picked by index: each must carry the label its enum
+    /// variant has unnamed, plus the name.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn named_keys_carry_the_same_labels_and_the_name() {
+        use metrics_util::debugging::DebuggingRecorder;
+
+        for (index, outcome) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, index, "{outcome:?}");
+        }
+        for (index, op) in StoreOp::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, index, "{op:?}");
+        }
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let named = Named::new("payments".into());
+        let rejections = [
+            crate::Rejection::MissingKey,
+            crate::Rejection::BodyUnreadable,
+            crate::Rejection::StoreUnavailable,
+            crate::Rejection::UnreadableRecord,
+            crate::Rejection::Overloaded,
+            crate::Rejection::HandlerPanicked,
+            crate::Rejection::MissingScope,
+        ];
+        let kinds = [
+            ReconciliationKind::ClaimLost,
+            ReconciliationKind::LostBeforeReplicated,
+            ReconciliationKind::NotStorable {
+                why: crate::NotStored::TooLarge,
+            },
+        ];
+        metrics::with_local_recorder(&recorder, || {
+            for outcome in Outcome::ALL {
+                self::outcome(outcome, Some(&named));
+            }
+            for rejection in &rejections {
+                self::rejection(rejection, Some(&named));
+            }
+            for kind in &kinds {
+                self::reconciliation(kind, Some(&named));
+            }
+            for op in StoreOp::ALL {
+                store_call(op, Duration::from_millis(1), Some(&named));
+            }
+        });
+        let keys: Vec<(String, Vec<(String, String)>)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, ..)| {
+                let labels = key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
+                (key.key().name().to_owned(), labels)
+            })
+            .collect();
+        let has = |metric: &str, label: &str, value: &str| {
+            keys.iter().any(|(name, labels)| {
+                name == metric
+                    && labels.contains(&(label.to_owned(), value.to_owned()))
+                    && labels.contains(&("name".to_owned(), "payments".to_owned()))
+            })
+        };
+        for outcome in Outcome::ALL {
+            assert!(has("idempotency_requests_total", "outcome", outcome.as_str()), "{outcome:?}");
+        }
+        for rejection in &rejections {
+            assert!(has("idempotency_rejections_total", "kind", rejection.name()), "{rejection:?}");
+        }
+        for (kind, label) in kinds.iter().zip(["claim_lost", "lost_before_replicated", "not_storable"]) {
+            assert!(has("idempotency_reconciliation_events_total", "kind", label), "{kind:?}");
+        }
+        for op in StoreOp::ALL {
+            assert!(has("idempotency_store_duration_seconds", "op", op.as_str()), "{op:?}");
+        }
+    }
 }
