@@ -105,7 +105,11 @@ impl std::fmt::Debug for Coordinator {
             .field("name", &self.settings.named.as_ref().map(|named| named.name()))
             .field(
                 "reconciliation",
-                &self.settings.reconciler.as_ref().is_some_and(Reconciler::has_hook),
+                &self
+                    .settings
+                    .reconciler
+                    .as_ref()
+                    .is_some_and(Reconciler::has_hook),
             )
             .field("max_waiters", &self.settings.waiters.max)
             .finish_non_exhaustive()
@@ -173,7 +177,10 @@ impl Tracker {
             max,
             group: group.clone(),
         });
-        let mut members = group.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut members = group
+            .members
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         // A bound no coordinator uses any more has nothing running: forget it.
         members.retain(|member| member.strong_count() > 0);
         members.push(Arc::downgrade(&tracker));
@@ -194,7 +201,10 @@ struct Group {
 
 impl Group {
     fn members(&self) -> Vec<Arc<Tracker>> {
-        let members = self.members.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let members = self
+            .members
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         members.iter().filter_map(std::sync::Weak::upgrade).collect()
     }
 }

@@ -89,11 +89,14 @@ pub enum ReconciliationKind {
     LostBeforeReplicated,
 }
 
+/// The application's hook.
+type Hook = Arc<dyn Fn(&ReconciliationEvent) + Send + Sync>;
+
 /// A hook and a name, as the coordinator holds them: what an event raised out of its sight (in
 /// a store's background task) needs to be reported and counted as its own.
 #[derive(Clone, Default)]
 pub(crate) struct Reconciler {
-    hook: Option<Arc<dyn Fn(&ReconciliationEvent) + Send + Sync>>,
+    hook: Option<Hook>,
     /// The coordinator's metrics name, for the event's count.
     named: Option<Arc<Named>>,
 }

@@ -401,7 +401,7 @@ mod recorded {
     }
 
     /// The `kind` labels of rejections, in [`rejection_index`] order.
-    const REJECTION_KINDS: [&'static str; 13] = [
+    const REJECTION_KINDS: [&str; 13] = [
         "MissingKey",
         "InvalidKey",
         "BodyTooLarge",
@@ -436,7 +436,7 @@ mod recorded {
     }
 
     /// The `kind` labels of reconciliation events, in [`reconciliation_index`] order.
-    const RECONCILIATION_KINDS: [&'static str; 5] = [
+    const RECONCILIATION_KINDS: [&str; 5] = [
         "completion_failed",
         "not_storable",
         "claim_lost",
@@ -536,7 +536,9 @@ mod recorded {
     pub(super) fn running(delta: f64, named: Option<&Named>) {
         match named {
             Some(named) => metrics::with_recorder(|recorder| {
-                recorder.register_gauge(&named.keys.running, &METADATA).increment(delta);
+                recorder
+                    .register_gauge(&named.keys.running, &METADATA)
+                    .increment(delta);
             }),
             None => gauge!("idempotency_running").increment(delta),
         }
@@ -546,7 +548,9 @@ mod recorded {
         let seconds = took.as_secs_f64();
         if let Some(named) = named {
             let key = &named.keys.store[op as usize];
-            return metrics::with_recorder(|recorder| recorder.register_histogram(key, &METADATA).record(seconds));
+            return metrics::with_recorder(|recorder| {
+                recorder.register_histogram(key, &METADATA).record(seconds)
+            });
         }
         macro_rules! record {
             ($($variant:ident => $label:literal),* $(,)?) => {
@@ -728,7 +732,11 @@ mod tests {
             .into_vec()
             .into_iter()
             .map(|(key, ..)| {
-                let labels = key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
+                let labels = key
+                    .key()
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
                 (key.key().name().to_owned(), labels)
             })
             .collect();
@@ -740,16 +748,31 @@ mod tests {
             })
         };
         for outcome in Outcome::ALL {
-            assert!(has("idempotency_requests_total", "outcome", outcome.as_str()), "{outcome:?}");
+            assert!(
+                has("idempotency_requests_total", "outcome", outcome.as_str()),
+                "{outcome:?}"
+            );
         }
         for rejection in &rejections {
-            assert!(has("idempotency_rejections_total", "kind", rejection.name()), "{rejection:?}");
+            assert!(
+                has("idempotency_rejections_total", "kind", rejection.name()),
+                "{rejection:?}"
+            );
         }
-        for (kind, label) in kinds.iter().zip(["claim_lost", "lost_before_replicated", "not_storable"]) {
-            assert!(has("idempotency_reconciliation_events_total", "kind", label), "{kind:?}");
+        for (kind, label) in kinds
+            .iter()
+            .zip(["claim_lost", "lost_before_replicated", "not_storable"])
+        {
+            assert!(
+                has("idempotency_reconciliation_events_total", "kind", label),
+                "{kind:?}"
+            );
         }
         for op in StoreOp::ALL {
-            assert!(has("idempotency_store_duration_seconds", "op", op.as_str()), "{op:?}");
+            assert!(
+                has("idempotency_store_duration_seconds", "op", op.as_str()),
+                "{op:?}"
+            );
         }
     }
 }

@@ -304,7 +304,11 @@ async fn a_clone_with_bounds_of_its_own_shuts_down_with_the_original(b: Backend)
         until("the clone's handler runs", || runs.get() == 1).await;
         apps.push((name, app, runs, running));
     }
-    assert_eq!(handle.running(), 2, "the original's handle sees the clones' handlers");
+    assert_eq!(
+        handle.running(),
+        2,
+        "the original's handle sees the clones' handlers"
+    );
     let shutdown = {
         let handle = handle.clone();
         tokio::spawn(async move { handle.shutdown(Duration::from_secs(5)).await })
@@ -312,11 +316,19 @@ async fn a_clone_with_bounds_of_its_own_shuts_down_with_the_original(b: Backend)
     until("the shutdown has begun", || handle.is_shutting_down()).await;
     for (name, app, _, _) in &apps {
         let refused = send(app, payment(&format!("{name}-new"), "{}")).await;
-        assert_eq!(rejection(&refused), Some(&Rejection::Overloaded), "{name}: no new key");
+        assert_eq!(
+            rejection(&refused),
+            Some(&Rejection::Overloaded),
+            "{name}: no new key"
+        );
     }
     assert!(shutdown.await.unwrap().is_ok());
     for (name, _, runs, running) in apps {
-        assert_eq!(runs.finished(), 1, "{name}: the shutdown returned after its handler finished");
+        assert_eq!(
+            runs.finished(),
+            1,
+            "{name}: the shutdown returned after its handler finished"
+        );
         assert_eq!(running.await.unwrap().status, StatusCode::CREATED, "{name}");
     }
 }
@@ -347,7 +359,11 @@ async fn layers_over_two_stores_shut_down_with_one_call(b: Backend) {
     until("the shutdown has begun", || shutdown.is_shutting_down()).await;
     for (name, app, _, _) in &apps {
         let refused = send(app, payment(&format!("{name}-new"), "{}")).await;
-        assert_eq!(rejection(&refused), Some(&Rejection::Overloaded), "{name}: no new key");
+        assert_eq!(
+            rejection(&refused),
+            Some(&Rejection::Overloaded),
+            "{name}: no new key"
+        );
     }
     assert!(stopping.await.unwrap().is_ok());
     for (name, _, runs, running) in apps {

@@ -654,11 +654,19 @@ async fn once_settled(app: &axum::Router, request: impl Fn() -> Request<Body>) -
     loop {
         let response = tower::ServiceExt::oneshot(app.clone(), request()).await.unwrap();
         let in_flight = response.status() == StatusCode::CONFLICT
-            && response.extensions().get::<Rejection>().is_some_and(|r| matches!(r, Rejection::InFlight { .. }));
+            && response
+                .extensions()
+                .get::<Rejection>()
+                .is_some_and(|r| matches!(r, Rejection::InFlight { .. }));
         if !in_flight {
             let (parts, body) = response.into_parts();
             // A retry that ran streams without end: its head is what counts.
-            let body = match tokio::time::timeout(Duration::from_millis(200), http_body_util::BodyExt::collect(body)).await {
+            let body = match tokio::time::timeout(
+                Duration::from_millis(200),
+                http_body_util::BodyExt::collect(body),
+            )
+            .await
+            {
                 Ok(collected) => collected.unwrap().to_bytes(),
                 Err(_) => Bytes::new(),
             };
@@ -713,7 +721,10 @@ async fn a_stalled_stream_holds_its_key_no_longer_than_the_stream_timeout(b: Bac
             assert_eq!(layer.shutdown_handle().running(), 0, "its slot is free");
             assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
         }
-        assert!(!http_body::Body::is_end_stream(&body), "the client's response is not cut");
+        assert!(
+            !http_body::Body::is_end_stream(&body),
+            "the client's response is not cut"
+        );
     }
 }
 
@@ -735,12 +746,16 @@ fn endless(dropped: Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>
 async fn an_endless_stream_whose_client_left_is_read_no_further_than_its_claim(b: Backend) {
     let cases = [
         ("endless-over-cap", layer(&b).with_response_limit(100)),
-        ("endless-timed-out", layer(&b).with_stream_timeout(Duration::from_millis(300))),
+        (
+            "endless-timed-out",
+            layer(&b).with_stream_timeout(Duration::from_millis(300)),
+        ),
     ];
     for (key, layer) in cases {
         let (told, dropped) = tokio::sync::oneshot::channel();
         let told = Arc::new(std::sync::Mutex::new(Some(told)));
-        let (app, runs) = streaming_router(layer.with_release_not_stored(true), move || endless(told.clone()));
+        let (app, runs) =
+            streaming_router(layer.with_release_not_stored(true), move || endless(told.clone()));
         let response = tower::ServiceExt::oneshot(app.clone(), payment(key, "{}"))
             .await
             .unwrap();
@@ -811,7 +826,11 @@ fn four_xx_in(text: &str) -> std::collections::BTreeSet<u16> {
 fn every_place_lists_the_4xx_answers_the_default_does_not_store() {
     let refused: std::collections::BTreeSet<u16> = (400..500)
         .filter(|&code| {
-            let (parts, ()) = http::Response::builder().status(code).body(()).unwrap().into_parts();
+            let (parts, ()) = http::Response::builder()
+                .status(code)
+                .body(())
+                .unwrap()
+                .into_parts();
             !tower_idempotency::default_cacheable(&parts)
         })
         .collect();
@@ -829,8 +848,14 @@ fn every_place_lists_the_4xx_answers_the_default_does_not_store() {
         .and_then(|rest| rest.split(':').next())
         .expect("README's note on default_cacheable");
     let places = [
-        ("default_cacheable", statuses_documented_above(config, "pub fn default_cacheable")),
-        ("with_cacheable", statuses_documented_above(layer, "pub fn with_cacheable")),
+        (
+            "default_cacheable",
+            statuses_documented_above(config, "pub fn default_cacheable"),
+        ),
+        (
+            "with_cacheable",
+            statuses_documented_above(layer, "pub fn with_cacheable"),
+        ),
         ("README, row 11", four_xx_in(row)),
         ("README, notes", four_xx_in(notes)),
     ];

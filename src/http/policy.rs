@@ -642,6 +642,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_stream_timeout_is_a_setting_of_the_file() {
+        let policy =
+            Policy::from_json_str(r#"{ "idempotency": { "handler_timeout": "20s", "endpoints": [] } }"#)
+                .expect("a valid policy");
+        let base = crate::IdempotencyLayer::new(crate::MemoryStore::new());
+        let layer = PolicyLayer::from_policy(base.clone(), &policy).expect("a layer");
+        assert_eq!(
+            layer.base().config.stream_timeout(),
+            Duration::from_secs(20),
+            "the handler timeout's"
+        );
+        let policy =
+            Policy::from_json_str(r#"{ "idempotency": { "stream_timeout": "5m", "endpoints": [] } }"#)
+                .expect("a valid policy");
+        let layer = PolicyLayer::from_policy(base, &policy).expect("a layer");
+        assert_eq!(layer.base().config.stream_timeout(), Duration::from_secs(300));
+    }
+
+    #[test]
     fn durations_are_a_number_then_a_unit() {
         assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));

@@ -226,7 +226,11 @@ where
         let reject = |outcome: Outcome, rejection: Rejection| {
             let named = coordinator.named();
             telemetry::finish(&span, outcome, named);
-            Step::Done(Ok(rejection.respond(&config.key_header, is_grpc(&parts.headers), named)))
+            Step::Done(Ok(rejection.respond(
+                &config.key_header,
+                is_grpc(&parts.headers),
+                named,
+            )))
         };
         let too_large = Rejection::BodyTooLarge {
             limit: config.body_limit,
