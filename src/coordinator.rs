@@ -14,7 +14,7 @@ use tracing::Instrument;
 
 use crate::reconciliation::{self, Reconciler, ReconciliationEvent, ReconciliationKind};
 use crate::store::{ClaimOutcome, InFlightRecord, OwnerToken, RecordInfo, Store, StoreError};
-use crate::telemetry::{self, Outcome, StoreOp, StoreTimer};
+use crate::telemetry::{self, Named, Outcome, StoreOp, StoreTimer};
 use crate::wake_anchor::WakeAnchor;
 use crate::{Fingerprint, NotStored, RecordKey};
 
@@ -86,8 +86,10 @@ struct Settings {
     retention: Duration,
     store_timeout: Duration,
     tracker: Arc<Tracker>,
-    /// The application's reconciliation hook, if it set one.
+    /// The application's reconciliation hook and the metrics name, if either is set.
     reconciler: Option<Reconciler>,
+    /// The `name` label of this coordinator's metrics, with its keys, if it has a name.
+    named: Option<Arc<Named>>,
     waiters: Arc<Waiters>,
     /// Keeps a timer due while store calls are made, so that theirs wake no parked thread.
     wake_anchor: Arc<WakeAnchor>,
@@ -100,7 +102,15 @@ impl std::fmt::Debug for Coordinator {
             .field("retention", &self.settings.retention)
             .field("store_timeout", &self.settings.store_timeout)
             .field("max_in_flight", &self.settings.tracker.max)
-            .field("reconciliation", &self.settings.reconciler.is_some())
+            .field("name", &self.settings.named.as_ref().map(|named| named.name()))
+            .field(
+                "reconciliation",
+                &self
+                    .settings
+                    .reconciler
+                    .as_ref()
+                    .is_some_and(Reconciler::has_hook),
+            )
             .field("max_waiters", &self.settings.waiters.max)
             .finish_non_exhaustive()
     }
@@ -146,44 +156,82 @@ pub enum Error {
     ClaimLost,
 }
 
-/// Counts the operations running under one coordinator (and its clones), bounds them, and
-/// tells a shutdown when the last one has finished.
+/// Counts the operations running under one in-flight bound (a coordinator and its clones,
+/// until one sets its own bound), bounds them, and tells a shutdown of its group when the last
+/// one has finished.
 struct Tracker {
-    closing: AtomicBool,
     running: AtomicUsize,
     /// Woken when `running` drops to zero.
     idle: Notify,
     max: u32,
+    /// The shutdown this bound belongs to, shared whatever the bound.
+    group: Arc<Group>,
 }
 
 impl Tracker {
-    fn new(max: u32) -> Self {
-        Self {
-            closing: AtomicBool::new(false),
+    /// A new bound of `max` in `group`, which from now on waits for its operations too.
+    fn join(group: &Arc<Group>, max: u32) -> Arc<Self> {
+        let tracker = Arc::new(Self {
             running: AtomicUsize::new(0),
             idle: Notify::new(),
             max,
-        }
+            group: group.clone(),
+        });
+        let mut members = group
+            .members
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A bound no coordinator uses any more has nothing running: forget it.
+        members.retain(|member| member.strong_count() > 0);
+        members.push(Arc::downgrade(&tracker));
+        drop(members);
+        tracker
+    }
+}
+
+/// What one shutdown stops and waits for: every bound that joined it (a coordinator, its
+/// clones whatever their settings, and any other coordinator or layer given the same
+/// [`ShutdownHandle`]).
+#[derive(Default)]
+struct Group {
+    closing: AtomicBool,
+    /// Weak: a bound lives as long as a coordinator or a running operation uses it.
+    members: std::sync::Mutex<Vec<std::sync::Weak<Tracker>>>,
+}
+
+impl Group {
+    fn members(&self) -> Vec<Arc<Tracker>> {
+        let members = self
+            .members
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        members.iter().filter_map(std::sync::Weak::upgrade).collect()
     }
 }
 
 /// One running operation's place under the bound; counted until dropped.
 pub(crate) struct Slot {
     tracker: Arc<Tracker>,
+    /// The coordinator's metrics name, for the `idempotency_running` gauge.
+    named: Option<Arc<Named>>,
 }
 
 impl Slot {
     /// A place for new work, unless shutting down or at the bound.
-    fn take(tracker: &Arc<Tracker>) -> Result<Self, Error> {
-        if tracker.closing.load(Ordering::Acquire) {
-            return Err(Error::ShuttingDown);
-        }
-        let before = tracker.running.fetch_add(1, Ordering::AcqRel);
-        telemetry::running_started();
-        // Built first, so an over-count is undone by its drop.
+    fn take(tracker: &Arc<Tracker>, named: Option<&Arc<Named>>) -> Result<Self, Error> {
+        // Counted before the shutdown flag is read (both sequentially consistent, as in
+        // `ShutdownHandle::shutdown`, which sets the flag before it reads the count): either the
+        // shutdown sees this operation and waits for it, or this sees the shutdown and refuses.
+        let before = tracker.running.fetch_add(1, Ordering::SeqCst);
+        telemetry::running_started(named.map(|named| &**named));
+        // Built first, so a refusal is undone by its drop.
         let slot = Self {
             tracker: tracker.clone(),
+            named: named.cloned(),
         };
+        if tracker.group.closing.load(Ordering::SeqCst) {
+            return Err(Error::ShuttingDown);
+        }
         if before >= tracker.max as usize {
             return Err(Error::AtCapacity);
         }
@@ -193,7 +241,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        telemetry::running_ended();
+        telemetry::running_ended(self.named.as_deref());
         if self.tracker.running.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.tracker.idle.notify_waiters();
         }
@@ -242,8 +290,9 @@ impl Coordinator {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             store_timeout: DEFAULT_STORE_TIMEOUT,
-            tracker: Arc::new(Tracker::new(DEFAULT_MAX_IN_FLIGHT)),
+            tracker: Tracker::join(&Arc::default(), DEFAULT_MAX_IN_FLIGHT),
             reconciler: None,
+            named: None,
             waiters: Arc::new(Waiters {
                 waiting: AtomicUsize::new(0),
                 max: DEFAULT_MAX_WAITERS,
@@ -307,17 +356,69 @@ impl Coordinator {
     /// Bounds how many claimed operations may run at once (default: 10 000); over it
     /// [`begin`](Coordinator::begin) claims nothing: it still reports a completed, running or
     /// mismatched key (from [`Store::peek`]) and fails with [`Error::AtCapacity`] otherwise.
-    /// Setting it starts a new tracker: coordinators cloned afterwards share it and its
-    /// [`ShutdownHandle`].
+    /// Setting it starts a new bound, with a count of its own, shared by the coordinators cloned
+    /// afterwards; the coordinator stays in its [`ShutdownHandle`]'s group, so one shutdown
+    /// still stops and waits for every clone, whatever its bound.
     ///
     /// ```
     /// # use tower_idempotency::{Coordinator, MemoryStore};
-    /// let coordinator = Coordinator::new(MemoryStore::new()).with_max_in_flight(256);
-    /// # let _ = coordinator;
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let bulk = coordinator.clone().with_max_in_flight(16);
+    /// // One shutdown covers both.
+    /// assert_eq!(bulk.shutdown_handle(), coordinator.shutdown_handle());
     /// ```
     pub fn with_max_in_flight(mut self, max: u32) -> Self {
-        self.settings_mut().tracker = Arc::new(Tracker::new(max.max(1)));
+        let group = self.settings.tracker.group.clone();
+        self.settings_mut().tracker = Tracker::join(&group, max.max(1));
         self
+    }
+
+    /// Puts this coordinator in the shutdown group of `handle` (default: a group of its own,
+    /// shared by its clones), so that one [`ShutdownHandle::shutdown`] stops and waits for
+    /// several coordinators or layers at once: a Redis layer and a PostgreSQL layer in one
+    /// service, say. Its in-flight bound and its count are kept apart; only the shutdown is
+    /// shared.
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore, ShutdownHandle};
+    /// let shutdown = ShutdownHandle::new();
+    /// let orders = Coordinator::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// let emails = Coordinator::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// assert_eq!(orders.shutdown_handle(), shutdown);
+    /// # let _ = emails;
+    /// ```
+    pub fn with_shutdown_handle(mut self, handle: &ShutdownHandle) -> Self {
+        let max = self.settings.tracker.max;
+        self.settings_mut().tracker = Tracker::join(&handle.group, max);
+        self
+    }
+
+    /// Names this coordinator in its metrics (default: none): each one it records
+    /// (`idempotency_requests_total`, `idempotency_running`, the store timings, ...) carries a
+    /// `name` label with this value, so two coordinators or layers (two stores, two routes)
+    /// keep apart series that would otherwise merge. The labelled keys are built once, here:
+    /// a named coordinator's metrics cost no allocation per call. Without a name, no `name`
+    /// label is recorded. Clones made afterwards share the name; give a clone its own to tell
+    /// it apart. Metrics need the crate feature `metrics`; without it the name is kept for
+    /// `Debug` only.
+    ///
+    /// ```
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let emails = Coordinator::new(MemoryStore::new()).with_name("emails");
+    /// # let _ = emails;
+    /// ```
+    pub fn with_name(mut self, name: impl Into<Arc<str>>) -> Self {
+        let named = Named::new(name.into());
+        let settings = self.settings_mut();
+        let reconciler = settings.reconciler.take().unwrap_or_default();
+        settings.reconciler = Some(reconciler.with_name(named.clone()));
+        settings.named = Some(named);
+        self
+    }
+
+    /// The metrics name and keys, if this coordinator has a name.
+    pub(crate) fn named(&self) -> Option<&Named> {
+        self.settings.named.as_deref()
     }
 
     /// Calls `hook` whenever an operation ran but its result is not, or may not stay, in the store
@@ -342,7 +443,9 @@ impl Coordinator {
     where
         F: Fn(&ReconciliationEvent) + Send + Sync + 'static,
     {
-        self.settings_mut().reconciler = Some(Reconciler::new(hook));
+        let settings = self.settings_mut();
+        let reconciler = settings.reconciler.take().unwrap_or_default();
+        settings.reconciler = Some(reconciler.with_hook(hook));
         self
     }
 
@@ -389,14 +492,14 @@ impl Coordinator {
     /// A handle to stop taking new keys and wait for running operations.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         ShutdownHandle {
-            tracker: self.settings.tracker.clone(),
+            group: self.settings.tracker.group.clone(),
         }
     }
 
     /// Claims `key` for a new operation, or reports what is there. One store round trip.
     pub async fn begin(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<Begin, Error> {
         let begun = self.claim(key, fingerprint, Renewal::Background).await;
-        telemetry::outcome(Outcome::of_begin(&begun));
+        telemetry::outcome(Outcome::of_begin(&begun), self.named());
         begun
     }
 
@@ -556,7 +659,7 @@ impl Coordinator {
             Some(ClaimOutcome::Mismatch) => return Ok(Begin::Mismatch),
             Some(ClaimOutcome::Claimed | ClaimOutcome::InFlight { .. }) | None => {}
         }
-        let slot = match Slot::take(&self.settings.tracker) {
+        let slot = match Slot::take(&self.settings.tracker, self.settings.named.as_ref()) {
             Ok(slot) => slot,
             // Boxed: the rare path at capacity would otherwise size every claim's future.
             Err(refusal) => {
@@ -623,7 +726,7 @@ impl Coordinator {
     /// A counted place for work run outside a claim (a fail-open run), so that the bound and
     /// a shutdown see it.
     pub(crate) fn slot(&self) -> Result<Slot, Error> {
-        Slot::take(&self.settings.tracker)
+        Slot::take(&self.settings.tracker, self.settings.named.as_ref())
     }
 
     /// Reads the record at `key` (state, time left, stored payload), for operators.
@@ -678,7 +781,7 @@ impl Coordinator {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         self.settings.wake_anchor.touch();
-        let timer = StoreTimer::start(op);
+        let timer = StoreTimer::start(op, self.named());
         let answer = tokio::time::timeout(self.settings.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
             .unwrap_or(Err(StoreError::Timeout(self.settings.store_timeout)));
@@ -826,10 +929,9 @@ impl Claim {
         claim
     }
 
-    /// Hands the renewal of a claim from [`begin_driven`](Coordinator::begin_driven) to a task
-    /// of its own, for work that goes on outside [`keep_alive`](Claim::keep_alive) (a response
-    /// body stored as it streams). Does nothing if a task renews it already.
-    pub(crate) fn renew_in_background(&mut self) {
+    /// Hands the renewal of a claim to a task of its own, for callers that simply hold it.
+    /// Does nothing if a task renews it already.
+    fn renew_in_background(&mut self) {
         if self.renewal.is_some() {
             return;
         }
@@ -879,6 +981,11 @@ impl Claim {
             retention: self.coordinator.settings.retention,
             flags: self.flags.clone(),
         }
+    }
+
+    /// The coordinator's metrics name and keys, if it has a name.
+    pub(crate) fn named(&self) -> Option<Arc<Named>> {
+        self.coordinator.settings.named.clone()
     }
 
     /// Whether a renewal found the claim gone (lease ran out, or purged): completing it will fail.
@@ -1220,6 +1327,10 @@ impl ClaimTicket {
 /// Operations keep running after their client hangs up; call [`shutdown`](ShutdownHandle::shutdown)
 /// before the process exits so their results are stored.
 ///
+/// A handle covers a group: a coordinator or layer and all its clones, whatever settings a clone
+/// was given (its own `with_max_in_flight` included), and any other coordinator or layer put in
+/// the group with `with_shutdown_handle`. Handles to one group compare equal.
+///
 /// ```
 /// # use std::time::Duration;
 /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -1231,15 +1342,40 @@ impl ClaimTicket {
 /// handle.shutdown(Duration::from_secs(10)).await.expect("handlers finished in time");
 /// # }
 /// ```
-#[derive(Clone)]
+///
+/// Several layers, over different stores, shut down with one call:
+///
+/// ```
+/// # use std::time::Duration;
+/// # use tower_idempotency::{IdempotencyLayer, MemoryStore, ShutdownHandle};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let shutdown = ShutdownHandle::new();
+/// let payments = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+/// let emails = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+/// // ... serve with both, then on SIGTERM:
+/// shutdown.shutdown(Duration::from_secs(10)).await.expect("handlers finished in time");
+/// assert!(payments.shutdown_handle().is_shutting_down() && emails.shutdown_handle().is_shutting_down());
+/// # }
+/// ```
+#[derive(Clone, Default)]
 pub struct ShutdownHandle {
-    tracker: Arc<Tracker>,
+    group: Arc<Group>,
 }
+
+impl PartialEq for ShutdownHandle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.group, &other.group)
+    }
+}
+
+impl Eq for ShutdownHandle {}
 
 impl std::fmt::Debug for ShutdownHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShutdownHandle")
             .field("running", &self.running())
+            .field("shutting_down", &self.is_shutting_down())
             .finish()
     }
 }
@@ -1259,37 +1395,51 @@ pub struct ShutdownTimedOut {
 }
 
 impl ShutdownHandle {
-    /// How many claimed operations are running now.
+    /// A shutdown group of its own, for coordinators and layers to join with
+    /// `with_shutdown_handle` (see [`Coordinator::with_shutdown_handle`]); the same as
+    /// [`ShutdownHandle::default`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many claimed operations are running now, in the whole group.
     pub fn running(&self) -> usize {
-        self.tracker.running.load(Ordering::Acquire)
+        self.group
+            .members()
+            .iter()
+            .map(|tracker| tracker.running.load(Ordering::Acquire))
+            .sum()
     }
 
     /// Whether [`shutdown`](ShutdownHandle::shutdown) was called.
     pub fn is_shutting_down(&self) -> bool {
-        self.tracker.closing.load(Ordering::Acquire)
+        self.group.closing.load(Ordering::Acquire)
     }
 
-    /// Stops taking new keys (they get [`Error::ShuttingDown`], over HTTP a 503; keys already
-    /// done or running are still answered) and waits up to `deadline` for the running
-    /// operations to finish and store their results. [`running`](ShutdownHandle::running) stays
-    /// exact meanwhile.
+    /// Stops taking new keys in the whole group (they get [`Error::ShuttingDown`], over HTTP a
+    /// 503; keys already done or running are still answered) and waits up to `deadline` for
+    /// the running operations to finish and store their results. [`running`](ShutdownHandle::running)
+    /// stays exact meanwhile.
     pub async fn shutdown(&self, deadline: Duration) -> Result<(), ShutdownTimedOut> {
-        self.tracker.closing.store(true, Ordering::Release);
-        let deadline = tokio::time::Instant::now() + deadline;
-        loop {
-            // Registered before the count is read, so the last operation's wake-up is not missed.
-            let idle = self.tracker.idle.notified();
-            let mut idle = std::pin::pin!(idle);
-            idle.as_mut().enable();
-            if self.running() == 0 {
-                return Ok(());
-            }
-            if tokio::time::timeout_at(deadline, idle).await.is_err() {
-                return Err(ShutdownTimedOut {
-                    running: self.running(),
-                });
+        self.group.closing.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + deadline.min(MAX_DURATION);
+        for tracker in self.group.members() {
+            loop {
+                // Registered before the count is read, so the last operation's wake-up is not missed.
+                let idle = tracker.idle.notified();
+                let mut idle = std::pin::pin!(idle);
+                idle.as_mut().enable();
+                if tracker.running.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                    return Err(ShutdownTimedOut {
+                        running: self.running(),
+                    });
+                }
             }
         }
+        Ok(())
     }
 }
 

@@ -6,9 +6,10 @@
 //! background task, out of the coordinator's sight: `RedisStore` with `ReplicaAcks` keeps
 //! completing a record after the request was answered. To reach it without a parameter on every
 //! [`Store`](crate::Store) method, the coordinator runs each completion inside a Tokio task-local
-//! holding the hook, and a store that carries a completion on in a task of its own takes the hook
-//! from there when it spawns the task (as it takes the tracing span). Without a hook, a completion
-//! runs as before: no task-local, no clone.
+//! holding the hook (and the coordinator's metrics name, so the event is counted under it), and a
+//! store that carries a completion on in a task of its own takes them from there when it spawns
+//! the task (as it takes the tracing span). Without a hook or a name, a completion runs as
+//! before: no task-local, no clone.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::store::OwnerToken;
+use crate::telemetry::Named;
 use crate::{NotStored, RecordKey};
 
 /// An operation ran, but its result is not (or may not stay) in the store: what a
@@ -87,22 +89,46 @@ pub enum ReconciliationKind {
     LostBeforeReplicated,
 }
 
-/// A hook, as the coordinator holds it.
-#[derive(Clone)]
-pub(crate) struct Reconciler(Arc<dyn Fn(&ReconciliationEvent) + Send + Sync>);
+/// The application's hook.
+type Hook = Arc<dyn Fn(&ReconciliationEvent) + Send + Sync>;
+
+/// A hook and a name, as the coordinator holds them: what an event raised out of its sight (in
+/// a store's background task) needs to be reported and counted as its own.
+#[derive(Clone, Default)]
+pub(crate) struct Reconciler {
+    hook: Option<Hook>,
+    /// The coordinator's metrics name, for the event's count.
+    named: Option<Arc<Named>>,
+}
 
 impl Reconciler {
-    pub(crate) fn new<F>(hook: F) -> Self
+    /// With `hook`, keeping the name.
+    pub(crate) fn with_hook<F>(self, hook: F) -> Self
     where
         F: Fn(&ReconciliationEvent) + Send + Sync + 'static,
     {
-        Self(Arc::new(hook))
+        Self {
+            hook: Some(Arc::new(hook)),
+            ..self
+        }
+    }
+
+    /// With `named`, keeping the hook.
+    pub(crate) fn with_name(self, named: Arc<Named>) -> Self {
+        Self {
+            named: Some(named),
+            ..self
+        }
+    }
+
+    pub(crate) fn has_hook(&self) -> bool {
+        self.hook.is_some()
     }
 
     /// Calls the hook. A panic in it is logged and goes no further: it must not unwind through
     /// a claim half settled, nor kill a store's background task.
-    fn call(&self, event: &ReconciliationEvent) {
-        let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (self.0)(event)));
+    fn call(hook: &(dyn Fn(&ReconciliationEvent) + Send + Sync), event: &ReconciliationEvent) {
+        let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(event)));
         if called.is_err() {
             tracing::error!(kind = ?event.kind, "the reconciliation hook panicked");
         }
@@ -112,20 +138,24 @@ impl Reconciler {
 /// Counts `kind` and, if there is a hook, tells it. Key, owner and payload are cloned only for a
 /// hook.
 pub(crate) fn report(
-    hook: Option<&Reconciler>,
+    reconciler: Option<&Reconciler>,
     kind: ReconciliationKind,
     key: &RecordKey,
     owner: &OwnerToken,
     payload: Option<&Bytes>,
 ) {
-    crate::telemetry::reconciliation(&kind);
-    if let Some(hook) = hook {
-        hook.call(&ReconciliationEvent {
-            key: key.clone(),
-            owner: owner.clone(),
-            kind,
-            payload: payload.cloned(),
-        });
+    let named = reconciler.and_then(|r| r.named.as_deref());
+    crate::telemetry::reconciliation(&kind, named);
+    if let Some(hook) = reconciler.and_then(|r| r.hook.as_deref()) {
+        Reconciler::call(
+            hook,
+            &ReconciliationEvent {
+                key: key.clone(),
+                owner: owner.clone(),
+                kind,
+                payload: payload.cloned(),
+            },
+        );
     }
 }
 

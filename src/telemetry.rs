@@ -5,7 +5,10 @@
 //! inline to nothing. With it, a metric is recorded through whatever recorder the application
 //! installed (an exporter), and through the facade's no-op recorder otherwise: one thread-local
 //! read and one atomic load per call. Every label is a string literal, so each call site names a
-//! `static` key the facade hashed at compile time: no allocation, no formatting per request.
+//! `static` key the facade hashed at compile time: no allocation, no formatting per request. A
+//! named coordinator (`with_name`, also the layer's) adds a `name` label to each of its metrics:
+//! its keys are built and hashed once, when the name is set ([`Named`]), and each call picks one
+//! by index, so a name costs no allocation either.
 //!
 //! The span costs one check of the callsite's cached interest when no subscriber wants it; its
 //! fields (hashes of the scope and key) are computed only for a subscriber that does. Store calls
@@ -14,6 +17,7 @@
 //!
 //! Every name, type and label is listed in the README ("Metrics and tracing").
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::field::Empty;
@@ -62,6 +66,23 @@ pub(crate) enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome, in declaration order (`outcome as usize` indexes it).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const ALL: [Outcome; 12] = [
+        Outcome::Executed,
+        Outcome::Replayed,
+        Outcome::InFlight,
+        Outcome::Mismatch,
+        Outcome::NotStored,
+        Outcome::Rejected,
+        Outcome::StoreError,
+        Outcome::Fenced,
+        Outcome::FailOpen,
+        Outcome::Overloaded,
+        Outcome::Unreadable,
+        Outcome::Waited,
+    ];
+
     /// The label value.
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
@@ -118,7 +139,8 @@ pub(crate) enum StoreOp {
 }
 
 impl StoreOp {
-    #[cfg(test)]
+    /// Every operation, in declaration order (`op as usize` indexes it).
+    #[cfg_attr(not(any(test, feature = "metrics")), allow(dead_code))]
     const ALL: [StoreOp; 8] = [
         StoreOp::Claim,
         StoreOp::Peek,
@@ -129,6 +151,21 @@ impl StoreOp {
         StoreOp::Purge,
         StoreOp::Watch,
     ];
+
+    /// The `op` label value.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Peek => "peek",
+            StoreOp::Complete => "complete",
+            StoreOp::Release => "release",
+            StoreOp::Renew => "renew",
+            StoreOp::Inspect => "inspect",
+            StoreOp::Purge => "purge",
+            StoreOp::Watch => "watch",
+        }
+    }
 
     /// The span field its time goes to, if a request's span has one.
     fn span_field(self) -> Option<&'static str> {
@@ -143,29 +180,53 @@ impl StoreOp {
     }
 }
 
-/// Counts a request's outcome (`idempotency_requests_total`).
-#[inline]
-pub(crate) fn outcome(outcome: Outcome) {
+/// The `name` label of a named coordinator's (layer's) metrics, with every key it records
+/// under, built and hashed once when the name is set: recording under a name costs what
+/// recording under literal labels does, a lookup, with no allocation nor formatting.
+pub(crate) struct Named {
+    name: Arc<str>,
     #[cfg(feature = "metrics")]
-    recorded::outcome(outcome);
+    keys: recorded::Keys,
+}
+
+impl Named {
+    pub(crate) fn new(name: Arc<str>) -> Arc<Self> {
+        Arc::new(Self {
+            #[cfg(feature = "metrics")]
+            keys: recorded::Keys::new(&name),
+            name,
+        })
+    }
+
+    /// The label's value.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Counts a request's outcome (`idempotency_requests_total`), under `named`'s name if given.
+#[inline]
+pub(crate) fn outcome(outcome: Outcome, named: Option<&Named>) {
+    #[cfg(feature = "metrics")]
+    recorded::outcome(outcome, named);
     #[cfg(not(feature = "metrics"))]
-    let _ = outcome;
+    let _ = (outcome, named);
 }
 
 /// Counts a request's outcome and writes it into its span.
 #[inline]
-pub(crate) fn finish(span: &Span, outcome: Outcome) {
-    self::outcome(outcome);
+pub(crate) fn finish(span: &Span, outcome: Outcome, named: Option<&Named>) {
+    self::outcome(outcome, named);
     span.record("outcome", outcome.as_str());
 }
 
 /// Counts a rejection sent, by kind (`idempotency_rejections_total`).
 #[inline]
-pub(crate) fn rejection(rejection: &crate::Rejection) {
+pub(crate) fn rejection(rejection: &crate::Rejection, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    recorded::rejection(rejection);
+    recorded::rejection(rejection, named);
     #[cfg(not(feature = "metrics"))]
-    let _ = rejection;
+    let _ = (rejection, named);
 }
 
 /// Counts a request that carries an idempotency key but matches no endpoint of a
@@ -179,25 +240,29 @@ pub(crate) fn unmatched() {
 /// Counts a reconciliation event, whether or not a hook is installed
 /// (`idempotency_reconciliation_events_total`).
 #[inline]
-pub(crate) fn reconciliation(kind: &ReconciliationKind) {
+pub(crate) fn reconciliation(kind: &ReconciliationKind, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    recorded::reconciliation(kind);
+    recorded::reconciliation(kind, named);
     #[cfg(not(feature = "metrics"))]
-    let _ = kind;
+    let _ = (kind, named);
 }
 
 /// One more claimed operation running (`idempotency_running`).
 #[inline]
-pub(crate) fn running_started() {
+pub(crate) fn running_started(named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    metrics::gauge!("idempotency_running").increment(1.0);
+    recorded::running(1.0, named);
+    #[cfg(not(feature = "metrics"))]
+    let _ = named;
 }
 
 /// One claimed operation fewer running.
 #[inline]
-pub(crate) fn running_ended() {
+pub(crate) fn running_ended(named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    metrics::gauge!("idempotency_running").decrement(1.0);
+    recorded::running(-1.0, named);
+    #[cfg(not(feature = "metrics"))]
+    let _ = named;
 }
 
 /// One of the connections a store keeps besides its requests' claims: the `connection` label of
@@ -266,18 +331,20 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
 }
 
 /// Times one store call, if anyone will read the time.
-pub(crate) struct StoreTimer {
+pub(crate) struct StoreTimer<'a> {
     op: StoreOp,
     started: Option<std::time::Instant>,
+    named: Option<&'a Named>,
 }
 
-impl StoreTimer {
+impl<'a> StoreTimer<'a> {
     #[inline]
-    pub(crate) fn start(op: StoreOp) -> Self {
+    pub(crate) fn start(op: StoreOp, named: Option<&'a Named>) -> Self {
         let wanted = recorder_installed() || tracing::enabled!(target: TARGET, tracing::Level::DEBUG);
         Self {
             op,
             started: wanted.then(std::time::Instant::now),
+            named,
         }
     }
 
@@ -286,14 +353,16 @@ impl StoreTimer {
     #[inline]
     pub(crate) fn finish(self) {
         if let Some(started) = self.started {
-            store_call(self.op, started.elapsed());
+            store_call(self.op, started.elapsed(), self.named);
         }
     }
 }
 
-fn store_call(op: StoreOp, took: Duration) {
+fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    recorded::store_call(op, took);
+    recorded::store_call(op, took, named);
+    #[cfg(not(feature = "metrics"))]
+    let _ = named;
     if let Some(field) = op.span_field() {
         Span::current().record(field, u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
     }
@@ -360,13 +429,114 @@ fn short_hex<'a>(digest: &[u8], out: &'a mut [u8; 16]) -> &'a str {
 mod recorded {
     use std::time::Duration;
 
-    use metrics::{counter, histogram};
+    use metrics::{counter, gauge, histogram, Key, Label, Level, Metadata, SharedString};
 
-    use super::{Connection, ConnectionEvent, Outcome, StoreOp};
+    use super::{Connection, ConnectionEvent, Named, Outcome, StoreOp};
     use crate::reconciliation::ReconciliationKind;
     use crate::Rejection;
 
-    pub(super) fn outcome(outcome: Outcome) {
+    const REQUESTS: &str = "idempotency_requests_total";
+    const REJECTIONS: &str = "idempotency_rejections_total";
+    const RECONCILIATION: &str = "idempotency_reconciliation_events_total";
+    const STORE: &str = "idempotency_store_duration_seconds";
+    const RUNNING: &str = "idempotency_running";
+
+    /// What the facade's macros pass for a call site; one for every named key.
+    static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
+
+    /// Every key a named coordinator records under, indexed as the enums are declared.
+    pub(super) struct Keys {
+        requests: [Key; Outcome::ALL.len()],
+        rejections: [Key; REJECTION_KINDS.len()],
+        reconciliation: [Key; RECONCILIATION_KINDS.len()],
+        store: [Key; StoreOp::ALL.len()],
+        running: Key,
+    }
+
+    impl Keys {
+        pub(super) fn new(name: &std::sync::Arc<str>) -> Self {
+            let named = |metric: &'static str, label: Option<(&'static str, &'static str)>| {
+                let name = Label::new("name", SharedString::from(name.clone()));
+                let labels = match label {
+                    Some((key, value)) => vec![Label::from_static_parts(key, value), name],
+                    None => vec![name],
+                };
+                Key::from_parts(metric, labels)
+            };
+            Self {
+                requests: Outcome::ALL.map(|outcome| named(REQUESTS, Some(("outcome", outcome.as_str())))),
+                rejections: REJECTION_KINDS.map(|kind| named(REJECTIONS, Some(("kind", kind)))),
+                reconciliation: RECONCILIATION_KINDS.map(|kind| named(RECONCILIATION, Some(("kind", kind)))),
+                store: StoreOp::ALL.map(|op| named(STORE, Some(("op", op.as_str())))),
+                running: named(RUNNING, None),
+            }
+        }
+    }
+
+    /// The `kind` labels of rejections, in [`rejection_index`] order.
+    const REJECTION_KINDS: [&str; 14] = [
+        "MissingKey",
+        "InvalidKey",
+        "BodyTooLarge",
+        "BodyUnreadable",
+        "InFlight",
+        "Mismatch",
+        "StoreUnavailable",
+        "UnreadableRecord",
+        "Overloaded",
+        "HandlerPanicked",
+        "MissingScope",
+        "ResponseNotStored",
+        "HandlerTimedOut",
+        "NoEndpoint",
+    ];
+
+    fn rejection_index(rejection: &Rejection) -> usize {
+        match rejection {
+            Rejection::MissingKey => 0,
+            Rejection::InvalidKey(_) => 1,
+            Rejection::BodyTooLarge { .. } => 2,
+            Rejection::BodyUnreadable => 3,
+            Rejection::InFlight { .. } => 4,
+            Rejection::Mismatch { .. } => 5,
+            Rejection::StoreUnavailable => 6,
+            Rejection::UnreadableRecord => 7,
+            Rejection::Overloaded => 8,
+            Rejection::HandlerPanicked => 9,
+            Rejection::MissingScope => 10,
+            Rejection::ResponseNotStored { .. } => 11,
+            Rejection::HandlerTimedOut { .. } => 12,
+            Rejection::NoEndpoint => 13,
+        }
+    }
+
+    /// The `kind` labels of reconciliation events, in [`reconciliation_index`] order.
+    const RECONCILIATION_KINDS: [&str; 5] = [
+        "completion_failed",
+        "not_storable",
+        "claim_lost",
+        "replication_abandoned",
+        "lost_before_replicated",
+    ];
+
+    fn reconciliation_index(kind: &ReconciliationKind) -> usize {
+        match kind {
+            ReconciliationKind::CompletionFailed { .. } => 0,
+            ReconciliationKind::NotStorable { .. } => 1,
+            ReconciliationKind::ClaimLost => 2,
+            ReconciliationKind::ReplicationAbandoned { .. } => 3,
+            ReconciliationKind::LostBeforeReplicated => 4,
+        }
+    }
+
+    fn count(key: &Key) {
+        metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
+    }
+
+    pub(super) fn outcome(outcome: Outcome, named: Option<&Named>) {
+        if let Some(named) = named {
+            return count(&named.keys.requests[outcome as usize]);
+        }
         macro_rules! count {
             ($($variant:ident => $label:literal),* $(,)?) => {
                 match outcome {
@@ -390,7 +560,10 @@ mod recorded {
         );
     }
 
-    pub(super) fn rejection(rejection: &Rejection) {
+    pub(super) fn rejection(rejection: &Rejection, named: Option<&Named>) {
+        if let Some(named) = named {
+            return count(&named.keys.rejections[rejection_index(rejection)]);
+        }
         macro_rules! count {
             ($($pattern:pat => $label:literal),* $(,)?) => {
                 match rejection {
@@ -416,7 +589,10 @@ mod recorded {
         );
     }
 
-    pub(super) fn reconciliation(kind: &ReconciliationKind) {
+    pub(super) fn reconciliation(kind: &ReconciliationKind, named: Option<&Named>) {
+        if let Some(named) = named {
+            return count(&named.keys.reconciliation[reconciliation_index(kind)]);
+        }
         macro_rules! count {
             ($($pattern:pat => $label:literal),* $(,)?) => {
                 match kind {
@@ -457,8 +633,25 @@ mod recorded {
         );
     }
 
-    pub(super) fn store_call(op: StoreOp, took: Duration) {
+    pub(super) fn running(delta: f64, named: Option<&Named>) {
+        match named {
+            Some(named) => metrics::with_recorder(|recorder| {
+                recorder
+                    .register_gauge(&named.keys.running, &METADATA)
+                    .increment(delta);
+            }),
+            None => gauge!("idempotency_running").increment(delta),
+        }
+    }
+
+    pub(super) fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {
         let seconds = took.as_secs_f64();
+        if let Some(named) = named {
+            let key = &named.keys.store[op as usize];
+            return metrics::with_recorder(|recorder| {
+                recorder.register_histogram(key, &METADATA).record(seconds)
+            });
+        }
         macro_rules! record {
             ($($variant:ident => $label:literal),* $(,)?) => {
                 match op {
@@ -559,10 +752,10 @@ mod tests {
         ];
         metrics::with_local_recorder(&recorder, || {
             for outcome in outcomes {
-                self::outcome(outcome);
+                self::outcome(outcome, None);
             }
             for rejection in &rejections {
-                self::rejection(rejection);
+                self::rejection(rejection, None);
             }
         });
         let snapshot = snapshotter.snapshot().into_hashmap();
@@ -628,6 +821,101 @@ mod tests {
                 });
                 assert!(found, "{connection:?} {event:?}");
             }
+        }
+    }
+
+    /// A named coordinator's keys are picked by index: each must carry the label its enum
+    /// variant has unnamed, plus the name.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn named_keys_carry_the_same_labels_and_the_name() {
+        use metrics_util::debugging::DebuggingRecorder;
+
+        for (index, outcome) in Outcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, index, "{outcome:?}");
+        }
+        for (index, op) in StoreOp::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, index, "{op:?}");
+        }
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let named = Named::new("payments".into());
+        let rejections = [
+            crate::Rejection::MissingKey,
+            crate::Rejection::BodyUnreadable,
+            crate::Rejection::StoreUnavailable,
+            crate::Rejection::UnreadableRecord,
+            crate::Rejection::Overloaded,
+            crate::Rejection::HandlerPanicked,
+            crate::Rejection::MissingScope,
+        ];
+        let kinds = [
+            ReconciliationKind::ClaimLost,
+            ReconciliationKind::LostBeforeReplicated,
+            ReconciliationKind::NotStorable {
+                why: crate::NotStored::TooLarge,
+            },
+        ];
+        metrics::with_local_recorder(&recorder, || {
+            for outcome in Outcome::ALL {
+                self::outcome(outcome, Some(&named));
+            }
+            for rejection in &rejections {
+                self::rejection(rejection, Some(&named));
+            }
+            for kind in &kinds {
+                self::reconciliation(kind, Some(&named));
+            }
+            for op in StoreOp::ALL {
+                store_call(op, Duration::from_millis(1), Some(&named));
+            }
+        });
+        let keys: Vec<(String, Vec<(String, String)>)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, ..)| {
+                let labels = key
+                    .key()
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                (key.key().name().to_owned(), labels)
+            })
+            .collect();
+        let has = |metric: &str, label: &str, value: &str| {
+            keys.iter().any(|(name, labels)| {
+                name == metric
+                    && labels.contains(&(label.to_owned(), value.to_owned()))
+                    && labels.contains(&("name".to_owned(), "payments".to_owned()))
+            })
+        };
+        for outcome in Outcome::ALL {
+            assert!(
+                has("idempotency_requests_total", "outcome", outcome.as_str()),
+                "{outcome:?}"
+            );
+        }
+        for rejection in &rejections {
+            assert!(
+                has("idempotency_rejections_total", "kind", rejection.name()),
+                "{rejection:?}"
+            );
+        }
+        for (kind, label) in kinds
+            .iter()
+            .zip(["claim_lost", "lost_before_replicated", "not_storable"])
+        {
+            assert!(
+                has("idempotency_reconciliation_events_total", "kind", label),
+                "{kind:?}"
+            );
+        }
+        for op in StoreOp::ALL {
+            assert!(
+                has("idempotency_store_duration_seconds", "op", op.as_str()),
+                "{op:?}"
+            );
         }
     }
 }

@@ -14,8 +14,8 @@ use common::{until, Backend};
 use http::StatusCode;
 use tower::ServiceExt;
 use tower_idempotency::{
-    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, OwnerToken, RecordKey, RecordState,
-    Rejection,
+    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, OwnerToken, RecordKey,
+    RecordState, Rejection, ShutdownHandle,
 };
 
 fn layer(b: &Backend) -> IdempotencyLayer {
@@ -286,6 +286,92 @@ async fn shutdown_refuses_new_keys_and_waits_for_running_handlers(b: Backend) {
     );
 }
 
+// Promise 8, whatever a clone's settings: a clone given bounds of its own (a route's
+// `with_max_in_flight`, `with_max_waiters`) is still stopped and waited for by the original's
+// shutdown, and takes no new key once it has begun.
+async fn a_clone_with_bounds_of_its_own_shuts_down_with_the_original(b: Backend) {
+    let base = layer(&b);
+    let clones = [
+        ("bounded", base.clone().with_max_in_flight(8)),
+        ("waiters", base.clone().with_max_waiters(4)),
+    ];
+    let handle = base.shutdown_handle();
+    let mut apps = Vec::new();
+    for (name, clone) in clones {
+        assert_eq!(clone.shutdown_handle(), handle, "{name}");
+        let (app, runs) = router(clone);
+        let running = spawn_send(&app, slow(&format!("{name}-running"), 600));
+        until("the clone's handler runs", || runs.get() == 1).await;
+        apps.push((name, app, runs, running));
+    }
+    assert_eq!(
+        handle.running(),
+        2,
+        "the original's handle sees the clones' handlers"
+    );
+    let shutdown = {
+        let handle = handle.clone();
+        tokio::spawn(async move { handle.shutdown(Duration::from_secs(5)).await })
+    };
+    until("the shutdown has begun", || handle.is_shutting_down()).await;
+    for (name, app, _, _) in &apps {
+        let refused = send(app, payment(&format!("{name}-new"), "{}")).await;
+        assert_eq!(
+            rejection(&refused),
+            Some(&Rejection::Overloaded),
+            "{name}: no new key"
+        );
+    }
+    assert!(shutdown.await.unwrap().is_ok());
+    for (name, _, runs, running) in apps {
+        assert_eq!(
+            runs.finished(),
+            1,
+            "{name}: the shutdown returned after its handler finished"
+        );
+        assert_eq!(running.await.unwrap().status, StatusCode::CREATED, "{name}");
+    }
+}
+
+// Promise 8, for several layers: a layer over this store and one over another join one
+// shutdown group; one call stops both and waits for both.
+async fn layers_over_two_stores_shut_down_with_one_call(b: Backend) {
+    let shutdown = ShutdownHandle::new();
+    let here = layer(&b).with_shutdown_handle(&shutdown);
+    // Joined before its bound is set: the bound keeps the group.
+    let other = IdempotencyLayer::new(MemoryStore::new())
+        .with_shutdown_handle(&shutdown)
+        .with_max_in_flight(16);
+    assert_eq!(here.shutdown_handle(), shutdown);
+    assert_eq!(other.shutdown_handle(), shutdown);
+    let mut apps = Vec::new();
+    for (name, layer) in [("here", here), ("other", other)] {
+        let (app, runs) = router(layer);
+        let running = spawn_send(&app, slow(&format!("{name}-running"), 600));
+        until("its handler runs", || runs.get() == 1).await;
+        apps.push((name, app, runs, running));
+    }
+    assert_eq!(shutdown.running(), 2);
+    let stopping = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { shutdown.shutdown(Duration::from_secs(5)).await })
+    };
+    until("the shutdown has begun", || shutdown.is_shutting_down()).await;
+    for (name, app, _, _) in &apps {
+        let refused = send(app, payment(&format!("{name}-new"), "{}")).await;
+        assert_eq!(
+            rejection(&refused),
+            Some(&Rejection::Overloaded),
+            "{name}: no new key"
+        );
+    }
+    assert!(stopping.await.unwrap().is_ok());
+    for (name, _, runs, running) in apps {
+        assert_eq!(runs.finished(), 1, "{name}: waited for");
+        assert_eq!(running.await.unwrap().status, StatusCode::CREATED, "{name}");
+    }
+}
+
 // Promise 8, the deadline
 async fn shutdown_reports_handlers_still_running_at_the_deadline(b: Backend) {
     let layer = layer(&b);
@@ -477,6 +563,8 @@ on_both_stores!(
     a_crashed_owner_blocks_its_key_only_until_its_lease_ends,
     shutdown_refuses_new_keys_and_waits_for_running_handlers,
     shutdown_reports_handlers_still_running_at_the_deadline,
+    a_clone_with_bounds_of_its_own_shuts_down_with_the_original,
+    layers_over_two_stores_shut_down_with_one_call,
     over_the_in_flight_bound_answers_503_and_claims_nothing,
     at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered,
     fail_open_runs_are_counted_and_waited_for,
@@ -495,6 +583,8 @@ on_postgres!(
     a_crashed_owner_blocks_its_key_only_until_its_lease_ends,
     shutdown_refuses_new_keys_and_waits_for_running_handlers,
     shutdown_reports_handlers_still_running_at_the_deadline,
+    a_clone_with_bounds_of_its_own_shuts_down_with_the_original,
+    layers_over_two_stores_shut_down_with_one_call,
     over_the_in_flight_bound_answers_503_and_claims_nothing,
     at_the_bound_and_in_shutdown_replays_and_409s_are_still_answered,
     fail_open_runs_are_counted_and_waited_for,

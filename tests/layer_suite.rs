@@ -633,6 +633,146 @@ async fn an_endless_stream_holds_its_key_only_up_to_the_cap(b: Backend) {
     assert!(more.is_data(), "and it streams on");
 }
 
+/// `POST /payments` behind `layer`, answering with `body()` (of unknown length), counting runs.
+fn streaming_router(
+    layer: IdempotencyLayer,
+    body: impl Fn() -> Body + Clone + Send + Sync + 'static,
+) -> (axum::Router, Arc<std::sync::atomic::AtomicUsize>) {
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = runs.clone();
+    let route = axum::routing::post(move || {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let body = body();
+        async move { ([("content-type", "text/event-stream")], body) }
+    });
+    (axum::Router::new().route("/payments", route).layer(layer), runs)
+}
+
+/// Retries `request` until its key is no longer in flight (at most 5 s), and answers that retry.
+async fn once_settled(app: &axum::Router, request: impl Fn() -> Request<Body>) -> common::app::Answer {
+    let started = std::time::Instant::now();
+    loop {
+        let response = tower::ServiceExt::oneshot(app.clone(), request()).await.unwrap();
+        let in_flight = response.status() == StatusCode::CONFLICT
+            && response
+                .extensions()
+                .get::<Rejection>()
+                .is_some_and(|r| matches!(r, Rejection::InFlight { .. }));
+        if !in_flight {
+            let (parts, body) = response.into_parts();
+            // A retry that ran streams without end: its head is what counts.
+            let body = match tokio::time::timeout(
+                Duration::from_millis(200),
+                http_body_util::BodyExt::collect(body),
+            )
+            .await
+            {
+                Ok(collected) => collected.unwrap().to_bytes(),
+                Err(_) => Bytes::new(),
+            };
+            return common::app::Answer {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+                trailers: None,
+                extensions: parts.extensions,
+            };
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the key is still in flight after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// Row 7: a response of unknown length that sends a chunk and then stalls (an upstream that
+// hangs, a client that stops reading) holds its key no longer than the stream timeout: the key
+// is then kept as not replayable (or released), its slot is free, and the client's response is
+// not cut.
+async fn a_stalled_stream_holds_its_key_no_longer_than_the_stream_timeout(b: Backend) {
+    let stalled = || {
+        let chunks = futures_util::stream::iter([Ok::<_, std::io::Error>(Bytes::from("data: 0\n\n"))])
+            .chain(futures_util::stream::pending());
+        Body::from_stream(chunks)
+    };
+    use futures_util::StreamExt;
+    let layer = layer(&b).with_stream_timeout(Duration::from_millis(300));
+    for release in [false, true] {
+        let key = format!("stalled-{release}");
+        let (app, runs) = streaming_router(layer.clone().with_release_not_stored(release), stalled);
+        let response = tower::ServiceExt::oneshot(app.clone(), payment(&key, "{}"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let mut body = response.into_body();
+        let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap(), "data: 0\n\n");
+        // The client holds its response and reads no more; the upstream sends no more.
+        let retry = once_settled(&app, || payment(&key, "{}")).await;
+        if release {
+            assert_eq!(retry.status, StatusCode::OK, "released: the retry runs");
+            assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+        } else {
+            assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+            let seen = layer.inspect(None, &key).await.unwrap().expect("a record");
+            assert_eq!(seen.not_stored, Some(NotStored::TimedOut));
+            assert_eq!(seen.status, Some(StatusCode::OK), "the status its client got");
+            assert_eq!(layer.shutdown_handle().running(), 0, "its slot is free");
+            assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+        }
+        assert!(
+            !http_body::Body::is_end_stream(&body),
+            "the client's response is not cut"
+        );
+    }
+}
+
+/// An endless event stream (a chunk every millisecond) that says, through `dropped`, when the
+/// layer stops reading it.
+fn endless(dropped: Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>>) -> Body {
+    let told = dropped.lock().unwrap().take();
+    let events = futures_util::stream::unfold((0u64, told), |(n, told)| async move {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let event = Bytes::from(format!("data: {n}\n\n"));
+        Some((Ok::<_, std::io::Error>(event), (n + 1, told)))
+    });
+    Body::from_stream(events)
+}
+
+// Row 7: an endless stream whose client leaves is read only until its claim is settled (at the
+// storage cap, or at the stream timeout), never to an end that does not come; its key is then
+// released (with `with_release_not_stored`) or kept as not replayable.
+async fn an_endless_stream_whose_client_left_is_read_no_further_than_its_claim(b: Backend) {
+    let cases = [
+        ("endless-over-cap", layer(&b).with_response_limit(100)),
+        (
+            "endless-timed-out",
+            layer(&b).with_stream_timeout(Duration::from_millis(300)),
+        ),
+    ];
+    for (key, layer) in cases {
+        let (told, dropped) = tokio::sync::oneshot::channel();
+        let told = Arc::new(std::sync::Mutex::new(Some(told)));
+        let (app, runs) =
+            streaming_router(layer.with_release_not_stored(true), move || endless(told.clone()));
+        let response = tower::ServiceExt::oneshot(app.clone(), payment(key, "{}"))
+            .await
+            .unwrap();
+        let mut body = response.into_body();
+        let first = http_body_util::BodyExt::frame(&mut body).await.unwrap().unwrap();
+        assert!(first.is_data());
+        drop(body);
+        tokio::time::timeout(Duration::from_secs(5), dropped)
+            .await
+            .unwrap_or_else(|_| panic!("{key}: the layer still reads the stream its client left after 5 s"))
+            .expect_err("the stream is dropped, never ends");
+        let retry = once_settled(&app, || payment(key, "{}")).await;
+        assert_eq!(retry.status, StatusCode::OK, "{key}: released, the retry runs");
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2, "{key}");
+    }
+}
+
 // Row 7: a handler that gives no response head within the handler timeout is cancelled; the
 // client gets 504 and the key is kept as not replayable (or released, if configured).
 async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
@@ -657,6 +797,71 @@ async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
     let retry = send(&app, payment("hung-released", "{}")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(runs.get(), 2);
+}
+
+/// The 4xx statuses named in the doc comment just above `item` in `source`.
+fn statuses_documented_above(source: &str, item: &str) -> std::collections::BTreeSet<u16> {
+    let at = source.find(item).unwrap_or_else(|| panic!("{item} not found"));
+    let doc: Vec<&str> = source[..at]
+        .lines()
+        .rev()
+        .skip(1)
+        .map(str::trim)
+        .take_while(|line| line.starts_with("///") || line.starts_with("#["))
+        .collect();
+    four_xx_in(&doc.join(" "))
+}
+
+fn four_xx_in(text: &str) -> std::collections::BTreeSet<u16> {
+    text.split(|c: char| !c.is_ascii_digit())
+        .filter(|word| word.len() == 3 && word.starts_with('4'))
+        .filter_map(|word| word.parse().ok())
+        .collect()
+}
+
+// Row 11, as documented: every place that lists the 4xx answers not stored by default (the
+// rustdoc of `default_cacheable` and `with_cacheable`, README's table and notes) lists exactly
+// those `default_cacheable` refuses.
+#[test]
+fn every_place_lists_the_4xx_answers_the_default_does_not_store() {
+    let refused: std::collections::BTreeSet<u16> = (400..500)
+        .filter(|&code| {
+            let (parts, ()) = http::Response::builder()
+                .status(code)
+                .body(())
+                .unwrap()
+                .into_parts();
+            !tower_idempotency::default_cacheable(&parts)
+        })
+        .collect();
+    assert_eq!(refused, [401, 403, 408, 409, 425, 429].into(), "the behaviour");
+    let config = include_str!("../src/http/config.rs");
+    let layer = include_str!("../src/http/layer.rs");
+    let readme = include_str!("../README.md");
+    let row = readme
+        .lines()
+        .find(|line| line.starts_with("| 11 |"))
+        .expect("README's row 11");
+    let notes = readme
+        .split("The default `default_cacheable` stores every 4xx but")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .expect("README's note on default_cacheable");
+    let places = [
+        (
+            "default_cacheable",
+            statuses_documented_above(config, "pub fn default_cacheable"),
+        ),
+        (
+            "with_cacheable",
+            statuses_documented_above(layer, "pub fn with_cacheable"),
+        ),
+        ("README, row 11", four_xx_in(row)),
+        ("README, notes", four_xx_in(notes)),
+    ];
+    for (place, listed) in places {
+        assert_eq!(listed, refused, "{place}");
+    }
 }
 
 // Row 13
@@ -758,6 +963,8 @@ on_every_store!(
     a_client_that_leaves_mid_stream_still_gets_its_response_stored,
     a_response_body_that_fails_is_kept_as_not_replayable,
     an_endless_stream_holds_its_key_only_up_to_the_cap,
+    a_stalled_stream_holds_its_key_no_longer_than_the_stream_timeout,
+    an_endless_stream_whose_client_left_is_read_no_further_than_its_claim,
     a_hung_handler_is_cancelled_at_its_timeout,
     a_store_slower_than_its_timeout_fails_closed_or_open,
     scoped_keys_never_replay_across_scopes,

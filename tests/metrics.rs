@@ -379,3 +379,58 @@ async fn a_keyed_request_no_endpoint_matches_is_counted() {
         ])
     );
 }
+
+/// Two layers (over two stores) and a coordinator, each named: their series stay apart, each
+/// under its `name` label, and an unnamed layer's keep no `name` label at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn named_layers_keep_their_series_apart() {
+    let _turn = TURN.lock().await;
+    let (payments, _) = router(IdempotencyLayer::new(MemoryStore::new()).with_name("payments"));
+    let (refunds, _) = router(IdempotencyLayer::new(MemoryStore::new()).with_name("refunds"));
+    let (unnamed, _) = router(IdempotencyLayer::new(MemoryStore::new()));
+    let consumer = Coordinator::new(MemoryStore::new()).with_name("consumer");
+    recorded();
+    assert_eq!(send(&payments, payment("n1", "{}")).await.status, 201);
+    assert!(send(&payments, payment("n1", "{}")).await.is_replay());
+    assert_eq!(send(&refunds, payment("n1", "{}")).await.status, 201);
+    let keyless = post(None).body(Body::from("{}")).unwrap();
+    assert_eq!(send(&refunds, keyless).await.status, 400);
+    assert_eq!(send(&unnamed, payment("n1", "{}")).await.status, 201);
+    let key = RecordKey::new(None, IdempotencyKey::parse("n1").unwrap());
+    let Ok(Begin::Claimed(claim)) = consumer.begin(&key, &Fingerprint::new([b"job".as_slice()])).await else {
+        panic!("a new key")
+    };
+    let all = recorded();
+    assert_eq!(
+        all.get("idempotency_running{name=consumer}"),
+        Some(&1.0),
+        "{all:?}"
+    );
+    claim.release().await.unwrap();
+    let counters: BTreeMap<String, f64> = all
+        .iter()
+        .filter(|(name, _)| name.contains("_total{"))
+        .map(|(name, n)| (name.clone(), *n))
+        .collect();
+    assert_eq!(
+        counters,
+        expect(&[
+            ("idempotency_requests_total{outcome=executed,name=payments}", 1.0),
+            ("idempotency_requests_total{outcome=replayed,name=payments}", 1.0),
+            ("idempotency_requests_total{outcome=executed,name=refunds}", 1.0),
+            ("idempotency_requests_total{outcome=rejected,name=refunds}", 1.0),
+            ("idempotency_rejections_total{kind=MissingKey,name=refunds}", 1.0),
+            (EXECUTED, 1.0),
+            ("idempotency_requests_total{outcome=executed,name=consumer}", 1.0),
+        ])
+    );
+    for name in ["payments", "refunds"] {
+        let claims = format!("idempotency_store_duration_seconds{{op=claim,name={name}}}");
+        assert!(all.contains_key(&claims), "{claims} in {all:?}");
+    }
+    assert_eq!(
+        recorded().get("idempotency_running{name=consumer}"),
+        Some(&-1.0),
+        "the named gauge comes down with its own label"
+    );
+}

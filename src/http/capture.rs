@@ -2,6 +2,7 @@
 //! to the client, or recorded as *not stored*, so that a retry is never run a second time
 //! because the first response could not be kept.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
@@ -9,11 +10,13 @@ use bytes::Bytes;
 use http::header::CONTENT_LENGTH;
 use http::{response, HeaderMap, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use crate::coordinator::Claim;
 use crate::http::body::{collect_limited, BoxError, Collected, ResponseBody};
 use crate::http::config::{Config, GrpcCacheableFn};
-use crate::http::future::BoxFuture;
 use crate::http::grpc::{self, Outcome};
 use crate::http::replay::{self, NotStored, StoredResponse};
 
@@ -140,28 +143,44 @@ pub(crate) async fn settle_not_stored(
     }
 }
 
+/// What the body tells the task holding its claim once it has ended.
+enum Settle {
+    /// Store this payload (the encoded response).
+    Store(Bytes),
+    /// Release the key: the response is not to be stored (a gRPC status the rule refuses).
+    Release,
+    /// The response could not be stored.
+    NotStored(NotStored),
+}
+
 /// The body of a response of unknown length whose key is still claimed: it passes every frame
-/// on as it comes and keeps a copy up to the cap, then completes the claim when the body ends
-/// (before the client sees the end), with trailers; a gRPC response whose `grpc-status` the
-/// rule refuses releases it instead. A body over the cap, or one that fails,
-/// settles the claim as not stored at that point and streams on.
+/// on as it comes and keeps a copy up to the cap, then has the claim completed when the body
+/// ends (before the client sees the end), with trailers; a gRPC response whose `grpc-status` the
+/// rule refuses releases it instead. A body over the cap, or one that fails, settles the claim
+/// as not stored at that point and streams on.
+///
+/// The claim itself is held by a task of its own ([`hold`]), which renews its lease and bounds
+/// how long it is held: a body that has not ended by the stream timeout (a stalled upstream, a
+/// client that stopped reading, an endless stream) has its claim settled as not stored there
+/// and then, whether or not anyone polls the body; the body streams on to its client, no longer
+/// copied.
 ///
 /// Dropped before it has settled (the client left), it carries on in a task of its own, which
-/// reads the rest and stores it as if the client were there, unless the layer cancels on
+/// reads the rest and stores it as if the client were there, until the claim is settled (the
+/// end, the cap, or the stream timeout: nothing is read past that), unless the layer cancels on
 /// disconnect (the claim is then released).
 pub(crate) struct Storing<B> {
     /// The handler's body, until it has ended.
     body: Option<Pin<Box<B>>>,
     /// The copy, until it is stored or found too large.
     record: Option<StoredResponse>,
-    status: StatusCode,
     /// For a gRPC response, the rule its `grpc-status` (in the trailers) must pass to be stored.
     status_rule: Option<GrpcCacheableFn>,
-    /// The claim, until the copy is stored or the key settled otherwise.
-    claim: Option<Claim>,
-    release_not_stored: bool,
-    /// The completion or release under way; the client's next frame waits for it.
-    settling: Option<BoxFuture<()>>,
+    /// The way to the task holding the claim, and that task, until the key is settled (or the
+    /// task settled it at the stream timeout and closed the way).
+    holder: Option<(oneshot::Sender<Settle>, JoinHandle<()>)>,
+    /// The holder settling the claim as told; the client's next frame waits for it.
+    settling: Option<JoinHandle<()>>,
     /// What to hand the client once `settling` is done: a frame, or the end.
     then: Option<Option<Result<Frame<Bytes>, BoxError>>>,
     /// Set unless the layer cancels on disconnect; carries the `Send + 'static` bounds a spawn
@@ -175,7 +194,8 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    /// Takes over `claim`, whose lease must be renewed in the background meanwhile.
+    /// Takes over `claim`, handing it to a task that renews its lease until the body ends or
+    /// the stream timeout passes. Needs a Tokio runtime.
     pub(crate) fn new(
         body: B,
         record: StoredResponse,
@@ -187,17 +207,31 @@ where
     where
         B: Send + 'static,
     {
+        let deadline = tokio::time::Instant::now().checked_add(config.stream_timeout());
+        let (orders, received) = oneshot::channel();
+        let holding = hold(claim, received, deadline, status, config.release_not_stored);
+        let span = tracing::Span::current();
+        let holder = tokio::spawn(holding.instrument(span.clone()));
         Self {
             body: Some(Box::pin(body)),
             record: Some(record),
-            status,
             status_rule,
-            claim: Some(claim),
-            release_not_stored: config.release_not_stored,
+            holder: Some((orders, holder)),
             settling: None,
             then: None,
             detach: (!config.cancel_on_disconnect).then_some(drain_detached::<B> as fn(_)),
-            span: tracing::Span::current(),
+            span,
+        }
+    }
+
+    /// Notices a claim its holder settled at the stream timeout: the copy is dropped, and the
+    /// body streams on uncopied. Registers for that wake-up otherwise.
+    fn notice_timeout(&mut self, cx: &mut Context<'_>) {
+        if let Some((orders, _)) = &mut self.holder {
+            if orders.poll_closed(cx).is_ready() {
+                self.holder = None;
+                self.record = None;
+            }
         }
     }
 
@@ -205,9 +239,11 @@ where
         &mut self,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.notice_timeout(cx);
         loop {
             if let Some(settling) = &mut self.settling {
-                ready!(settling.as_mut().poll(cx));
+                // The holder logs what it could not do; a panic in it has nothing left to settle.
+                let _ = ready!(Pin::new(settling).poll(cx));
                 self.settling = None;
                 match self.then.take() {
                     Some(next) => return Poll::Ready(next),
@@ -251,40 +287,29 @@ where
         }
     }
 
-    /// Starts settling the claim, if it is still held: stores the copy with `trailers`, or
-    /// records why it could not be stored.
+    /// Has the claim settled, if it is still held: the copy stored with `trailers`, or recorded
+    /// as not stored, and so on.
     fn settle(&mut self, outcome: Result<Option<&HeaderMap>, NotStored>) {
-        let Some(claim) = self.claim.take() else {
+        let Some((orders, holder)) = self.holder.take() else {
             return;
         };
         let record = self.record.take();
-        self.settling = Some(match (outcome, record) {
+        let order = match (outcome, record) {
             (Ok(trailers), Some(_))
                 if self
                     .status_rule
                     .as_ref()
                     .is_some_and(|rule| !grpc::cacheable_at_end(trailers, rule)) =>
             {
-                tracing::debug!(key = ?claim.key(), "gRPC status not to be stored; the key is released");
-                Box::pin(release(claim))
+                Settle::Release
             }
-            (Ok(trailers), Some(record)) => {
-                let (payload, _) = record.finish(trailers);
-                Box::pin(async move {
-                    // Errors are logged by `complete`.
-                    let _ = claim.complete(payload).await;
-                })
-            }
-            (outcome, _) => {
-                let why = outcome.err().unwrap_or(NotStored::TooLarge);
-                Box::pin(settle_not_stored(
-                    claim,
-                    why,
-                    Some(self.status),
-                    self.release_not_stored,
-                ))
-            }
-        });
+            (Ok(trailers), Some(record)) => Settle::Store(record.finish(trailers).0),
+            (outcome, _) => Settle::NotStored(outcome.err().unwrap_or(NotStored::TooLarge)),
+        };
+        // Refused only if the holder settled the claim at the stream timeout meanwhile; its
+        // task is then (nearly) done, and waiting for it costs nothing.
+        let _ = orders.send(order);
+        self.settling = Some(holder);
     }
 
     pub(crate) fn is_end_stream(&self) -> bool {
@@ -299,40 +324,105 @@ where
     }
 }
 
+impl<B> Storing<B> {
+    /// Whether the claim is settled (stored, released, or not stored) and nothing is owed to it.
+    fn is_settled(&self) -> bool {
+        self.holder.is_none() && self.settling.is_none()
+    }
+}
+
 impl<B> Drop for Storing<B> {
     fn drop(&mut self) {
-        let unsettled = self.claim.is_some() || self.settling.is_some();
-        if let (true, Some(detach)) = (unsettled, self.detach.take()) {
+        if let (false, Some(detach)) = (self.is_settled(), self.detach.take()) {
             detach(Storing {
                 body: self.body.take(),
                 record: self.record.take(),
-                status: self.status,
                 status_rule: self.status_rule.take(),
-                claim: self.claim.take(),
-                release_not_stored: self.release_not_stored,
+                holder: self.holder.take(),
                 settling: self.settling.take(),
                 then: None,
                 detach: None,
                 span: self.span.clone(),
             });
         }
+        // Otherwise a holder still waiting finds its orders gone and releases the key.
     }
 }
 
-/// Reads the rest of a body whose client left, so its response is stored for the retry.
+/// Holds a streamed response's claim: renews its lease, and settles it as the body says once
+/// it has ended, or as not stored at `deadline` (the stream timeout), then closing `orders` so
+/// the body stops copying and a drain whose client left stops reading.
+async fn hold(
+    claim: Claim,
+    mut orders: oneshot::Receiver<Settle>,
+    deadline: Option<tokio::time::Instant>,
+    status: StatusCode,
+    release_not_stored: bool,
+) {
+    let ordered = {
+        let waiting = std::pin::pin!(async {
+            match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, &mut orders).await.ok(),
+                None => Some((&mut orders).await),
+            }
+        });
+        claim.keep_alive(waiting).await
+    };
+    let order = match ordered {
+        Some(order) => order.ok(),
+        None => {
+            orders.close();
+            // An order sent just as the time ran out is still followed.
+            match orders.try_recv() {
+                Ok(order) => Some(order),
+                Err(_) => {
+                    tracing::warn!(
+                        key = ?claim.key(),
+                        "the streamed response did not end within the stream timeout; it streams on, not stored"
+                    );
+                    Some(Settle::NotStored(NotStored::TimedOut))
+                }
+            }
+        }
+    };
+    match order {
+        Some(Settle::Store(payload)) => {
+            // Errors are logged by `complete`.
+            let _ = claim.complete(payload).await;
+        }
+        Some(Settle::Release) => {
+            tracing::debug!(key = ?claim.key(), "gRPC status not to be stored; the key is released");
+            release(claim).await;
+        }
+        Some(Settle::NotStored(why)) => settle_not_stored(claim, why, Some(status), release_not_stored).await,
+        // The body was dropped unsettled and not drained: the layer cancels on disconnect.
+        None => release(claim).await,
+    }
+}
+
+/// Reads the rest of a body whose client left, so its response is stored for the retry; stops
+/// as soon as the claim is settled (stored, over the cap, failed, or past the stream timeout),
+/// so an endless stream is not read for ever.
 fn drain_detached<B>(mut storing: Storing<B>)
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    use tracing::Instrument;
     let span = storing.span.clone();
-    let draining = async move { while std::future::poll_fn(|cx| storing.poll_frame(cx)).await.is_some() {} };
+    let draining = std::future::poll_fn(move |cx| loop {
+        storing.notice_timeout(cx);
+        if storing.is_settled() {
+            return Poll::Ready(());
+        }
+        if ready!(storing.poll_frame(cx)).is_none() {
+            return Poll::Ready(());
+        }
+    });
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             runtime.spawn(draining.instrument(span));
         }
-        // Dropping it drops its claim, which logs that it cannot be released without a runtime.
+        // Dropping it drops its orders; its holder releases the key.
         Err(_) => tracing::warn!("no Tokio runtime to finish storing a response whose client left"),
     }
 }

@@ -42,6 +42,9 @@ pub(crate) struct Config {
     pub(crate) not_stored_status: StatusCode,
     /// The longest a handler may take to give its response head.
     pub(crate) handler_timeout: Duration,
+    /// The longest a claim is held while a body of unknown length streams, from its head;
+    /// `None`: the handler timeout.
+    pub(crate) stream_timeout: Option<Duration>,
     /// Hand each claimed request's claim to its handler, for a completion in its transaction.
     pub(crate) transactional_completion: bool,
     /// Which parts of a request count in its fingerprint.
@@ -78,6 +81,7 @@ impl Default for Config {
             release_not_stored: false,
             not_stored_status: StatusCode::CONFLICT,
             handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            stream_timeout: None,
             transactional_completion: false,
             fingerprint: FingerprintPolicy::default(),
             key_in_extensions: false,
@@ -90,6 +94,11 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The bound in force on holding a claim while its body streams.
+    pub(crate) fn stream_timeout(&self) -> Duration {
+        self.stream_timeout.unwrap_or(self.handler_timeout)
+    }
+
     pub(crate) fn stores_header(&self, name: &HeaderName) -> bool {
         !self.unstored_headers.contains(name)
     }

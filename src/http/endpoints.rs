@@ -46,8 +46,9 @@ use crate::{IdempotencyLayer, ShutdownHandle};
 /// endpoints equally.
 ///
 /// Each endpoint's layer is a clone of the base layer adjusted by a function: clones share the
-/// store and the bound on running requests, so [`shutdown_handle`](Self::shutdown_handle)
-/// covers them all (do not call `with_max_in_flight` per endpoint).
+/// store, the bound on running requests (unless an endpoint sets its own `with_max_in_flight`)
+/// and the shutdown, so [`shutdown_handle`](Self::shutdown_handle) covers them all, whatever
+/// their settings.
 ///
 /// ```
 /// use std::time::Duration;
@@ -260,9 +261,10 @@ impl PolicyLayer {
         if !self.refuse_unmatched {
             return None;
         }
-        telemetry::outcome(Outcome::Rejected);
+        let named = self.base.coordinator.named();
+        telemetry::outcome(Outcome::Rejected, named);
         let grpc = grpc::is_grpc_request(request.headers());
-        Some(Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc))
+        Some(Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc, named))
     }
 }
 

@@ -19,8 +19,10 @@ use crate::{IdempotencyKey, RecordKey};
 /// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
 /// behaviour, and each `with_*` setter for a setting and its default.
 ///
-/// Clones share the store and the bound on running requests (and so one [`ShutdownHandle`]):
-/// build one layer, then clone and adjust it per route.
+/// Clones share the store, the bound on running requests and one [`ShutdownHandle`]: build one
+/// layer, then clone and adjust it per route. A clone given its own `with_max_in_flight` gets
+/// a bound of its own but stays under the same shutdown; layers over other stores join it with
+/// [`with_shutdown_handle`](Self::with_shutdown_handle).
 ///
 /// ```
 /// use std::time::Duration;
@@ -46,6 +48,8 @@ impl std::fmt::Debug for IdempotencyLayer {
             .field("body_limit", &self.config.body_limit)
             .field("response_limit", &self.config.response_limit)
             .field("fail_open", &self.config.fail_open)
+            .field("handler_timeout", &self.config.handler_timeout)
+            .field("stream_timeout", &self.config.stream_timeout())
             .field("max_wait", &self.config.max_wait)
             .field("default_wait", &self.config.default_wait)
             .finish_non_exhaustive()
@@ -272,13 +276,19 @@ impl IdempotencyLayer {
     }
 
     /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):
-    /// all but 5xx, 408, 409, 425, 429 and `Cache-Control: no-store`). An answer not stored goes
-    /// to the client unchanged and releases the key, so a retry runs the handler again.
+    /// all but 5xx, 401, 403, 408, 409, 425, 429 and `Cache-Control: no-store`; 401 and 403
+    /// are given before the operation starts, so a retry with fixed credentials must run). An
+    /// answer not stored goes to the client unchanged and releases the key, so a retry runs the
+    /// handler again.
     ///
     /// ```
-    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// # use http::StatusCode;
+    /// # use tower_idempotency::{default_cacheable, IdempotencyLayer, MemoryStore};
     /// // Store successes only.
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_cacheable(|parts| parts.status.is_success());
+    /// // Or the default, and a 403 too (a refusal this handler gives after the operation ran).
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_cacheable(|parts| parts.status == StatusCode::FORBIDDEN || default_cacheable(parts));
     /// # let _ = layer;
     /// ```
     pub fn with_cacheable<F>(self, cacheable: F) -> Self
@@ -408,8 +418,9 @@ impl IdempotencyLayer {
     /// kept as not replayable (or released, see
     /// [`with_release_not_stored`](Self::with_release_not_stored)): a hung handler no longer
     /// holds its key and a running-request slot for ever. The clock covers the handler and the
-    /// reading of a response body of known length; a body of unknown length streams on,
-    /// bounded by the response limit instead. `Duration::MAX` turns the bound off.
+    /// reading of a response body of known length; a body of unknown length is bounded by
+    /// [`with_stream_timeout`](Self::with_stream_timeout) instead. `Duration::MAX` turns the
+    /// bound off.
     ///
     /// ```
     /// # use std::time::Duration;
@@ -419,6 +430,28 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_handler_timeout(self, timeout: Duration) -> Self {
         self.config(|c| c.handler_timeout = timeout)
+    }
+
+    /// The longest a response body of unknown length (a compression layer inside this one, a
+    /// proxied chunked upstream, server-sent events, a gRPC server stream) may hold its key
+    /// while it streams, counted from its head (default: the
+    /// [handler timeout](Self::with_handler_timeout), 60 s unless set). Past it the claim is
+    /// settled as not stored, whether or not the client is reading: the key is kept as not
+    /// replayable (or released, see [`with_release_not_stored`](Self::with_release_not_stored)),
+    /// its lease renewal and its running-request slot end, and a retry gets
+    /// [`Rejection::ResponseNotStored`](crate::Rejection::ResponseNotStored) (or runs) instead
+    /// of the 409 `InFlight` of a key held for as long as the stream lasts. The client's
+    /// response is not cut: it streams on to its end, no longer copied; if the client has left,
+    /// the layer stops reading the body there. `Duration::MAX` turns the bound off.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_stream_timeout(Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn with_stream_timeout(self, timeout: Duration) -> Self {
+        self.config(|c| c.stream_timeout = Some(timeout))
     }
 
     /// Hands each claimed request's claim to its handler (default: `false`): a
@@ -471,12 +504,15 @@ impl IdempotencyLayer {
     /// Bounds how many keyed requests may run their handler at once, fail-open runs included
     /// (default: 10 000); over it new keys are answered 503 and nothing is claimed, while a key
     /// already done still replays and one running still gets its 409 (one read of the store).
-    /// Starts a new tracker, shared by the clones made afterwards.
+    /// Starts a new bound, with its own count, shared by the clones made afterwards; the layer
+    /// stays under the same [`ShutdownHandle`], so a clone bounded per route is still stopped
+    /// and waited for by one shutdown.
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
     /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_in_flight(512);
-    /// # let _ = layer;
+    /// let exports = layer.clone().with_max_in_flight(4);
+    /// assert_eq!(exports.shutdown_handle(), layer.shutdown_handle());
     /// ```
     pub fn with_max_in_flight(mut self, max: u32) -> Self {
         self.coordinator = self.coordinator.with_max_in_flight(max);
@@ -566,9 +602,49 @@ impl IdempotencyLayer {
         self
     }
 
-    /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]).
+    /// Names this layer in its metrics (default: none): each one it records carries a `name`
+    /// label with this value, so two layers (over two stores, or on two routes) keep apart
+    /// series that would otherwise merge; without a name no `name` label is recorded. The
+    /// labelled keys are built once, here, so a named layer's metrics cost no allocation per
+    /// request. Sets the name of the layer's [`Coordinator`] (see
+    /// [`Coordinator::with_name`]); clones made afterwards share it, so name a per-route clone
+    /// after cloning.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let base = IdempotencyLayer::new(MemoryStore::new());
+    /// let payments = base.clone().with_name("payments");
+    /// let refunds = base.with_name("refunds");
+    /// # let _ = (payments, refunds);
+    /// ```
+    pub fn with_name(mut self, name: impl Into<Arc<str>>) -> Self {
+        self.coordinator = self.coordinator.with_name(name);
+        self
+    }
+
+    /// A handle to stop taking new keys and wait for running handlers (see [`ShutdownHandle`]):
+    /// this layer's, its clones' whatever their settings, and those of every layer or
+    /// coordinator in the same group.
     pub fn shutdown_handle(&self) -> ShutdownHandle {
         self.coordinator.shutdown_handle()
+    }
+
+    /// Puts this layer in the shutdown group of `handle` (default: a group of its own, shared by
+    /// its clones), so one [`ShutdownHandle::shutdown`] stops and waits for several layers at
+    /// once: a layer over Redis and one over PostgreSQL in one service, say. See
+    /// [`Coordinator::with_shutdown_handle`].
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, ShutdownHandle};
+    /// let shutdown = ShutdownHandle::new();
+    /// let payments = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// let emails = IdempotencyLayer::new(MemoryStore::new()).with_shutdown_handle(&shutdown);
+    /// // On SIGTERM: `shutdown.shutdown(deadline).await` stops both.
+    /// # let _ = (payments, emails);
+    /// ```
+    pub fn with_shutdown_handle(mut self, handle: &ShutdownHandle) -> Self {
+        self.coordinator = self.coordinator.with_shutdown_handle(handle);
+        self
     }
 
     /// The coordinator this layer runs on.

@@ -31,6 +31,7 @@ macro_rules! with_settings {
             body_limit: Option<Size>,
             response_limit: Option<Size>,
             handler_timeout: Option<Dur>,
+            stream_timeout: Option<Dur>,
             store_timeout: Option<Dur>,
             fail_open: Option<bool>,
             cancel_on_disconnect: Option<bool>,
@@ -69,6 +70,9 @@ macro_rules! with_settings {
                 }
                 if let Some(v) = s.handler_timeout {
                     layer = layer.with_handler_timeout(v.0);
+                }
+                if let Some(v) = s.stream_timeout {
+                    layer = layer.with_stream_timeout(v.0);
                 }
                 if let Some(v) = s.store_timeout {
                     layer = layer.with_store_timeout(v.0);
@@ -678,6 +682,25 @@ impl<'de> Deserialize<'de> for Methods {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stream_timeout_is_a_setting_of_the_file() {
+        let policy =
+            Policy::from_json_str(r#"{ "idempotency": { "handler_timeout": "20s", "endpoints": [] } }"#)
+                .expect("a valid policy");
+        let base = crate::IdempotencyLayer::new(crate::MemoryStore::new());
+        let layer = PolicyLayer::from_policy(base.clone(), &policy).expect("a layer");
+        assert_eq!(
+            layer.base().config.stream_timeout(),
+            Duration::from_secs(20),
+            "the handler timeout's"
+        );
+        let policy =
+            Policy::from_json_str(r#"{ "idempotency": { "stream_timeout": "5m", "endpoints": [] } }"#)
+                .expect("a valid policy");
+        let layer = PolicyLayer::from_policy(base, &policy).expect("a layer");
+        assert_eq!(layer.base().config.stream_timeout(), Duration::from_secs(300));
+    }
 
     #[test]
     fn durations_are_a_number_then_a_unit() {

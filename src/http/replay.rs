@@ -41,8 +41,10 @@ pub enum NotStored {
     /// The response body failed part way (an upstream connection broke, say).
     #[error("the response body failed part way")]
     BodyFailed,
-    /// The handler gave no response head within the handler timeout and was cancelled.
-    #[error("the handler did not answer in time and was cancelled")]
+    /// The handler gave no response head within the handler timeout and was cancelled, or its
+    /// response body of unknown length did not end within the stream timeout (the record then
+    /// holds the status the client was sent).
+    #[error("the handler did not answer in time")]
     TimedOut,
 }
 

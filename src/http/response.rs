@@ -229,6 +229,7 @@ impl Rejection {
     /// The whole response: status, `Content-Type: application/problem+json`, `Retry-After` where
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
+        crate::telemetry::rejection(&self, None);
         self.into_response_naming(&HeaderName::from_static("idempotency-key"))
     }
 
@@ -260,7 +261,6 @@ impl Rejection {
         if let Some(seconds) = self.retry_after_seconds() {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
-        crate::telemetry::rejection(&self);
         response.extensions_mut().insert(self);
         response
     }
@@ -275,8 +275,15 @@ fn push_json_string(buffer: &mut Vec<u8>, text: &str) {
 
 impl Rejection {
     /// The rejection in the client's protocol: gRPC for a gRPC call (see
-    /// [`into_grpc_response`](Rejection::into_grpc_response)), problem+json otherwise.
-    pub(crate) fn respond<B>(self, key_header: &HeaderName, grpc: bool) -> Response<ResponseBody<B>> {
+    /// [`into_grpc_response`](Rejection::into_grpc_response)), problem+json otherwise; counted
+    /// under the layer's metrics name, if it has one.
+    pub(crate) fn respond<B>(
+        self,
+        key_header: &HeaderName,
+        grpc: bool,
+        named: Option<&crate::telemetry::Named>,
+    ) -> Response<ResponseBody<B>> {
+        crate::telemetry::rejection(&self, named);
         if grpc {
             self.into_grpc_response_naming(key_header)
         } else {

@@ -25,7 +25,7 @@ use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
-use crate::telemetry::{self, Outcome};
+use crate::telemetry::{self, Named, Outcome};
 use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
@@ -105,6 +105,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let config = &layer.config;
+    let named = layer.coordinator.named();
     let guarded = request.extensions().get::<Guarded>().is_some();
     if guarded
         || !config.methods.contains(request.method())
@@ -118,14 +119,14 @@ where
             return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
         }
         Ok(None) => {
-            telemetry::outcome(Outcome::Rejected);
+            telemetry::outcome(Outcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
-            return ResponseFuture::ready(Rejection::MissingKey.respond(&config.key_header, grpc));
+            return ResponseFuture::ready(Rejection::MissingKey.respond(&config.key_header, grpc, named));
         }
         Err(error) => {
-            telemetry::outcome(Outcome::Rejected);
+            telemetry::outcome(Outcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
-            let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc);
+            let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc, named);
             return ResponseFuture::ready(rejection);
         }
     };
@@ -135,9 +136,10 @@ where
         Some(scope) => match scope(&parts) {
             Some(scope) => Some(scope),
             None => {
-                telemetry::outcome(Outcome::Rejected);
+                telemetry::outcome(Outcome::Rejected, named);
                 let grpc = grpc::is_grpc_request(&parts.headers);
-                return ResponseFuture::ready(Rejection::MissingScope.respond(&config.key_header, grpc));
+                let rejection = Rejection::MissingScope.respond(&config.key_header, grpc, named);
+                return ResponseFuture::ready(rejection);
             }
         },
         None => None,
@@ -225,8 +227,13 @@ where
         // Whether this is a gRPC call (its rejections must speak gRPC) is looked up where it is
         // needed, not kept across the awaits: that byte would cost this state 16.
         let reject = |outcome: Outcome, rejection: Rejection| {
-            telemetry::finish(&span, outcome);
-            Step::Done(Ok(rejection.respond(&config.key_header, is_grpc(&parts.headers))))
+            let named = coordinator.named();
+            telemetry::finish(&span, outcome, named);
+            Step::Done(Ok(rejection.respond(
+                &config.key_header,
+                is_grpc(&parts.headers),
+                named,
+            )))
         };
         let too_large = Rejection::BodyTooLarge {
             limit: config.body_limit,
@@ -254,7 +261,7 @@ where
                 waited = did_wait.then_some(wait);
                 if did_wait {
                     // Counted besides the outcome the request ends with (its replay, say).
-                    telemetry::outcome(Outcome::Waited);
+                    telemetry::outcome(Outcome::Waited, coordinator.named());
                 }
             }
         }
@@ -327,15 +334,16 @@ where
     ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let named = coordinator.named();
     let reject = |outcome: Outcome, rejection: Rejection| {
-        telemetry::finish(&span, outcome);
-        Step::Done(Ok(rejection.respond(&config.key_header, grpc)))
+        telemetry::finish(&span, outcome, named);
+        Step::Done(Ok(rejection.respond(&config.key_header, grpc, named)))
     };
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
-            let (outcome, step) = replay_stored(key, &payload, &config, grpc);
-            telemetry::finish(&span, outcome);
+            let (outcome, step) = replay_stored(key, &payload, &config, grpc, named);
+            telemetry::finish(&span, outcome, named);
             return step;
         }
         Ok(Begin::InFlight { lease_left }) => {
@@ -362,7 +370,7 @@ where
                 return reject(Outcome::Overloaded, Rejection::Overloaded);
             };
             tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
-            telemetry::finish(&span, Outcome::FailOpen);
+            telemetry::finish(&span, Outcome::FailOpen, named);
             let mut inner = inner;
             let run = async move {
                 let answer = inner.call(request).await;
@@ -377,7 +385,7 @@ where
         }
         Err(error) => return reject(Outcome::of_error(&error), Rejection::Overloaded),
     };
-    telemetry::finish(&span, Outcome::Executed);
+    telemetry::finish(&span, Outcome::Executed, named);
     if config.transactional_completion {
         let handed = TransactionalClaim::new(claim.ticket(), config.clone());
         request.extensions_mut().insert(handed);
@@ -395,6 +403,7 @@ fn replay_stored<B, E>(
     payload: &Bytes,
     config: &Config,
     grpc: bool,
+    named: Option<&Named>,
 ) -> (Outcome, Step<B, E>) {
     let (outcome, rejection) = match replay::decode(payload) {
         Ok(Decoded::Response(stored)) => {
@@ -424,7 +433,7 @@ fn replay_stored<B, E>(
     };
     (
         outcome,
-        Step::Done(Ok(rejection.respond(&config.key_header, grpc))),
+        Step::Done(Ok(rejection.respond(&config.key_header, grpc, named))),
     )
 }
 
@@ -433,7 +442,7 @@ fn replay_stored<B, E>(
 /// replayable, or releases it. `grpc`: the request is a gRPC call, answered so if the layer must.
 async fn run_claimed<S, ReqBody, ResBody>(
     mut inner: S,
-    mut claim: Claim,
+    claim: Claim,
     config: Arc<Config>,
     request: Request<RequestBody<ReqBody>>,
     grpc: bool,
@@ -467,8 +476,7 @@ where
             Ok(response)
         }
         Some(Ok(Ok(Captured::Streaming(parts, body, record, status_rule)))) => {
-            // The body outlives this future: its lease is renewed by a task from now on.
-            claim.renew_in_background();
+            // The body outlives this future: a task holds its claim from now on.
             let storing = Storing::new(body, record, parts.status, status_rule, claim, &config);
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
@@ -491,12 +499,14 @@ where
             Err(error)
         }
         Some(Err(_panic)) => {
+            let named = claim.named();
             tracing::error!(key = ?claim.key(), "the handler panicked; its key is released");
             Box::pin(release(claim)).await;
-            Ok(Rejection::HandlerPanicked.respond(&config.key_header, grpc))
+            Ok(Rejection::HandlerPanicked.respond(&config.key_header, grpc, named.as_deref()))
         }
         None => {
             let after = config.handler_timeout;
+            let named = claim.named();
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
             Box::pin(settle_not_stored(
                 claim,
@@ -505,7 +515,7 @@ where
                 release_not_stored,
             ))
             .await;
-            Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc))
+            Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc, named.as_deref()))
         }
     }
 }

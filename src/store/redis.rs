@@ -916,7 +916,7 @@ impl RedisStore {
                 Some((hook, owner)) => {
                     reconciliation::report(Some(hook), kind, &record, owner, payload.as_ref())
                 }
-                None => crate::telemetry::reconciliation(&kind),
+                None => crate::telemetry::reconciliation(&kind, None),
             };
             let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
             let retry = match &first {
