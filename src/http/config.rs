@@ -1,5 +1,6 @@
 //! Every HTTP-side setting of the layer, with its default, in one place.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,6 +30,14 @@ pub(crate) struct Config {
     pub(crate) response_limit: usize,
     pub(crate) fail_open: bool,
     pub(crate) scope: Option<ScopeFn>,
+    /// No scope, and chosen so (`without_scope`): requests with credentials are not warned of.
+    pub(crate) unscoped_on_purpose: bool,
+    /// Set once this layer, unscoped, has seen a keyed request with credentials and warned of
+    /// it: checked first, so the headers are looked at only until then. A reconfigured layer
+    /// starts its own, clones share it.
+    pub(crate) warned_unscoped_credentials: Arc<AtomicBool>,
+    /// Store outages logged at most once per interval, by every clone of the layer.
+    pub(crate) store_outage_log: Arc<crate::telemetry::Throttled>,
     pub(crate) cacheable: CacheableFn,
     /// For gRPC responses, which `grpc-status` codes are stored (on top of `cacheable`).
     pub(crate) grpc_cacheable: GrpcCacheableFn,
@@ -68,6 +77,9 @@ impl Default for Config {
             response_limit: MIB,
             fail_open: false,
             scope: None,
+            unscoped_on_purpose: false,
+            warned_unscoped_credentials: Arc::default(),
+            store_outage_log: Arc::default(),
             cacheable: Arc::new(default_cacheable),
             grpc_cacheable: Arc::new(default_grpc_cacheable),
             mismatch_status: StatusCode::CONFLICT,

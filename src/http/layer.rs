@@ -105,6 +105,7 @@ impl IdempotencyLayer {
     fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
         let config = Arc::make_mut(&mut self.config);
         config.typical_duration = Arc::default();
+        config.warned_unscoped_credentials = Arc::default();
         change(config);
         self
     }
@@ -232,8 +233,17 @@ impl IdempotencyLayer {
     /// Scopes keys, for example per tenant or user (default: none, one namespace). The same key
     /// from two scopes names two records. A request for which `scope` answers `None` is refused
     /// with 500 ([`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run
-    /// unscoped: place the layer after the one that authenticates. [`Scope`](crate::Scope)
-    /// builds the common ones: a value in the request's extensions, a header, the host.
+    /// unscoped. [`Scope`](crate::Scope) builds the common ones: a value in the request's
+    /// extensions, a header, the host.
+    ///
+    /// **A replay is answered before the handler runs**, so before any authentication done in
+    /// the handler (an axum extractor): whoever sends a key and body another caller sent gets
+    /// that caller's stored response, unless the keys are scoped by who is calling. So place
+    /// the layer inside (after) the layer that authenticates, and scope keys by what it found
+    /// ([`Scope::extension`](crate::Scope::extension)). A layer without a scope that sees
+    /// requests with `Authorization` or `Cookie` logs a warning once and counts it
+    /// (`idempotency_setup_warnings_total`); a single-tenant service says it means no scope
+    /// with [`without_scope`](Self::without_scope).
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
@@ -260,13 +270,39 @@ impl IdempotencyLayer {
     where
         F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.config(|c| c.scope = Some(Arc::new(scope)))
+        self.config(|c| {
+            c.scope = Some(Arc::new(scope));
+            c.unscoped_on_purpose = false;
+        })
     }
 
-    /// Sets or removes the scope function, for the policy file.
+    /// Declares that this layer has no scope on purpose (default: no scope, not declared): every
+    /// caller's keys share one namespace, as in a single-tenant service, or one whose clients
+    /// cannot learn each other's keys. Removes a scope set before, and silences the warning an
+    /// unscoped layer logs when its requests carry credentials (see
+    /// [`with_scope`](Self::with_scope)): a replay is still answered before the handler
+    /// authenticates.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).without_scope();
+    /// # let _ = layer;
+    /// ```
+    pub fn without_scope(self) -> Self {
+        self.config(|c| {
+            c.scope = None;
+            c.unscoped_on_purpose = true;
+        })
+    }
+
+    /// Sets or removes the scope function, for the policy file (whose `scope: none` is a
+    /// declared choice, as [`without_scope`](Self::without_scope)).
     #[cfg_attr(not(feature = "policy"), allow(dead_code))]
     pub(crate) fn set_scope(self, scope: Option<crate::http::config::ScopeFn>) -> Self {
-        self.config(|c| c.scope = scope)
+        self.config(|c| {
+            c.unscoped_on_purpose = scope.is_none();
+            c.scope = scope;
+        })
     }
 
     /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):

@@ -3,12 +3,14 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
+use http::header::{AUTHORIZATION, COOKIE};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
@@ -25,7 +27,7 @@ use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
-use crate::telemetry::{self, Outcome};
+use crate::telemetry::{self, Outcome, SetupWarning};
 use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
@@ -137,7 +139,13 @@ where
                 return ResponseFuture::ready(Rejection::MissingScope.respond(&config.key_header, grpc));
             }
         },
-        None => None,
+        None => {
+            // Looked at only until this layer has warned, and never when unscoped on purpose.
+            if !config.unscoped_on_purpose && !config.warned_unscoped_credentials.load(Ordering::Relaxed) {
+                warn_if_credentials(&parts, config);
+            }
+            None
+        }
     };
     let key = RecordKey::new(scope.as_deref(), key);
     // Everything the keyed request does, handler included, runs in this span; a run detached
@@ -156,6 +164,34 @@ where
         span.clone(),
     );
     ResponseFuture::keyed(Box::pin(begin.instrument(span)), config.cancel_on_disconnect)
+}
+
+/// Warns, once per layer, that an unscoped layer sees requests with credentials: its replays are
+/// answered before the handler runs, so before any authentication the handler does, and the
+/// keys of every caller share one namespace.
+#[cold]
+#[inline(never)]
+fn warn_if_credentials(parts: &request::Parts, config: &Config) {
+    let credentials = [AUTHORIZATION, COOKIE]
+        .into_iter()
+        .find(|name| parts.headers.contains_key(name));
+    let Some(header) = credentials else {
+        return;
+    };
+    if config.warned_unscoped_credentials.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    telemetry::setup_warning(SetupWarning::UnscopedCredentials);
+    tracing::warn!(
+        method = %parts.method,
+        path = parts.uri.path(),
+        %header,
+        "an idempotency layer without a scope sees requests with credentials: a replay is answered \
+         before the handler runs, so before any authentication in the handler, and any caller who \
+         sends another's key and body gets that caller's stored response. Put the layer inside \
+         the authentication and scope keys by what it found (with_scope(Scope::extension::<T>(..))), \
+         or declare a single-tenant layer with without_scope(). Logged once per layer"
+    );
 }
 
 /// Marks a request an outer idempotency layer already handles, so that nested layers (a
@@ -352,7 +388,13 @@ where
             let Ok(slot) = coordinator.slot() else {
                 return reject(Outcome::Overloaded, Rejection::Overloaded);
             };
-            tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
+            if let Some(held_back) = config.store_outage_log.admit() {
+                tracing::warn!(
+                    ?key, %error, held_back,
+                    "idempotency store unavailable; running the handler unprotected (fail-open); \
+                     logged once per 10 s, held_back: those since the last"
+                );
+            }
             telemetry::finish(&span, Outcome::FailOpen);
             let mut inner = inner;
             let run = async move {
@@ -363,7 +405,13 @@ where
             return Step::Unprotected(Box::pin(run.instrument(span)));
         }
         Err(error @ Error::Store(_)) => {
-            tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
+            if let Some(held_back) = config.store_outage_log.admit() {
+                tracing::warn!(
+                    ?key, %error, held_back,
+                    "idempotency store unavailable; refusing the request (fail-closed); \
+                     logged once per 10 s, held_back: those since the last"
+                );
+            }
             return reject(Outcome::of_error(&error), Rejection::StoreUnavailable);
         }
         Err(error) => return reject(Outcome::of_error(&error), Rejection::Overloaded),
