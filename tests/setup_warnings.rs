@@ -263,3 +263,60 @@ async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
     assert!(!line.contains("acme") && !line.contains("secret"), "{line}");
     assert!(line.contains(&key.digest_hex()[..16]), "{line}");
 }
+
+// Settings that can only hurt are refused when the layer is configured.
+
+#[test]
+#[should_panic(expected = "with_mismatch_status: status 200 cannot answer a refused request")]
+fn a_mismatch_status_that_reads_as_success_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_mismatch_status(StatusCode::OK);
+}
+
+#[test]
+#[should_panic(expected = "with_not_stored_status: status 302 cannot answer a refused request")]
+fn a_not_stored_status_that_reads_as_a_redirect_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_not_stored_status(StatusCode::FOUND);
+}
+
+#[test]
+#[should_panic(expected = "with_handler_timeout: a handler timeout of 50ms is under 100ms")]
+fn a_handler_timeout_under_100_ms_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_handler_timeout(Duration::from_millis(50));
+}
+
+#[test]
+#[should_panic(expected = "the list leaves out Set-Cookie")]
+fn an_unstored_header_list_that_drops_set_cookie_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_unstored_headers([http::HeaderName::from_static("x-multi")]);
+}
+
+#[test]
+fn settings_at_their_bounds_are_taken() {
+    let _ = IdempotencyLayer::new(MemoryStore::new())
+        .with_mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
+        .with_not_stored_status(StatusCode::SERVICE_UNAVAILABLE)
+        .with_handler_timeout(Duration::from_millis(100))
+        .with_handler_timeout(Duration::MAX)
+        .with_unstored_headers([http::header::SET_COOKIE]);
+}
+
+/// A header added to the unstored list after an incident (a leaked token in a stored response)
+/// stops being replayed at once, from records stored before the change too.
+#[tokio::test]
+async fn the_unstored_header_list_applies_to_replays_of_records_stored_before() {
+    let store = Arc::new(MemoryStore::new());
+    let (before, runs) = router(IdempotencyLayer::new(store.clone()));
+    let first = send(&before, payment("incident-1", "{}")).await;
+    assert_eq!(first.headers.get_all("x-multi").iter().count(), 2);
+    let replay = send(&before, payment("incident-1", "{}")).await;
+    assert!(replay.is_replay() && replay.headers.get("x-multi").is_some());
+
+    let after = IdempotencyLayer::new(store).with_extra_unstored_headers([http::HeaderName::from_static("x-multi")]);
+    let (after, _) = router(after);
+    let replay = send(&after, payment("incident-1", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(runs.get(), 1);
+    assert!(replay.headers.get("x-multi").is_none(), "no longer replayed");
+    assert_eq!(replay.headers["x-latin1"].as_bytes(), b"caf\xe9", "the others still are");
+    assert_eq!(replay.body, first.body);
+}

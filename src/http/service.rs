@@ -436,8 +436,16 @@ fn replay_stored<B, E>(
     grpc: bool,
 ) -> (Outcome, Step<B, E>) {
     let (outcome, rejection) = match replay::decode(payload) {
-        Ok(Decoded::Response(stored)) => {
+        Ok(Decoded::Response(mut stored)) => {
             tracing::debug!(?key, "replaying the stored response");
+            // The list as configured now, not as it was when the response was stored: a header
+            // added to it after an incident stops replaying at once.
+            let unstored = &config.unstored_headers;
+            if stored.headers.keys().any(|name| unstored.contains(name)) {
+                for name in unstored {
+                    stored.headers.remove(name);
+                }
+            }
             return (Outcome::Replayed, Step::Done(Ok(replay::into_response(stored))));
         }
         Ok(Decoded::NotStored { why, .. }) => (
