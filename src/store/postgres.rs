@@ -814,15 +814,8 @@ impl Found {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         if self.is_newer() {
-            // A rolling upgrade is under way: retry later, never "corrupt".
-            tracing::info!(
-                ?key,
-                version = self.version,
-                "record written by a newer release; answering as if in flight"
-            );
-            return Ok(ClaimOutcome::InFlight {
-                lease_left: Duration::from_secs(1).min(lease),
-            });
+            let version = u32::try_from(self.version).unwrap_or(u32::MAX);
+            return crate::store::newer_record(key, version, self.owner.as_bytes(), lease);
         }
         self.checked()?;
         let in_flight = self.state == IN_FLIGHT;

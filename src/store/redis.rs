@@ -575,16 +575,8 @@ impl RedisStore {
         epoch: Option<u64>,
     ) -> Result<ClaimOutcome, StoreError> {
         if let Some(version) = record::newer_version(existing) {
-            // A rolling upgrade is under way: a newer release wrote this. Retry later (on an
-            // instance of that release, or once this one is upgraded), never "corrupt".
-            tracing::info!(
-                ?key,
-                version,
-                "record written by a newer release; answering as if in flight"
-            );
-            return Ok(ClaimOutcome::InFlight {
-                lease_left: Duration::from_secs(1).min(lease),
-            });
+            let owner = record::owner(existing).unwrap_or_default();
+            return crate::store::newer_record(key, u32::from(version), owner, lease);
         }
         let found = record::parse(existing).map_err(StoreError::Corrupt)?;
         let ours = owner.is_some_and(|owner| found.owner == owner.as_str().as_bytes());
@@ -1032,6 +1024,13 @@ mod record {
     pub(super) fn newer_version(record: &Bytes) -> Option<u8> {
         let version = *record.strip_prefix(MAGIC)?.first()?;
         (u32::from(version) > RECORD_VERSION).then_some(version)
+    }
+
+    /// The owner of a record of any layout (every layout starts as this one does), if the
+    /// record holds one.
+    pub(super) fn owner(record: &Bytes) -> Option<&[u8]> {
+        let len = usize::from(u16::from_be_bytes([*record.get(4)?, *record.get(5)?]));
+        record.get(6..6 + len)
     }
 
     /// The state, owner and deadline of a record: what a listing needs, readable from the
