@@ -391,6 +391,9 @@ pub struct RecordInfo {
     pub expires_in: Duration,
     /// The stored payload of a completed record.
     pub payload: Option<Bytes>,
+    /// The claim's owner, for a record in flight whose store says (every store of this crate
+    /// does): an operator about to purge a running request sees whose it is.
+    pub owner: Option<OwnerToken>,
 }
 
 impl RecordInfo {
@@ -400,7 +403,22 @@ impl RecordInfo {
             state,
             expires_in,
             payload,
+            owner: None,
         }
+    }
+
+    /// The same, naming the claim's owner (default: none).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{OwnerToken, RecordInfo, RecordState};
+    /// let owner = OwnerToken::generate();
+    /// let info = RecordInfo::new(RecordState::InFlight, Duration::from_secs(12), None).with_owner(owner.clone());
+    /// assert_eq!(info.owner, Some(owner));
+    /// ```
+    pub fn with_owner(mut self, owner: OwnerToken) -> Self {
+        self.owner = Some(owner);
+        self
     }
 }
 

@@ -1315,7 +1315,8 @@ impl Store for RedisStore {
             let found = record::parse(&stored).map_err(StoreError::Corrupt)?;
             let expires_in = Duration::from_millis(ttl.max(0) as u64);
             Ok(Some(if found.state == record::IN_FLIGHT {
-                RecordInfo::new(RecordState::InFlight, expires_in, None)
+                let owner = OwnerToken::from_string(String::from_utf8_lossy(&found.owner));
+                RecordInfo::new(RecordState::InFlight, expires_in, None).with_owner(owner)
             } else {
                 RecordInfo::new(RecordState::Completed, expires_in, Some(found.payload))
             }))
