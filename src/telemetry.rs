@@ -20,9 +20,9 @@ use tracing::field::Empty;
 use tracing::Span;
 
 use crate::coordinator::{Begin, Error};
+use crate::key::{scope_digest, short_hex};
 use crate::reconciliation::ReconciliationKind;
 use crate::store::StoreError;
-use crate::key::{scope_digest, short_hex};
 use crate::RecordKey;
 
 /// The target of the request span and of the check that store timings are wanted, so one
@@ -331,7 +331,6 @@ pub(crate) fn request_span(key: &RecordKey) -> Span {
     }
     span
 }
-
 
 /// The recording itself. Each arm names its labels as literals: the facade then keeps the key in
 /// a `static`, hashed at compile time; a label given as a variable would build a `Vec` per call.

@@ -248,7 +248,10 @@ async fn stored_headers_are_configurable(b: Backend) {
     send(&app, payment("cfg-1", "{}")).await;
     let retry = send(&app, payment("cfg-1", "{}")).await;
     assert!(retry.is_replay());
-    assert!(retry.headers.get("set-cookie").is_none(), "added to the defaults, not replacing them");
+    assert!(
+        retry.headers.get("set-cookie").is_none(),
+        "added to the defaults, not replacing them"
+    );
     assert!(retry.headers.get("x-multi").is_none());
     assert_eq!(retry.headers["x-latin1"].as_bytes(), b"caf\xe9");
 }

@@ -118,7 +118,11 @@ async fn a_row_of_a_newer_release_is_answered_in_flight_for_a_second() {
     // ago, or at an unknown time: a rollback, reported rather than looped on for a day.
     for (name, owner, in_flight) in [
         ("from-the-future", format!("n-1@{}", now_ms - 60_000), true),
-        ("from-a-rolled-back-release", format!("n-1@{}", now_ms - 16 * 60_000), false),
+        (
+            "from-a-rolled-back-release",
+            format!("n-1@{}", now_ms - 16 * 60_000),
+            false,
+        ),
         ("from-an-unknown-time", "new".to_owned(), false),
     ] {
         let k = key(name);

@@ -274,7 +274,11 @@ async fn a_newer_release_record_past_the_upgrade_window_is_reported_not_looped_o
         .as_millis() as u64;
     for (key, owner, rolled_back) in [
         ("claimed-a-minute-ago", format!("n-1@{}", now_ms - 60_000), false),
-        ("claimed-16-minutes-ago", format!("n-1@{}", now_ms - 16 * 60_000), true),
+        (
+            "claimed-16-minutes-ago",
+            format!("n-1@{}", now_ms - 16 * 60_000),
+            true,
+        ),
         ("claimed-at-an-unknown-time", "worker-7".to_owned(), true),
     ] {
         let mut record = b"TIR\x03".to_vec();
@@ -283,7 +287,13 @@ async fn a_newer_release_record_past_the_upgrade_window_is_reported_not_looped_o
         record.extend_from_slice(b"C and whatever layout 3 holds");
         let redis_key = store.redis_key(&RecordKey::new(None, IdempotencyKey::parse(key).unwrap()));
         let _: () = client
-            .set(&redis_key, record, Some(fred::types::Expiration::EX(86_400)), None, false)
+            .set(
+                &redis_key,
+                record,
+                Some(fred::types::Expiration::EX(86_400)),
+                None,
+                false,
+            )
             .await
             .unwrap();
         let answer = send(&app, payment(key, "{}")).await;
@@ -296,7 +306,11 @@ async fn a_newer_release_record_past_the_upgrade_window_is_reported_not_looped_o
             assert_eq!(answer.headers["retry-after"], "1", "{key}");
         }
     }
-    assert_eq!(runs.get(), 0, "the key ran on the newer release: never again here");
+    assert_eq!(
+        runs.get(),
+        0,
+        "the key ran on the newer release: never again here"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

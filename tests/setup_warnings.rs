@@ -14,8 +14,8 @@ use bytes::Bytes;
 use common::app::{payment, payment_with, router, send};
 use http::StatusCode;
 use tower_idempotency::{
-    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, OwnerToken, RecordInfo, RecordKey,
-    Scope, Store, StoreError, StoreFuture,
+    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, OwnerToken, RecordInfo,
+    RecordKey, Scope, Store, StoreError, StoreFuture,
 };
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
@@ -123,20 +123,31 @@ async fn an_unscoped_layer_that_sees_credentials_warns_once_and_counts_it() {
     for n in 0..20 {
         let header = if n % 2 == 0 { "authorization" } else { "cookie" };
         let answer = send(&app, with_header(&format!("k{n}"), header, "Bearer alice")).await;
-        assert_eq!(answer.status, StatusCode::CREATED, "the request itself is served as before");
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "the request itself is served as before"
+        );
     }
     let warnings = logged(CREDENTIALS_WARNING);
     assert_eq!(warnings.len(), 1, "once per layer, not per request: {warnings:?}");
     assert_eq!(warnings[0]["header"], "authorization");
     assert_eq!(warnings[0]["path"], "/payments");
-    assert!(!format!("{warnings:?}").contains("alice"), "never the credentials themselves");
+    assert!(
+        !format!("{warnings:?}").contains("alice"),
+        "never the credentials themselves"
+    );
     assert_eq!(counted(SETUP_WARNINGS, "unscoped_credentials"), 1);
 
     // A clone shares the layer's warning; a reconfigured layer is another layer, and warns on its own.
     let (clone, _) = router(layer.clone());
     send(&clone, with_header("c1", "authorization", "Bearer bob")).await;
     assert_eq!(logged(CREDENTIALS_WARNING).len(), 1);
-    let (other, _) = router(layer.with_retention(Duration::from_secs(60)).with_key_required(false));
+    let (other, _) = router(
+        layer
+            .with_retention(Duration::from_secs(60))
+            .with_key_required(false),
+    );
     send(&other, with_header("o1", "cookie", "session=bob")).await;
     send(&other, with_header("o2", "cookie", "session=bob")).await;
     assert_eq!(logged(CREDENTIALS_WARNING).len(), 2);
@@ -156,7 +167,11 @@ async fn a_scoped_or_declared_unscoped_layer_never_warns_of_credentials() {
         for n in 0..3 {
             let request = payment_with(
                 &format!("k{n}"),
-                &[("authorization", "Bearer alice"), ("x-tenant-id", "t1"), ("host", "a.example")],
+                &[
+                    ("authorization", "Bearer alice"),
+                    ("x-tenant-id", "t1"),
+                    ("host", "a.example"),
+                ],
             );
             assert_eq!(send(&app, request).await.status, StatusCode::CREATED);
         }
@@ -189,7 +204,9 @@ async fn without_a_scope_a_replay_goes_to_whoever_sends_the_same_key_and_body() 
 struct DownStore;
 
 fn down<'a, T: Send + 'a>() -> StoreFuture<'a, T> {
-    Box::pin(std::future::ready(Err(StoreError::Unavailable("the store is down".into()))))
+    Box::pin(std::future::ready(Err(StoreError::Unavailable(
+        "the store is down".into(),
+    ))))
 }
 
 impl Store for DownStore {
@@ -202,7 +219,13 @@ impl Store for DownStore {
     ) -> StoreFuture<'a, ClaimOutcome> {
         down()
     }
-    fn complete<'a>(&'a self, _: &'a RecordKey, _: &'a OwnerToken, _: Bytes, _: Duration) -> StoreFuture<'a, bool> {
+    fn complete<'a>(
+        &'a self,
+        _: &'a RecordKey,
+        _: &'a OwnerToken,
+        _: Bytes,
+        _: Duration,
+    ) -> StoreFuture<'a, bool> {
         down()
     }
     fn release<'a>(&'a self, _: &'a RecordKey, _: &'a OwnerToken) -> StoreFuture<'a, bool> {
@@ -249,14 +272,24 @@ async fn a_store_outage_is_logged_once_per_interval_with_the_count_held_back() {
 #[tokio::test]
 async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
     let _turn = turn().await;
-    let key = RecordKey::new(Some("tenant-acme"), IdempotencyKey::parse("order-secret-42").unwrap());
+    let key = RecordKey::new(
+        Some("tenant-acme"),
+        IdempotencyKey::parse("order-secret-42").unwrap(),
+    );
     let debug = format!("{key:?}");
     assert!(!debug.contains("acme") && !debug.contains("secret"), "{debug}");
-    assert!(debug.contains(&key.digest_hex()[..16]), "the digest prefix the span shows: {debug}");
+    assert!(
+        debug.contains(&key.digest_hex()[..16]),
+        "the digest prefix the span shows: {debug}"
+    );
     // And in a real log line: the outage warning names the request's key.
     let layer = IdempotencyLayer::new(DownStore).with_scope(Scope::header("x-tenant-id"));
     let (app, _) = router(layer);
-    send(&app, payment_with("order-secret-42", &[("x-tenant-id", "tenant-acme")])).await;
+    send(
+        &app,
+        payment_with("order-secret-42", &[("x-tenant-id", "tenant-acme")]),
+    )
+    .await;
     let logs = logged(OUTAGE);
     assert_eq!(logs.len(), 1);
     let line = format!("{logs:?}");
@@ -287,7 +320,8 @@ fn a_handler_timeout_under_100_ms_is_refused() {
 #[test]
 #[should_panic(expected = "the list leaves out Set-Cookie")]
 fn an_unstored_header_list_that_drops_set_cookie_is_refused() {
-    let _ = IdempotencyLayer::new(MemoryStore::new()).with_unstored_headers([http::HeaderName::from_static("x-multi")]);
+    let _ = IdempotencyLayer::new(MemoryStore::new())
+        .with_unstored_headers([http::HeaderName::from_static("x-multi")]);
 }
 
 #[test]
@@ -311,12 +345,17 @@ async fn the_unstored_header_list_applies_to_replays_of_records_stored_before() 
     let replay = send(&before, payment("incident-1", "{}")).await;
     assert!(replay.is_replay() && replay.headers.get("x-multi").is_some());
 
-    let after = IdempotencyLayer::new(store).with_extra_unstored_headers([http::HeaderName::from_static("x-multi")]);
+    let after =
+        IdempotencyLayer::new(store).with_extra_unstored_headers([http::HeaderName::from_static("x-multi")]);
     let (after, _) = router(after);
     let replay = send(&after, payment("incident-1", "{}")).await;
     assert!(replay.is_replay());
     assert_eq!(runs.get(), 1);
     assert!(replay.headers.get("x-multi").is_none(), "no longer replayed");
-    assert_eq!(replay.headers["x-latin1"].as_bytes(), b"caf\xe9", "the others still are");
+    assert_eq!(
+        replay.headers["x-latin1"].as_bytes(),
+        b"caf\xe9",
+        "the others still are"
+    );
     assert_eq!(replay.body, first.body);
 }

@@ -206,7 +206,8 @@ fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -
                 only_for("--force", force, "inspect")?;
                 if raw && (!show_body || json) {
                     return Err(usage(
-                        "--raw is for the body printed as text: give it with --show-body, without --json".into(),
+                        "--raw is for the body printed as text: give it with --show-body, without --json"
+                            .into(),
                     ));
                 }
                 Command::Inspect {
@@ -632,7 +633,10 @@ async fn purge(
                          lease, or rerun with --force.",
                         described(scope, key),
                         human(info.expires_in),
-                        age.map_or_else(|| "at an unknown time".to_owned(), |age| format!("{} ago", human(age))),
+                        age.map_or_else(
+                            || "at an unknown time".to_owned(),
+                            |age| format!("{} ago", human(age))
+                        ),
                         owner.as_deref().unwrap_or("unknown"),
                     );
                 }
@@ -740,7 +744,8 @@ fn escaped(body: &[u8]) -> String {
     let mut text = String::with_capacity(body.len());
     for chunk in body.utf8_chunks() {
         for c in chunk.valid().chars() {
-            let invisible = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+            let invisible =
+                matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
             if (c.is_control() && c != '\n' && c != '\t') || invisible {
                 let _ = write!(text, "\\u{{{:04x}}}", u32::from(c));
             } else {
@@ -807,7 +812,14 @@ mod tests {
             Command::Inspect { scope: Some(ref s), ref key, show_body: true, raw: false } if s == "t" && key == "k"
         ));
         let parsed = args("inspect --url redis://h:1 --key k --show-body --raw").unwrap();
-        assert!(matches!(parsed.command, Command::Inspect { show_body: true, raw: true, .. }));
+        assert!(matches!(
+            parsed.command,
+            Command::Inspect {
+                show_body: true,
+                raw: true,
+                ..
+            }
+        ));
         let parsed = args("purge --url redis://h:1 --key k --force").unwrap();
         assert!(matches!(parsed.command, Command::Purge { force: true, .. }));
         let parsed = args("purge --url redis://h:1 --key k").unwrap();
@@ -842,9 +854,18 @@ mod tests {
                 "not an option of purge",
             ),
             ("in-flight --url redis://h --key k", "not an option of in-flight"),
-            ("inspect --url redis://h --key k --raw", "give it with --show-body"),
-            ("inspect --url redis://h --key k --show-body --raw --json", "without --json"),
-            ("inspect --url redis://h --key k --force", "not an option of inspect"),
+            (
+                "inspect --url redis://h --key k --raw",
+                "give it with --show-body",
+            ),
+            (
+                "inspect --url redis://h --key k --show-body --raw --json",
+                "without --json",
+            ),
+            (
+                "inspect --url redis://h --key k --force",
+                "not an option of inspect",
+            ),
             ("purge --url redis://h --key k --raw", "not an option of purge"),
             ("in-flight --url redis://h --force", "not an option of in-flight"),
             ("in-flight --url redis://h --limit many", "not a number"),

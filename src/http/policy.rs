@@ -708,13 +708,22 @@ mod tests {
         }
         assert_eq!(status_from(503), Ok(StatusCode::SERVICE_UNAVAILABLE));
         for (text, refused) in [
-            (r#"{"idempotency": {"mismatch_status": 200}}"#, Some("mismatch_status")),
+            (
+                r#"{"idempotency": {"mismatch_status": 200}}"#,
+                Some("mismatch_status"),
+            ),
             (
                 r#"{"idempotency": {"endpoints": [{"path": "/p", "not_stored_status": "301"}]}}"#,
                 Some("not_stored_status"),
             ),
-            (r#"{"idempotency": {"handler_timeout": "50ms"}}"#, Some("handler_timeout")),
-            (r#"{"idempotency": {"handler_timeout": "100ms", "mismatch_status": 422}}"#, None),
+            (
+                r#"{"idempotency": {"handler_timeout": "50ms"}}"#,
+                Some("handler_timeout"),
+            ),
+            (
+                r#"{"idempotency": {"handler_timeout": "100ms", "mismatch_status": 422}}"#,
+                None,
+            ),
         ] {
             match (Policy::from_json_str(text), refused) {
                 (Ok(_), None) => {}

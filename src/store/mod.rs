@@ -676,10 +676,12 @@ fn token_issued_at(token: &str) -> Option<std::time::SystemTime> {
 /// and answered "in flight, retry in a second" (an instance of the newer release can replay it).
 /// Past it, the newer release is taken to be gone (rolled back), and the record is reported
 /// unreadable: a client retrying it would otherwise loop on 409 until its retention ends.
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) const NEWER_RECORD_WINDOW: Duration = Duration::from_secs(15 * 60);
 
 /// What a claim (or a peek) answers for a record in layout `version`, newer than this release's,
 /// whose owner token is `owner`: see [`RECORD_VERSION`].
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) fn newer_record(
     key: &RecordKey,
     version: u32,
@@ -689,7 +691,11 @@ pub(crate) fn newer_record(
     let age = std::str::from_utf8(owner)
         .ok()
         .and_then(token_issued_at)
-        .map(|at| std::time::SystemTime::now().duration_since(at).unwrap_or_default());
+        .map(|at| {
+            std::time::SystemTime::now()
+                .duration_since(at)
+                .unwrap_or_default()
+        });
     match age {
         Some(age) if age < NEWER_RECORD_WINDOW => {
             // A rolling upgrade is under way: retry later (on an instance of that release, or

@@ -928,7 +928,8 @@ impl Store for PostgresStore {
             }
             found.checked()?;
             Ok(Some(if found.state == IN_FLIGHT {
-                RecordInfo::new(RecordState::InFlight, found.left, None).with_owner(OwnerToken::from_string(found.owner))
+                RecordInfo::new(RecordState::InFlight, found.left, None)
+                    .with_owner(OwnerToken::from_string(found.owner))
             } else {
                 let payload = Bytes::from(found.payload.unwrap_or_default());
                 RecordInfo::new(RecordState::Completed, found.left, Some(payload))

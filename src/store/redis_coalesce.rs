@@ -489,7 +489,7 @@ mod tests {
         };
         tokio::time::advance(Duration::from_secs(3)).await;
         job.run().await;
-        let error = answered.await.expect("answered").err().expect("an error");
+        let error = answered.await.expect("answered").expect_err("an error");
         assert_eq!(error.kind(), &ErrorKind::Timeout);
         assert!(error.details().contains("queued"), "{error}");
     }
