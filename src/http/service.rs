@@ -142,7 +142,17 @@ where
         None => {
             // Looked at only until this layer has warned, and never when unscoped on purpose.
             if !config.unscoped_on_purpose && !config.warned_unscoped_credentials.load(Ordering::Relaxed) {
-                warn_if_credentials(&parts, config);
+                // Two lookups of standard header names, for unscoped layers only, until it warned.
+                let credentials = if parts.headers.contains_key(AUTHORIZATION) {
+                    Some(AUTHORIZATION)
+                } else if parts.headers.contains_key(COOKIE) {
+                    Some(COOKIE)
+                } else {
+                    None
+                };
+                if let Some(header) = credentials {
+                    warn_unscoped_credentials(&parts, header, config);
+                }
             }
             None
         }
@@ -166,18 +176,12 @@ where
     ResponseFuture::keyed(Box::pin(begin.instrument(span)), config.cancel_on_disconnect)
 }
 
-/// Warns, once per layer, that an unscoped layer sees requests with credentials: its replays are
-/// answered before the handler runs, so before any authentication the handler does, and the
-/// keys of every caller share one namespace.
+/// Warns, once per layer, that an unscoped layer sees requests with credentials (`header`): its
+/// replays are answered before the handler runs, so before any authentication the handler does,
+/// and the keys of every caller share one namespace.
 #[cold]
 #[inline(never)]
-fn warn_if_credentials(parts: &request::Parts, config: &Config) {
-    let credentials = [AUTHORIZATION, COOKIE]
-        .into_iter()
-        .find(|name| parts.headers.contains_key(name));
-    let Some(header) = credentials else {
-        return;
-    };
+fn warn_unscoped_credentials(parts: &request::Parts, header: http::HeaderName, config: &Config) {
     if config.warned_unscoped_credentials.swap(true, Ordering::Relaxed) {
         return;
     }
