@@ -359,3 +359,39 @@ async fn the_unstored_header_list_applies_to_replays_of_records_stored_before() 
     );
     assert_eq!(replay.body, first.body);
 }
+
+/// A policy file's `scope: none` is a declared choice, as `without_scope`; an endpoint that
+/// leaves the scope out is not.
+#[cfg(feature = "policy")]
+#[tokio::test]
+async fn a_policy_files_scope_none_is_declared_and_silences_the_warning() {
+    use axum::routing::post;
+    use tower_idempotency::{Policy, PolicyLayer};
+
+    let _turn = turn().await;
+    let policy = Policy::from_json_str(
+        r#"{"idempotency": {"endpoints": [
+            {"path": "/declared", "scope": "none"},
+            {"path": "/undeclared"}
+        ]}}"#,
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let app = axum::Router::new()
+        .route("/declared", post(|| async { "ok" }))
+        .route("/undeclared", post(|| async { "ok" }))
+        .layer(layer);
+    let request = |path: &str, key: &str| {
+        http::Request::post(path)
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    send(&app, request("/declared", "d1")).await;
+    assert!(logged(CREDENTIALS_WARNING).is_empty());
+    send(&app, request("/undeclared", "u1")).await;
+    let warnings = logged(CREDENTIALS_WARNING);
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0]["path"], "/undeclared");
+}
