@@ -186,13 +186,54 @@ impl RecordKey {
     }
 }
 
+/// What logs show of a record key, as the request span does: `key`, the first 16 hex digits of
+/// the record's digest (which names the record in the store), and `scope`, those of a hash of
+/// the scope alone, so a tenant's lines can be grouped. Never the raw key or scope: a key may
+/// be guessable, a scope may name a tenant. [`key`](Self::key) and [`scope`](Self::scope)
+/// give them to code that needs them.
+///
+/// ```
+/// use tower_idempotency::{IdempotencyKey, RecordKey};
+///
+/// let key = RecordKey::new(Some("tenant-7"), IdempotencyKey::parse("order-42").unwrap());
+/// let logged = format!("{key:?}");
+/// assert!(logged.contains(&key.digest_hex()[..16]));
+/// assert!(!logged.contains("order-42") && !logged.contains("tenant-7"));
+/// ```
 impl fmt::Debug for RecordKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RecordKey")
-            .field("scope", &self.scope())
-            .field("key", &self.key.as_str())
-            .finish()
+        let mut key = [0u8; 16];
+        let mut debug = f.debug_struct("RecordKey");
+        debug.field("key", &short_hex(&self.digest, &mut key));
+        match self.scope() {
+            Some(scope) => {
+                let mut hex = [0u8; 16];
+                debug.field("scope", &short_hex(&scope_digest(scope), &mut hex))
+            }
+            None => debug.field("scope", &None::<&str>),
+        };
+        debug.finish()
     }
+}
+
+/// A SHA-256 of a scope alone, to group one tenant's log lines without naming the tenant.
+pub(crate) fn scope_digest(scope: &str) -> [u8; 32] {
+    Sha256::new()
+        .chain_update(b"tower-idempotency/scope/v1\0")
+        .chain_update(scope.as_bytes())
+        .finalize()
+        .into()
+}
+
+/// The first 8 bytes of `digest` in lower-case hex, written into `out`: what logs show of a
+/// digest.
+pub(crate) fn short_hex<'a>(digest: &[u8], out: &'a mut [u8; 16]) -> &'a str {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for (pair, byte) in out.chunks_exact_mut(2).zip(digest) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0xf)];
+    }
+    std::str::from_utf8(out).unwrap_or_default()
 }
 
 /// Hashes record digests (the keys of the memory store's and the replay cache's maps) by their

@@ -46,6 +46,13 @@
 //! policy file (`Policy`, crate features `policy`, `policy-yaml`, `policy-toml`; see
 //! `examples/policy.rs`). [`Scope`] builds the usual per-tenant scopes, and
 //! [`FingerprintPolicy`] chooses what makes a retry the same request.
+//!
+//! A replay is answered by the layer, before the handler runs, so before any authentication
+//! done in the handler (an axum extractor): without a scope, whoever sends another caller's key
+//! and body gets that caller's stored response. Put the layer inside the authentication layer
+//! and scope keys by what it found ([`Scope::extension`]); an unscoped layer that sees
+//! `Authorization` or `Cookie` warns once, and
+//! [`without_scope`](IdempotencyLayer::without_scope) declares a single-tenant layer.
 //! A gRPC server (tonic's `Server::builder().layer(..)`) takes it too: the key comes as
 //! `idempotency-key` metadata, a call is stored only if its `grpc-status` allows
 //! ([`default_grpc_cacheable`]), and rejections are gRPC errors ([`Rejection::grpc_code`]);

@@ -24,6 +24,7 @@ use tracing::field::Empty;
 use tracing::Span;
 
 use crate::coordinator::{Begin, Error};
+use crate::key::{scope_digest, short_hex};
 use crate::reconciliation::ReconciliationKind;
 use crate::store::StoreError;
 use crate::RecordKey;
@@ -330,6 +331,71 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
     let _ = (connection, event);
 }
 
+/// Counts a setup that can only be unsafe, found at run time and logged once per layer
+/// (`idempotency_setup_warnings_total`): an unscoped layer whose requests carry credentials.
+#[inline]
+pub(crate) fn setup_warning(kind: SetupWarning) {
+    #[cfg(feature = "metrics")]
+    recorded::setup_warning(kind);
+    #[cfg(not(feature = "metrics"))]
+    let _ = kind;
+}
+
+/// What a setup warning is about: the `kind` label of `idempotency_setup_warnings_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SetupWarning {
+    /// A layer without a scope saw a keyed request with `Authorization` or `Cookie`: replays are
+    /// answered before the handler authenticates, and every caller shares one namespace of keys.
+    UnscopedCredentials,
+}
+
+/// How often a warning that every request of an outage would repeat is logged.
+pub(crate) const THROTTLED_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A warning that a store outage would log once per request, logged at most once per
+/// [`THROTTLED_LOG_INTERVAL`] instead, with the number held back since the last one. Two
+/// atomics, read only on the path that would have logged.
+#[derive(Debug)]
+pub(crate) struct Throttled {
+    /// The clock this one's times count from (Tokio's, so tests can advance it).
+    since: tokio::time::Instant,
+    /// Milliseconds after `since` from which the next warning is logged (0: at once).
+    next_at_ms: std::sync::atomic::AtomicU64,
+    /// Warnings held back since the last one logged.
+    held_back: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Throttled {
+    fn default() -> Self {
+        Self {
+            since: tokio::time::Instant::now(),
+            next_at_ms: Default::default(),
+            held_back: Default::default(),
+        }
+    }
+}
+
+impl Throttled {
+    /// Whether to log this warning: `Some(held back since the last one)` at most once per
+    /// interval, `None` (counted as held back) otherwise.
+    pub(crate) fn admit(&self) -> Option<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let next = self.next_at_ms.load(Relaxed);
+        let interval = THROTTLED_LOG_INTERVAL.as_millis() as u64;
+        if now >= next
+            && self
+                .next_at_ms
+                .compare_exchange(next, now.saturating_add(interval).max(1), Relaxed, Relaxed)
+                .is_ok()
+        {
+            return Some(self.held_back.swap(0, Relaxed));
+        }
+        self.held_back.fetch_add(1, Relaxed);
+        None
+    }
+}
+
 /// Times one store call, if anyone will read the time.
 pub(crate) struct StoreTimer<'a> {
     op: StoreOp,
@@ -401,26 +467,11 @@ pub(crate) fn request_span(key: &RecordKey) -> Span {
         let mut hex = [0u8; 16];
         span.record("key", short_hex(key.digest(), &mut hex));
         if let Some(scope) = key.scope() {
-            use sha2::Digest;
-            let digest = sha2::Sha256::new()
-                .chain_update(b"tower-idempotency/scope/v1\0")
-                .chain_update(scope.as_bytes())
-                .finalize();
             let mut hex = [0u8; 16];
-            span.record("scope", short_hex(&digest, &mut hex));
+            span.record("scope", short_hex(&scope_digest(scope), &mut hex));
         }
     }
     span
-}
-
-/// The first 8 bytes of `digest` in lower-case hex, written into `out`.
-fn short_hex<'a>(digest: &[u8], out: &'a mut [u8; 16]) -> &'a str {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for (pair, byte) in out.chunks_exact_mut(2).zip(digest) {
-        pair[0] = DIGITS[usize::from(byte >> 4)];
-        pair[1] = DIGITS[usize::from(byte & 0xf)];
-    }
-    std::str::from_utf8(out).unwrap_or_default()
 }
 
 /// The recording itself. Each arm names its labels as literals: the facade then keeps the key in
@@ -641,6 +692,14 @@ mod recorded {
                     .increment(delta);
             }),
             None => gauge!("idempotency_running").increment(delta),
+        }
+    }
+
+    pub(super) fn setup_warning(kind: super::SetupWarning) {
+        match kind {
+            super::SetupWarning::UnscopedCredentials => {
+                counter!("idempotency_setup_warnings_total", "kind" => "unscoped_credentials").increment(1)
+            }
         }
     }
 

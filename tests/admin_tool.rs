@@ -209,8 +209,83 @@ async fn inspect_purge_and_list(store: impl Store + Clone, store_args: &[&str]) 
         "{}",
         stdout(&none)
     );
-    old.release().await.unwrap();
+    // A purge of a record in flight is refused without --force, showing its lease and owner;
+    // the record stays.
+    let refused = run(&["purge", "--scope", "tenant-7", "--key", "slow-order"]).await;
+    let text = stdout(&refused);
+    assert_eq!(code(&refused), 5, "{text}{}", stderr(&refused));
+    for says in [
+        "not purged",
+        "in flight",
+        "lease left",
+        old.owner().as_str(),
+        "--force",
+    ] {
+        assert!(text.contains(says), "{says:?} missing:\n{text}");
+    }
+    let refused = json(&run(&["purge", "--scope", "tenant-7", "--key", "slow-order", "--json"]).await);
+    assert_eq!(refused["purged"], false);
+    assert_eq!(refused["refused"], "in_flight");
+    assert_eq!(refused["owner"], old.owner().as_str());
+    assert!(
+        refused["lease_left_ms"].as_u64().is_some_and(|ms| ms <= 30_000),
+        "{refused}"
+    );
+    assert!(
+        refused["age_ms"].as_u64().is_some_and(|ms| ms >= 1_200),
+        "{refused}"
+    );
+    let still = json(&run(&["inspect", "--scope", "tenant-7", "--key", "slow-order", "--json"]).await);
+    assert_eq!(still["state"], "in_flight");
+    let forced = run(&["purge", "--scope", "tenant-7", "--key", "slow-order", "--force"]).await;
+    assert_eq!(code(&forced), 0, "{}{}", stdout(&forced), stderr(&forced));
+    assert!(
+        stdout(&forced).contains("purged the record"),
+        "{}",
+        stdout(&forced)
+    );
+    assert!(
+        store.inspect(&old_key).await.unwrap().is_none(),
+        "the record is gone"
+    );
+    let _ = old.release().await;
     young.release().await.unwrap();
+
+    // A stored body is printed with what a terminal would act on escaped, unless --raw.
+    let hostile = "\u{1b}]0;pwned\u{7}\u{1b}[2J";
+    let (app, _) = scoped(store.clone());
+    let mut request = payment("hostile", hostile);
+    request
+        .headers_mut()
+        .insert("x-tenant", "tenant-7".parse().unwrap());
+    assert_eq!(send(&app, request).await.status, StatusCode::CREATED);
+    let shown = run(&[
+        "inspect",
+        "--scope",
+        "tenant-7",
+        "--key",
+        "hostile",
+        "--show-body",
+    ])
+    .await;
+    assert_eq!(code(&shown), 0);
+    assert!(!shown.stdout.contains(&0x1b), "{}", stdout(&shown));
+    assert!(
+        stdout(&shown).contains("\\u{001b}]0;pwned\\u{0007}\\u{001b}[2J"),
+        "{}",
+        stdout(&shown)
+    );
+    let raw = run(&[
+        "inspect",
+        "--scope",
+        "tenant-7",
+        "--key",
+        "hostile",
+        "--show-body",
+        "--raw",
+    ])
+    .await;
+    assert!(stdout(&raw).contains(hostile), "{}", stdout(&raw));
     let none = json(&run(&["in-flight", "--json"]).await);
     assert_eq!(none["records"], Value::Array(Vec::new()));
 }

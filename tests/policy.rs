@@ -494,6 +494,18 @@ fn unknown_fields_and_bad_values_are_refused_by_name() {
             1,
         ),
         (
+            "  mismatch_status: 200\n",
+            "idempotency.mismatch_status",
+            "status 200 cannot answer a refused request",
+            1,
+        ),
+        (
+            "  handler_timeout: 50ms\n",
+            "idempotency.handler_timeout",
+            "a handler timeout of 50ms is under 100ms",
+            1,
+        ),
+        (
             "  endpoints:\n    - path: /files/*/x\n",
             "idempotency.endpoints[0].path",
             "must be the last segment",

@@ -109,28 +109,49 @@ async fn rows_this_release_cannot_read_are_corrupt_never_a_panic_nor_a_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_of_a_newer_release_is_answered_in_flight_for_a_second() {
     let store = shared_store().await;
-    let k = key("from-the-future");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     let newer = RECORD_VERSION + 1;
-    poke(
-        &store,
-        &format!(
-            "INSERT INTO {{t}} VALUES ($1, {newer}, 'new', '\\x00', 'Z', now() + interval '1 hour', '\\x00')"
+    // Claimed a minute ago: a rolling upgrade under way, retry in a second. Claimed 16 minutes
+    // ago, or at an unknown time: a rollback, reported rather than looped on for a day.
+    for (name, owner, in_flight) in [
+        ("from-the-future", format!("n-1@{}", now_ms - 60_000), true),
+        (
+            "from-a-rolled-back-release",
+            format!("n-1@{}", now_ms - 16 * 60_000),
+            false,
         ),
-        &k,
-    )
-    .await;
-    assert_eq!(
-        store
-            .claim(&k, &fp("x"), &OwnerToken::generate(), LEASE)
-            .await
-            .unwrap(),
-        ClaimOutcome::InFlight {
-            lease_left: Duration::from_secs(1)
+        ("from-an-unknown-time", "new".to_owned(), false),
+    ] {
+        let k = key(name);
+        poke(
+            &store,
+            &format!(
+                "INSERT INTO {{t}} VALUES ($1, {newer}, '{owner}', '\\x00', 'Z', now() + interval '1 hour', '\\x00')"
+            ),
+            &k,
+        )
+        .await;
+        let claimed = store.claim(&k, &fp("x"), &OwnerToken::generate(), LEASE).await;
+        if in_flight {
+            assert_eq!(
+                claimed.unwrap(),
+                ClaimOutcome::InFlight {
+                    lease_left: Duration::from_secs(1)
+                }
+            );
+        } else {
+            assert!(
+                matches!(&claimed, Err(StoreError::Corrupt(why)) if why.contains("roll forward")),
+                "{name}: {claimed:?}"
+            );
         }
-    );
-    assert!(
-        matches!(store.inspect(&k).await, Err(StoreError::Corrupt(why)) if why.contains("newer release"))
-    );
+        assert!(
+            matches!(store.inspect(&k).await, Err(StoreError::Corrupt(why)) if why.contains("newer release"))
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

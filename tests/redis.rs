@@ -261,6 +261,58 @@ async fn records_of_the_previous_and_of_a_newer_release_are_never_called_corrupt
     assert_eq!(runs.get(), 3, "no handler ran for a record it could not read");
 }
 
+/// After a rollback, a record of the newer release is not "in flight, retry in 1 s" for the rest
+/// of its retention: 15 minutes after its claim it is reported unreadable (500, an error logged),
+/// so clients stop looping and operators see it. A record whose claim time is unknown too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_release_record_past_the_upgrade_window_is_reported_not_looped_on() {
+    let (_server, client, store) = setup().await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for (key, owner, rolled_back) in [
+        ("claimed-a-minute-ago", format!("n-1@{}", now_ms - 60_000), false),
+        (
+            "claimed-16-minutes-ago",
+            format!("n-1@{}", now_ms - 16 * 60_000),
+            true,
+        ),
+        ("claimed-at-an-unknown-time", "worker-7".to_owned(), true),
+    ] {
+        let mut record = b"TIR\x03".to_vec();
+        record.extend_from_slice(&(owner.len() as u16).to_be_bytes());
+        record.extend_from_slice(owner.as_bytes());
+        record.extend_from_slice(b"C and whatever layout 3 holds");
+        let redis_key = store.redis_key(&RecordKey::new(None, IdempotencyKey::parse(key).unwrap()));
+        let _: () = client
+            .set(
+                &redis_key,
+                record,
+                Some(fred::types::Expiration::EX(86_400)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+        let answer = send(&app, payment(key, "{}")).await;
+        let rejection = answer.extensions.get::<Rejection>().cloned();
+        if rolled_back {
+            assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR, "{key}");
+            assert_eq!(rejection, Some(Rejection::UnreadableRecord), "{key}");
+        } else {
+            assert_eq!(answer.status, StatusCode::CONFLICT, "{key}");
+            assert_eq!(answer.headers["retry-after"], "1", "{key}");
+        }
+    }
+    assert_eq!(
+        runs.get(),
+        0,
+        "the key ran on the newer release: never again here"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_redis_answers_503_and_the_layer_recovers_when_it_returns() {
     let (mut server, _client, store) = setup().await;

@@ -4,7 +4,8 @@
 //! Install with `cargo install tower-idempotency --features cli`; in a checkout,
 //! `cargo run --features cli --bin idempotency-admin -- inspect --url redis://… --scope tenant-7 --key order-42`.
 //! `--help` prints the usage. Exit codes: 0 found or done, 1 not found (nothing listed), 2 usage
-//! error, 3 store unreachable (or slower than `--timeout`), 4 a record this release cannot read.
+//! error, 3 store unreachable (or slower than `--timeout`), 4 a record this release cannot read,
+//! 5 a purge refused (the record is in flight; `--force` purges it).
 //!
 //! The arguments are parsed by hand: the tool needs no dependency the library does not have.
 
@@ -23,14 +24,18 @@ const USAGE: &str = "\
 idempotency-admin: inspect, purge and list tower-idempotency records
 
 Usage:
-  idempotency-admin inspect   --url URL --key KEY [--scope SCOPE] [--show-body] [options]
-  idempotency-admin purge     --url URL --key KEY [--scope SCOPE] [options]
+  idempotency-admin inspect   --url URL --key KEY [--scope SCOPE] [--show-body [--raw]] [options]
+  idempotency-admin purge     --url URL --key KEY [--scope SCOPE] [--force] [options]
   idempotency-admin in-flight --url URL [--older-than DURATION] [--limit N] [options]
 
   inspect    the record of KEY in SCOPE: state, lease or retention left, stored status and
-             size (the stored body only with --show-body: it may hold personal data)
-  purge      delete the record of KEY in SCOPE, whatever its state: the next request with
-             the key runs the handler again
+             size (the stored body only with --show-body: it may hold personal data;
+             bytes a terminal would act on are shown escaped, as \\xNN or \\u{NNNN},
+             unless --raw)
+  purge      delete the record of KEY in SCOPE: the next request with the key runs the
+             handler again. A record in flight (a request running it, or an instance that
+             died holding it until its lease ends) is not purged without --force: its
+             lease and owner are shown, and a purge would let a retry run beside it
   in-flight  the records in flight claimed at least DURATION ago (default 0s), oldest first,
              at most N (default 100): digests, ages, lease left and owners, never keys
 
@@ -52,13 +57,15 @@ Options:
 
 Durations: 500ms, 30s, 5m, 2h (a bare number is seconds).
 Exit codes: 0 found or done, 1 not found (in-flight: nothing listed), 2 usage error,
-3 store unreachable or too slow, 4 a record this release cannot read.
+3 store unreachable or too slow, 4 a record this release cannot read, 5 purge refused
+(the record is in flight; --force purges it).
 ";
 
 const NOT_FOUND: u8 = 1;
 const USAGE_ERROR: u8 = 2;
 const UNREACHABLE: u8 = 3;
 const UNREADABLE: u8 = 4;
+const REFUSED: u8 = 5;
 
 #[derive(Debug)]
 enum Command {
@@ -66,10 +73,14 @@ enum Command {
         scope: Option<String>,
         key: String,
         show_body: bool,
+        /// Print the body's bytes as they are, terminal control sequences included.
+        raw: bool,
     },
     Purge {
         scope: Option<String>,
         key: String,
+        /// Purge a record in flight too.
+        force: bool,
     },
     InFlight {
         older_than: Duration,
@@ -148,6 +159,7 @@ fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -
     };
     let (mut url, mut prefix, mut table, mut timeout, mut json) = (None, None, None, None, false);
     let (mut scope, mut key, mut show_body, mut older_than, mut limit) = (None, None, false, None, None);
+    let (mut raw, mut force) = (false, false);
     while let Some(flag) = argv.next() {
         let mut value = |name: &str| argv.next().ok_or_else(|| usage(format!("{name} needs a value")));
         match flag.as_str() {
@@ -160,6 +172,8 @@ fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -
             "--scope" => scope = Some(value("--scope")?),
             "--key" => key = Some(value("--key")?),
             "--show-body" => show_body = true,
+            "--raw" => raw = true,
+            "--force" => force = true,
             "--older-than" => older_than = Some(duration(&value("--older-than")?).map_err(usage)?),
             "--limit" => {
                 let text = value("--limit")?;
@@ -189,20 +203,31 @@ fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -
                 )));
             }
             if command_name == "inspect" {
+                only_for("--force", force, "inspect")?;
+                if raw && (!show_body || json) {
+                    return Err(usage(
+                        "--raw is for the body printed as text: give it with --show-body, without --json"
+                            .into(),
+                    ));
+                }
                 Command::Inspect {
                     scope,
                     key,
                     show_body,
+                    raw,
                 }
             } else {
                 only_for("--show-body", show_body, "purge")?;
-                Command::Purge { scope, key }
+                only_for("--raw", raw, "purge")?;
+                Command::Purge { scope, key, force }
             }
         }
         "in-flight" => {
             only_for("--scope", scope.is_some(), "in-flight")?;
             only_for("--key", key.is_some(), "in-flight")?;
             only_for("--show-body", show_body, "in-flight")?;
+            only_for("--raw", raw, "in-flight")?;
+            only_for("--force", force, "in-flight")?;
             Command::InFlight {
                 older_than: older_than.unwrap_or(Duration::ZERO),
                 limit: limit.unwrap_or(100),
@@ -341,8 +366,18 @@ async fn run(args: &Args) -> u8 {
             scope,
             key,
             show_body,
-        } => inspect(args, &layer, scope.as_deref(), key, *show_body, &mut out).await,
-        Command::Purge { scope, key } => purge(args, &layer, scope.as_deref(), key, &mut out).await,
+            raw,
+        } => {
+            let body = match (show_body, raw) {
+                (false, _) => ShowBody::No,
+                (true, false) => ShowBody::Escaped,
+                (true, true) => ShowBody::Raw,
+            };
+            inspect(args, &layer, scope.as_deref(), key, body, &mut out).await
+        }
+        Command::Purge { scope, key, force } => {
+            purge(args, &layer, scope.as_deref(), key, *force, &mut out).await
+        }
         Command::InFlight { older_than, limit } => {
             in_flight(args, &layer, *older_than, *limit, &mut out).await
         }
@@ -397,14 +432,25 @@ fn described(scope: Option<&str>, key: &str) -> String {
     }
 }
 
+/// Whether and how `inspect` prints the stored body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ShowBody {
+    No,
+    /// As text, with what a terminal would act on escaped.
+    Escaped,
+    /// Byte for byte (`--raw`).
+    Raw,
+}
+
 async fn inspect(
     args: &Args,
     layer: &IdempotencyLayer,
     scope: Option<&str>,
     key: &str,
-    show_body: bool,
+    show: ShowBody,
     out: &mut impl Write,
 ) -> u8 {
+    let show_body = show != ShowBody::No;
     let digest = record_key(scope, key)
         .map(|key| key.digest_hex())
         .unwrap_or_default();
@@ -513,7 +559,10 @@ async fn inspect(
     if show_body {
         if let Some(body) = &body {
             let _ = writeln!(out, "body:");
-            let _ = out.write_all(body);
+            let _ = match show {
+                ShowBody::Raw => out.write_all(body),
+                _ => out.write_all(escaped(body).as_bytes()),
+            };
             let _ = writeln!(out);
         }
     } else if body.as_ref().is_some_and(|body| !body.is_empty()) {
@@ -543,11 +592,62 @@ async fn purge(
     layer: &IdempotencyLayer,
     scope: Option<&str>,
     key: &str,
+    force: bool,
     out: &mut impl Write,
 ) -> u8 {
     let digest = record_key(scope, key)
         .map(|key| key.digest_hex())
         .unwrap_or_default();
+    if !force {
+        // A record in flight is a request running now, or one whose instance died and holds
+        // the key until its lease ends: purging it lets a retry run beside the first run.
+        // (Checked, then purged: a claim landing in between is purged, as with --force.)
+        match raw_inspect(layer.coordinator(), scope, key).await {
+            Ok(Some(info)) if info.state == RecordState::InFlight => {
+                let owner = info.owner.as_ref().map(|owner| owner.as_str().to_owned());
+                let age = info.owner.as_ref().and_then(|owner| owner.issued_at()).map(|at| {
+                    std::time::SystemTime::now()
+                        .duration_since(at)
+                        .unwrap_or_default()
+                });
+                if args.json {
+                    let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+                    let document = json!({
+                        "purged": false,
+                        "refused": "in_flight",
+                        "digest": digest,
+                        "lease_left_ms": millis(info.expires_in),
+                        "age_ms": age.map(millis),
+                        "owner": owner,
+                    });
+                    let _ = writeln!(out, "{document}");
+                } else {
+                    let _ = writeln!(
+                        out,
+                        "not purged: the record of {} is in flight\n\
+                         lease left  {}\n\
+                         claimed     {}\n\
+                         owner       {}\n\
+                         A request may be running it now (or an instance that died holds it until its \
+                         lease ends): after a purge, a retry runs the handler beside it. Wait for the \
+                         lease, or rerun with --force.",
+                        described(scope, key),
+                        human(info.expires_in),
+                        age.map_or_else(
+                            || "at an unknown time".to_owned(),
+                            |age| format!("{} ago", human(age))
+                        ),
+                        owner.as_deref().unwrap_or("unknown"),
+                    );
+                }
+                return REFUSED;
+            }
+            Ok(_) => {}
+            // A record this release cannot read is what purge is for.
+            Err(Error::Store(StoreError::Corrupt(_))) => {}
+            Err(error) => return failed_call(args, error),
+        }
+    }
     let purged = match layer.purge(scope, key).await {
         Ok(purged) => purged,
         Err(error) => return failed_call(args, error),
@@ -635,6 +735,30 @@ fn human(d: Duration) -> String {
     }
 }
 
+/// `body` as text fit for a terminal: valid UTF-8 as it is, but for control characters (`\n` and
+/// `\t` aside) and the invisible characters that reorder or hide text, shown as `\u{NNNN}`;
+/// bytes that are not UTF-8 as `\xNN`. A stored body comes from a handler, and so often from a
+/// client: printed raw it could move the cursor, rewrite the screen or the window title.
+fn escaped(body: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::with_capacity(body.len());
+    for chunk in body.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            let invisible =
+                matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+            if (c.is_control() && c != '\n' && c != '\t') || invisible {
+                let _ = write!(text, "\\u{{{:04x}}}", u32::from(c));
+            } else {
+                text.push(c);
+            }
+        }
+        for byte in chunk.invalid() {
+            let _ = write!(text, "\\x{byte:02x}");
+        }
+    }
+    text
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
@@ -655,6 +779,19 @@ mod tests {
         }
     }
 
+    /// What a terminal would act on is shown escaped; text, newlines and tabs as they are.
+    #[test]
+    fn bodies_are_escaped_for_the_terminal() {
+        assert_eq!(escaped("{\"a\": \"é\"}\n\tok".as_bytes()), "{\"a\": \"é\"}\n\tok");
+        assert_eq!(
+            escaped(b"\x1b]0;pwned\x07\x1b[2Jx\r"),
+            "\\u{001b}]0;pwned\\u{0007}\\u{001b}[2Jx\\u{000d}"
+        );
+        assert_eq!(escaped(b"caf\xe9 \xff"), "caf\\xe9 \\xff");
+        assert_eq!(escaped("abc\u{202e}fed".as_bytes()), "abc\\u{202e}fed");
+        assert_eq!(escaped("\u{9b}".as_bytes()), "\\u{009b}", "C1 controls too");
+    }
+
     #[test]
     fn durations() {
         assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
@@ -672,8 +809,21 @@ mod tests {
         assert!(parsed.json);
         assert!(matches!(
             parsed.command,
-            Command::Inspect { scope: Some(ref s), ref key, show_body: true } if s == "t" && key == "k"
+            Command::Inspect { scope: Some(ref s), ref key, show_body: true, raw: false } if s == "t" && key == "k"
         ));
+        let parsed = args("inspect --url redis://h:1 --key k --show-body --raw").unwrap();
+        assert!(matches!(
+            parsed.command,
+            Command::Inspect {
+                show_body: true,
+                raw: true,
+                ..
+            }
+        ));
+        let parsed = args("purge --url redis://h:1 --key k --force").unwrap();
+        assert!(matches!(parsed.command, Command::Purge { force: true, .. }));
+        let parsed = args("purge --url redis://h:1 --key k").unwrap();
+        assert!(matches!(parsed.command, Command::Purge { force: false, .. }));
         let parsed = args("in-flight --url postgres://h/db --older-than 5m --limit 7").unwrap();
         assert!(matches!(
             parsed.command,
@@ -704,6 +854,20 @@ mod tests {
                 "not an option of purge",
             ),
             ("in-flight --url redis://h --key k", "not an option of in-flight"),
+            (
+                "inspect --url redis://h --key k --raw",
+                "give it with --show-body",
+            ),
+            (
+                "inspect --url redis://h --key k --show-body --raw --json",
+                "without --json",
+            ),
+            (
+                "inspect --url redis://h --key k --force",
+                "not an option of inspect",
+            ),
+            ("purge --url redis://h --key k --raw", "not an option of purge"),
+            ("in-flight --url redis://h --force", "not an option of in-flight"),
             ("in-flight --url redis://h --limit many", "not a number"),
             ("in-flight --url redis://h --older-than soon", "not a duration"),
             ("in-flight", "no --url"),

@@ -1,5 +1,6 @@
 //! Every HTTP-side setting of the layer, with its default, in one place.
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,40 @@ pub(crate) const MIB: usize = 1024 * 1024;
 /// client has given up anyway), and far past what a create-this-resource handler takes.
 pub(crate) const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The shortest handler timeout the layer takes: below it, ordinary handlers (a database round
+/// trip across zones, a payment provider's call) would be cancelled and their keys kept as not
+/// replayable, a setting that can only hurt.
+pub(crate) const MIN_HANDLER_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// Why `status` cannot be the status of a rejection (a mismatch, a response not stored), if it
+/// cannot: only 4xx and 5xx tell a client its request was not served; a 2xx reads as success,
+/// a 3xx as a redirect, a 1xx as an interim answer.
+pub(crate) fn rejection_status_error(status: StatusCode) -> Option<String> {
+    (!status.is_client_error() && !status.is_server_error()).then(|| {
+        format!(
+            "status {} cannot answer a refused request: a client reads it as {}; use a 4xx or 5xx status",
+            status.as_u16(),
+            if status.is_success() {
+                "success"
+            } else if status.is_redirection() {
+                "a redirect"
+            } else {
+                "an interim answer"
+            }
+        )
+    })
+}
+
+/// Why `timeout` cannot be a handler timeout, if it cannot.
+pub(crate) fn handler_timeout_error(timeout: Duration) -> Option<String> {
+    (timeout < MIN_HANDLER_TIMEOUT).then(|| {
+        format!(
+            "a handler timeout of {timeout:?} is under {MIN_HANDLER_TIMEOUT:?}: handlers would be \
+             cancelled and their keys kept as not replayable"
+        )
+    })
+}
+
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
@@ -29,6 +64,14 @@ pub(crate) struct Config {
     pub(crate) response_limit: usize,
     pub(crate) fail_open: bool,
     pub(crate) scope: Option<ScopeFn>,
+    /// No scope, and chosen so (`without_scope`): requests with credentials are not warned of.
+    pub(crate) unscoped_on_purpose: bool,
+    /// Set once this layer, unscoped, has seen a keyed request with credentials and warned of
+    /// it: checked first, so the headers are looked at only until then. A reconfigured layer
+    /// starts its own, clones share it.
+    pub(crate) warned_unscoped_credentials: Arc<AtomicBool>,
+    /// Store outages logged at most once per interval, by every clone of the layer.
+    pub(crate) store_outage_log: Arc<crate::telemetry::Throttled>,
     pub(crate) cacheable: CacheableFn,
     /// For gRPC responses, which `grpc-status` codes are stored (on top of `cacheable`).
     pub(crate) grpc_cacheable: GrpcCacheableFn,
@@ -73,6 +116,9 @@ impl Default for Config {
             response_limit: MIB,
             fail_open: false,
             scope: None,
+            unscoped_on_purpose: false,
+            warned_unscoped_credentials: Arc::default(),
+            store_outage_log: Arc::default(),
             cacheable: Arc::new(default_cacheable),
             grpc_cacheable: Arc::new(default_grpc_cacheable),
             mismatch_status: StatusCode::CONFLICT,

@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::HeaderName;
+use http::header::{HeaderName, SET_COOKIE};
 use http::{request, response, Method, StatusCode};
 use tower_layer::Layer;
 
 use crate::coordinator::{Coordinator, Error, ShutdownHandle};
-use crate::http::config::Config;
+use crate::http::config::{handler_timeout_error, rejection_status_error, Config};
 use crate::http::replay;
 use crate::http::replay::NotStored;
 use crate::http::service::Idempotency;
@@ -109,6 +109,7 @@ impl IdempotencyLayer {
     fn config(mut self, change: impl FnOnce(&mut Config)) -> Self {
         let config = Arc::make_mut(&mut self.config);
         config.typical_duration = Arc::default();
+        config.warned_unscoped_credentials = Arc::default();
         change(config);
         self
     }
@@ -238,8 +239,17 @@ impl IdempotencyLayer {
     /// Scopes keys, for example per tenant or user (default: none, one namespace). The same key
     /// from two scopes names two records. A request for which `scope` answers `None` is refused
     /// with 500 ([`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run
-    /// unscoped: place the layer after the one that authenticates. [`Scope`](crate::Scope)
-    /// builds the common ones: a value in the request's extensions, a header, the host.
+    /// unscoped. [`Scope`](crate::Scope) builds the common ones: a value in the request's
+    /// extensions, a header, the host.
+    ///
+    /// **A replay is answered before the handler runs**, so before any authentication done in
+    /// the handler (an axum extractor): whoever sends a key and body another caller sent gets
+    /// that caller's stored response, unless the keys are scoped by who is calling. So place
+    /// the layer inside (after) the layer that authenticates, and scope keys by what it found
+    /// ([`Scope::extension`](crate::Scope::extension)). A layer without a scope that sees
+    /// requests with `Authorization` or `Cookie` logs a warning once and counts it
+    /// (`idempotency_setup_warnings_total`); a single-tenant service says it means no scope
+    /// with [`without_scope`](Self::without_scope).
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
@@ -266,13 +276,39 @@ impl IdempotencyLayer {
     where
         F: Fn(&request::Parts) -> Option<String> + Send + Sync + 'static,
     {
-        self.config(|c| c.scope = Some(Arc::new(scope)))
+        self.config(|c| {
+            c.scope = Some(Arc::new(scope));
+            c.unscoped_on_purpose = false;
+        })
     }
 
-    /// Sets or removes the scope function, for the policy file.
+    /// Declares that this layer has no scope on purpose (default: no scope, not declared): every
+    /// caller's keys share one namespace, as in a single-tenant service, or one whose clients
+    /// cannot learn each other's keys. Removes a scope set before, and silences the warning an
+    /// unscoped layer logs when its requests carry credentials (see
+    /// [`with_scope`](Self::with_scope)): a replay is still answered before the handler
+    /// authenticates.
+    ///
+    /// ```
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).without_scope();
+    /// # let _ = layer;
+    /// ```
+    pub fn without_scope(self) -> Self {
+        self.config(|c| {
+            c.scope = None;
+            c.unscoped_on_purpose = true;
+        })
+    }
+
+    /// Sets or removes the scope function, for the policy file (whose `scope: none` is a
+    /// declared choice, as [`without_scope`](Self::without_scope)).
     #[cfg_attr(not(feature = "policy"), allow(dead_code))]
     pub(crate) fn set_scope(self, scope: Option<crate::http::config::ScopeFn>) -> Self {
-        self.config(|c| c.scope = scope)
+        self.config(|c| {
+            c.unscoped_on_purpose = scope.is_none();
+            c.scope = scope;
+        })
     }
 
     /// Decides whether a handler's answer is stored (default: [`default_cacheable`](crate::default_cacheable):
@@ -343,6 +379,11 @@ impl IdempotencyLayer {
     /// The status for a key reused with a different request (default: 409, as Stripe; the IETF
     /// draft asks for 422).
     ///
+    /// # Panics
+    ///
+    /// If `status` is not a 4xx or 5xx: a client would read the refusal as a success, a
+    /// redirect or an interim answer. (The policy file refuses it when it is loaded.)
+    ///
     /// ```
     /// # use http::StatusCode;
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -350,23 +391,63 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn with_mismatch_status(self, status: StatusCode) -> Self {
+        if let Some(error) = rejection_status_error(status) {
+            panic!("IdempotencyLayer::with_mismatch_status: {error}");
+        }
         self.config(|c| c.mismatch_status = status)
     }
 
     /// The response headers never stored nor replayed (default:
     /// [`default_unstored_headers`](crate::default_unstored_headers): `Set-Cookie` and the
-    /// hop-by-hop headers). Replaces the whole list.
+    /// hop-by-hop headers). Replaces the whole list; to add to it, use
+    /// [`with_extra_unstored_headers`](Self::with_extra_unstored_headers). The list is applied
+    /// to replays too: a header added to it stops being replayed at once, also from records
+    /// stored before.
+    ///
+    /// # Panics
+    ///
+    /// If the list leaves out `Set-Cookie`: a stored `Set-Cookie` would hand the first caller's
+    /// session to whoever retries with its key. A service that must set a cookie on a replay
+    /// sets it in a layer outside this one.
     ///
     /// ```
     /// # use http::header::{HeaderName, SET_COOKIE};
-    /// # use tower_idempotency::{default_unstored_headers, IdempotencyLayer, MemoryStore};
-    /// let mut unstored = default_unstored_headers();
-    /// unstored.push(HeaderName::from_static("x-request-id"));
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).with_unstored_headers(unstored);
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_unstored_headers([SET_COOKIE, HeaderName::from_static("x-request-id")]);
     /// # let _ = layer;
     /// ```
     pub fn with_unstored_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config(|c| c.unstored_headers = names.into_iter().collect())
+        let names: Vec<HeaderName> = names.into_iter().collect();
+        assert!(
+            names.contains(&SET_COOKIE),
+            "IdempotencyLayer::with_unstored_headers: the list leaves out Set-Cookie, which would then \
+             be stored and replay the first caller's session to whoever retries its key; include \
+             SET_COOKIE, or add to the current list with with_extra_unstored_headers"
+        );
+        self.config(|c| c.unstored_headers = names)
+    }
+
+    /// Adds to the response headers never stored nor replayed (default: none added to
+    /// [`default_unstored_headers`](crate::default_unstored_headers)). Applied to replays too:
+    /// after an incident, a header added here stops being replayed at once, also from records
+    /// stored before.
+    ///
+    /// ```
+    /// # use http::header::HeaderName;
+    /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_extra_unstored_headers([HeaderName::from_static("x-request-id")]);
+    /// # let _ = layer;
+    /// ```
+    pub fn with_extra_unstored_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config(|c| {
+            for name in names {
+                if !c.unstored_headers.contains(&name) {
+                    c.unstored_headers.push(name);
+                }
+            }
+        })
     }
 
     /// What happens when the client hangs up (the response future is dropped) while the handler
@@ -402,6 +483,10 @@ impl IdempotencyLayer {
     /// The status a retry gets for a key whose first response was not stored (default: 409
     /// Conflict, as for any key the retry cannot use again).
     ///
+    /// # Panics
+    ///
+    /// If `status` is not a 4xx or 5xx, as [`with_mismatch_status`](Self::with_mismatch_status).
+    ///
     /// ```
     /// # use http::StatusCode;
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -409,6 +494,9 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn with_not_stored_status(self, status: StatusCode) -> Self {
+        if let Some(error) = rejection_status_error(status) {
+            panic!("IdempotencyLayer::with_not_stored_status: {error}");
+        }
         self.config(|c| c.not_stored_status = status)
     }
 
@@ -422,6 +510,11 @@ impl IdempotencyLayer {
     /// [`with_stream_timeout`](Self::with_stream_timeout) instead. `Duration::MAX` turns the
     /// bound off.
     ///
+    /// # Panics
+    ///
+    /// If `timeout` is under 100 ms: ordinary handlers would be cancelled and their keys kept
+    /// as not replayable. (The policy file refuses it when it is loaded.)
+    ///
     /// ```
     /// # use std::time::Duration;
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore};
@@ -429,6 +522,9 @@ impl IdempotencyLayer {
     /// # let _ = layer;
     /// ```
     pub fn with_handler_timeout(self, timeout: Duration) -> Self {
+        if let Some(error) = handler_timeout_error(timeout) {
+            panic!("IdempotencyLayer::with_handler_timeout: {error}");
+        }
         self.config(|c| c.handler_timeout = timeout)
     }
 

@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
+use crate::http::config::{handler_timeout_error, rejection_status_error};
 use crate::http::endpoints::{PathPattern, PolicyError, PolicyLayer};
 use crate::http::fingerprint::{ContentTypePart, FingerprintPolicy};
 use crate::http::scope::{header_scope, host_scope_fn};
@@ -30,7 +31,7 @@ macro_rules! with_settings {
             release_not_stored: Option<bool>,
             body_limit: Option<Size>,
             response_limit: Option<Size>,
-            handler_timeout: Option<Dur>,
+            handler_timeout: Option<HandlerTimeout>,
             stream_timeout: Option<Dur>,
             store_timeout: Option<Dur>,
             fail_open: Option<bool>,
@@ -450,9 +451,13 @@ struct Dur(Duration);
 #[derive(Debug, Clone, Copy)]
 struct Size(usize);
 
-/// A status code, 100 to 999.
+/// The status of a rejection: a status code, 400 to 599.
 #[derive(Debug, Clone, Copy)]
 struct Status(StatusCode);
+
+/// A handler timeout: a duration of at least 100 ms.
+#[derive(Debug, Clone, Copy)]
+struct HandlerTimeout(Duration);
 
 #[derive(Debug, Clone)]
 struct Header(HeaderName);
@@ -540,10 +545,14 @@ fn parse_method(text: &str) -> Result<Method, String> {
 }
 
 fn status_from(number: u64) -> Result<StatusCode, String> {
-    u16::try_from(number)
+    let status = u16::try_from(number)
         .ok()
         .and_then(|n| StatusCode::from_u16(n).ok())
-        .ok_or_else(|| format!("invalid status {number}: a status code is 100 to 999"))
+        .ok_or_else(|| format!("invalid status {number}: a status code is 100 to 999"))?;
+    match rejection_status_error(status) {
+        Some(error) => Err(error),
+        None => Ok(status),
+    }
 }
 
 /// A visitor for a value written as a string (and, for some, a number).
@@ -588,6 +597,24 @@ impl<'de> Deserialize<'de> for Dur {
                 from_u64: None,
             })
             .map(Dur)
+    }
+}
+
+impl<'de> Deserialize<'de> for HandlerTimeout {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_str(StrVisitor {
+                expecting: "a duration string such as \"30s\", at least \"100ms\"",
+                from_str: |s| {
+                    let timeout = parse_duration(s)?;
+                    match handler_timeout_error(timeout) {
+                        Some(error) => Err(error),
+                        None => Ok(timeout),
+                    }
+                },
+                from_u64: None,
+            })
+            .map(HandlerTimeout)
     }
 }
 
@@ -734,5 +761,40 @@ mod tests {
         assert_eq!(status_from(422), Ok(StatusCode::UNPROCESSABLE_ENTITY));
         assert!(status_from(42).is_err());
         assert!(status_from(70_000).is_err());
+    }
+
+    /// A rejection status that is not a 4xx or 5xx, or a handler timeout under 100 ms, can only
+    /// hurt: refused at load, with the field's place, never applied or panicking later.
+    #[test]
+    fn settings_that_can_only_hurt_are_refused_at_load() {
+        for status in [100, 200, 204, 302] {
+            let error = status_from(status).unwrap_err();
+            assert!(error.contains("use a 4xx or 5xx status"), "{status}: {error}");
+        }
+        assert_eq!(status_from(503), Ok(StatusCode::SERVICE_UNAVAILABLE));
+        for (text, refused) in [
+            (
+                r#"{"idempotency": {"mismatch_status": 200}}"#,
+                Some("mismatch_status"),
+            ),
+            (
+                r#"{"idempotency": {"endpoints": [{"path": "/p", "not_stored_status": "301"}]}}"#,
+                Some("not_stored_status"),
+            ),
+            (
+                r#"{"idempotency": {"handler_timeout": "50ms"}}"#,
+                Some("handler_timeout"),
+            ),
+            (
+                r#"{"idempotency": {"handler_timeout": "100ms", "mismatch_status": 422}}"#,
+                None,
+            ),
+        ] {
+            match (Policy::from_json_str(text), refused) {
+                (Ok(_), None) => {}
+                (Err(error), Some(field)) => assert!(error.to_string().contains(field), "{text}: {error}"),
+                (answer, _) => panic!("{text}: {answer:?}"),
+            }
+        }
     }
 }

@@ -14,6 +14,12 @@ use crate::http::fingerprint::normalized_authority;
 /// request's scope, or `None` when the request has none, which the layer refuses (500
 /// [`Rejection::MissingScope`](crate::Rejection::MissingScope)) rather than run unscoped.
 ///
+/// A replay is answered before the handler runs, so before any authentication the handler does:
+/// the scope is what keeps one caller from getting another's stored response by sending the same
+/// key and body. Only [`Scope::extension`], fed by the authentication layer outside this one,
+/// scopes by who is calling; [`Scope::header`] and [`Scope::host`] scope by what the client
+/// sent, which any client can reproduce.
+///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};
 ///
@@ -50,7 +56,8 @@ impl Scope {
 
     /// The scope is the value of a request header, such as `X-Tenant-Id` set by an API gateway.
     /// Only for a header that something you trust sets, and removes from what clients send: a
-    /// client that can set it can choose its scope, and replay another tenant's responses.
+    /// client that can set it can choose its scope, and replay another tenant's responses (a
+    /// replay is answered before the handler authenticates).
     /// A request without the header, with it twice, or with a value that is not UTF-8 has no
     /// scope.
     ///
@@ -76,6 +83,13 @@ impl Scope {
     /// normalised as for the fingerprint: lower case, without a trailing dot, without the
     /// default ports `:80` and `:443`; another port is kept. For services that tell tenants
     /// apart by host name (`acme.example.com`). A request without a host has no scope.
+    ///
+    /// The host is what the client sent, not who it is: any client can send `Host:
+    /// acme.example.com`, and one that reproduces a caller's key and body under that host gets
+    /// the caller's stored response, since a replay is answered before the handler
+    /// authenticates. Only for hosts whose callers may see each other's responses, or behind
+    /// something that checks each caller's right to the host before this layer; otherwise scope
+    /// by the authenticated caller ([`Scope::extension`]).
     ///
     /// ```
     /// # use tower_idempotency::{IdempotencyLayer, MemoryStore, Scope};

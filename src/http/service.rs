@@ -3,12 +3,14 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
+use http::header::{AUTHORIZATION, COOKIE};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
 use tower_service::Service;
@@ -25,7 +27,7 @@ use crate::http::replay::{self, Decoded, NotStored};
 use crate::http::response::{retry_after, Rejection};
 use crate::http::transactional::TransactionalClaim;
 use crate::store::StoreError;
-use crate::telemetry::{self, Named, Outcome};
+use crate::telemetry::{self, Named, Outcome, SetupWarning};
 use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
@@ -142,7 +144,23 @@ where
                 return ResponseFuture::ready(rejection);
             }
         },
-        None => None,
+        None => {
+            // Looked at only until this layer has warned, and never when unscoped on purpose.
+            if !config.unscoped_on_purpose && !config.warned_unscoped_credentials.load(Ordering::Relaxed) {
+                // Two lookups of standard header names, for unscoped layers only, until it warned.
+                let credentials = if parts.headers.contains_key(AUTHORIZATION) {
+                    Some(AUTHORIZATION)
+                } else if parts.headers.contains_key(COOKIE) {
+                    Some(COOKIE)
+                } else {
+                    None
+                };
+                if let Some(header) = credentials {
+                    warn_unscoped_credentials(&parts, header, config);
+                }
+            }
+            None
+        }
     };
     let key = RecordKey::new(scope.as_deref(), key);
     // Everything the keyed request does, handler included, runs in this span; a run detached
@@ -161,6 +179,28 @@ where
         span.clone(),
     );
     ResponseFuture::keyed(Box::pin(begin.instrument(span)), config.cancel_on_disconnect)
+}
+
+/// Warns, once per layer, that an unscoped layer sees requests with credentials (`header`): its
+/// replays are answered before the handler runs, so before any authentication the handler does,
+/// and the keys of every caller share one namespace.
+#[cold]
+#[inline(never)]
+fn warn_unscoped_credentials(parts: &request::Parts, header: http::HeaderName, config: &Config) {
+    if config.warned_unscoped_credentials.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    telemetry::setup_warning(SetupWarning::UnscopedCredentials);
+    tracing::warn!(
+        method = %parts.method,
+        path = parts.uri.path(),
+        %header,
+        "an idempotency layer without a scope sees requests with credentials: a replay is answered \
+         before the handler runs, so before any authentication in the handler, and any caller who \
+         sends another's key and body gets that caller's stored response. Put the layer inside \
+         the authentication and scope keys by what it found (with_scope(Scope::extension::<T>(..))), \
+         or declare a single-tenant layer with without_scope(). Logged once per layer"
+    );
 }
 
 /// Marks a request an outer idempotency layer already handles, so that nested layers (a
@@ -369,7 +409,13 @@ where
             let Ok(slot) = coordinator.slot() else {
                 return reject(Outcome::Overloaded, Rejection::Overloaded);
             };
-            tracing::warn!(?key, %error, "idempotency store unavailable; running the handler unprotected (fail-open)");
+            if let Some(held_back) = config.store_outage_log.admit() {
+                tracing::warn!(
+                    ?key, %error, held_back,
+                    "idempotency store unavailable; running the handler unprotected (fail-open); \
+                     logged once per 10 s, held_back: those since the last"
+                );
+            }
             telemetry::finish(&span, Outcome::FailOpen, named);
             let mut inner = inner;
             let run = async move {
@@ -380,7 +426,13 @@ where
             return Step::Unprotected(Box::pin(run.instrument(span)));
         }
         Err(error @ Error::Store(_)) => {
-            tracing::warn!(?key, %error, "idempotency store unavailable; refusing the request (fail-closed)");
+            if let Some(held_back) = config.store_outage_log.admit() {
+                tracing::warn!(
+                    ?key, %error, held_back,
+                    "idempotency store unavailable; refusing the request (fail-closed); \
+                     logged once per 10 s, held_back: those since the last"
+                );
+            }
             return reject(Outcome::of_error(&error), Rejection::StoreUnavailable);
         }
         Err(error) => return reject(Outcome::of_error(&error), Rejection::Overloaded),
@@ -406,8 +458,16 @@ fn replay_stored<B, E>(
     named: Option<&Named>,
 ) -> (Outcome, Step<B, E>) {
     let (outcome, rejection) = match replay::decode(payload) {
-        Ok(Decoded::Response(stored)) => {
+        Ok(Decoded::Response(mut stored)) => {
             tracing::debug!(?key, "replaying the stored response");
+            // The list as configured now, not as it was when the response was stored: a header
+            // added to it after an incident stops replaying at once.
+            let unstored = &config.unstored_headers;
+            if stored.headers.keys().any(|name| unstored.contains(name)) {
+                for name in unstored {
+                    stored.headers.remove(name);
+                }
+            }
             return (Outcome::Replayed, Step::Done(Ok(replay::into_response(stored))));
         }
         Ok(Decoded::NotStored { why, .. }) => (

@@ -556,7 +556,9 @@ impl Store for MemoryStore {
         let info = records.live(key.digest(), now).map(|entry| {
             let expires_in = entry.expires_at - now;
             match &entry.state {
-                State::InFlight { .. } => RecordInfo::new(RecordState::InFlight, expires_in, None),
+                State::InFlight { owner } => {
+                    RecordInfo::new(RecordState::InFlight, expires_in, None).with_owner(owner.clone())
+                }
                 State::Completed { payload, .. } => {
                     RecordInfo::new(RecordState::Completed, expires_in, Some(payload.clone()))
                 }

@@ -46,10 +46,19 @@ mod sentinel_watch;
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
 /// The version of the record layout. A record in a newer layout (written by a newer release,
-/// during a rolling upgrade) is answered like one in flight, to be retried; one in an unknown
-/// layout is reported as [`StoreError::Corrupt`], never read as if it were ours. Within a
-/// record, the stored response has a layout version of its own, read the same way: this
-/// release reads the previous release's responses.
+/// during a rolling upgrade) is answered like one in flight, to be retried, for the first 15
+/// minutes after its claim (the age its owner token carries); after that, or when its age is
+/// unknown, it is reported as [`StoreError::Corrupt`] (500 `UnreadableRecord`, an error
+/// logged): that is no longer an upgrade under way but a rollback, and retries would otherwise
+/// be told "in flight" until the record's retention ends. One in an unknown layout is reported
+/// as [`StoreError::Corrupt`], never read as if it were ours. Within a record, the stored
+/// response has a layout version of its own, read the same way: this release reads the
+/// previous release's responses.
+///
+/// Every later layout keeps the first bytes of this one (Redis: `TIR`, the version, the owner's
+/// length and the owner; PostgreSQL: the `version` and `owner` columns), so that this release
+/// can read a newer record's age; a release that changes the stored response's layout changes
+/// this version too.
 ///
 /// ```
 /// assert_eq!(tower_idempotency::RECORD_VERSION, 2);
@@ -408,6 +417,9 @@ pub struct RecordInfo {
     pub expires_in: Duration,
     /// The stored payload of a completed record.
     pub payload: Option<Bytes>,
+    /// The claim's owner, for a record in flight whose store says (every store of this crate
+    /// does): an operator about to purge a running request sees whose it is.
+    pub owner: Option<OwnerToken>,
 }
 
 impl RecordInfo {
@@ -417,7 +429,22 @@ impl RecordInfo {
             state,
             expires_in,
             payload,
+            owner: None,
         }
+    }
+
+    /// The same, naming the claim's owner (default: none).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{OwnerToken, RecordInfo, RecordState};
+    /// let owner = OwnerToken::generate();
+    /// let info = RecordInfo::new(RecordState::InFlight, Duration::from_secs(12), None).with_owner(owner.clone());
+    /// assert_eq!(info.owner, Some(owner));
+    /// ```
+    pub fn with_owner(mut self, owner: OwnerToken) -> Self {
+        self.owner = Some(owner);
+        self
     }
 }
 
@@ -670,12 +697,66 @@ impl OwnerToken {
     /// for a token from [`generate`](Self::generate). `None` for a token that does not end in
     /// `@<milliseconds since the Unix epoch>`.
     pub fn issued_at(&self) -> Option<std::time::SystemTime> {
-        let (_, millis) = self.0.rsplit_once('@')?;
-        if millis.is_empty() || !millis.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
+        token_issued_at(&self.0)
+    }
+}
+
+/// When the owner token `token` was made, if it says.
+fn token_issued_at(token: &str) -> Option<std::time::SystemTime> {
+    let (_, millis) = token.rsplit_once('@')?;
+    if millis.is_empty() || !millis.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let millis: u64 = millis.parse().ok()?;
+    std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(millis))
+}
+
+/// How long after its claim a record in a newer layout is taken for a rolling upgrade under way,
+/// and answered "in flight, retry in a second" (an instance of the newer release can replay it).
+/// Past it, the newer release is taken to be gone (rolled back), and the record is reported
+/// unreadable: a client retrying it would otherwise loop on 409 until its retention ends.
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) const NEWER_RECORD_WINDOW: Duration = Duration::from_secs(15 * 60);
+
+/// What a claim (or a peek) answers for a record in layout `version`, newer than this release's,
+/// whose owner token is `owner`: see [`RECORD_VERSION`].
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) fn newer_record(
+    key: &RecordKey,
+    version: u32,
+    owner: &[u8],
+    lease: Duration,
+) -> Result<ClaimOutcome, StoreError> {
+    let age = std::str::from_utf8(owner)
+        .ok()
+        .and_then(token_issued_at)
+        .map(|at| {
+            std::time::SystemTime::now()
+                .duration_since(at)
+                .unwrap_or_default()
+        });
+    match age {
+        Some(age) if age < NEWER_RECORD_WINDOW => {
+            // A rolling upgrade is under way: retry later (on an instance of that release, or
+            // once this one is upgraded), never "corrupt".
+            tracing::info!(
+                ?key,
+                version,
+                "record written by a newer release; answering as if in flight"
+            );
+            Ok(ClaimOutcome::InFlight {
+                lease_left: Duration::from_secs(1).min(lease),
+            })
         }
-        let millis: u64 = millis.parse().ok()?;
-        std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(millis))
+        _ => Err(StoreError::Corrupt(format!(
+            "a record in layout version {version}, claimed by a newer release {}; past the 15 minutes \
+             of a rolling upgrade this release no longer answers it as in flight: roll forward to \
+             that release, or purge the key (README, \"Rolling back\")",
+            match age {
+                Some(age) => format!("{} s ago", age.as_secs()),
+                None => "at an unknown time".to_owned(),
+            }
+        ))),
     }
 }
 

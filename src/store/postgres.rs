@@ -318,6 +318,11 @@ impl PostgresStore {
     /// roots, or `sslrootcert`) and its name, `require` only encrypts, and the default,
     /// `prefer`, uses TLS when both sides can and plain text otherwise: name `verify-full`.
     ///
+    /// The `statement_timeout` goes in the `options` startup parameter, which PgBouncer refuses
+    /// (or, with `options` in its `ignore_startup_parameters`, drops): behind PgBouncer, set
+    /// the timeout on the store's role and build the pool yourself for
+    /// [`new`](PostgresStore::new) (README, "PostgreSQL").
+    ///
     /// ```no_run
     /// use tower_idempotency::PostgresStore;
     /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
@@ -486,6 +491,11 @@ impl PostgresStore {
     /// [`TransactionalClaim`](crate::TransactionalClaim) (see
     /// [`IdempotencyLayer::with_transactional_completion`](crate::IdempotencyLayer::with_transactional_completion)).
     /// `connection` may also be a plain connection, whose statement then commits on its own.
+    ///
+    /// Under REPEATABLE READ or SERIALIZABLE, a lease renewal committed on another connection
+    /// after the transaction's snapshot makes this statement fail with SQLSTATE `40001`: retry
+    /// the transaction then, as those levels require anyway (READ COMMITTED, the default, needs
+    /// nothing).
     ///
     /// ```no_run
     /// use bytes::Bytes;
@@ -814,15 +824,8 @@ impl Found {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         if self.is_newer() {
-            // A rolling upgrade is under way: retry later, never "corrupt".
-            tracing::info!(
-                ?key,
-                version = self.version,
-                "record written by a newer release; answering as if in flight"
-            );
-            return Ok(ClaimOutcome::InFlight {
-                lease_left: Duration::from_secs(1).min(lease),
-            });
+            let version = u32::try_from(self.version).unwrap_or(u32::MAX);
+            return crate::store::newer_record(key, version, self.owner.as_bytes(), lease);
         }
         self.checked()?;
         let in_flight = self.state == IN_FLIGHT;
@@ -926,6 +929,7 @@ impl Store for PostgresStore {
             found.checked()?;
             Ok(Some(if found.state == IN_FLIGHT {
                 RecordInfo::new(RecordState::InFlight, found.left, None)
+                    .with_owner(OwnerToken::from_string(found.owner))
             } else {
                 let payload = Bytes::from(found.payload.unwrap_or_default());
                 RecordInfo::new(RecordState::Completed, found.left, Some(payload))

@@ -707,16 +707,8 @@ impl RedisStore {
         epoch: Option<u64>,
     ) -> Result<ClaimOutcome, StoreError> {
         if let Some(version) = record::newer_version(existing) {
-            // A rolling upgrade is under way: a newer release wrote this. Retry later (on an
-            // instance of that release, or once this one is upgraded), never "corrupt".
-            tracing::info!(
-                ?key,
-                version,
-                "record written by a newer release; answering as if in flight"
-            );
-            return Ok(ClaimOutcome::InFlight {
-                lease_left: Duration::from_secs(1).min(lease),
-            });
+            let owner = record::owner(existing).unwrap_or_default();
+            return crate::store::newer_record(key, u32::from(version), owner, lease);
         }
         let found = record::parse(existing).map_err(StoreError::Corrupt)?;
         let ours = owner.is_some_and(|owner| found.owner == owner.as_str().as_bytes());
@@ -1225,6 +1217,13 @@ mod record {
         (u32::from(version) > RECORD_VERSION).then_some(version)
     }
 
+    /// The owner of a record of any layout (every layout starts as this one does), if the
+    /// record holds one.
+    pub(super) fn owner(record: &Bytes) -> Option<&[u8]> {
+        let len = usize::from(u16::from_be_bytes([*record.get(4)?, *record.get(5)?]));
+        record.get(6..6 + len)
+    }
+
     /// The state, owner and deadline of a record: what a listing needs, readable from the
     /// record's first [`head_len`] bytes.
     pub(super) struct Head {
@@ -1557,7 +1556,8 @@ impl Store for RedisStore {
             let found = record::parse(&stored).map_err(StoreError::Corrupt)?;
             let expires_in = Duration::from_millis(ttl.max(0) as u64);
             Ok(Some(if found.state == record::IN_FLIGHT {
-                RecordInfo::new(RecordState::InFlight, expires_in, None)
+                let owner = OwnerToken::from_string(String::from_utf8_lossy(&found.owner));
+                RecordInfo::new(RecordState::InFlight, expires_in, None).with_owner(owner)
             } else {
                 RecordInfo::new(RecordState::Completed, expires_in, Some(found.payload))
             }))

@@ -17,7 +17,11 @@
 //! Other scripts are sent directly: they are rare, and fred writes them alone anyway; so are
 //! completions on a Cluster, where every record's key has a slot of its own. Each command keeps
 //! its own answer, timeout and retries. A command whose caller gives up after
-//! queueing it is still sent, as it would be once fred had it.
+//! queueing it is still sent, as it would be once fred had it, but with only what is left of
+//! its timeout: fred's timeout starts when fred takes the command, and a command that waited in
+//! the queue would otherwise get a whole new one, and could be sent after the layer, whose own
+//! bound started with the call, has given up on it. One whose timeout ran out in the queue is
+//! answered as timed out and never sent.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -134,13 +138,37 @@ struct Job {
     options: Options,
     command: Command,
     answer: oneshot::Sender<Result<Value, Error>>,
+    /// When the caller handed it over: its timeout runs from then.
+    queued_at: tokio::time::Instant,
 }
 
 impl Job {
     async fn run(self) {
-        let result = self.command.send(&self.client, &self.options).await;
+        let result = match time_left(&self.options, self.queued_at) {
+            Ok(options) => self.command.send(&self.client, &options).await,
+            Err(timed_out) => Err(timed_out),
+        };
         // The caller may have gone (a client hung up); the command ran all the same.
         let _ = self.answer.send(result);
+    }
+}
+
+/// `options` with its timeout shortened by the time since `queued_at`, or a timeout error if
+/// none is left: the command must not be sent later than it would have been without the queue.
+fn time_left(options: &Options, queued_at: tokio::time::Instant) -> Result<Options, Error> {
+    let Some(timeout) = options.timeout else {
+        return Ok(options.clone());
+    };
+    match timeout.checked_sub(queued_at.elapsed()) {
+        Some(left) if !left.is_zero() => {
+            let mut options = options.clone();
+            options.timeout = Some(left);
+            Ok(options)
+        }
+        _ => Err(Error::new(
+            ErrorKind::Timeout,
+            "the command's timeout ran out while it was queued to share a write; not sent",
+        )),
     }
 }
 
@@ -189,6 +217,7 @@ impl Coalescer {
             options: options.clone(),
             command,
             answer,
+            queued_at: tokio::time::Instant::now(),
         };
         let queue = self.queue.get_or_init(|| {
             let (queue, jobs) = mpsc::unbounded_channel();
@@ -254,6 +283,8 @@ impl Send {
 struct Merged {
     client: Client,
     options: Options,
+    /// When the first of its records was queued, the one with the least time left.
+    queued_at: tokio::time::Instant,
     records: Vec<MergedRecord>,
     /// The size of the records' keys and arguments, bounded by [`MAX_MERGED_BYTES`].
     bytes: usize,
@@ -275,6 +306,7 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             options,
             command: Command::Script(call),
             answer,
+            queued_at,
         } = job
         else {
             sends.push(Send::One(job));
@@ -287,6 +319,7 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
                 options,
                 command,
                 answer,
+                queued_at,
             }));
             continue;
         }
@@ -302,11 +335,13 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
         match merged.iter_mut().find(joins) {
             Some(m) => {
                 m.bytes += bytes;
+                m.queued_at = m.queued_at.min(queued_at);
                 m.records.push(record);
             }
             None => merged.push(Merged {
                 client,
                 options,
+                queued_at,
                 records: vec![record],
                 bytes,
             }),
@@ -326,6 +361,7 @@ impl Merged {
         let Merged {
             client,
             options,
+            queued_at,
             mut records,
             ..
         } = self;
@@ -339,9 +375,19 @@ impl Merged {
                 options,
                 command,
                 answer,
+                queued_at,
             };
             return job.run().await;
         }
+        let options = match time_left(&options, queued_at) {
+            Ok(options) => options,
+            Err(timed_out) => {
+                for record in records {
+                    let _ = record.answer.send(Err(timed_out.clone()));
+                }
+                return;
+            }
+        };
         // `EVALSHA sha n key… arg…`, from the first call's SHA-1, every call's key, then every
         // call's arguments, in the same order.
         let count = records.len();
@@ -398,5 +444,53 @@ impl std::future::Future for YieldOnce {
         self.0 = true;
         cx.waker().wake_by_ref();
         std::task::Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn with_timeout(timeout: Duration) -> Options {
+        Options {
+            timeout: Some(timeout),
+            ..Options::default()
+        }
+    }
+
+    /// A command that waited in the queue keeps only what is left of its timeout, so it is never
+    /// sent after the caller's own bound, which started with the call, has run out.
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_command_keeps_only_what_is_left_of_its_timeout() {
+        let queued_at = tokio::time::Instant::now();
+        tokio::time::advance(Duration::from_millis(1_500)).await;
+        let left = time_left(&with_timeout(Duration::from_secs(2)), queued_at).map(|o| o.timeout);
+        assert_eq!(left.ok(), Some(Some(Duration::from_millis(500))));
+        tokio::time::advance(Duration::from_millis(500)).await;
+        let error = time_left(&with_timeout(Duration::from_secs(2)), queued_at).err();
+        assert_eq!(error.map(|e| e.kind().clone()), Some(ErrorKind::Timeout));
+        let unbounded = time_left(&Options::default(), queued_at).map(|o| o.timeout);
+        assert_eq!(unbounded.ok(), Some(None), "no timeout set: none made up");
+    }
+
+    /// One whose timeout ran out in the queue is answered as timed out, and never reaches fred
+    /// (here a client that was never connected, which would answer otherwise).
+    #[tokio::test(start_paused = true)]
+    async fn a_command_whose_timeout_ran_out_in_the_queue_is_not_sent() {
+        let (answer, answered) = oneshot::channel();
+        let job = Job {
+            client: Client::default(),
+            options: with_timeout(Duration::from_secs(2)),
+            command: Command::Get { key: "k".into() },
+            answer,
+            queued_at: tokio::time::Instant::now(),
+        };
+        tokio::time::advance(Duration::from_secs(3)).await;
+        job.run().await;
+        let error = answered.await.expect("answered").expect_err("an error");
+        assert_eq!(error.kind(), &ErrorKind::Timeout);
+        assert!(error.details().contains("queued"), "{error}");
     }
 }

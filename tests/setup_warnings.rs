@@ -1,0 +1,397 @@
+//! What the layer tells an operator about itself, without flooding the logs: an unscoped layer
+//! whose requests carry credentials warns once (a replay is answered before the handler
+//! authenticates), a store outage is logged once per interval rather than once per request, and
+//! no log line carries a raw key or scope.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use common::app::{payment, payment_with, router, send};
+use http::StatusCode;
+use tower_idempotency::{
+    ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, MemoryStore, OwnerToken, RecordInfo,
+    RecordKey, Scope, Store, StoreError, StoreFuture,
+};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+/// Every event logged, as its fields (`message` included), in order.
+type Events = Arc<Mutex<Vec<HashMap<String, String>>>>;
+
+struct Capture(Events);
+
+struct Fields(HashMap<String, String>);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.0.insert(field.name().to_owned(), value.to_string());
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let mut fields = Fields(HashMap::new());
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(fields.0);
+    }
+}
+
+/// The subscriber and the metrics recorder are global to this binary: its tests take turns, and
+/// each looks only at what was logged and counted during its turn.
+static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Observed {
+    events: Events,
+    snapshotter: metrics_util::debugging::Snapshotter,
+}
+
+fn observed() -> &'static Observed {
+    static OBSERVED: OnceLock<Observed> = OnceLock::new();
+    OBSERVED.get_or_init(|| {
+        let events = Events::default();
+        let subscriber = tracing_subscriber::registry().with(Capture(events.clone()));
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("the only recorder of this binary");
+        Observed { events, snapshotter }
+    })
+}
+
+/// Takes this test's turn and forgets what earlier tests logged and counted.
+async fn turn() -> tokio::sync::MutexGuard<'static, ()> {
+    let guard = TURN.lock().await;
+    let observed = observed();
+    observed.events.lock().unwrap().clear();
+    observed.snapshotter.snapshot();
+    guard
+}
+
+/// The events logged since the turn began whose message contains `needle`.
+fn logged(needle: &str) -> Vec<HashMap<String, String>> {
+    let events = observed().events.lock().unwrap();
+    events
+        .iter()
+        .filter(|fields| fields.get("message").is_some_and(|m| m.contains(needle)))
+        .cloned()
+        .collect()
+}
+
+/// How much the counter `name` with label `kind=value` grew since the last look.
+fn counted(name: &str, kind: &str) -> u64 {
+    use metrics_util::debugging::DebugValue;
+    observed()
+        .snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| {
+            key.key().name() == name && key.key().labels().any(|l| l.key() == "kind" && l.value() == kind)
+        })
+        .map(|(.., value)| match value {
+            DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
+const CREDENTIALS_WARNING: &str = "without a scope sees requests with credentials";
+const SETUP_WARNINGS: &str = "idempotency_setup_warnings_total";
+
+fn with_header(key: &str, name: &str, value: &str) -> http::Request<Body> {
+    payment_with(key, &[(name, value)])
+}
+
+#[tokio::test]
+async fn an_unscoped_layer_that_sees_credentials_warns_once_and_counts_it() {
+    let _turn = turn().await;
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let (app, _) = router(layer.clone());
+    // Nothing to say while requests carry no credentials.
+    send(&app, payment("plain", "{}")).await;
+    assert!(logged(CREDENTIALS_WARNING).is_empty());
+    for n in 0..20 {
+        let header = if n % 2 == 0 { "authorization" } else { "cookie" };
+        let answer = send(&app, with_header(&format!("k{n}"), header, "Bearer alice")).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "the request itself is served as before"
+        );
+    }
+    let warnings = logged(CREDENTIALS_WARNING);
+    assert_eq!(warnings.len(), 1, "once per layer, not per request: {warnings:?}");
+    assert_eq!(warnings[0]["header"], "authorization");
+    assert_eq!(warnings[0]["path"], "/payments");
+    assert!(
+        !format!("{warnings:?}").contains("alice"),
+        "never the credentials themselves"
+    );
+    assert_eq!(counted(SETUP_WARNINGS, "unscoped_credentials"), 1);
+
+    // A clone shares the layer's warning; a reconfigured layer is another layer, and warns on its own.
+    let (clone, _) = router(layer.clone());
+    send(&clone, with_header("c1", "authorization", "Bearer bob")).await;
+    assert_eq!(logged(CREDENTIALS_WARNING).len(), 1);
+    let (other, _) = router(
+        layer
+            .with_retention(Duration::from_secs(60))
+            .with_key_required(false),
+    );
+    send(&other, with_header("o1", "cookie", "session=bob")).await;
+    send(&other, with_header("o2", "cookie", "session=bob")).await;
+    assert_eq!(logged(CREDENTIALS_WARNING).len(), 2);
+    assert_eq!(counted(SETUP_WARNINGS, "unscoped_credentials"), 1);
+}
+
+#[tokio::test]
+async fn a_scoped_or_declared_unscoped_layer_never_warns_of_credentials() {
+    let _turn = turn().await;
+    let scoped = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("x-tenant-id"));
+    let declared = IdempotencyLayer::new(MemoryStore::new()).without_scope();
+    let rescoped = IdempotencyLayer::new(MemoryStore::new())
+        .without_scope()
+        .with_scope(Scope::host());
+    for layer in [scoped, declared, rescoped] {
+        let (app, _) = router(layer);
+        for n in 0..3 {
+            let request = payment_with(
+                &format!("k{n}"),
+                &[
+                    ("authorization", "Bearer alice"),
+                    ("x-tenant-id", "t1"),
+                    ("host", "a.example"),
+                ],
+            );
+            assert_eq!(send(&app, request).await.status, StatusCode::CREATED);
+        }
+    }
+    assert!(logged(CREDENTIALS_WARNING).is_empty());
+    assert_eq!(counted(SETUP_WARNINGS, "unscoped_credentials"), 0);
+}
+
+/// What the warning is about: with no scope, a replay goes to whoever reproduces the key and the
+/// body, credentials or none, because it is answered before the handler could check them.
+#[tokio::test]
+async fn without_a_scope_a_replay_goes_to_whoever_sends_the_same_key_and_body() {
+    let _turn = turn().await;
+    let (app, runs) = router(IdempotencyLayer::new(MemoryStore::new()));
+    let alice = send(&app, with_header("order-1", "authorization", "Bearer alice")).await;
+    let mallory = send(&app, with_header("order-1", "authorization", "Bearer mallory")).await;
+    assert_eq!(runs.get(), 1);
+    assert!(mallory.is_replay());
+    assert_eq!(mallory.body, alice.body);
+    // Scoped by who is calling, the same key names two records.
+    let scoped = IdempotencyLayer::new(MemoryStore::new()).with_scope(Scope::header("authorization"));
+    let (app, runs) = router(scoped);
+    send(&app, with_header("order-1", "authorization", "Bearer alice")).await;
+    let mallory = send(&app, with_header("order-1", "authorization", "Bearer mallory")).await;
+    assert_eq!(runs.get(), 2);
+    assert!(!mallory.is_replay());
+}
+
+/// A store that is down: every call fails at once.
+struct DownStore;
+
+fn down<'a, T: Send + 'a>() -> StoreFuture<'a, T> {
+    Box::pin(std::future::ready(Err(StoreError::Unavailable(
+        "the store is down".into(),
+    ))))
+}
+
+impl Store for DownStore {
+    fn claim<'a>(
+        &'a self,
+        _: &'a RecordKey,
+        _: &'a Fingerprint,
+        _: &'a OwnerToken,
+        _: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        down()
+    }
+    fn complete<'a>(
+        &'a self,
+        _: &'a RecordKey,
+        _: &'a OwnerToken,
+        _: Bytes,
+        _: Duration,
+    ) -> StoreFuture<'a, bool> {
+        down()
+    }
+    fn release<'a>(&'a self, _: &'a RecordKey, _: &'a OwnerToken) -> StoreFuture<'a, bool> {
+        down()
+    }
+    fn renew<'a>(&'a self, _: &'a RecordKey, _: &'a OwnerToken, _: Duration) -> StoreFuture<'a, bool> {
+        down()
+    }
+    fn inspect<'a>(&'a self, _: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
+        down()
+    }
+    fn purge<'a>(&'a self, _: &'a RecordKey) -> StoreFuture<'a, bool> {
+        down()
+    }
+}
+
+const OUTAGE: &str = "idempotency store unavailable";
+
+#[tokio::test(start_paused = true)]
+async fn a_store_outage_is_logged_once_per_interval_with_the_count_held_back() {
+    let _turn = turn().await;
+    for fail_open in [false, true] {
+        observed().events.lock().unwrap().clear();
+        let layer = IdempotencyLayer::new(DownStore).with_fail_open(fail_open);
+        let (app, runs) = router(layer);
+        for n in 0..30 {
+            send(&app, payment(&format!("k{n}"), "{}")).await;
+        }
+        assert_eq!(runs.get(), if fail_open { 30 } else { 0 });
+        let logs = logged(OUTAGE);
+        assert_eq!(logs.len(), 1, "one warning for 30 failed requests: {logs:?}");
+        assert_eq!(logs[0]["held_back"], "0");
+        tokio::time::advance(Duration::from_secs(9)).await;
+        send(&app, payment("k-9s", "{}")).await;
+        assert_eq!(logged(OUTAGE).len(), 1, "still within the interval");
+        tokio::time::advance(Duration::from_millis(1_001)).await;
+        send(&app, payment("k-10s", "{}")).await;
+        let logs = logged(OUTAGE);
+        assert_eq!(logs.len(), 2, "the next interval logs again: {logs:?}");
+        assert_eq!(logs[1]["held_back"], "30", "with how many it held back");
+    }
+}
+
+#[tokio::test]
+async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
+    let _turn = turn().await;
+    let key = RecordKey::new(
+        Some("tenant-acme"),
+        IdempotencyKey::parse("order-secret-42").unwrap(),
+    );
+    let debug = format!("{key:?}");
+    assert!(!debug.contains("acme") && !debug.contains("secret"), "{debug}");
+    assert!(
+        debug.contains(&key.digest_hex()[..16]),
+        "the digest prefix the span shows: {debug}"
+    );
+    // And in a real log line: the outage warning names the request's key.
+    let layer = IdempotencyLayer::new(DownStore).with_scope(Scope::header("x-tenant-id"));
+    let (app, _) = router(layer);
+    send(
+        &app,
+        payment_with("order-secret-42", &[("x-tenant-id", "tenant-acme")]),
+    )
+    .await;
+    let logs = logged(OUTAGE);
+    assert_eq!(logs.len(), 1);
+    let line = format!("{logs:?}");
+    assert!(!line.contains("acme") && !line.contains("secret"), "{line}");
+    assert!(line.contains(&key.digest_hex()[..16]), "{line}");
+}
+
+// Settings that can only hurt are refused when the layer is configured.
+
+#[test]
+#[should_panic(expected = "with_mismatch_status: status 200 cannot answer a refused request")]
+fn a_mismatch_status_that_reads_as_success_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_mismatch_status(StatusCode::OK);
+}
+
+#[test]
+#[should_panic(expected = "with_not_stored_status: status 302 cannot answer a refused request")]
+fn a_not_stored_status_that_reads_as_a_redirect_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_not_stored_status(StatusCode::FOUND);
+}
+
+#[test]
+#[should_panic(expected = "with_handler_timeout: a handler timeout of 50ms is under 100ms")]
+fn a_handler_timeout_under_100_ms_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new()).with_handler_timeout(Duration::from_millis(50));
+}
+
+#[test]
+#[should_panic(expected = "the list leaves out Set-Cookie")]
+fn an_unstored_header_list_that_drops_set_cookie_is_refused() {
+    let _ = IdempotencyLayer::new(MemoryStore::new())
+        .with_unstored_headers([http::HeaderName::from_static("x-multi")]);
+}
+
+#[test]
+fn settings_at_their_bounds_are_taken() {
+    let _ = IdempotencyLayer::new(MemoryStore::new())
+        .with_mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
+        .with_not_stored_status(StatusCode::SERVICE_UNAVAILABLE)
+        .with_handler_timeout(Duration::from_millis(100))
+        .with_handler_timeout(Duration::MAX)
+        .with_unstored_headers([http::header::SET_COOKIE]);
+}
+
+/// A header added to the unstored list after an incident (a leaked token in a stored response)
+/// stops being replayed at once, from records stored before the change too.
+#[tokio::test]
+async fn the_unstored_header_list_applies_to_replays_of_records_stored_before() {
+    let store = Arc::new(MemoryStore::new());
+    let (before, runs) = router(IdempotencyLayer::new(store.clone()));
+    let first = send(&before, payment("incident-1", "{}")).await;
+    assert_eq!(first.headers.get_all("x-multi").iter().count(), 2);
+    let replay = send(&before, payment("incident-1", "{}")).await;
+    assert!(replay.is_replay() && replay.headers.get("x-multi").is_some());
+
+    let after =
+        IdempotencyLayer::new(store).with_extra_unstored_headers([http::HeaderName::from_static("x-multi")]);
+    let (after, _) = router(after);
+    let replay = send(&after, payment("incident-1", "{}")).await;
+    assert!(replay.is_replay());
+    assert_eq!(runs.get(), 1);
+    assert!(replay.headers.get("x-multi").is_none(), "no longer replayed");
+    assert_eq!(
+        replay.headers["x-latin1"].as_bytes(),
+        b"caf\xe9",
+        "the others still are"
+    );
+    assert_eq!(replay.body, first.body);
+}
+
+/// A policy file's `scope: none` is a declared choice, as `without_scope`; an endpoint that
+/// leaves the scope out is not.
+#[cfg(feature = "policy")]
+#[tokio::test]
+async fn a_policy_files_scope_none_is_declared_and_silences_the_warning() {
+    use axum::routing::post;
+    use tower_idempotency::{Policy, PolicyLayer};
+
+    let _turn = turn().await;
+    let policy = Policy::from_json_str(
+        r#"{"idempotency": {"endpoints": [
+            {"path": "/declared", "scope": "none"},
+            {"path": "/undeclared"}
+        ]}}"#,
+    )
+    .unwrap();
+    let layer = PolicyLayer::from_policy(IdempotencyLayer::new(MemoryStore::new()), &policy).unwrap();
+    let app = axum::Router::new()
+        .route("/declared", post(|| async { "ok" }))
+        .route("/undeclared", post(|| async { "ok" }))
+        .layer(layer);
+    let request = |path: &str, key: &str| {
+        http::Request::post(path)
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .body(Body::empty())
+            .unwrap()
+    };
+    send(&app, request("/declared", "d1")).await;
+    assert!(logged(CREDENTIALS_WARNING).is_empty());
+    send(&app, request("/undeclared", "u1")).await;
+    let warnings = logged(CREDENTIALS_WARNING);
+    assert_eq!(warnings.len(), 1);
+    assert_eq!(warnings[0]["path"], "/undeclared");
+}
