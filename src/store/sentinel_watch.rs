@@ -323,9 +323,13 @@ async fn follow(
     }
     let _listeners = AbortOnDrop(listeners);
     let mut followed = String::new();
+    // When a raised fence comes down by itself: FENCE_LIMIT after it was raised, however many
+    // events (of other services, say) arrive meanwhile.
+    let mut fence_ends: Option<tokio::time::Instant> = None;
     loop {
         let next = if fence.is_raised() {
-            match tokio::time::timeout(FENCE_LIMIT, announced.recv()).await {
+            let ends = *fence_ends.get_or_insert_with(|| tokio::time::Instant::now() + FENCE_LIMIT);
+            match tokio::time::timeout_at(ends, announced.recv()).await {
                 Ok(event) => event,
                 Err(_) => {
                     tracing::warn!(
@@ -336,6 +340,7 @@ async fn follow(
                 }
             }
         } else {
+            fence_ends = None;
             announced.recv().await
         };
         let Some(event) = next else { return };
