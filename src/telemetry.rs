@@ -266,6 +266,7 @@ pub(crate) fn running_ended(named: Option<&Named>) {
     let _ = named;
 }
 
+#[cfg(feature = "redis")]
 /// One of the connections a store keeps besides its requests' claims: the `connection` label of
 /// `idempotency_connection_events_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -282,6 +283,7 @@ pub(crate) enum Connection {
     Sentinels,
 }
 
+#[cfg(feature = "redis")]
 impl Connection {
     /// The label value.
     pub(crate) const fn as_str(self) -> &'static str {
@@ -295,6 +297,7 @@ impl Connection {
     }
 }
 
+#[cfg(feature = "redis")]
 /// A change of a connection's or a feed's state: the `event` label of
 /// `idempotency_connection_events_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -310,6 +313,7 @@ pub(crate) enum ConnectionEvent {
     FeedBack,
 }
 
+#[cfg(feature = "redis")]
 impl ConnectionEvent {
     /// The label value.
     pub(crate) const fn as_str(self) -> &'static str {
@@ -322,6 +326,7 @@ impl ConnectionEvent {
     }
 }
 
+#[cfg(feature = "redis")]
 /// Counts a change of a connection's state (`idempotency_connection_events_total`).
 #[inline]
 pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
@@ -482,7 +487,9 @@ mod recorded {
 
     use metrics::{counter, gauge, histogram, Key, Label, Level, Metadata, SharedString};
 
-    use super::{Connection, ConnectionEvent, Named, Outcome, StoreOp};
+    #[cfg(feature = "redis")]
+    use super::{Connection, ConnectionEvent};
+    use super::{Named, Outcome, StoreOp};
     use crate::reconciliation::ReconciliationKind;
     use crate::Rejection;
 
@@ -660,6 +667,7 @@ mod recorded {
         );
     }
 
+    #[cfg(feature = "redis")]
     pub(super) fn connection_event(connection: Connection, event: ConnectionEvent) {
         const NAME: &str = "idempotency_connection_events_total";
         macro_rules! count {
@@ -841,7 +849,7 @@ mod tests {
         }
     }
 
-    #[cfg(feature = "metrics")]
+    #[cfg(all(feature = "metrics", feature = "redis"))]
     #[test]
     fn connection_events_are_counted_with_their_labels() {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
