@@ -26,7 +26,7 @@ use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RecordState, RedisStore};
 
 const KEYS: usize = 60;
 const CLIENTS_PER_KEY: usize = 5;
@@ -320,8 +320,15 @@ async fn run(seed: u64, logs: Logs) {
             .map(|(_, b)| b)
             .collect();
         let statuses: Vec<StatusCode> = answers[&key].iter().map(|(s, _)| *s).collect();
+        // Logs name a key by its digest (`RecordKey`'s `Debug`), never the raw key: look for that.
+        let record = RecordKey::new(None, IdempotencyKey::parse(&key).expect("a valid key"));
+        let shown = format!("{record:?}");
+        let named = shown
+            .strip_prefix("RecordKey { ")
+            .and_then(|rest| rest.split(", scope").next())
+            .expect("RecordKey's Debug shows `key: \"<digest>\"` first");
         let reported = log.lines().any(|line| {
-            line.contains(&format!("key: \"{key}\""))
+            line.contains(named)
                 && (line.contains("claim lost") || line.contains("could not store the result"))
         });
         if runs == 0 {
