@@ -793,20 +793,7 @@ mod tests {
 
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let outcomes = [
-            Outcome::Executed,
-            Outcome::Replayed,
-            Outcome::InFlight,
-            Outcome::Mismatch,
-            Outcome::NotStored,
-            Outcome::Rejected,
-            Outcome::StoreError,
-            Outcome::Fenced,
-            Outcome::FailOpen,
-            Outcome::Overloaded,
-            Outcome::Unreadable,
-            Outcome::Waited,
-        ];
+        let outcomes = Outcome::ALL;
         let rejections = [
             crate::Rejection::MissingKey,
             crate::Rejection::BodyUnreadable,

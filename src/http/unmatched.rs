@@ -1,30 +1,30 @@
 //! The paths of keyed requests that matched no endpoint of a [`PolicyLayer`](crate::PolicyLayer),
-//! remembered so that each is logged once: a bounded, lock-free set of their hashes.
+//! remembered so that each is logged once: a bounded set of their hashes.
 //!
 //! A request that matches an endpoint never comes here. One that does not, and carries a key,
-//! costs one hash of its path and a probe of a table, allocation-free once the table exists
-//! (it is allocated at the first such request). The table holds at most [`CAP`] paths; past
-//! that, new paths are counted by the caller but not logged, and one warning says so.
+//! costs one hash of its path and a lookup under a lock, allocation-free once the set has grown.
+//! The set holds at most [`CAP`] paths; past that, new paths are counted by the caller but not
+//! logged, and one warning says so.
 
+use std::collections::HashSet;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use http::Method;
 
-/// The most paths remembered (and so logged one by one): 1 024, 16 KiB of table. Enough for
-/// every route of a real service spelled a few ways; an attacker who sends many distinct paths
-/// fills it, and then gets nothing more into the logs.
+/// The most paths remembered (and so logged one by one): 1 024. Enough for every route of a
+/// real service spelled a few ways; an attacker who sends many distinct paths fills it, and then
+/// gets nothing more into the logs.
 pub(crate) const CAP: usize = 1024;
 
-/// The set: open addressing with linear probing over twice [`CAP`] slots, so a probe always
-/// meets an empty slot. A slot holds a path's hash with its low bit set (0 is empty); paths are
-/// never removed.
+/// The set of the paths' hashes (under a random key per set, so that nobody can choose paths
+/// that collide); paths are never removed.
 #[derive(Default)]
 pub(crate) struct UnmatchedPaths {
-    /// A random key per set, so that nobody can choose paths that collide.
     hasher: RandomState,
-    slots: OnceLock<Box<[AtomicU64]>>,
+    hashes: Mutex<HashSet<u64>>,
+    /// How many are remembered, for the tests.
     len: AtomicUsize,
     full_logged: AtomicBool,
 }
@@ -68,37 +68,22 @@ impl UnmatchedPaths {
     }
 
     fn remember(&self, path: &str) -> Remembered {
-        let slots = self
-            .slots
-            .get_or_init(|| (0..2 * CAP).map(|_| AtomicU64::new(0)).collect());
-        let hash = self.hasher.hash_one(path) | 1;
-        let mask = slots.len() - 1;
-        // Truncating the hash on a 32-bit target still spreads the start.
-        let mut i = hash as usize & mask;
-        loop {
-            let slot = &slots[i];
-            let mut found = slot.load(Ordering::Acquire);
-            if found == 0 {
-                // A place is reserved before it is taken, so no more than `CAP` are ever taken.
-                if self.len.fetch_add(1, Ordering::Relaxed) >= CAP {
-                    self.len.fetch_sub(1, Ordering::Relaxed);
-                    let first = !self.full_logged.swap(true, Ordering::Relaxed);
-                    return Remembered::Full { first };
-                }
-                match slot.compare_exchange(0, hash, Ordering::AcqRel, Ordering::Acquire) {
-                    Ok(_) => return Remembered::New,
-                    Err(taken) => {
-                        // Another thread took the slot first, maybe for this very path.
-                        self.len.fetch_sub(1, Ordering::Relaxed);
-                        found = taken;
-                    }
-                }
-            }
-            if found == hash {
-                return Remembered::Known;
-            }
-            i = (i + 1) & mask;
+        let hash = self.hasher.hash_one(path);
+        // Every update leaves the set whole, so a poisoned lock's data is still sound.
+        let mut hashes = self
+            .hashes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if hashes.contains(&hash) {
+            return Remembered::Known;
         }
+        if hashes.len() >= CAP {
+            let first = !self.full_logged.swap(true, Ordering::Relaxed);
+            return Remembered::Full { first };
+        }
+        hashes.insert(hash);
+        self.len.store(hashes.len(), Ordering::Relaxed);
+        Remembered::New
     }
 }
 
