@@ -101,7 +101,7 @@ mod wake_anchor;
 // The tower adapter over it.
 mod http;
 
-pub use self::http::body::{BoxError, RequestBody, ResponseBody};
+pub use self::http::body::{BoxError, RequestBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};
 pub use self::http::endpoints::{PolicyError, PolicyLayer, PolicyService};
 pub use self::http::fingerprint::FingerprintPolicy;
@@ -110,23 +110,24 @@ pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
 #[cfg(feature = "policy")]
 pub use self::http::policy::Policy;
-pub use self::http::replay::{NotStored, IDEMPOTENT_REPLAYED};
+pub use self::http::replay::IDEMPOTENT_REPLAYED;
 pub use self::http::response::Rejection;
+pub use self::http::response_body::ResponseBody;
 pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
-pub use coordinator::{Begin, Claim, ClaimTicket, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
+pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
-pub use reconciliation::{ReconciliationEvent, ReconciliationKind};
+pub use reconciliation::{NotStored, ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
 #[cfg(feature = "redis")]
-pub use store::replica_acks::ReplicaAcks;
+pub use store::redis::ReplicaAcks;
 pub use store::{
-    ClaimOutcome, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store, StoreError,
-    StoreFuture, RECORD_VERSION,
+    ClaimOutcome, ClaimTicket, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store,
+    StoreError, StoreFuture, RECORD_VERSION,
 };

@@ -16,9 +16,32 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::key::RecordKey;
 use crate::store::OwnerToken;
-use crate::telemetry::Named;
-use crate::{NotStored, RecordKey};
+use crate::telemetry::{EventKind, Named};
+
+/// Why a request ran but its response was not stored: its key is then kept completed, as
+/// *not replayable*, so a retry is told so instead of running the operation a second time.
+///
+/// ```
+/// use tower_idempotency::NotStored;
+/// assert_eq!(NotStored::TooLarge.to_string(), "the response was larger than the storage cap");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotStored {
+    /// The response body was larger than the layer's response limit.
+    #[error("the response was larger than the storage cap")]
+    TooLarge,
+    /// The response body failed part way (an upstream connection broke, say).
+    #[error("the response body failed part way")]
+    BodyFailed,
+    /// The handler gave no response head within the handler timeout and was cancelled, or its
+    /// response body of unknown length did not end within the stream timeout (the record then
+    /// holds the status the client was sent).
+    #[error("the handler did not answer in time")]
+    TimedOut,
+}
 
 /// An operation ran, but its result is not (or may not stay) in the store: what a
 /// [reconciliation hook](crate::Coordinator::with_reconciliation) is told.
@@ -89,6 +112,19 @@ pub enum ReconciliationKind {
     LostBeforeReplicated,
 }
 
+impl ReconciliationKind {
+    /// The `kind` label this event is counted under.
+    pub(crate) fn event_kind(&self) -> EventKind {
+        match self {
+            ReconciliationKind::CompletionFailed { .. } => EventKind::CompletionFailed,
+            ReconciliationKind::NotStorable { .. } => EventKind::NotStorable,
+            ReconciliationKind::ClaimLost => EventKind::ClaimLost,
+            ReconciliationKind::ReplicationAbandoned { .. } => EventKind::ReplicationAbandoned,
+            ReconciliationKind::LostBeforeReplicated => EventKind::LostBeforeReplicated,
+        }
+    }
+}
+
 /// The application's hook.
 type Hook = Arc<dyn Fn(&ReconciliationEvent) + Send + Sync>;
 
@@ -145,7 +181,7 @@ pub(crate) fn report(
     payload: Option<&Bytes>,
 ) {
     let named = reconciler.and_then(|r| r.named.as_deref());
-    crate::telemetry::reconciliation(&kind, named);
+    crate::telemetry::reconciliation(kind.event_kind(), named);
     if let Some(hook) = reconciler.and_then(|r| r.hook.as_deref()) {
         Reconciler::call(
             hook,

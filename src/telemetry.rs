@@ -23,11 +23,8 @@ use std::time::Duration;
 use tracing::field::Empty;
 use tracing::Span;
 
-use crate::coordinator::{Begin, Error};
+use crate::key::RecordKey;
 use crate::key::{scope_digest, short_hex};
-use crate::reconciliation::ReconciliationKind;
-use crate::store::StoreError;
-use crate::RecordKey;
 
 /// The target of the request span and of the check that store timings are wanted, so one
 /// filter directive (`tower_idempotency=…`) governs both.
@@ -101,27 +98,37 @@ impl Outcome {
             Outcome::Waited => "waited",
         }
     }
+}
 
-    /// How a [`Coordinator::begin`](crate::Coordinator::begin) that answered `begun` is counted.
-    pub(crate) fn of_begin(begun: &Result<Begin, Error>) -> Self {
-        match begun {
-            Ok(Begin::Claimed(_)) => Outcome::Executed,
-            Ok(Begin::Completed(_)) => Outcome::Replayed,
-            Ok(Begin::InFlight { .. }) => Outcome::InFlight,
-            Ok(Begin::Mismatch) => Outcome::Mismatch,
-            Err(error) => Outcome::of_error(error),
-        }
-    }
+/// The `kind` label of a rejection sent (`idempotency_rejections_total`): one per
+/// [`Rejection`](crate::Rejection) variant, which names its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RejectionKind {
+    MissingKey,
+    InvalidKey,
+    BodyTooLarge,
+    BodyUnreadable,
+    InFlight,
+    Mismatch,
+    StoreUnavailable,
+    UnreadableRecord,
+    Overloaded,
+    HandlerPanicked,
+    MissingScope,
+    ResponseNotStored,
+    HandlerTimedOut,
+    NoEndpoint,
+}
 
-    /// How a request the coordinator could not begin is counted.
-    pub(crate) fn of_error(error: &Error) -> Self {
-        match error {
-            Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
-            Error::Store(error) if error.is_fence() => Outcome::Fenced,
-            Error::Store(_) | Error::ClaimLost => Outcome::StoreError,
-            Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
-        }
-    }
+/// The `kind` label of a reconciliation event (`idempotency_reconciliation_events_total`): one
+/// per [`ReconciliationKind`](crate::ReconciliationKind) variant, which names its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EventKind {
+    CompletionFailed,
+    NotStorable,
+    ClaimLost,
+    ReplicationAbandoned,
+    LostBeforeReplicated,
 }
 
 /// A store operation: the `op` label of `idempotency_store_duration_seconds` and the span's
@@ -223,7 +230,7 @@ pub(crate) fn finish(span: &Span, outcome: Outcome, named: Option<&Named>) {
 
 /// Counts a rejection sent, by kind (`idempotency_rejections_total`).
 #[inline]
-pub(crate) fn rejection(rejection: &crate::Rejection, named: Option<&Named>) {
+pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
     recorded::rejection(rejection, named);
     #[cfg(not(feature = "metrics"))]
@@ -241,7 +248,7 @@ pub(crate) fn unmatched() {
 /// Counts a reconciliation event, whether or not a hook is installed
 /// (`idempotency_reconciliation_events_total`).
 #[inline]
-pub(crate) fn reconciliation(kind: &ReconciliationKind, named: Option<&Named>) {
+pub(crate) fn reconciliation(kind: EventKind, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
     recorded::reconciliation(kind, named);
     #[cfg(not(feature = "metrics"))]
@@ -489,9 +496,7 @@ mod recorded {
 
     #[cfg(feature = "redis")]
     use super::{Connection, ConnectionEvent};
-    use super::{Named, Outcome, StoreOp};
-    use crate::reconciliation::ReconciliationKind;
-    use crate::Rejection;
+    use super::{EventKind, Named, Outcome, RejectionKind, StoreOp};
 
     const REQUESTS: &str = "idempotency_requests_total";
     const REJECTIONS: &str = "idempotency_rejections_total";
@@ -531,7 +536,7 @@ mod recorded {
         }
     }
 
-    /// The `kind` labels of rejections, in [`rejection_index`] order.
+    /// The `kind` labels of rejections, in `RejectionKind` order.
     const REJECTION_KINDS: [&str; 14] = [
         "MissingKey",
         "InvalidKey",
@@ -549,26 +554,7 @@ mod recorded {
         "NoEndpoint",
     ];
 
-    fn rejection_index(rejection: &Rejection) -> usize {
-        match rejection {
-            Rejection::MissingKey => 0,
-            Rejection::InvalidKey(_) => 1,
-            Rejection::BodyTooLarge { .. } => 2,
-            Rejection::BodyUnreadable => 3,
-            Rejection::InFlight { .. } => 4,
-            Rejection::Mismatch { .. } => 5,
-            Rejection::StoreUnavailable => 6,
-            Rejection::UnreadableRecord => 7,
-            Rejection::Overloaded => 8,
-            Rejection::HandlerPanicked => 9,
-            Rejection::MissingScope => 10,
-            Rejection::ResponseNotStored { .. } => 11,
-            Rejection::HandlerTimedOut { .. } => 12,
-            Rejection::NoEndpoint => 13,
-        }
-    }
-
-    /// The `kind` labels of reconciliation events, in [`reconciliation_index`] order.
+    /// The `kind` labels of reconciliation events, in `EventKind` order.
     const RECONCILIATION_KINDS: [&str; 5] = [
         "completion_failed",
         "not_storable",
@@ -576,16 +562,6 @@ mod recorded {
         "replication_abandoned",
         "lost_before_replicated",
     ];
-
-    fn reconciliation_index(kind: &ReconciliationKind) -> usize {
-        match kind {
-            ReconciliationKind::CompletionFailed { .. } => 0,
-            ReconciliationKind::NotStorable { .. } => 1,
-            ReconciliationKind::ClaimLost => 2,
-            ReconciliationKind::ReplicationAbandoned { .. } => 3,
-            ReconciliationKind::LostBeforeReplicated => 4,
-        }
-    }
 
     fn count(key: &Key) {
         metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
@@ -618,9 +594,9 @@ mod recorded {
         );
     }
 
-    pub(super) fn rejection(rejection: &Rejection, named: Option<&Named>) {
+    pub(super) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
         if let Some(named) = named {
-            return count(&named.keys.rejections[rejection_index(rejection)]);
+            return count(&named.keys.rejections[rejection as usize]);
         }
         macro_rules! count {
             ($($pattern:pat => $label:literal),* $(,)?) => {
@@ -630,26 +606,26 @@ mod recorded {
             };
         }
         count!(
-            Rejection::MissingKey => "MissingKey",
-            Rejection::InvalidKey(_) => "InvalidKey",
-            Rejection::BodyTooLarge { .. } => "BodyTooLarge",
-            Rejection::BodyUnreadable => "BodyUnreadable",
-            Rejection::InFlight { .. } => "InFlight",
-            Rejection::Mismatch { .. } => "Mismatch",
-            Rejection::StoreUnavailable => "StoreUnavailable",
-            Rejection::UnreadableRecord => "UnreadableRecord",
-            Rejection::Overloaded => "Overloaded",
-            Rejection::HandlerPanicked => "HandlerPanicked",
-            Rejection::MissingScope => "MissingScope",
-            Rejection::ResponseNotStored { .. } => "ResponseNotStored",
-            Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
-            Rejection::NoEndpoint => "NoEndpoint",
+            RejectionKind::MissingKey => "MissingKey",
+            RejectionKind::InvalidKey => "InvalidKey",
+            RejectionKind::BodyTooLarge => "BodyTooLarge",
+            RejectionKind::BodyUnreadable => "BodyUnreadable",
+            RejectionKind::InFlight => "InFlight",
+            RejectionKind::Mismatch => "Mismatch",
+            RejectionKind::StoreUnavailable => "StoreUnavailable",
+            RejectionKind::UnreadableRecord => "UnreadableRecord",
+            RejectionKind::Overloaded => "Overloaded",
+            RejectionKind::HandlerPanicked => "HandlerPanicked",
+            RejectionKind::MissingScope => "MissingScope",
+            RejectionKind::ResponseNotStored => "ResponseNotStored",
+            RejectionKind::HandlerTimedOut => "HandlerTimedOut",
+            RejectionKind::NoEndpoint => "NoEndpoint",
         );
     }
 
-    pub(super) fn reconciliation(kind: &ReconciliationKind, named: Option<&Named>) {
+    pub(super) fn reconciliation(kind: EventKind, named: Option<&Named>) {
         if let Some(named) = named {
-            return count(&named.keys.reconciliation[reconciliation_index(kind)]);
+            return count(&named.keys.reconciliation[kind as usize]);
         }
         macro_rules! count {
             ($($pattern:pat => $label:literal),* $(,)?) => {
@@ -659,11 +635,11 @@ mod recorded {
             };
         }
         count!(
-            ReconciliationKind::CompletionFailed { .. } => "completion_failed",
-            ReconciliationKind::NotStorable { .. } => "not_storable",
-            ReconciliationKind::ClaimLost => "claim_lost",
-            ReconciliationKind::ReplicationAbandoned { .. } => "replication_abandoned",
-            ReconciliationKind::LostBeforeReplicated => "lost_before_replicated",
+            EventKind::CompletionFailed => "completion_failed",
+            EventKind::NotStorable => "not_storable",
+            EventKind::ClaimLost => "claim_lost",
+            EventKind::ReplicationAbandoned => "replication_abandoned",
+            EventKind::LostBeforeReplicated => "lost_before_replicated",
         );
     }
 
@@ -742,6 +718,7 @@ mod recorded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconciliation::ReconciliationKind;
 
     #[test]
     fn short_hex_is_the_first_eight_bytes_in_lower_case() {
@@ -809,7 +786,7 @@ mod tests {
                 self::outcome(outcome, None);
             }
             for rejection in &rejections {
-                self::rejection(rejection, None);
+                self::rejection(rejection.kind(), None);
             }
         });
         let snapshot = snapshotter.snapshot().into_hashmap();
@@ -915,10 +892,10 @@ mod tests {
                 self::outcome(outcome, Some(&named));
             }
             for rejection in &rejections {
-                self::rejection(rejection, Some(&named));
+                self::rejection(rejection.kind(), Some(&named));
             }
             for kind in &kinds {
-                self::reconciliation(kind, Some(&named));
+                self::reconciliation(kind.event_kind(), Some(&named));
             }
             for op in StoreOp::ALL {
                 store_call(op, Duration::from_millis(1), Some(&named));

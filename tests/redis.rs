@@ -714,7 +714,7 @@ async fn connected_clients(client: &Client) -> u64 {
     info_number(client, "clients", "connected_clients").await
 }
 
-/// Concurrent calls reach Redis in shared socket writes (`redis_coalesce`), and each caller still
+/// Concurrent calls reach Redis in shared socket writes (`src/store/redis/coalesce.rs`), and each caller still
 /// gets its own answer: claims, completions and replays of 64 keys at once, each from a task of
 /// its own as the requests of separate connections are. One worker thread: it has the LIFO slot
 /// that makes fred write each command alone, and unlike two it cannot trickle the tasks to the

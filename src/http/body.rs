@@ -1,4 +1,4 @@
-//! The request and response body types the layer hands on, and bounded buffering.
+//! The request body the layer hands on, and reading a body into memory within a limit.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -8,8 +8,6 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
-
-use crate::http::capture::Storing;
 
 /// A boxed error, as tower and axum use them.
 ///
@@ -107,160 +105,6 @@ where
     }
 }
 
-pin_project! {
-    /// The response body the layer returns: the inner service's body, streamed on or buffered,
-    /// a replayed body, or a problem document.
-    ///
-    /// ```
-    /// use http::StatusCode;
-    /// use http_body_util::{BodyExt, Full};
-    /// use tower_idempotency::{Rejection, ResponseBody};
-    ///
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() {
-    /// let response = Rejection::MissingKey.into_response::<Full<bytes::Bytes>>();
-    /// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
-    /// let body: ResponseBody<_> = response.into_body();
-    /// let json = body.collect().await.unwrap().to_bytes();
-    /// assert!(json.starts_with(b"{\"type\":"));
-    /// # }
-    /// ```
-    pub struct ResponseBody<B> {
-        #[pin]
-        kind: ResponseKind<B>,
-    }
-}
-
-pin_project! {
-    #[project = ResponseKindProj]
-    enum ResponseKind<B> {
-        Buffered { data: Option<Bytes>, trailers: Option<HeaderMap>, error: Option<BoxError> },
-        Resumed { prefix: Option<Bytes>, rest: Pin<Box<B>> },
-        Streaming { #[pin] body: B },
-        Storing { storing: Storing<B> },
-    }
-}
-
-impl<B> ResponseBody<B> {
-    pub(crate) fn full(data: Bytes) -> Self {
-        Self::buffered(data, None, None)
-    }
-
-    pub(crate) fn with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
-        Self::buffered(data, trailers, None)
-    }
-
-    /// A body of unknown length stored as it streams; see [`Storing`].
-    pub(crate) fn storing(storing: Storing<B>) -> Self {
-        Self {
-            kind: ResponseKind::Storing { storing },
-        }
-    }
-
-    fn buffered(data: Bytes, trailers: Option<HeaderMap>, error: Option<BoxError>) -> Self {
-        let data = (!data.is_empty()).then_some(data);
-        Self {
-            kind: ResponseKind::Buffered {
-                data,
-                trailers,
-                error,
-            },
-        }
-    }
-
-    pub(crate) fn streaming(body: B) -> Self {
-        Self {
-            kind: ResponseKind::Streaming { body },
-        }
-    }
-
-    fn resumed(prefix: Bytes, rest: Pin<Box<B>>) -> Self {
-        Self {
-            kind: ResponseKind::Resumed {
-                prefix: (!prefix.is_empty()).then_some(prefix),
-                rest,
-            },
-        }
-    }
-}
-
-impl<B> std::fmt::Debug for ResponseBody<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseBody").finish_non_exhaustive()
-    }
-}
-
-impl<B> Body for ResponseBody<B>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project().kind.project() {
-            ResponseKindProj::Buffered {
-                data,
-                trailers,
-                error,
-            } => {
-                if let Some(data) = data.take() {
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                if let Some(error) = error.take() {
-                    return Poll::Ready(Some(Err(error)));
-                }
-                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
-            }
-            ResponseKindProj::Resumed { prefix, rest } => {
-                if let Some(prefix) = prefix.take() {
-                    return Poll::Ready(Some(Ok(Frame::data(prefix))));
-                }
-                rest.as_mut().poll_frame(cx).map_err(Into::into)
-            }
-            ResponseKindProj::Streaming { body } => body.poll_frame(cx).map_err(Into::into),
-            ResponseKindProj::Storing { storing } => storing.poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            ResponseKind::Buffered {
-                data,
-                trailers,
-                error,
-            } => data.is_none() && trailers.is_none() && error.is_none(),
-            ResponseKind::Resumed { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
-            ResponseKind::Streaming { body } => body.is_end_stream(),
-            ResponseKind::Storing { storing } => storing.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            ResponseKind::Buffered { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
-            ResponseKind::Resumed { prefix, rest } => {
-                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
-                let inner = rest.size_hint();
-                let mut hint = SizeHint::new();
-                hint.set_lower(inner.lower() + extra);
-                if let Some(upper) = inner.upper() {
-                    hint.set_upper(upper + extra);
-                }
-                hint
-            }
-            ResponseKind::Streaming { body } => body.size_hint(),
-            ResponseKind::Storing { storing } => storing.size_hint(),
-        }
-    }
-}
-
 /// A body read as far as a limit allows.
 pub(crate) enum Collected<B: Body> {
     /// All of it, within the limit.
@@ -272,20 +116,6 @@ pub(crate) enum Collected<B: Body> {
     TooLarge { prefix: Bytes, rest: Pin<Box<B>> },
     /// The body failed after `prefix`.
     Failed { prefix: Bytes, error: B::Error },
-}
-
-impl<B: Body> Collected<B> {
-    /// Turns what was read back into a body that yields exactly what the original would have.
-    pub(crate) fn into_response_body(self) -> ResponseBody<B>
-    where
-        B::Error: Into<BoxError>,
-    {
-        match self {
-            Collected::Complete { data, trailers } => ResponseBody::buffered(data, trailers, None),
-            Collected::TooLarge { prefix, rest } => ResponseBody::resumed(prefix, rest),
-            Collected::Failed { prefix, error } => ResponseBody::buffered(prefix, None, Some(error.into())),
-        }
-    }
 }
 
 /// Reads `body` into memory, never holding more than `limit` bytes of it.

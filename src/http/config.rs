@@ -5,15 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::http::fingerprint::FingerprintPolicy;
-use crate::http::grpc::default_grpc_cacheable;
-use crate::http::response::TypicalDuration;
+use crate::http::grpc::{default_grpc_cacheable, GrpcCacheableFn};
+use crate::http::retry_after::TypicalDuration;
 
 use http::header::{self, HeaderName};
 use http::{request, response, Method, StatusCode};
 
 pub(crate) type ScopeFn = Arc<dyn Fn(&request::Parts) -> Option<String> + Send + Sync>;
 pub(crate) type CacheableFn = Arc<dyn Fn(&response::Parts) -> bool + Send + Sync>;
-pub(crate) type GrpcCacheableFn = Arc<dyn Fn(i32) -> bool + Send + Sync>;
 
 pub(crate) const MIB: usize = 1024 * 1024;
 

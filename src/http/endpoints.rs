@@ -10,14 +10,16 @@ use http_body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::http::body::{BoxError, RequestBody, ResponseBody};
+use crate::coordinator::ShutdownHandle;
+use crate::http::body::{BoxError, RequestBody};
 use crate::http::future::ResponseFuture;
 use crate::http::grpc;
+use crate::http::layer::IdempotencyLayer;
 use crate::http::response::Rejection;
+use crate::http::response_body::ResponseBody;
 use crate::http::service::{call_with, Guarded};
 use crate::http::unmatched::UnmatchedPaths;
 use crate::telemetry::{self, Outcome};
-use crate::{IdempotencyLayer, ShutdownHandle};
 
 /// One layer for a whole router, each endpoint (method and path pattern) with its own settings:
 /// the code form of a policy file (see [`Policy`](crate::Policy), feature `policy`).

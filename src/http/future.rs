@@ -7,12 +7,26 @@ use std::task::{ready, Context, Poll};
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::http::body::ResponseBody;
-use crate::http::service::Step;
+use crate::http::response_body::ResponseBody;
 
 pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+pub(crate) type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// Where a keyed request stands once its claim has answered.
+// A `Step` is moved once, out of the boxed future; boxing the response would cost an allocation
+// on every answer instead.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Step<B, E> {
+    /// The answer is known: a replay, a rejection, or an unprotected (fail-open) run.
+    Done(Answer<B, E>),
+    /// The key is ours: this runs the handler and stores or releases its answer. It must run to
+    /// its end even if the client leaves, so the response future detaches it rather than drop it.
+    Run(BoxFuture<Answer<B, E>>),
+    /// The store is down and the layer fails open: this runs the handler with no claim. Nothing
+    /// is stored, so a client that leaves cancels it, as any unprotected request.
+    Unprotected(BoxFuture<Answer<B, E>>),
+}
 
 pin_project! {
     /// The response future of [`Idempotency`](crate::Idempotency).

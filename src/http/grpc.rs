@@ -11,11 +11,10 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
-use http::{HeaderMap, Response};
+use http::HeaderMap;
 
-use crate::http::body::ResponseBody;
-use crate::http::config::GrpcCacheableFn;
-use crate::http::response::Rejection;
+/// Decides whether a gRPC response with this `grpc-status` is stored.
+pub(crate) type GrpcCacheableFn = std::sync::Arc<dyn Fn(i32) -> bool + Send + Sync>;
 
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
@@ -149,142 +148,9 @@ pub fn default_grpc_cacheable(code: i32) -> bool {
     )
 }
 
-impl Rejection {
-    /// The `grpc-status` this rejection is sent with to a gRPC client (a request whose
-    /// `Content-Type` is `application/grpc…`): the code of `google.rpc.Code`, which
-    /// `tonic::Code::from_i32` reads.
-    ///
-    /// | rejection | `grpc-status` |
-    /// |---|---|
-    /// | `MissingKey`, `InvalidKey` | 3 `INVALID_ARGUMENT` |
-    /// | `BodyTooLarge` | 8 `RESOURCE_EXHAUSTED` |
-    /// | `BodyUnreadable` | 1 `CANCELLED` |
-    /// | `InFlight`, `Mismatch` | 10 `ABORTED` |
-    /// | `StoreUnavailable`, `Overloaded` | 14 `UNAVAILABLE` |
-    /// | `UnreadableRecord`, `HandlerPanicked`, `MissingScope` | 13 `INTERNAL` |
-    /// | `ResponseNotStored` | 9 `FAILED_PRECONDITION` |
-    /// | `HandlerTimedOut` | 4 `DEADLINE_EXCEEDED` |
-    /// | `NoEndpoint` | 12 `UNIMPLEMENTED` |
-    ///
-    /// ```
-    /// use tower_idempotency::Rejection;
-    ///
-    /// assert_eq!(Rejection::MissingKey.grpc_code(), 3); // INVALID_ARGUMENT
-    /// assert_eq!(Rejection::StoreUnavailable.grpc_code(), 14); // UNAVAILABLE
-    /// ```
-    pub fn grpc_code(&self) -> i32 {
-        match self {
-            Rejection::MissingKey | Rejection::InvalidKey(_) => code::INVALID_ARGUMENT,
-            Rejection::BodyTooLarge { .. } => code::RESOURCE_EXHAUSTED,
-            // The request stream did not arrive whole: nearly always a client that went away,
-            // which gRPC servers report as CANCELLED.
-            Rejection::BodyUnreadable => code::CANCELLED,
-            Rejection::InFlight { .. } | Rejection::Mismatch { .. } => code::ABORTED,
-            Rejection::StoreUnavailable | Rejection::Overloaded => code::UNAVAILABLE,
-            Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
-                code::INTERNAL
-            }
-            // The call ran and will not run again under this key until an operator purges it.
-            Rejection::ResponseNotStored { .. } => code::FAILED_PRECONDITION,
-            Rejection::HandlerTimedOut { .. } => code::DEADLINE_EXCEEDED,
-            // The method is not offered with idempotency here, as HTTP's 501 says.
-            Rejection::NoEndpoint => code::UNIMPLEMENTED,
-        }
-    }
-
-    /// The rejection as a gRPC client reads it: a trailers-only response (HTTP 200,
-    /// `content-type: application/grpc`, no body) whose `grpc-status` is
-    /// [`grpc_code`](Rejection::grpc_code) and whose `grpc-message` is the
-    /// [`detail`](Rejection::detail), percent-encoded as the gRPC spec asks; where a retry makes
-    /// sense, `grpc-retry-pushback-ms` (read by gRPC clients with a retry policy) and
-    /// `retry-after`. `self` is in the extensions.
-    ///
-    /// The kind is machine-readable in `grpc-status-details-bin`, gRPC's rich error model (what
-    /// `tonic_types::StatusExt::get_error_details` reads): a `google.rpc.Status` with a
-    /// `google.rpc.ErrorInfo` whose `domain` is `tower-idempotency`, whose `reason` is the
-    /// variant's name in upper snake case (`IN_FLIGHT`, `MISMATCH`, `MISSING_KEY`...) and whose
-    /// `metadata["type"]` is the problem type URI; and, where a retry makes sense, a
-    /// `google.rpc.RetryInfo` with the delay.
-    ///
-    /// ```
-    /// use tower_idempotency::Rejection;
-    ///
-    /// let response = Rejection::MissingKey.into_grpc_response::<http_body_util::Empty<bytes::Bytes>>();
-    /// assert_eq!(response.status(), 200);
-    /// assert_eq!(response.headers()["content-type"], "application/grpc");
-    /// assert_eq!(response.headers()["grpc-status"], "3");
-    /// assert!(response.extensions().get::<Rejection>().is_some());
-    /// ```
-    pub fn into_grpc_response<B>(self) -> Response<ResponseBody<B>> {
-        self.into_grpc_response_naming(&HeaderName::from_static("idempotency-key"))
-    }
-
-    pub(crate) fn into_grpc_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
-        let mut response = Response::new(ResponseBody::full(Bytes::new()));
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(GRPC_STATUS, HeaderValue::from(self.grpc_code()));
-        let message_text = self.detail_for(key_header);
-        let message = percent_encode(message_text.as_bytes());
-        // Percent-encoding leaves only visible ASCII and spaces, which a header value always takes.
-        if let Ok(message) = HeaderValue::from_maybe_shared(message) {
-            headers.insert(GRPC_MESSAGE, message);
-        }
-        let retry_after = self.retry_after_seconds();
-        if let Some(seconds) = retry_after {
-            headers.insert(
-                GRPC_RETRY_PUSHBACK_MS,
-                HeaderValue::from(seconds.saturating_mul(1000)),
-            );
-            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        let details = base64(&self.status_details(&message_text, retry_after));
-        // Base64 is visible ASCII.
-        if let Ok(details) = HeaderValue::from_maybe_shared(details) {
-            headers.insert(GRPC_STATUS_DETAILS, details);
-        }
-        response.extensions_mut().insert(self);
-        response
-    }
-}
-
-impl Rejection {
-    /// The `google.rpc.Status` of this rejection, protobuf-encoded (see
-    /// [`into_grpc_response`](Rejection::into_grpc_response)).
-    fn status_details(&self, message: &str, retry_after: Option<u64>) -> Bytes {
-        let mut reason = String::new();
-        for (i, c) in self.name().char_indices() {
-            if c.is_ascii_uppercase() && i > 0 {
-                reason.push('_');
-            }
-            reason.push(c.to_ascii_uppercase());
-        }
-        let mut type_entry = Vec::new();
-        proto::string(&mut type_entry, 1, "type");
-        proto::string(&mut type_entry, 2, &self.problem_type());
-        let mut error_info = Vec::new();
-        proto::string(&mut error_info, 1, &reason);
-        proto::string(&mut error_info, 2, "tower-idempotency");
-        proto::bytes(&mut error_info, 3, &type_entry);
-        let mut status = Vec::new();
-        // Every code is small and positive: its int32 varint is its u64 varint.
-        proto::varint_field(&mut status, 1, self.grpc_code().unsigned_abs().into());
-        proto::string(&mut status, 2, message);
-        proto::bytes(&mut status, 3, &proto::any("google.rpc.ErrorInfo", &error_info));
-        if let Some(seconds) = retry_after {
-            let mut delay = Vec::new();
-            proto::varint_field(&mut delay, 1, seconds);
-            let mut retry_info = Vec::new();
-            proto::bytes(&mut retry_info, 1, &delay);
-            proto::bytes(&mut status, 3, &proto::any("google.rpc.RetryInfo", &retry_info));
-        }
-        Bytes::from(status)
-    }
-}
-
 /// The few protobuf encodings `google.rpc.Status` needs, written out rather than taken from a
 /// protobuf library the crate would otherwise not need.
-mod proto {
+pub(crate) mod proto {
     fn varint(out: &mut Vec<u8>, mut value: u64) {
         while value >= 0x80 {
             out.push((value as u8) | 0x80);
@@ -294,24 +160,24 @@ mod proto {
     }
 
     /// A varint field (wire type 0).
-    pub(super) fn varint_field(out: &mut Vec<u8>, field: u64, value: u64) {
+    pub(crate) fn varint_field(out: &mut Vec<u8>, field: u64, value: u64) {
         varint(out, field << 3);
         varint(out, value);
     }
 
     /// A length-delimited field (wire type 2): bytes, a string or an embedded message.
-    pub(super) fn bytes(out: &mut Vec<u8>, field: u64, value: &[u8]) {
+    pub(crate) fn bytes(out: &mut Vec<u8>, field: u64, value: &[u8]) {
         varint(out, field << 3 | 2);
         varint(out, value.len() as u64);
         out.extend_from_slice(value);
     }
 
-    pub(super) fn string(out: &mut Vec<u8>, field: u64, value: &str) {
+    pub(crate) fn string(out: &mut Vec<u8>, field: u64, value: &str) {
         bytes(out, field, value.as_bytes());
     }
 
     /// A `google.protobuf.Any` holding `message` of type `name`.
-    pub(super) fn any(name: &str, message: &[u8]) -> Vec<u8> {
+    pub(crate) fn any(name: &str, message: &[u8]) -> Vec<u8> {
         let mut any = Vec::new();
         string(&mut any, 1, &format!("type.googleapis.com/{name}"));
         bytes(&mut any, 2, message);
@@ -320,7 +186,7 @@ mod proto {
 }
 
 /// Standard base64 with padding, as gRPC's `-bin` metadata is sent.
-fn base64(data: &[u8]) -> Bytes {
+pub(crate) fn base64(data: &[u8]) -> Bytes {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = BytesMut::with_capacity(data.len().div_ceil(3) * 4);
     for chunk in data.chunks(3) {
@@ -336,7 +202,7 @@ fn base64(data: &[u8]) -> Bytes {
 
 /// `grpc-message`'s encoding (gRPC over HTTP/2, "Responses"): every byte outside `%x20-%x7E`,
 /// and `%` itself, becomes `%XX`.
-fn percent_encode(text: &[u8]) -> Bytes {
+pub(crate) fn percent_encode(text: &[u8]) -> Bytes {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     let mut out = BytesMut::with_capacity(text.len());
     for &byte in text {
@@ -352,6 +218,7 @@ fn percent_encode(text: &[u8]) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::response::Rejection;
 
     #[test]
     fn grpc_content_types_are_recognised_and_grpc_web_is_not() {

@@ -6,17 +6,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{HeaderName, SET_COOKIE};
 use http::{request, response, Method, StatusCode};
-use tower_layer::Layer;
 
 use crate::coordinator::{Coordinator, Error, ShutdownHandle};
 use crate::http::config::{handler_timeout_error, rejection_status_error, Config};
-use crate::http::replay;
-use crate::http::replay::NotStored;
-use crate::http::service::Idempotency;
+use crate::http::stored;
+use crate::key::{IdempotencyKey, RecordKey};
+use crate::reconciliation::NotStored;
 use crate::store::{InFlightRecord, RecordState, Store};
-use crate::{IdempotencyKey, RecordKey};
 
-/// A tower [`Layer`] that makes a service safe to retry: see the [crate docs](crate) for the
+/// A tower [`Layer`](tower_layer::Layer) that makes a service safe to retry: see the [crate docs](crate) for the
 /// behaviour, and each `with_*` setter for a setting and its default.
 ///
 /// Clones share the store, the bound on running requests and one [`ShutdownHandle`]: build one
@@ -577,7 +575,7 @@ impl IdempotencyLayer {
     ///     .with_fingerprint(FingerprintPolicy::new().media_type_only());
     /// # let _ = layer;
     /// ```
-    pub fn with_fingerprint(self, policy: crate::FingerprintPolicy) -> Self {
+    pub fn with_fingerprint(self, policy: crate::http::fingerprint::FingerprintPolicy) -> Self {
         self.config(|c| c.fingerprint = policy)
     }
 
@@ -632,7 +630,7 @@ impl IdempotencyLayer {
     /// ```
     pub fn with_reconciliation<F>(mut self, hook: F) -> Self
     where
-        F: Fn(&crate::ReconciliationEvent) + Send + Sync + 'static,
+        F: Fn(&crate::reconciliation::ReconciliationEvent) + Send + Sync + 'static,
     {
         self.coordinator = self.coordinator.with_reconciliation(hook);
         self
@@ -767,21 +765,22 @@ impl IdempotencyLayer {
         };
         let decoded = match &info.payload {
             Some(payload) => Some(
-                replay::decode(payload).map_err(|reason| Error::Store(crate::StoreError::Corrupt(reason)))?,
+                stored::decode(payload)
+                    .map_err(|reason| Error::Store(crate::store::StoreError::Corrupt(reason)))?,
             ),
             None => None,
         };
         Ok(Some(Inspection {
             state: info.state,
             expires_in: info.expires_in,
-            status: decoded.as_ref().and_then(replay::Decoded::status),
+            status: decoded.as_ref().and_then(stored::Decoded::status),
             stored_bytes: info.payload.as_ref().map_or(0, Bytes::len),
             not_stored: match &decoded {
-                Some(replay::Decoded::NotStored { why, .. }) => Some(*why),
+                Some(stored::Decoded::NotStored { why, .. }) => Some(*why),
                 _ => None,
             },
             body: match decoded {
-                Some(replay::Decoded::Response(stored)) => Some(stored.body),
+                Some(stored::Decoded::Response(stored)) => Some(stored.body),
                 _ => None,
             },
         }))
@@ -830,12 +829,4 @@ fn record_key(scope: Option<&str>, key: &str) -> Option<RecordKey> {
     IdempotencyKey::parse(key)
         .ok()
         .map(|key| RecordKey::new(scope, key))
-}
-
-impl<S> Layer<S> for IdempotencyLayer {
-    type Service = Idempotency<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.clone())
-    }
 }

@@ -12,8 +12,8 @@ use serde::Deserialize;
 use crate::http::config::{handler_timeout_error, rejection_status_error};
 use crate::http::endpoints::{PathPattern, PolicyError, PolicyLayer};
 use crate::http::fingerprint::{ContentTypePart, FingerprintPolicy};
+use crate::http::layer::IdempotencyLayer;
 use crate::http::scope::{header_scope, host_scope_fn};
-use crate::IdempotencyLayer;
 
 /// Adds the settings both the top and each endpoint may set to a struct, and `apply`, which
 /// sets those the file gives on a layer. (Not `#[serde(flatten)]`: it cannot refuse unknown

@@ -7,9 +7,14 @@ use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-use crate::http::body::ResponseBody;
-use crate::http::replay::NotStored;
-use crate::KeyError;
+use crate::http::grpc::{
+    base64, code, percent_encode, proto, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS,
+    GRPC_STATUS_DETAILS,
+};
+use crate::http::response_body::ResponseBody;
+use crate::key::KeyError;
+use crate::reconciliation::NotStored;
+use crate::telemetry::RejectionKind;
 
 const TYPE_BASE: &str =
     "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.";
@@ -94,6 +99,26 @@ pub enum Rejection {
 }
 
 impl Rejection {
+    /// The `kind` label this rejection is counted under.
+    pub(crate) fn kind(&self) -> RejectionKind {
+        match self {
+            Rejection::MissingKey => RejectionKind::MissingKey,
+            Rejection::InvalidKey(_) => RejectionKind::InvalidKey,
+            Rejection::BodyTooLarge { .. } => RejectionKind::BodyTooLarge,
+            Rejection::BodyUnreadable => RejectionKind::BodyUnreadable,
+            Rejection::InFlight { .. } => RejectionKind::InFlight,
+            Rejection::Mismatch { .. } => RejectionKind::Mismatch,
+            Rejection::StoreUnavailable => RejectionKind::StoreUnavailable,
+            Rejection::UnreadableRecord => RejectionKind::UnreadableRecord,
+            Rejection::Overloaded => RejectionKind::Overloaded,
+            Rejection::HandlerPanicked => RejectionKind::HandlerPanicked,
+            Rejection::MissingScope => RejectionKind::MissingScope,
+            Rejection::ResponseNotStored { .. } => RejectionKind::ResponseNotStored,
+            Rejection::HandlerTimedOut { .. } => RejectionKind::HandlerTimedOut,
+            Rejection::NoEndpoint => RejectionKind::NoEndpoint,
+        }
+    }
+
     /// The status this rejection is sent with.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -229,7 +254,7 @@ impl Rejection {
     /// The whole response: status, `Content-Type: application/problem+json`, `Retry-After` where
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
-        crate::telemetry::rejection(&self, None);
+        crate::telemetry::rejection(self.kind(), None);
         self.into_response_naming(&HeaderName::from_static("idempotency-key"))
     }
 
@@ -283,7 +308,7 @@ impl Rejection {
         grpc: bool,
         named: Option<&crate::telemetry::Named>,
     ) -> Response<ResponseBody<B>> {
-        crate::telemetry::rejection(&self, named);
+        crate::telemetry::rejection(self.kind(), named);
         if grpc {
             self.into_grpc_response_naming(key_header)
         } else {
@@ -295,44 +320,136 @@ impl Rejection {
 /// The default key header as the IETF draft spells it (header names arrive lower-cased).
 const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
 
-/// Seconds for `Retry-After` on a key in flight: how long this layer's handlers typically take,
-/// rounded up, at least 1 and never more than the lease left (rounded up); 1 before there is any
-/// history. The lease left alone would tell clients to wait 20-30 s for a handler that takes
-/// 300 ms; a fixed 1 s makes clients of a slow handler loop hot.
-pub(crate) fn retry_after(typical: Option<Duration>, lease_left: Duration) -> Duration {
-    let whole_seconds = |d: Duration| d.as_millis().div_ceil(1000).max(1);
-    let seconds = whole_seconds(typical.unwrap_or(Duration::ZERO)).min(whole_seconds(lease_left));
-    Duration::from_secs(u64::try_from(seconds).unwrap_or(u64::MAX))
-}
-
-/// How long the handlers behind one layer typically take, from claim to response: an
-/// exponentially weighted moving average (weight 1/8) of recent runs, in microseconds.
-#[derive(Debug, Default)]
-pub(crate) struct TypicalDuration {
-    micros: std::sync::atomic::AtomicU64,
-}
-
-impl TypicalDuration {
-    pub(crate) fn record(&self, took: Duration) {
-        use std::sync::atomic::Ordering;
-        let sample = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
-        // Two runs finishing at once may each move the average from the same old value; one
-        // sample lost now and then does not matter to a hint.
-        let old = self.micros.load(Ordering::Relaxed);
-        let new = if old == 0 {
-            sample
-        } else {
-            old - old / 8 + sample / 8
-        };
-        self.micros.store(new.max(1), Ordering::Relaxed);
+impl Rejection {
+    /// The `grpc-status` this rejection is sent with to a gRPC client (a request whose
+    /// `Content-Type` is `application/grpc…`): the code of `google.rpc.Code`, which
+    /// `tonic::Code::from_i32` reads.
+    ///
+    /// | rejection | `grpc-status` |
+    /// |---|---|
+    /// | `MissingKey`, `InvalidKey` | 3 `INVALID_ARGUMENT` |
+    /// | `BodyTooLarge` | 8 `RESOURCE_EXHAUSTED` |
+    /// | `BodyUnreadable` | 1 `CANCELLED` |
+    /// | `InFlight`, `Mismatch` | 10 `ABORTED` |
+    /// | `StoreUnavailable`, `Overloaded` | 14 `UNAVAILABLE` |
+    /// | `UnreadableRecord`, `HandlerPanicked`, `MissingScope` | 13 `INTERNAL` |
+    /// | `ResponseNotStored` | 9 `FAILED_PRECONDITION` |
+    /// | `HandlerTimedOut` | 4 `DEADLINE_EXCEEDED` |
+    /// | `NoEndpoint` | 12 `UNIMPLEMENTED` |
+    ///
+    /// ```
+    /// use tower_idempotency::Rejection;
+    ///
+    /// assert_eq!(Rejection::MissingKey.grpc_code(), 3); // INVALID_ARGUMENT
+    /// assert_eq!(Rejection::StoreUnavailable.grpc_code(), 14); // UNAVAILABLE
+    /// ```
+    pub fn grpc_code(&self) -> i32 {
+        match self {
+            Rejection::MissingKey | Rejection::InvalidKey(_) => code::INVALID_ARGUMENT,
+            Rejection::BodyTooLarge { .. } => code::RESOURCE_EXHAUSTED,
+            // The request stream did not arrive whole: nearly always a client that went away,
+            // which gRPC servers report as CANCELLED.
+            Rejection::BodyUnreadable => code::CANCELLED,
+            Rejection::InFlight { .. } | Rejection::Mismatch { .. } => code::ABORTED,
+            Rejection::StoreUnavailable | Rejection::Overloaded => code::UNAVAILABLE,
+            Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
+                code::INTERNAL
+            }
+            // The call ran and will not run again under this key until an operator purges it.
+            Rejection::ResponseNotStored { .. } => code::FAILED_PRECONDITION,
+            Rejection::HandlerTimedOut { .. } => code::DEADLINE_EXCEEDED,
+            // The method is not offered with idempotency here, as HTTP's 501 says.
+            Rejection::NoEndpoint => code::UNIMPLEMENTED,
+        }
     }
 
-    /// `None` until a run has been recorded.
-    pub(crate) fn get(&self) -> Option<Duration> {
-        match self.micros.load(std::sync::atomic::Ordering::Relaxed) {
-            0 => None,
-            micros => Some(Duration::from_micros(micros)),
+    /// The rejection as a gRPC client reads it: a trailers-only response (HTTP 200,
+    /// `content-type: application/grpc`, no body) whose `grpc-status` is
+    /// [`grpc_code`](Rejection::grpc_code) and whose `grpc-message` is the
+    /// [`detail`](Rejection::detail), percent-encoded as the gRPC spec asks; where a retry makes
+    /// sense, `grpc-retry-pushback-ms` (read by gRPC clients with a retry policy) and
+    /// `retry-after`. `self` is in the extensions.
+    ///
+    /// The kind is machine-readable in `grpc-status-details-bin`, gRPC's rich error model (what
+    /// `tonic_types::StatusExt::get_error_details` reads): a `google.rpc.Status` with a
+    /// `google.rpc.ErrorInfo` whose `domain` is `tower-idempotency`, whose `reason` is the
+    /// variant's name in upper snake case (`IN_FLIGHT`, `MISMATCH`, `MISSING_KEY`...) and whose
+    /// `metadata["type"]` is the problem type URI; and, where a retry makes sense, a
+    /// `google.rpc.RetryInfo` with the delay.
+    ///
+    /// ```
+    /// use tower_idempotency::Rejection;
+    ///
+    /// let response = Rejection::MissingKey.into_grpc_response::<http_body_util::Empty<bytes::Bytes>>();
+    /// assert_eq!(response.status(), 200);
+    /// assert_eq!(response.headers()["content-type"], "application/grpc");
+    /// assert_eq!(response.headers()["grpc-status"], "3");
+    /// assert!(response.extensions().get::<Rejection>().is_some());
+    /// ```
+    pub fn into_grpc_response<B>(self) -> Response<ResponseBody<B>> {
+        self.into_grpc_response_naming(&HeaderName::from_static("idempotency-key"))
+    }
+
+    pub(crate) fn into_grpc_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
+        let mut response = Response::new(ResponseBody::full(Bytes::new()));
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(GRPC_STATUS, HeaderValue::from(self.grpc_code()));
+        let message_text = self.detail_for(key_header);
+        let message = percent_encode(message_text.as_bytes());
+        // Percent-encoding leaves only visible ASCII and spaces, which a header value always takes.
+        if let Ok(message) = HeaderValue::from_maybe_shared(message) {
+            headers.insert(GRPC_MESSAGE, message);
         }
+        let retry_after = self.retry_after_seconds();
+        if let Some(seconds) = retry_after {
+            headers.insert(
+                GRPC_RETRY_PUSHBACK_MS,
+                HeaderValue::from(seconds.saturating_mul(1000)),
+            );
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        let details = base64(&self.status_details(&message_text, retry_after));
+        // Base64 is visible ASCII.
+        if let Ok(details) = HeaderValue::from_maybe_shared(details) {
+            headers.insert(GRPC_STATUS_DETAILS, details);
+        }
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+impl Rejection {
+    /// The `google.rpc.Status` of this rejection, protobuf-encoded (see
+    /// [`into_grpc_response`](Rejection::into_grpc_response)).
+    fn status_details(&self, message: &str, retry_after: Option<u64>) -> Bytes {
+        let mut reason = String::new();
+        for (i, c) in self.name().char_indices() {
+            if c.is_ascii_uppercase() && i > 0 {
+                reason.push('_');
+            }
+            reason.push(c.to_ascii_uppercase());
+        }
+        let mut type_entry = Vec::new();
+        proto::string(&mut type_entry, 1, "type");
+        proto::string(&mut type_entry, 2, &self.problem_type());
+        let mut error_info = Vec::new();
+        proto::string(&mut error_info, 1, &reason);
+        proto::string(&mut error_info, 2, "tower-idempotency");
+        proto::bytes(&mut error_info, 3, &type_entry);
+        let mut status = Vec::new();
+        // Every code is small and positive: its int32 varint is its u64 varint.
+        proto::varint_field(&mut status, 1, self.grpc_code().unsigned_abs().into());
+        proto::string(&mut status, 2, message);
+        proto::bytes(&mut status, 3, &proto::any("google.rpc.ErrorInfo", &error_info));
+        if let Some(seconds) = retry_after {
+            let mut delay = Vec::new();
+            proto::varint_field(&mut delay, 1, seconds);
+            let mut retry_info = Vec::new();
+            proto::bytes(&mut retry_info, 1, &delay);
+            proto::bytes(&mut status, 3, &proto::any("google.rpc.RetryInfo", &retry_info));
+        }
+        Bytes::from(status)
     }
 }
 
@@ -404,36 +521,5 @@ mod tests {
         let mut buffer = b"x".to_vec();
         push_json_string(&mut buffer, "a \"quoted\" \\ path\n\u{1}é");
         assert_eq!(buffer, "x\"a \\\"quoted\\\" \\\\ path\\n\\u0001é\"".as_bytes());
-    }
-
-    #[test]
-    fn retry_after_follows_the_typical_duration_within_one_second_and_the_lease() {
-        let s = Duration::from_secs;
-        let ms = Duration::from_millis;
-        assert_eq!(retry_after(None, s(25)), s(1), "no history yet");
-        assert_eq!(retry_after(Some(ms(300)), s(25)), s(1), "at least 1 s");
-        assert_eq!(retry_after(Some(ms(2_200)), s(25)), s(3), "rounded up");
-        assert_eq!(
-            retry_after(Some(s(40)), ms(4_100)),
-            s(5),
-            "never past the lease left"
-        );
-        assert_eq!(retry_after(Some(s(40)), ms(10)), s(1));
-    }
-
-    #[test]
-    fn the_typical_duration_moves_towards_recent_runs() {
-        let typical = TypicalDuration::default();
-        assert_eq!(typical.get(), None);
-        typical.record(Duration::from_millis(800));
-        assert_eq!(typical.get(), Some(Duration::from_millis(800)));
-        for _ in 0..40 {
-            typical.record(Duration::from_millis(200));
-        }
-        let now = typical.get().unwrap();
-        assert!(
-            now < Duration::from_millis(210) && now >= Duration::from_millis(200),
-            "{now:?}"
-        );
     }
 }

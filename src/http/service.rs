@@ -13,22 +13,28 @@ use futures_util::FutureExt;
 use http::header::{AUTHORIZATION, COOKIE};
 use http::{request, HeaderMap, Request, Response};
 use http_body::Body;
+use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{Instrument, Span};
 
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
-use crate::http::body::{collect_limited, BoxError, Collected, RequestBody, ResponseBody};
-use crate::http::capture::{capture, declared_length, release, settle_not_stored, Captured, Storing};
+use crate::http::body::{collect_limited, BoxError, Collected, RequestBody};
 use crate::http::config::Config;
-use crate::http::future::{BoxFuture, ResponseFuture};
+use crate::http::future::{Answer, BoxFuture, ResponseFuture, Step};
 use crate::http::grpc;
+use crate::http::layer::IdempotencyLayer;
 use crate::http::prefer::Wait;
-use crate::http::replay::{self, Decoded, NotStored};
-use crate::http::response::{retry_after, Rejection};
+use crate::http::replay;
+use crate::http::response::Rejection;
+use crate::http::response_body::ResponseBody;
+use crate::http::response_body::{capture, declared_length, release, settle_not_stored, Captured, Storing};
+use crate::http::retry_after::retry_after;
+use crate::http::stored::{self, Decoded};
 use crate::http::transactional::TransactionalClaim;
+use crate::key::{IdempotencyKey, KeyError, RecordKey};
+use crate::reconciliation::NotStored;
 use crate::store::StoreError;
 use crate::telemetry::{self, Named, Outcome, SetupWarning};
-use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
 ///
@@ -54,6 +60,16 @@ use crate::{IdempotencyKey, IdempotencyLayer, KeyError, RecordKey};
 pub struct Idempotency<S> {
     inner: S,
     layer: IdempotencyLayer,
+}
+
+// Here rather than beside the layer: the service holds the layer's settings, so the layer
+// naming its service would make the two files import each other.
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.clone())
+    }
 }
 
 impl<S> Idempotency<S> {
@@ -216,23 +232,6 @@ fn key_from_headers(headers: &HeaderMap, config: &Config) -> Result<Option<Idemp
         (Some(value), None) => IdempotencyKey::parse_bytes(value.as_bytes()).map(Some),
         (Some(_), Some(_)) => Err(KeyError::Repeated),
     }
-}
-
-type Answer<B, E> = Result<Response<ResponseBody<B>>, E>;
-
-/// Where a keyed request stands once its claim has answered.
-// A `Step` is moved once, out of the boxed future; boxing the response would cost an allocation
-// on every answer instead.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Step<B, E> {
-    /// The answer is known: a replay, a rejection, or an unprotected (fail-open) run.
-    Done(Answer<B, E>),
-    /// The key is ours: this runs the handler and stores or releases its answer. It must run to
-    /// its end even if the client leaves, so the response future detaches it rather than drop it.
-    Run(BoxFuture<Answer<B, E>>),
-    /// The store is down and the layer fails open: this runs the handler with no claim. Nothing
-    /// is stored, so a client that leaves cancels it, as any unprotected request.
-    Unprotected(BoxFuture<Answer<B, E>>),
 }
 
 /// Reads the body, fingerprints the request and claims its key, in the request's own future: a
@@ -433,9 +432,9 @@ where
                      logged once per 10 s, held_back: those since the last"
                 );
             }
-            return reject(Outcome::of_error(&error), Rejection::StoreUnavailable);
+            return reject(error.outcome(), Rejection::StoreUnavailable);
         }
-        Err(error) => return reject(Outcome::of_error(&error), Rejection::Overloaded),
+        Err(error) => return reject(error.outcome(), Rejection::Overloaded),
     };
     telemetry::finish(&span, Outcome::Executed, named);
     if config.transactional_completion {
@@ -457,7 +456,7 @@ fn replay_stored<B, E>(
     grpc: bool,
     named: Option<&Named>,
 ) -> (Outcome, Step<B, E>) {
-    let (outcome, rejection) = match replay::decode(payload) {
+    let (outcome, rejection) = match stored::decode(payload) {
         Ok(Decoded::Response(mut stored)) => {
             tracing::debug!(?key, "replaying the stored response");
             // The list as configured now, not as it was when the response was stored: a header

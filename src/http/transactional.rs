@@ -6,9 +6,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::Response;
 
-use crate::coordinator::ClaimTicket;
 use crate::http::config::Config;
-use crate::http::replay::StoredResponse;
+use crate::http::stored::StoredResponse;
+use crate::store::ClaimTicket;
 
 /// The claim of the request being handled, for storing the response in the handler's own
 /// transaction, together with its business writes. In the request's extensions of every claimed
@@ -125,7 +125,7 @@ impl TransactionalClaim {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::replay::{decode, Decoded};
+    use crate::http::stored::{decode, Decoded};
     use crate::{IdempotencyKey, RecordKey};
 
     fn claim(config: Config) -> TransactionalClaim {

@@ -7,13 +7,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use crate::key::DigestHashing;
-
-use super::{
-    ClaimOutcome, InFlightRecord, KeyWatch, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
-    StoreFuture,
-};
-use crate::{Fingerprint, RecordKey};
+use crate::fingerprint::Fingerprint;
+use crate::key::{DigestHashing, RecordKey};
+use crate::store::contract::{KeyWatch, Store, StoreFuture};
+use crate::store::error::StoreError;
+use crate::store::record::{ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState};
 
 /// 64 MiB: about 115 000 records of a small JSON answer (a stored response of ~200 bytes plus
 /// [`RECORD_OVERHEAD`]), a day's retention at 1.3 new keys a second, in a share of memory any

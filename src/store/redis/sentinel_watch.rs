@@ -21,7 +21,7 @@
 //!   [`FENCE_LIMIT`], in case the end of the failover went unseen.
 //!
 //! The watch is only as good as its subscriptions, which sit idle between failovers and can die
-//! without a word. Each is pinged by a heartbeat (`redis_liveness`) and replaced when silent.
+//! without a word. Each is pinged by a heartbeat (`liveness`) and replaced when silent.
 //! While no sentinel can be heard (every subscription silent or disconnected) the store is
 //! *blind*: a failover would go unseen, so claims are refused (503, counted `fenced`) until one
 //! subscription is back; owners' writes go on (they check their ownership in the script). When
@@ -38,8 +38,8 @@ use fred::types::config::{Config, ReconnectPolicy, Server, ServerConfig};
 use fred::types::Builder;
 use tokio::sync::Notify;
 
-use super::redis::Quit;
-use super::redis_liveness::{self, Heartbeat, Pace, Watched};
+use super::connection::Quit;
+use super::liveness::{self, Heartbeat, Pace, Watched};
 use crate::telemetry::{self, Connection as Role, ConnectionEvent};
 
 const SWITCH_MASTER: &str = "+switch-master";
@@ -51,22 +51,6 @@ const FENCE_LIMIT: Duration = Duration::from_secs(10);
 /// are on the master it announced.
 const FOLLOW_ATTEMPTS: u32 = 20;
 const FOLLOW_PAUSE: Duration = Duration::from_millis(50);
-
-/// What a claim refused at a raised [`Fence`] fails with, inside [`StoreError::Unavailable`]
-/// (so it is answered 503 like any unavailable store), told apart for the metrics.
-///
-/// [`StoreError::Unavailable`]: super::StoreError::Unavailable
-#[derive(Debug, thiserror::Error)]
-#[error("the sentinels are failing the master over; retry shortly")]
-pub(super) struct FailingOver;
-
-/// What a claim refused while no sentinel can be heard fails with, inside
-/// [`StoreError::Unavailable`] (503, counted `fenced`): a failover could go unseen.
-///
-/// [`StoreError::Unavailable`]: super::StoreError::Unavailable
-#[derive(Debug, thiserror::Error)]
-#[error("no sentinel can be heard, so a failover could go unseen; retry shortly")]
-pub(super) struct SentinelsUnheard;
 
 /// Raised while the sentinels fail the master over; see the module docs.
 #[derive(Default)]
@@ -167,7 +151,7 @@ pub(super) async fn watch(
             ..Config::default()
         };
         let subscriber = Builder::from_config(sentinel_config)
-            .set_connection_config(redis_liveness::connection_config(client))
+            .set_connection_config(liveness::connection_config(client))
             .set_policy(policy.clone())
             .build()?;
         subscribers.push(subscriber);
@@ -204,7 +188,7 @@ async fn keep_sight(
     pace: Arc<Pace>,
 ) {
     let heartbeat = Heartbeat::start(Role::Sentinels, Watched::Shared(subscribers.clone()), pace);
-    let mut ticks = tokio::time::interval(redis_liveness::DEFAULT_INTERVAL);
+    let mut ticks = tokio::time::interval(liveness::DEFAULT_INTERVAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The subscribers connect in `follow`'s listeners: give them a beat before judging.
     ticks.tick().await;

@@ -23,9 +23,10 @@ use fred::types::Builder;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use super::redis::{unavailable, Quit};
-use super::redis_liveness::{self, Heartbeat, Pace, Watched};
-use crate::store::{KeyWatch, StoreError};
+use super::connection::{unavailable, Quit};
+use super::liveness::{self, Heartbeat, Pace, Watched};
+use crate::store::contract::KeyWatch;
+use crate::store::error::StoreError;
 use crate::telemetry::Connection as Role;
 
 /// The channel a record's settling is published on; `complete.lua`, `release.lua` and
@@ -147,7 +148,7 @@ impl Notices {
         pace: Arc<Pace>,
     ) -> Result<Self, StoreError> {
         let client = Builder::from_config(base.client_config())
-            .set_connection_config(redis_liveness::connection_config(base))
+            .set_connection_config(liveness::connection_config(base))
             .set_performance_config(base.perf_config())
             .set_policy(base.client_reconnect_policy().unwrap_or(policy))
             .build()

@@ -6,17 +6,20 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::postgres::{PgArguments, PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::query::Query;
-use sqlx::{Postgres, Row};
+use sqlx::Postgres;
 
-use super::postgres_connections::Connections;
-use super::{
-    ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState, Store, StoreError,
-    StoreFuture, RECORD_VERSION,
+use super::connections::Connections;
+use super::rows::{column, completed, failed, interval, is_race, unavailable, Found, Race, RACE_ATTEMPTS};
+use super::sql::{migration_sql, valid_table_name, Sql, IN_FLIGHT};
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordKey;
+use crate::store::contract::{Store, StoreFuture};
+use crate::store::error::StoreError;
+use crate::store::record::{
+    ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState, RECORD_VERSION,
 };
-use crate::coordinator::ClaimTicket;
-use crate::{Fingerprint, RecordKey};
 
 const DEFAULT_TABLE: &str = "idempotency_records";
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -27,11 +30,6 @@ const SWEEP_BATCH: i64 = 1000;
 const SWEEP_MAX_BATCHES: usize = 100;
 /// Rows one statement of a listing (`Store::in_flight`) reads.
 const LISTING_PAGE: i64 = 1000;
-/// How often a statement that lost a race to a concurrent one (see [`Sql::claim`]) is sent again.
-const RACE_ATTEMPTS: usize = 3;
-
-const IN_FLIGHT: &str = "F";
-const COMPLETED: &str = "C";
 
 /// A [`Store`] in PostgreSQL: one row per record, in a table of its own (default
 /// `idempotency_records`), every transition one statement and one round trip.
@@ -68,13 +66,13 @@ const COMPLETED: &str = "C";
 /// ```
 #[derive(Clone)]
 pub struct PostgresStore {
-    connections: Connections,
-    table: Arc<str>,
-    sql: Arc<Sql>,
-    timeout: Duration,
-    sweep_every: Option<Duration>,
+    pub(super) connections: Connections,
+    pub(super) table: Arc<str>,
+    pub(super) sql: Arc<Sql>,
+    pub(super) timeout: Duration,
+    pub(super) sweep_every: Option<Duration>,
     /// The sweep task, started by the first claim of any clone and stopped with the last clone.
-    sweeper: Arc<OnceLock<Sweeper>>,
+    pub(super) sweeper: Arc<OnceLock<Sweeper>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -88,185 +86,11 @@ impl std::fmt::Debug for PostgresStore {
 }
 
 /// Stops the sweep task when the last clone of its store is dropped.
-struct Sweeper(tokio::task::JoinHandle<()>);
+pub(super) struct Sweeper(tokio::task::JoinHandle<()>);
 
 impl Drop for Sweeper {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-/// The statements, written once per table name.
-///
-/// Every deadline is `statement_timestamp()` plus a duration: the database's clock, and stable
-/// within a statement, so an expiry index can serve the comparisons (`clock_timestamp()` is
-/// volatile and could not). A record whose `expires_at` has passed is treated as absent by every
-/// statement, whether or not the sweep has deleted it yet.
-struct Sql {
-    claim: String,
-    peek: String,
-    complete: String,
-    release: String,
-    renew: String,
-    purge: String,
-    sweep: String,
-    in_flight_page: String,
-}
-
-impl Sql {
-    fn new(table: &str) -> Self {
-        // `live` reads the record as the statement's snapshot shows it. Only when it shows none,
-        // or this owner's own claim, does `taken` try to write: a replay, a 409 or a mismatch is
-        // answered from `live` and writes nothing, so it takes no row lock and needs no commit
-        // flush.
-        //
-        // The write is an INSERT whose conflict on the key becomes an UPDATE only for a record
-        // that has expired or is this owner's in-flight claim (a claim re-sent after a dropped
-        // connection). PostgreSQL locks the conflicting row, waiting for any transaction that
-        // holds it, and evaluates that WHERE against the row's latest committed version, not the
-        // snapshot: of two concurrent claims, the second waits for the first and then finds the
-        // row live and someone else's, so it writes nothing. Two claims never both succeed.
-        //
-        // `claimed` is whether `taken` wrote. When it did not and `live` shows no record (or
-        // still this owner's claim), a concurrent statement changed the row after this one's
-        // snapshot was taken: the answer is unknown, and the statement is sent again with a new
-        // snapshot (`RACE_ATTEMPTS`). That takes two claims of one key within a millisecond.
-        let claim = format!(
-            "WITH live AS (
-                 SELECT version, owner, state, fingerprint, payload,
-                        (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS left_ms
-                   FROM {table}
-                  WHERE key = $1 AND expires_at > statement_timestamp()
-             ),
-             taken AS (
-                 INSERT INTO {table} AS r (key, version, owner, fingerprint, state, expires_at, payload)
-                 SELECT $1, $2, $3, $4, '{IN_FLIGHT}', statement_timestamp() + $5::interval, NULL
-                  WHERE NOT EXISTS (SELECT FROM live WHERE NOT (live.owner = $3 AND live.state = '{IN_FLIGHT}'))
-                 ON CONFLICT (key) DO UPDATE
-                    SET version = excluded.version, owner = excluded.owner,
-                        fingerprint = excluded.fingerprint, state = '{IN_FLIGHT}',
-                        expires_at = excluded.expires_at, payload = NULL
-                  WHERE r.expires_at <= statement_timestamp()
-                     OR (r.owner = excluded.owner AND r.state = '{IN_FLIGHT}')
-                 RETURNING true
-             )
-             SELECT EXISTS (SELECT FROM taken) AS claimed, live.version, live.owner, live.state,
-                    live.fingerprint, live.payload, live.left_ms
-               FROM (VALUES (1)) AS always LEFT JOIN live ON true"
-        );
-        let peek = format!(
-            "SELECT version, owner, state, fingerprint, payload,
-                    (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS left_ms
-               FROM {table}
-              WHERE key = $1 AND expires_at > statement_timestamp()"
-        );
-        // `done` completes this owner's live claim. Otherwise `seen` tells the other answers
-        // apart, from the statement's snapshot: already completed by this owner (a completion
-        // sent twice, or one committed by the handler's own transaction) is a success that
-        // leaves the stored payload as it is; still this owner's claim in the snapshot while the
-        // UPDATE, which reads the latest version, found it changed, is a race to send again.
-        let complete = format!(
-            "WITH done AS (
-                 UPDATE {table}
-                    SET state = '{COMPLETED}', payload = $3, expires_at = statement_timestamp() + $4::interval
-                  WHERE key = $1 AND owner = $2 AND state = '{IN_FLIGHT}' AND expires_at > statement_timestamp()
-                 RETURNING true
-             )
-             SELECT EXISTS (SELECT FROM done) AS completed,
-                    (SELECT state FROM {table}
-                      WHERE key = $1 AND owner = $2 AND expires_at > statement_timestamp()) AS seen"
-        );
-        let release = format!(
-            "DELETE FROM {table}
-              WHERE key = $1 AND owner = $2 AND state = '{IN_FLIGHT}' AND expires_at > statement_timestamp()
-             RETURNING true"
-        );
-        let renew = format!(
-            "UPDATE {table} SET expires_at = statement_timestamp() + $3::interval
-              WHERE key = $1 AND owner = $2 AND state = '{IN_FLIGHT}' AND expires_at > statement_timestamp()
-             RETURNING true"
-        );
-        // Deletes expired rows too, but answers whether a live one was there.
-        let purge = format!(
-            "WITH gone AS (
-                 DELETE FROM {table} WHERE key = $1
-                 RETURNING expires_at > statement_timestamp() AS live
-             )
-             SELECT coalesce(bool_or(live), false) AS live FROM gone"
-        );
-        // SKIP LOCKED: the sweeps of several instances, and claims taking an expired row over,
-        // never wait for each other. FOR UPDATE re-checks the expiry on the latest version, so a
-        // row claimed again meanwhile is left alone.
-        let sweep = format!(
-            "DELETE FROM {table} WHERE key IN (
-                 SELECT key FROM {table} WHERE expires_at <= statement_timestamp()
-                  ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)"
-        );
-        // One page of the listing (`Store::in_flight`): the next `$2` keys after `$1` in the
-        // primary key's order, an index range scan whatever the table's size, so no statement
-        // of a listing runs long or holds an old snapshot. Every key of the page comes back (the
-        // last one is where the next page starts), the owner only for a live in-flight record.
-        let in_flight_page = format!(
-            "SELECT key, version,
-                    CASE WHEN state = '{IN_FLIGHT}' AND expires_at > statement_timestamp() THEN owner END AS owner,
-                    (extract(epoch FROM expires_at - statement_timestamp()) * 1000)::int8 AS left_ms
-               FROM {table} WHERE key > $1 ORDER BY key LIMIT $2"
-        );
-        Self {
-            claim,
-            peek,
-            complete,
-            release,
-            renew,
-            purge,
-            sweep,
-            in_flight_page,
-        }
-    }
-}
-
-/// The schema of the record table `table` (a name checked by [`valid_table_name`]), as
-/// `migrations/postgres.sql` holds it for the default name.
-fn migration_sql(table: &str) -> String {
-    let bare = table.rsplit('.').next().unwrap_or(table);
-    format!(
-        "-- The table of tower-idempotency's PostgresStore. PostgresStore::migrate() runs this (for its
--- table name); it can be run by hand or from a migration tool instead.
-CREATE TABLE IF NOT EXISTS {table} (
-    -- SHA-256 of the scope and the Idempotency-Key (RecordKey::digest).
-    key         bytea PRIMARY KEY,
-    -- The record layout: rows of a newer release are answered as in flight, never misread.
-    version     smallint NOT NULL,
-    -- The claim's owner token: every transition but the claim checks it.
-    owner       text NOT NULL,
-    -- SHA-256 of the request (method, authority, path and query, content type, body).
-    fingerprint bytea NOT NULL,
-    -- 'F' in flight, 'C' completed.
-    state       text NOT NULL,
-    -- The lease's end in flight, the retention's end once completed (the database's clock).
-    expires_at  timestamptz NOT NULL,
-    -- The stored response, once completed.
-    payload     bytea
-);
--- For the sweep of expired rows.
-CREATE INDEX IF NOT EXISTS {bare}_expires_at ON {table} (expires_at);
-"
-    )
-}
-
-/// A table name the statements can carry unquoted: `name` or `schema.name`, each part a
-/// lower-case letter or `_` then lower-case letters, digits or `_`, at most 48 bytes (so the
-/// index name fits PostgreSQL's 63).
-fn valid_table_name(table: &str) -> bool {
-    let part = |p: &str| {
-        let mut chars = p.chars();
-        matches!(chars.next(), Some('a'..='z' | '_'))
-            && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
-            && p.len() <= 48
-    };
-    match table.split_once('.') {
-        Some((schema, name)) => part(schema) && part(name),
-        None => part(table),
     }
 }
 
@@ -472,75 +296,8 @@ impl PostgresStore {
         sweep(self.pool(), &self.sql, self.timeout).await
     }
 
-    /// Completes `ticket`'s claim with `payload` inside the caller's transaction, so the stored
-    /// response commits, or rolls back, with the caller's own writes.
-    ///
-    /// Answers `true` when the record is completed by the ticket's owner (also when it already
-    /// was), `false` when the claim is lost (its lease ran out and another request may have
-    /// taken the key over, or it was purged): roll the transaction back then, since the
-    /// operation may run, or have run, elsewhere. After a commit the layer's own completion of
-    /// the claim finds the record completed and leaves it as it is; after a rollback the claim
-    /// is still in flight, and the layer stores or releases it as usual.
-    ///
-    /// From this statement until the commit the record's row is locked. Retries still get 409
-    /// at once (a claim reads the row without waiting for its lock), but the claim's lease
-    /// cannot be renewed meanwhile: renewals wait for the commit (and then find the record
-    /// completed, which is not a lost claim). Should the lease end before the commit, a retry
-    /// waits for the transaction and then replays (commit) or runs (rollback). So call this
-    /// last, right before the commit. Over HTTP, the ticket and the payload come from
-    /// [`TransactionalClaim`](crate::TransactionalClaim) (see
-    /// [`IdempotencyLayer::with_transactional_completion`](crate::IdempotencyLayer::with_transactional_completion)).
-    /// `connection` may also be a plain connection, whose statement then commits on its own.
-    ///
-    /// Under REPEATABLE READ or SERIALIZABLE, a lease renewal committed on another connection
-    /// after the transaction's snapshot makes this statement fail with SQLSTATE `40001`: retry
-    /// the transaction then, as those levels require anyway (READ COMMITTED, the default, needs
-    /// nothing).
-    ///
-    /// ```no_run
-    /// use bytes::Bytes;
-    /// use tower_idempotency::{ClaimTicket, PostgresStore, StoreError};
-    ///
-    /// # async fn run(store: PostgresStore, ticket: ClaimTicket) -> Result<(), Box<dyn std::error::Error>> {
-    /// let mut transaction = store.pool().begin().await?;
-    /// sqlx::query("INSERT INTO orders (amount) VALUES (42)").execute(&mut *transaction).await?;
-    /// if store.complete_in(&mut transaction, &ticket, Bytes::from("order 42 placed")).await? {
-    ///     transaction.commit().await?;
-    /// } // else: dropped, so rolled back; the claim was lost
-    /// # Ok(()) }
-    /// ```
-    pub async fn complete_in(
-        &self,
-        connection: &mut PgConnection,
-        ticket: &ClaimTicket,
-        payload: Bytes,
-    ) -> Result<bool, StoreError> {
-        let statement = self.completion(ticket.key(), ticket.owner(), &payload, ticket.retention());
-        let row = self.bounded(statement.fetch_one(connection)).await?;
-        let completed = completed(&row)?;
-        if completed {
-            ticket.note_completed_elsewhere();
-        }
-        Ok(completed)
-    }
-
-    /// The statement that completes `owner`'s claim of `key` with `payload`.
-    fn completion<'q>(
-        &'q self,
-        key: &'q RecordKey,
-        owner: &'q OwnerToken,
-        payload: &'q [u8],
-        retention: Duration,
-    ) -> Query<'q, Postgres, PgArguments> {
-        sqlx::query(&self.sql.complete)
-            .bind(&key.digest()[..])
-            .bind(owner.as_str())
-            .bind(payload)
-            .bind(interval(retention))
-    }
-
     /// Runs `call` within the command timeout; a database error becomes a store error.
-    async fn bounded<T>(
+    pub(super) async fn bounded<T>(
         &self,
         call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, StoreError> {
@@ -664,35 +421,7 @@ impl PostgresStore {
     }
 }
 
-/// A statement found the row changed after its snapshot; sent again.
-#[derive(Debug, thiserror::Error)]
-#[error("a concurrent statement changed the record {RACE_ATTEMPTS} times in a row")]
-struct Race;
-
-impl From<Race> for StoreError {
-    fn from(race: Race) -> Self {
-        StoreError::Unavailable(Box::new(race))
-    }
-}
-
-/// Whether a completion's row says the claim is completed: by this statement, or already by
-/// the same owner (a completion sent twice, or one committed in the handler's transaction).
-fn completed(row: &PgRow) -> Result<bool, StoreError> {
-    let completed: bool = column(row, "completed")?;
-    let seen: Option<String> = column(row, "seen")?;
-    Ok(match seen.as_deref() {
-        _ if completed => true,
-        Some(COMPLETED) => true,
-        Some(IN_FLIGHT) => return Err(Race.into()),
-        _ => false,
-    })
-}
-
-fn is_race(error: &StoreError) -> bool {
-    matches!(error, StoreError::Unavailable(source) if source.is::<Race>())
-}
-
-async fn sweep(pool: &PgPool, sql: &Sql, timeout: Duration) -> Result<u64, StoreError> {
+pub(super) async fn sweep(pool: &PgPool, sql: &Sql, timeout: Duration) -> Result<u64, StoreError> {
     let mut deleted = 0;
     for _ in 0..SWEEP_MAX_BATCHES {
         let statement = sqlx::query(&sql.sweep).bind(SWEEP_BATCH).execute(pool);
@@ -708,141 +437,6 @@ async fn sweep(pool: &PgPool, sql: &Sql, timeout: Duration) -> Result<u64, Store
         }
     }
     Ok(deleted)
-}
-
-/// The record table does not exist, or is not the table this release expects.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the idempotency table {table} is missing or has another layout ({source}): run \
-     PostgresStore::migrate() or migrations/postgres.sql"
-)]
-struct NotMigrated {
-    table: String,
-    #[source]
-    source: sqlx::Error,
-}
-
-fn failed(error: sqlx::Error, timeout: Duration, table: &str) -> StoreError {
-    use sqlx::Error;
-    match &error {
-        Error::PoolTimedOut => StoreError::Timeout(timeout),
-        // 57014: query_canceled, as `statement_timeout` cancels a statement.
-        Error::Database(db) if db.code().as_deref() == Some("57014") => StoreError::Timeout(timeout),
-        // 42P01 undefined_table, 42703 undefined_column.
-        Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "42703")) => {
-            StoreError::Unavailable(Box::new(NotMigrated {
-                table: table.to_owned(),
-                source: error,
-            }))
-        }
-        Error::ColumnDecode { .. } | Error::ColumnNotFound(_) | Error::Decode(_) => {
-            StoreError::Corrupt(format!("a record row this release cannot read: {error}"))
-        }
-        _ => unavailable(error),
-    }
-}
-
-/// `duration` as an SQL interval, to the microsecond (PostgreSQL's precision; `sqlx` refuses a
-/// `Duration` with nanoseconds in it).
-fn interval(duration: Duration) -> sqlx::postgres::types::PgInterval {
-    sqlx::postgres::types::PgInterval {
-        months: 0,
-        days: 0,
-        microseconds: i64::try_from(duration.as_micros()).unwrap_or(i64::MAX),
-    }
-}
-
-fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Unavailable(Box::new(error))
-}
-
-fn column<'r, T>(row: &'r PgRow, name: &str) -> Result<T, StoreError>
-where
-    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
-{
-    row.try_get(name)
-        .map_err(|error| StoreError::Corrupt(format!("a record row this release cannot read: {error}")))
-}
-
-/// A live record as a statement read it.
-struct Found {
-    version: i16,
-    owner: String,
-    state: String,
-    fingerprint: Vec<u8>,
-    payload: Option<Vec<u8>>,
-    left: Duration,
-}
-
-impl Found {
-    /// The record in `row`, `None` when the row holds none (the columns are NULL).
-    fn read(row: &PgRow) -> Result<Option<Self>, StoreError> {
-        let Some(version) = column::<Option<i16>>(row, "version")? else {
-            return Ok(None);
-        };
-        let left_ms: i64 = column(row, "left_ms")?;
-        Ok(Some(Self {
-            version,
-            owner: column(row, "owner")?,
-            state: column(row, "state")?,
-            fingerprint: column(row, "fingerprint")?,
-            payload: column(row, "payload")?,
-            left: Duration::from_millis(left_ms.max(0) as u64),
-        }))
-    }
-
-    /// The row's fields checked for what this release writes.
-    fn checked(&self) -> Result<(), StoreError> {
-        let corrupt = |why: &str| Err(StoreError::Corrupt(why.to_owned()));
-        if self.version != RECORD_VERSION as i16 {
-            return corrupt(&format!(
-                "record layout version {}, this release reads {RECORD_VERSION}",
-                self.version
-            ));
-        }
-        if self.fingerprint.len() != 32 {
-            return corrupt("a fingerprint that is not 32 bytes");
-        }
-        match (self.state.as_str(), &self.payload) {
-            (IN_FLIGHT, None) | (COMPLETED, Some(_)) => Ok(()),
-            (IN_FLIGHT, Some(_)) => corrupt("an in-flight record with a payload"),
-            (COMPLETED, None) => corrupt("a completed record without a payload"),
-            _ => corrupt("unknown record state"),
-        }
-    }
-
-    fn is_newer(&self) -> bool {
-        i32::from(self.version) > RECORD_VERSION as i32
-    }
-
-    /// What a claim by `owner` (or a peek, without one) finds in this record.
-    fn outcome(
-        self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
-        owner: Option<&OwnerToken>,
-        lease: Duration,
-    ) -> Result<ClaimOutcome, StoreError> {
-        if self.is_newer() {
-            let version = u32::try_from(self.version).unwrap_or(u32::MAX);
-            return crate::store::newer_record(key, version, self.owner.as_bytes(), lease);
-        }
-        self.checked()?;
-        let in_flight = self.state == IN_FLIGHT;
-        Ok(
-            if in_flight && owner.is_some_and(|owner| owner.as_str() == self.owner) {
-                ClaimOutcome::Claimed
-            } else if self.fingerprint != fingerprint.as_bytes() {
-                ClaimOutcome::Mismatch
-            } else if in_flight {
-                ClaimOutcome::InFlight {
-                    lease_left: self.left.min(lease),
-                }
-            } else {
-                ClaimOutcome::Completed(Bytes::from(self.payload.unwrap_or_default()))
-            },
-        )
-    }
 }
 
 impl Store for PostgresStore {
@@ -991,7 +585,7 @@ mod tests {
 
     #[test]
     fn the_migration_file_is_the_migration_of_the_default_table() {
-        let file = include_str!("../../migrations/postgres.sql");
+        let file = include_str!("../../../migrations/postgres.sql");
         assert_eq!(
             file,
             migration_sql(DEFAULT_TABLE),

@@ -30,8 +30,11 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
 
-use super::redis_liveness::{self, Heartbeat, Pace, Watched};
-use super::{OwnerToken, StoreError};
+use super::connection::unavailable;
+use super::liveness::{self, Heartbeat, Pace, Watched};
+use crate::key::RecordKey;
+use crate::store::error::StoreError;
+use crate::store::record::OwnerToken;
 use crate::telemetry::Connection as Role;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -178,12 +181,12 @@ impl Waiter {
         let pool = ExclusivePool::new(
             base.client_config(),
             Some(base.perf_config()),
-            Some(redis_liveness::connection_config(base)),
+            Some(liveness::connection_config(base)),
             Some(base.client_reconnect_policy().unwrap_or(policy)),
             acks.connections,
         )
-        .map_err(super::redis::unavailable)?;
-        pool.init().await.map_err(super::redis::unavailable)?;
+        .map_err(unavailable)?;
+        pool.init().await.map_err(unavailable)?;
         if acks.fsync {
             // Refuse now what every claim would otherwise fail on: no `WAITAOF` (before 7.2), or
             // no append-only file on the master. On a connection that wrote nothing yet it
@@ -239,7 +242,7 @@ impl Waiter {
         let answer = (client.with_options(&self.wait_options))
             .custom::<Value, Value>(command, args)
             .await
-            .map_err(super::redis::unavailable)?;
+            .map_err(unavailable)?;
         self.acked(answer)
     }
 
@@ -295,7 +298,7 @@ impl Waiter {
     /// attempt (the coordinator's store timeout) and tries again must not start a second one.
     pub(super) fn own_completion(
         self: &Arc<Self>,
-        key: &crate::RecordKey,
+        key: &RecordKey,
         owner: &OwnerToken,
     ) -> Option<OwnedCompletion> {
         let claim = (*key.digest(), owner.clone());
@@ -350,14 +353,6 @@ impl Acked {
     }
 }
 
-/// What a claim fails with, inside [`StoreError::Unavailable`], when its `WAIT` failed (the
-/// replicas' count could not be read): the claim may be on the master alone, so it was released
-/// and is refused like one they did not acknowledge, never run unprotected
-/// ([`StoreError::is_fence`]).
-#[derive(Debug, thiserror::Error)]
-#[error("the replicas' acknowledgement of the claim could not be read: {0}")]
-pub(super) struct Unacknowledged(#[source] pub(super) StoreError);
-
 /// The outcome of one attempt to complete a record and have the replicas acknowledge it.
 pub(super) enum Completion {
     /// Completed and acknowledged.
@@ -379,7 +374,7 @@ pub(super) enum GaveUp {
 /// Retries `attempt` with backoff (50 ms doubling to 1 s) until the completion is durable, the
 /// claim is found lost, or `retry_for` passes; logs how it ended, and answers it unless durable.
 pub(super) async fn keep_completing<F, Fut>(
-    key: &crate::RecordKey,
+    key: &RecordKey,
     retry_for: Duration,
     mut attempt: F,
 ) -> Option<GaveUp>

@@ -7,8 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::sentinel_watch::{self, Fence};
 use super::RedisStore;
-use crate::store::sentinel_watch::{self, Fence};
 use crate::{
     Begin, Coordinator, Fingerprint, IdempotencyKey, IdempotencyLayer, ReconciliationKind, RecordKey,
 };

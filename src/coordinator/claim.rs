@@ -1,0 +1,392 @@
+//! A claimed key while its operation runs: completing it, releasing it, and renewing its lease
+//! meanwhile.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use super::error::Error;
+use super::running::Slot;
+use super::settings::Settings;
+use crate::key::RecordKey;
+use crate::reconciliation::{self, NotStored, ReconciliationKind};
+use crate::store::{ClaimFlags, ClaimTicket, OwnerToken, StoreError};
+use crate::telemetry::{Named, StoreOp};
+
+/// How many times a completion is tried in all before the claim is left to its lease.
+const COMPLETE_ATTEMPTS: u32 = 3;
+
+/// Ownership of one key while its operation runs. Complete it with the result, or release it.
+///
+/// Dropping a `Claim` (a panic, a cancelled task) releases it in the background.
+///
+/// ```
+/// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tower_idempotency::Error> {
+/// let coordinator = Coordinator::new(MemoryStore::new());
+/// let key = RecordKey::new(None, IdempotencyKey::parse("job-9").unwrap());
+/// let fingerprint = Fingerprint::new([b"job".as_slice()]);
+/// if let Begin::Claimed(claim) = coordinator.begin(&key, &fingerprint).await? {
+///     // The operation failed in a way worth retrying: give the key up.
+///     claim.release().await?;
+/// }
+/// assert!(matches!(coordinator.begin(&key, &fingerprint).await?, Begin::Claimed(_)));
+/// # Ok(()) }
+/// ```
+pub struct Claim {
+    settings: Arc<Settings>,
+    key: RecordKey,
+    owner: OwnerToken,
+    /// Shared with the renewal task and any [`ClaimTicket`]: one allocation per claim.
+    flags: Arc<ClaimFlags>,
+    /// The background renewal task, or `None` when the holder renews through `keep_alive`.
+    renewal: Option<JoinHandle<()>>,
+    settled: bool,
+    _slot: Slot,
+}
+
+/// Who renews a claim's lease while its operation runs.
+#[derive(Clone, Copy)]
+pub(super) enum Renewal {
+    /// A task of the claim's own, for callers that simply hold the claim.
+    Background,
+    /// The holder, by running its work through [`Claim::keep_alive`].
+    Driven,
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Claim {
+    pub(super) fn start(
+        settings: Arc<Settings>,
+        key: RecordKey,
+        owner: OwnerToken,
+        slot: Slot,
+        renewal: Renewal,
+    ) -> Self {
+        let mut claim = Self {
+            settings,
+            key,
+            owner,
+            flags: Arc::default(),
+            renewal: None,
+            settled: false,
+            _slot: slot,
+        };
+        if let Renewal::Background = renewal {
+            claim.renew_in_background();
+        }
+        claim
+    }
+
+    /// Hands the renewal of a claim to a task of its own, for callers that simply hold it.
+    /// Does nothing if a task renews it already.
+    fn renew_in_background(&mut self) {
+        if self.renewal.is_some() {
+            return;
+        }
+        let (settings, key, owner, flags) = (
+            self.settings.clone(),
+            self.key.clone(),
+            self.owner.clone(),
+            self.flags.clone(),
+        );
+        let renewing = async move { renew_until_lost(&settings, &key, &owner, &flags).await };
+        self.renewal = Some(tokio::spawn(renewing.instrument(tracing::Span::current())));
+    }
+
+    /// The key this claim holds.
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// This claim's owner token.
+    pub fn owner(&self) -> &OwnerToken {
+        &self.owner
+    }
+
+    /// A ticket for completing this claim in a transaction of the caller's, with the business
+    /// writes of the operation (see [`ClaimTicket`]). [`complete`](Claim::complete) afterwards
+    /// succeeds without overwriting what that transaction stored.
+    ///
+    /// ```
+    /// use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, MemoryStore, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::Error> {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("job-10").unwrap());
+    /// if let Begin::Claimed(claim) = coordinator.begin(&key, &Fingerprint::new([b"job".as_slice()])).await? {
+    ///     let ticket = claim.ticket();
+    ///     assert_eq!(ticket.key(), claim.key());
+    ///     assert_eq!(ticket.retention(), coordinator.retention());
+    ///     claim.release().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn ticket(&self) -> ClaimTicket {
+        ClaimTicket::new(
+            self.key.clone(),
+            self.owner.clone(),
+            self.settings.retention,
+            self.flags.clone(),
+        )
+    }
+
+    /// The coordinator's metrics name and keys, if it has a name.
+    pub(crate) fn named(&self) -> Option<Arc<Named>> {
+        self.settings.named.clone()
+    }
+
+    /// Whether a renewal found the claim gone (lease ran out, or purged): completing it will fail.
+    pub fn is_lost(&self) -> bool {
+        self.flags.lost.load(Ordering::Acquire)
+    }
+
+    /// Runs `work` while renewing the lease of a claim from
+    /// [`begin_driven`](Coordinator::begin_driven). The renewal timer starts only if `work` is
+    /// not done at its first poll, so a quick operation costs no timer at all.
+    ///
+    /// `work` is pinned by the caller, so it is stored once, in the caller's future: taken by
+    /// value and pinned here, it would take its room twice in this future's state (the argument
+    /// and the pinned local), and so would every future wrapping it.
+    pub(crate) async fn keep_alive<F: Future>(&self, mut work: Pin<&mut F>) -> F::Output {
+        if self.renewal.is_some() {
+            return work.await;
+        }
+        let mut renew = std::pin::pin!(renew_until_lost(
+            &self.settings,
+            &self.key,
+            &self.owner,
+            &self.flags
+        ));
+        let mut renewing = true;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = work.as_mut().poll(cx) {
+                return Poll::Ready(output);
+            }
+            // Renewal ends only when the claim is lost; the work then runs on, to be fenced.
+            if renewing && renew.as_mut().poll(cx).is_ready() {
+                renewing = false;
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Stores `payload` as the key's result, for the retention period.
+    ///
+    /// A store error is retried (3 attempts in all, each bounded by the store timeout), except
+    /// [`StoreError::TooLarge`], which another attempt would meet again; the lease is renewed
+    /// meanwhile, until the record lands. If the claim was lost, nothing is written
+    /// ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record is never
+    /// overwritten. If every attempt fails, the claim is left to expire with its lease and an
+    /// error is logged. If this future is dropped before the outcome is known, the claim is
+    /// released in the background (a completion that landed is not undone: release only removes
+    /// in-flight records).
+    ///
+    /// While the store holds its writes back on purpose (`RedisStore` during a Sentinel
+    /// failover, see [`Store::writes_held`](crate::Store::writes_held)), the completion waits, outside the store timeout
+    /// and for at most a lease, and goes to the store the moment it takes writes again; a wait
+    /// there is not a failed attempt.
+    ///
+    /// A result not stored (claim lost, every attempt failed) is reported to the
+    /// [reconciliation hook](crate::Coordinator::with_reconciliation), with the payload.
+    pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
+        if self.is_lost() {
+            self.stop_renewal();
+            self.settled = true;
+            tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+            self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
+            return Err(Error::ClaimLost);
+        }
+        if self.renewal.is_some() {
+            self.flags.completing.store(true, Ordering::Release);
+        }
+        let outcome = match self.complete_once(&payload).await {
+            // A renewal task, if the claim has one, goes on until the record lands; a claim
+            // renewed by its holder is renewed here from the first failure on (the first attempt
+            // almost always lands, and needs no timer).
+            Err(error) if worth_completing_again(&error) => {
+                self.flags.completing.store(true, Ordering::Release);
+                let again = std::pin::pin!(self.complete_again(&payload, error));
+                self.keep_alive(again).await
+            }
+            first => first,
+        };
+        self.stop_renewal();
+        // Every outcome settles the claim: stored, fenced, or left to its lease.
+        self.settled = true;
+        match outcome {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
+                self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
+                Err(Error::ClaimLost)
+            }
+            Err(error) => {
+                tracing::error!(
+                    key = ?self.key, %error,
+                    "could not store the result; a retry after the lease ends will run the operation again"
+                );
+                let failed = ReconciliationKind::CompletionFailed {
+                    error: error.to_string(),
+                };
+                self.reconcile(failed, Some(&payload));
+                Err(Error::Store(error))
+            }
+        }
+    }
+
+    /// One attempt at the completion: after the store's hold, if it holds writes back, then one
+    /// call bounded by the store timeout. A call that fails because the store began to hold
+    /// writes back while it was under way is made again once it takes them.
+    async fn complete_once(&self, payload: &Bytes) -> Result<bool, StoreError> {
+        let settings = &self.settings;
+        loop {
+            let takes_writes = settings.until_store_takes_writes().await;
+            let call = settings
+                .store
+                .complete(&self.key, &self.owner, payload.clone(), settings.retention);
+            let call = reconciliation::carrying(settings.reconciler.as_ref(), call);
+            let outcome = settings.bounded(StoreOp::Complete, call).await;
+            match &outcome {
+                Err(error)
+                    if takes_writes && worth_completing_again(error) && settings.store_holds_writes() =>
+                {
+                    tracing::debug!(key = ?self.key, %error, "the store began holding writes back during the completion; completing once it takes them");
+                }
+                _ => return outcome,
+            }
+        }
+    }
+
+    /// The attempts after a first that failed with `error`, a pause apart.
+    async fn complete_again(&self, payload: &Bytes, mut error: StoreError) -> Result<bool, StoreError> {
+        let mut attempt = 1;
+        loop {
+            tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
+            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            attempt += 1;
+            match self.complete_once(payload).await {
+                Err(failed) if attempt < COMPLETE_ATTEMPTS && worth_completing_again(&failed) => {
+                    error = failed
+                }
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// Gives the key up, so a retry runs the operation again. If the store call fails (or this
+    /// future is dropped first), the release is retried in the background. While the store
+    /// holds its writes back (a Sentinel failover), it waits first, as a completion does.
+    pub async fn release(mut self) -> Result<(), Error> {
+        self.stop_renewal();
+        let settings = &self.settings;
+        settings.until_store_takes_writes().await;
+        settings
+            .bounded(StoreOp::Release, settings.store.release(&self.key, &self.owner))
+            .await?;
+        self.settled = true;
+        Ok(())
+    }
+}
+
+/// Whether a completion that failed with `error` may land if tried again: not a result too
+/// large for the store, which another attempt would meet again.
+fn worth_completing_again(error: &StoreError) -> bool {
+    !matches!(error, StoreError::TooLarge { .. })
+}
+
+impl Claim {
+    /// Reports a response that ran but could not be stored (HTTP: too large, its body failed, the
+    /// handler timed out), before the key is settled as not replayable or released.
+    pub(crate) fn report_not_stored(&self, why: NotStored) {
+        self.reconcile(ReconciliationKind::NotStorable { why }, None);
+    }
+
+    fn reconcile(&self, kind: ReconciliationKind, payload: Option<&Bytes>) {
+        let hook = self.settings.reconciler.as_ref();
+        reconciliation::report(hook, kind, &self.key, &self.owner, payload);
+    }
+
+    fn stop_renewal(&mut self) {
+        if let Some(renewal) = self.renewal.take() {
+            renewal.abort();
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.stop_renewal();
+        if !self.settled {
+            self.settings
+                .release_in_background(self.key.clone(), self.owner.clone());
+        }
+    }
+}
+
+/// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
+/// by a transaction of the caller's (then the claim is not lost, and its completion finds it
+/// done).
+async fn renew_until_lost(settings: &Settings, key: &RecordKey, owner: &OwnerToken, flags: &ClaimFlags) {
+    let every = settings.lease / 3;
+    let mut pause = every;
+    loop {
+        tokio::time::sleep(pause).await;
+        pause = every;
+        // While the store holds writes back (a Sentinel failover), the renewal waits, outside the
+        // store timeout, and goes the moment it takes them again: to the new master, where the
+        // lease left from the last renewal that reached it is all that keeps the claim meanwhile.
+        settings.until_store_takes_writes().await;
+        match settings
+            .bounded(StoreOp::Renew, settings.store.renew(key, owner, settings.lease))
+            .await
+        {
+            Ok(true) => tracing::trace!(?key, "lease renewed"),
+            Ok(false) if flags.completed_elsewhere.load(Ordering::Acquire) => {
+                tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
+                return;
+            }
+            Ok(false) if flags.completing.load(Ordering::Acquire) => {
+                tracing::trace!(
+                    ?key,
+                    "claim no longer in flight while it is completed; renewal ends"
+                );
+                return;
+            }
+            Ok(false) => {
+                flags.lost.store(true, Ordering::Release);
+                tracing::warn!(
+                    ?key,
+                    "claim lost while the operation runs; its result will not be stored"
+                );
+                return;
+            }
+            // The store began holding writes back during the call: renewed once it takes them.
+            Err(error) if settings.store_holds_writes() => {
+                tracing::debug!(?key, %error, "a renewal met a failover; renewing again once it ends");
+                pause = Duration::ZERO;
+            }
+            // The next renewal may get through; the lease is three renewals long.
+            Err(error) => tracing::warn!(?key, %error, "could not renew a lease"),
+        }
+    }
+}

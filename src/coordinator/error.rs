@@ -1,0 +1,40 @@
+//! What a coordinator's calls fail with.
+
+use crate::store::StoreError;
+use crate::telemetry::Outcome;
+
+/// Why the coordinator could not do what was asked.
+///
+/// ```
+/// use tower_idempotency::Error;
+/// assert_eq!(Error::AtCapacity.to_string(), "too many idempotent operations are running");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store failed, timed out, or holds an unreadable record.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// [`ShutdownHandle::shutdown`](crate::ShutdownHandle::shutdown) was called: no new keys are taken.
+    #[error("shutting down: no new idempotency keys are taken")]
+    ShuttingDown,
+    /// The bound on operations running at once is reached.
+    #[error("too many idempotent operations are running")]
+    AtCapacity,
+    /// The claim was lost before completion (its lease ran out, or it was purged), so the result
+    /// was not stored: another caller may own the key now.
+    #[error("the claim was lost before the result could be stored")]
+    ClaimLost,
+}
+
+impl Error {
+    /// How a request the coordinator could not begin for this error is counted.
+    pub(crate) fn outcome(&self) -> Outcome {
+        match self {
+            Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
+            Error::Store(error) if error.is_fence() => Outcome::Fenced,
+            Error::Store(_) | Error::ClaimLost => Outcome::StoreError,
+            Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
+        }
+    }
+}

@@ -1,0 +1,443 @@
+//! The stored form of a response, and replaying it byte for byte.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue};
+use http::{HeaderMap, StatusCode};
+
+use crate::reconciliation::NotStored;
+
+/// Every stored payload starts with these three bytes and a layout version.
+const MAGIC: &[u8; 3] = b"TIR";
+
+/// The layout this release writes. Version 1 (a response without trailers) is still read, so
+/// records written by the release before this one replay during a rolling upgrade; a version
+/// above this one was written by a newer release and is answered like a request in flight.
+pub(crate) const PAYLOAD_VERSION: u8 = 2;
+
+/// The kind byte of a version 2 payload.
+const RESPONSE: u8 = b'R';
+const NOT_STORED: u8 = b'N';
+
+impl NotStored {
+    fn code(self) -> u8 {
+        match self {
+            NotStored::TooLarge => b'L',
+            NotStored::BodyFailed => b'F',
+            NotStored::TimedOut => b'T',
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        match code {
+            b'L' => Some(NotStored::TooLarge),
+            b'F' => Some(NotStored::BodyFailed),
+            b'T' => Some(NotStored::TimedOut),
+            _ => None,
+        }
+    }
+}
+
+/// A stored response written as it streams, in the version 2 layout:
+///
+/// ```text
+/// "TIR" 2 'R' | status u16 | count u32 | (name_len u32, name, value_len u32, value)*
+///   | body_len u64 | body | trailer count u32 | (name_len u32, name, value_len u32, value)*
+/// ```
+///
+/// Head and body go into one buffer, sized up front when the body's size is known; the body's
+/// length is filled in once it has ended, so a body of unknown length is copied once, as it
+/// passes, and never held twice.
+pub(crate) struct StoredResponse {
+    out: BytesMut,
+    body_len_at: usize,
+    limit: usize,
+}
+
+impl StoredResponse {
+    /// Starts a payload for `status` and the `headers` that `keep` accepts, for a body of about
+    /// `expected_body` bytes and at most `limit`.
+    pub(crate) fn start(
+        status: StatusCode,
+        headers: &HeaderMap,
+        keep: impl Fn(&HeaderName) -> bool,
+        expected_body: usize,
+        limit: usize,
+    ) -> Self {
+        let kept = || headers.iter().filter(|(name, _)| keep(name));
+        // Sized and counted in one pass over the headers, written in a second.
+        let (size, count) = kept().fold((0, 0), |(size, count), (n, v)| {
+            (size + 8 + n.as_str().len() + v.len(), count + 1)
+        });
+        let mut out = BytesMut::with_capacity(MAGIC.len() + 2 + 6 + size + 8 + expected_body.min(limit) + 4);
+        out.put_slice(MAGIC);
+        out.put_u8(PAYLOAD_VERSION);
+        out.put_u8(RESPONSE);
+        out.put_u16(status.as_u16());
+        put_fields(&mut out, count, kept());
+        let body_len_at = out.len();
+        out.put_u64(0);
+        Self {
+            out,
+            body_len_at,
+            limit,
+        }
+    }
+
+    /// Appends a piece of the body; `false` (and nothing appended) if it would go over the limit.
+    pub(crate) fn push(&mut self, chunk: &[u8]) -> bool {
+        if self.body_len() + chunk.len() > self.limit {
+            return false;
+        }
+        self.out.extend_from_slice(chunk);
+        true
+    }
+
+    fn body_len(&self) -> usize {
+        self.out.len() - self.body_len_at - 8
+    }
+
+    /// The payload, and where the body sits in it (so the client can be sent a slice of the
+    /// stored copy rather than a second one).
+    pub(crate) fn finish(mut self, trailers: Option<&HeaderMap>) -> (Bytes, std::ops::Range<usize>) {
+        let body_len = self.body_len();
+        let body_at = self.body_len_at + 8;
+        self.out[self.body_len_at..body_at].copy_from_slice(&(body_len as u64).to_be_bytes());
+        match trailers {
+            Some(trailers) => put_fields(&mut self.out, trailers.len(), trailers.iter()),
+            None => self.out.put_u32(0),
+        }
+        (self.out.freeze(), body_at..body_at + body_len)
+    }
+}
+
+fn put_fields<'a>(
+    out: &mut BytesMut,
+    count: usize,
+    fields: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) {
+    out.put_u32(count as u32);
+    for (name, value) in fields {
+        out.put_u32(name.as_str().len() as u32);
+        out.put_slice(name.as_str().as_bytes());
+        out.put_u32(value.len() as u32);
+        out.put_slice(value.as_bytes());
+    }
+}
+
+/// Encodes a whole response (status, the headers `keep` accepts, all values in order as raw
+/// bytes, the body and any trailers) in one go.
+#[cfg(test)]
+pub(crate) fn encode(
+    status: StatusCode,
+    headers: &HeaderMap,
+    keep: impl Fn(&HeaderName) -> bool,
+    body: &[u8],
+    trailers: Option<&HeaderMap>,
+) -> Bytes {
+    let mut stored = StoredResponse::start(status, headers, keep, body.len(), usize::MAX);
+    stored.push(body);
+    stored.finish(trailers).0
+}
+
+/// The record of a request that ran but whose response was not stored: why, and the status
+/// the client was sent, if it got that far.
+pub(crate) fn encode_not_stored(why: NotStored, status: Option<StatusCode>) -> Bytes {
+    let mut out = BytesMut::with_capacity(MAGIC.len() + 1 + 1 + 1 + 2);
+    out.put_slice(MAGIC);
+    out.put_u8(PAYLOAD_VERSION);
+    out.put_u8(NOT_STORED);
+    out.put_u8(why.code());
+    out.put_u16(status.map_or(0, |s| s.as_u16()));
+    out.freeze()
+}
+
+/// A decoded stored response.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+    pub(crate) trailers: Option<HeaderMap>,
+}
+
+/// What a stored payload holds.
+// Decoded once per replay and moved once; boxing the response would cost an allocation each time.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub(crate) enum Decoded {
+    /// A response to replay.
+    Response(Stored),
+    /// The request ran; its response was not stored.
+    NotStored {
+        why: NotStored,
+        status: Option<StatusCode>,
+    },
+    /// Written by a newer release in a layout this one does not know.
+    Newer { version: u8 },
+}
+
+impl Decoded {
+    /// The status of the stored response, or the one the first client was sent.
+    pub(crate) fn status(&self) -> Option<StatusCode> {
+        match self {
+            Decoded::Response(stored) => Some(stored.status),
+            Decoded::NotStored { status, .. } => *status,
+            Decoded::Newer { .. } => None,
+        }
+    }
+}
+
+/// Decodes what this release or the one before wrote; anything else is refused with a reason.
+pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
+    let mut reader = Reader { payload, at: 0 };
+    if reader.take(MAGIC.len()).ok() != Some(&MAGIC[..]) {
+        return Err("not a stored response (unknown layout)".into());
+    }
+    let version = reader.array::<1>()?[0];
+    match version {
+        1 => {
+            // Version 1: status, headers, and the rest is the body; no trailers.
+            let status = read_status(&mut reader)?;
+            let headers = read_fields(&mut reader)?;
+            Ok(Decoded::Response(Stored {
+                status,
+                headers,
+                body: payload.slice(reader.at..),
+                trailers: None,
+            }))
+        }
+        PAYLOAD_VERSION => match reader.array::<1>()?[0] {
+            RESPONSE => {
+                let status = read_status(&mut reader)?;
+                let headers = read_fields(&mut reader)?;
+                let body_len = u64::from_be_bytes(reader.array()?);
+                let body_len =
+                    usize::try_from(body_len).map_err(|_| "stored body length exceeds the record")?;
+                let body_at = reader.at;
+                reader.take(body_len)?;
+                let body = payload.slice(body_at..reader.at);
+                let trailers = read_fields(&mut reader)?;
+                if reader.at != payload.len() {
+                    return Err("bytes after the stored response".into());
+                }
+                Ok(Decoded::Response(Stored {
+                    status,
+                    headers,
+                    body,
+                    trailers: (!trailers.is_empty()).then_some(trailers),
+                }))
+            }
+            NOT_STORED => {
+                let why = NotStored::from_code(reader.array::<1>()?[0])
+                    .ok_or("unknown reason for an unstored response")?;
+                let status = u16::from_be_bytes(reader.array()?);
+                let status = match status {
+                    0 => None,
+                    code => Some(
+                        StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?,
+                    ),
+                };
+                Ok(Decoded::NotStored { why, status })
+            }
+            _ => Err("unknown kind of stored payload".into()),
+        },
+        0 => Err("not a stored response (layout version 0)".into()),
+        newer => Ok(Decoded::Newer { version: newer }),
+    }
+}
+
+fn read_status(reader: &mut Reader<'_>) -> Result<StatusCode, String> {
+    let status = u16::from_be_bytes(reader.array()?);
+    StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))
+}
+
+fn read_fields(reader: &mut Reader<'_>) -> Result<HeaderMap, String> {
+    let count = u32::from_be_bytes(reader.array()?);
+    // Each field takes at least 9 bytes; a count the payload cannot hold is garbage.
+    if count as usize > reader.payload.len() / 9 {
+        return Err("stored header count exceeds the record".into());
+    }
+    // Not sized from `count`: the replay adds `Idempotent-Replayed` after, which a map sized to
+    // the stored fields would have to grow for (and a corrupt count must size nothing).
+    let mut fields = HeaderMap::new();
+    for _ in 0..count {
+        let len = u32::from_be_bytes(reader.array()?) as usize;
+        let name = HeaderName::from_bytes(reader.take(len)?).map_err(|_| "invalid stored header name")?;
+        let len = u32::from_be_bytes(reader.array()?) as usize;
+        // A view of the record, not a copy: the replayed body is one too, so the record stays
+        // in memory until the response is sent either way.
+        let value = HeaderValue::from_maybe_shared(reader.take_shared(len)?)
+            .map_err(|_| "invalid stored header value")?;
+        fields
+            .try_append(name, value)
+            .map_err(|_| "too many stored headers")?;
+    }
+    Ok(fields)
+}
+
+struct Reader<'a> {
+    payload: &'a Bytes,
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, len: usize) -> Result<&[u8], String> {
+        let end = self.at.checked_add(len).filter(|end| *end <= self.payload.len());
+        let end = end.ok_or("stored response is truncated")?;
+        let slice = &self.payload[self.at..end];
+        self.at = end;
+        Ok(slice)
+    }
+
+    fn take_shared(&mut self, len: usize) -> Result<Bytes, String> {
+        let start = self.at;
+        self.take(len)?;
+        Ok(self.payload.slice(start..self.at))
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut out = [0; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response(payload: &Bytes) -> Stored {
+        match decode(payload) {
+            Ok(Decoded::Response(stored)) => stored,
+            other => panic!("not a stored response: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn round_trips_repeated_and_non_utf8_headers_trailers_and_any_body() {
+        let mut headers = HeaderMap::new();
+        headers.append("x-multi", HeaderValue::from_static("one"));
+        headers.append("x-multi", HeaderValue::from_static("two"));
+        headers.append("x-latin1", HeaderValue::from_bytes(b"caf\xe9").unwrap());
+        headers.append(
+            "content-type",
+            HeaderValue::from_static("text/plain; charset=ISO-8859-1"),
+        );
+        let body = [0u8, 159, 146, 150, 255, b'\r', b'\n'];
+        let trailers = HeaderMap::from_iter([(
+            HeaderName::from_static("grpc-status"),
+            HeaderValue::from_static("0"),
+        )]);
+        for trailers in [None, Some(&trailers)] {
+            let payload = encode(StatusCode::CREATED, &headers, |_| true, &body, trailers);
+            let stored = response(&payload);
+            assert_eq!(stored.status, StatusCode::CREATED);
+            assert_eq!(stored.headers, headers);
+            let multi: Vec<_> = stored.headers.get_all("x-multi").iter().collect();
+            assert_eq!(multi, ["one", "two"]);
+            assert_eq!(&stored.body[..], &body);
+            assert_eq!(stored.trailers.as_ref(), trailers);
+        }
+    }
+
+    #[test]
+    fn a_body_written_as_it_streams_stops_at_the_limit() {
+        let mut stored = StoredResponse::start(StatusCode::OK, &HeaderMap::new(), |_| true, 0, 10);
+        assert!(stored.push(b"hello"));
+        assert!(stored.push(b"world"));
+        assert!(!stored.push(b"!"), "over the limit");
+        let (payload, body) = stored.finish(None);
+        assert_eq!(&payload[body.clone()], b"helloworld");
+        assert_eq!(response(&payload).body, payload.slice(body));
+    }
+
+    /// A payload exactly as the release before this one wrote it (layout version 1): status 201,
+    /// `x-old: 1`, body `old`. Kept byte for byte so that release's records always replay.
+    const VERSION_1: &[u8] = b"TIR\x01\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x05x-old\x00\x00\x00\x011old";
+
+    #[test]
+    fn reads_the_previous_layout() {
+        let stored = response(&Bytes::from_static(VERSION_1));
+        assert_eq!(stored.status, StatusCode::CREATED);
+        assert_eq!(stored.headers.get("x-old").unwrap(), "1");
+        assert_eq!(&stored.body[..], b"old");
+        assert!(stored.trailers.is_none());
+    }
+
+    #[test]
+    fn a_newer_layout_is_recognised_not_called_corrupt() {
+        for version in [3u8, 9, 255] {
+            let payload = Bytes::from([&MAGIC[..], &[version], b"anything at all"].concat());
+            assert!(matches!(decode(&payload), Ok(Decoded::Newer { version: v }) if v == version));
+        }
+    }
+
+    #[test]
+    fn records_why_a_response_was_not_stored() {
+        for (why, status) in [
+            (NotStored::TooLarge, Some(StatusCode::OK)),
+            (NotStored::BodyFailed, Some(StatusCode::CREATED)),
+            (NotStored::TimedOut, None),
+        ] {
+            let decoded = decode(&encode_not_stored(why, status)).unwrap();
+            assert!(matches!(decoded, Decoded::NotStored { why: w, status: s } if w == why && s == status));
+        }
+    }
+
+    #[test]
+    fn refuses_garbage_and_truncation() {
+        assert!(decode(&Bytes::from_static(b"garbage")).is_err());
+        assert!(decode(&Bytes::new()).is_err());
+        assert!(decode(&Bytes::from_static(b"TIR\x00")).is_err());
+        let trailers = HeaderMap::from_iter([(http::header::EXPIRES, HeaderValue::from_static("0"))]);
+        let payload = encode(
+            StatusCode::OK,
+            &HeaderMap::from_iter([(http::header::ETAG, HeaderValue::from_static("x"))]),
+            |_| true,
+            b"body",
+            Some(&trailers),
+        );
+        for cut in 0..payload.len() {
+            assert!(decode(&payload.slice(..cut)).is_err(), "cut at {cut}");
+        }
+        for cut in 0..VERSION_1.len() - 3 {
+            assert!(
+                decode(&Bytes::from_static(&VERSION_1[..cut])).is_err(),
+                "v1 cut at {cut}"
+            );
+        }
+        let not_stored = encode_not_stored(NotStored::TimedOut, None);
+        for cut in 0..not_stored.len() {
+            assert!(decode(&not_stored.slice(..cut)).is_err(), "cut at {cut}");
+        }
+        let mut extra = payload.to_vec();
+        extra.push(0);
+        assert!(decode(&Bytes::from(extra)).is_err(), "trailing bytes");
+        let mut too_many = payload.to_vec();
+        too_many[7..11].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(decode(&Bytes::from(too_many)).is_err());
+        let mut long_body = payload.to_vec();
+        let body_len_at = 11 + 8 + 4 + 1;
+        long_body[body_len_at..body_len_at + 8].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert!(decode(&Bytes::from(long_body)).is_err());
+        // More distinct names than a HeaderMap holds is refused, not a panic.
+        let names = 40_000u32;
+        let mut many = BytesMut::from(&b"TIR\x02R"[..]);
+        many.put_u16(200);
+        many.put_u32(names);
+        for i in 0..names {
+            let name = format!("x-{i}");
+            many.put_u32(name.len() as u32);
+            many.put_slice(name.as_bytes());
+            many.put_u32(1);
+            many.put_slice(b"v");
+        }
+        assert!(decode(&many.freeze()).is_err());
+        let mut bad_status = payload.to_vec();
+        bad_status[5..7].copy_from_slice(&42u16.to_be_bytes());
+        assert!(decode(&Bytes::from(bad_status)).is_err());
+        let mut bad_kind = payload.to_vec();
+        bad_kind[4] = b'?';
+        assert!(decode(&Bytes::from(bad_kind)).is_err());
+    }
+}

@@ -1,0 +1,243 @@
+//! The durability option's claim and completion ([`RedisStore::with_replica_acks`]): each on a
+//! connection of its own, waiting there until the replicas (or the master's disk) have it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fred::clients::Client;
+use fred::interfaces::ClientLike;
+use fred::types::Value;
+
+use super::coalesce::{ScriptCall, ScriptText};
+use super::connection::{unavailable, worth_retrying};
+use super::record;
+use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, Waiter};
+use super::scripts::{as_flag, into_bytes, millis, COMPLETE, RELEASE, RENEW};
+use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordKey;
+use crate::reconciliation::{self, ReconciliationKind};
+use crate::replay_cache::ReplayCache;
+use crate::store::error::{StoreError, Unacknowledged};
+use crate::store::record::{ClaimOutcome, OwnerToken};
+
+/// The durability option's claim and completion ([`RedisStore::with_replica_acks`]).
+impl RedisStore {
+    /// Claims on a connection of its own, then waits there until the replicas have the claim.
+    /// Anything but a new (or re-sent) claim is answered at once: only a claim needs to survive.
+    pub(super) async fn claim_acknowledged(
+        &self,
+        waiter: &Waiter,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+        let fresh = record::in_flight(owner, fingerprint, lease)?;
+        let client = waiter.acquire().await;
+        let answer = self.set_if_absent(&client, key, fresh, lease).await?;
+        if answer != Value::Null {
+            let existing = into_bytes(answer)
+                .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?;
+            let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
+            if outcome != ClaimOutcome::Claimed {
+                return Ok(outcome);
+            }
+            // This claim, re-sent after a dropped connection: it was written on another
+            // connection, and WAIT counts only this one's writes. Renewing it here writes it again.
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                millis(lease),
+            ];
+            if !as_flag("renew", self.run_on(&client, &RENEW, key, &args).await?)? {
+                return Err(StoreError::Unavailable(
+                    "the claim expired while it was re-sent; retry".into(),
+                ));
+            }
+        }
+        let error = match waiter.wait(&client, &self.redis_key(key)).await {
+            Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
+            Ok(acked) => acked.into_error(),
+            Err(error) => StoreError::Unavailable(Box::new(Unacknowledged(error))),
+        };
+        // Nobody may run on a claim a failover can lose. The release follows the claim to the
+        // replicas; the coordinator also queues one, in case this one fails.
+        let head = Value::Bytes(record::head(owner)?);
+        if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[head]).await {
+            tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
+        }
+        tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
+        Err(error)
+    }
+
+    /// Completes, and waits until the replicas have the completion. If they do not in time, or
+    /// the attempt fails (the master died: its replica is not promoted yet), the result is still
+    /// reported stored, so the caller answers with it, and the task that made the attempt keeps
+    /// completing the record, on whichever node is master by then, until the replicas have it.
+    /// The attempt runs in that task from the start, so a caller that stops waiting (the
+    /// coordinator's store timeout) does not cancel it. If that task gives up, it tells the
+    /// coordinator's reconciliation hook, which it takes along from the completion's task.
+    ///
+    /// One task per claim: a call for a claim whose completion a task owns already (the
+    /// coordinator trying again after it stopped waiting for a slow first attempt) is answered
+    /// stored at once, as that task stores it. And the caller waits for the first attempt at
+    /// most the command timeout (an attempt can take longer: it waits at a Sentinel fence, or
+    /// for a connection, and its WAIT has a timeout of its own on top); past it, the result is
+    /// reported stored, and whatever the first attempt finds is the task's to report.
+    pub(super) async fn complete_acknowledged(
+        &self,
+        waiter: &Arc<Waiter>,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        args: Vec<Value>,
+    ) -> Result<bool, StoreError> {
+        let Some(owned) = waiter.own_completion(key, owner) else {
+            tracing::debug!(
+                ?key,
+                "a background task owns this completion already; answering with the result"
+            );
+            return Ok(true);
+        };
+        let (report, first_outcome) = tokio::sync::oneshot::channel();
+        let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
+        // The owner is cloned for a hook only; the count of give-ups needs none.
+        let hook = reconciliation::in_force().map(|hook| (hook, owner.clone()));
+        let completing = async move {
+            let _owned = owned;
+            let payload = match args.get(2) {
+                Some(Value::Bytes(payload)) => Some(payload.clone()),
+                _ => None,
+            };
+            let tell = |kind: ReconciliationKind| match &hook {
+                Some((hook, owner)) => {
+                    reconciliation::report(Some(hook), kind, &record, owner, payload.as_ref())
+                }
+                None => crate::telemetry::reconciliation(kind.event_kind(), None),
+            };
+            let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
+            let retry = match &first {
+                Ok(Completion::NotAcknowledged(_)) => true,
+                Ok(Completion::Durable | Completion::Lost) => false,
+                Err(error) => worth_retrying(error),
+            };
+            if let Err(first) = report.send(first) {
+                // The caller was answered "stored" before this attempt ended: what it would have
+                // reported, this task reports.
+                match first {
+                    Ok(Completion::Lost) => {
+                        tracing::warn!(key = ?record, "claim lost before completion; the result is not stored");
+                        tell(ReconciliationKind::ClaimLost);
+                    }
+                    Err(error) if !retry => {
+                        tracing::error!(key = ?record, %error, "could not store the result; a retry after the lease ends will run the operation again");
+                        tell(ReconciliationKind::CompletionFailed {
+                            error: error.to_string(),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            if retry {
+                let retry_for = waiter.acks.retry_for();
+                let attempt = || store.complete_once_acknowledged(&waiter, &record, &args);
+                match keep_completing(&record, retry_for, attempt).await {
+                    None => {}
+                    Some(GaveUp::Lost) => tell(ReconciliationKind::LostBeforeReplicated),
+                    Some(GaveUp::TimedOut(error)) => tell(ReconciliationKind::ReplicationAbandoned { error }),
+                }
+            }
+        };
+        tokio::spawn(tracing::Instrument::in_current_span(completing));
+        let waited = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+        let error = match tokio::time::timeout(waited, first_outcome).await {
+            Ok(Ok(Ok(Completion::Durable))) => return Ok(true),
+            Ok(Ok(Ok(Completion::Lost))) => return Ok(false),
+            Ok(Ok(Ok(Completion::NotAcknowledged(error)))) => error,
+            Ok(Ok(Err(error))) if worth_retrying(&error) => error,
+            Ok(Ok(Err(error))) => return Err(error),
+            Ok(Err(_)) => return Err(StoreError::Unavailable("the completion task ended".into())),
+            Err(_) => StoreError::Timeout(waited),
+        };
+        tracing::warn!(
+            ?key, %error,
+            "a completion is not on the replicas yet; answering with the result and completing it \
+             again in the background until they have it"
+        );
+        Ok(true)
+    }
+
+    /// One completion (a completed record is written again: see complete.lua) and one WAIT, on
+    /// a connection of their own.
+    pub(super) async fn complete_once_acknowledged(
+        &self,
+        waiter: &Waiter,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<Completion, StoreError> {
+        self.after_failover().await;
+        let client = waiter.acquire().await;
+        let (completed, acked) = self.complete_then_wait(waiter, &client, key, args).await?;
+        if !as_flag("complete", completed)? {
+            return Ok(Completion::Lost);
+        }
+        Ok(match acked {
+            Ok(acked) if acked.enough() => Completion::Durable,
+            Ok(acked) => Completion::NotAcknowledged(acked.into_error()),
+            Err(error) => Completion::NotAcknowledged(error),
+        })
+    }
+
+    /// The completion script and the WAIT behind it, in one round trip: fred's pipeline writes
+    /// them in that order on `client`'s connection without waiting for the script's answer, so
+    /// the WAIT counts the completion's writes. (The claim cannot do the same: a claim that
+    /// finds a record writes nothing, and a WAIT behind it would hold a replay while the
+    /// replicas lag.) The pipeline is bounded by its first command's timeout, set to the wait's.
+    /// Answers the script's answer, and what the WAIT said.
+    pub(super) async fn complete_then_wait(
+        &self,
+        waiter: &Waiter,
+        client: &Client,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
+        let redis_key = self.redis_key(key);
+        let script = ScriptCall::new(
+            ScriptText::Sha1(COMPLETE.sha1),
+            Value::from(redis_key.clone()),
+            args,
+            false,
+        );
+        let (script, script_args) = script.into_parts();
+        let (wait, wait_args) = waiter.wait_command(&redis_key);
+        let pipeline = client.pipeline();
+        // Queued in memory: these answer at once.
+        let queued: Result<(), _> = (pipeline.with_options(waiter.wait_options()))
+            .custom(script, script_args)
+            .await;
+        queued.map_err(|e| self.failed(e))?;
+        let queued: Result<(), _> = pipeline.custom(wait, wait_args).await;
+        queued.map_err(|e| self.failed(e))?;
+        let mut answers = pipeline.try_all::<Value>().await.into_iter();
+        let (completed, waited) = match (answers.next(), answers.next()) {
+            (Some(completed), Some(waited)) => (completed, waited),
+            (Some(Err(error)), None) => return Err(self.failed(error)),
+            _ => return Err(StoreError::Corrupt("unexpected answer to the completion".into())),
+        };
+        match completed {
+            Err(error) if error.details().starts_with("NOSCRIPT") => {
+                // The server lost its scripts (a failover, a flush): load it, then wait.
+                let completed = self.run_on(client, &COMPLETE, key, args).await?;
+                Ok((completed, waiter.wait(client, &redis_key).await))
+            }
+            Err(error) => Err(self.failed(error)),
+            Ok(completed) => {
+                let acked = waited
+                    .map_err(unavailable)
+                    .and_then(|answer| waiter.acked(answer));
+                Ok((completed, acked))
+            }
+        }
+    }
+}

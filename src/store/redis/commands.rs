@@ -1,0 +1,472 @@
+//! The store's commands: the claim as one native `SET … NX GET`, the owner-checked transitions
+//! as scripts (EVALSHA, reloaded on NOSCRIPT), what their answers mean, and the [`Store`]
+//! implementation built on them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::{ClusterHash, CustomCommand, Value};
+
+use super::coalesce::{Command, ScriptCall, ScriptText};
+use super::connection::store_reconnect_policy;
+use super::notices::{settled_channel, Notices};
+use super::record::{self, digest_from_hex};
+use super::scripts::{
+    as_flag, into_bytes, lease_millis, millis, unexpected, Script, COMPLETE, INSPECT, PURGE, RELEASE, RENEW,
+};
+use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordKey;
+use crate::replay_cache::ReplayCache;
+use crate::store::contract::{KeyWatch, Store, StoreFuture};
+use crate::store::error::StoreError;
+use crate::store::record::{
+    newer_record, ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState,
+};
+
+impl RedisStore {
+    /// What a claim (or a peek, without an `owner`) found in the record `existing`. A completed
+    /// record is offered to the replay cache, if the cache heard no purge since `epoch`.
+    pub(super) fn found(
+        &self,
+        key: &RecordKey,
+        existing: &Bytes,
+        fingerprint: &Fingerprint,
+        owner: Option<&OwnerToken>,
+        lease: Duration,
+        epoch: Option<u64>,
+    ) -> Result<ClaimOutcome, StoreError> {
+        if let Some(version) = record::newer_version(existing) {
+            let owner = record::owner(existing).unwrap_or_default();
+            return newer_record(key, u32::from(version), owner, lease);
+        }
+        let found = record::parse(existing).map_err(StoreError::Corrupt)?;
+        let ours = owner.is_some_and(|owner| found.owner == owner.as_str().as_bytes());
+        let outcome = if found.state == record::IN_FLIGHT && ours {
+            // This claim, re-sent by the client library after a dropped connection.
+            ClaimOutcome::Claimed
+        } else if found.fingerprint != *fingerprint.as_bytes() {
+            ClaimOutcome::Mismatch
+        } else if found.state == record::IN_FLIGHT {
+            ClaimOutcome::InFlight {
+                lease_left: found.time_left.min(lease),
+            }
+        } else {
+            if let (Some(cache), Some(epoch)) = (&self.cache, epoch) {
+                let payload = found.payload.clone();
+                cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+                self.bound_copy(cache, key);
+            }
+            ClaimOutcome::Completed(found.payload)
+        };
+        Ok(outcome)
+    }
+
+    /// Bounds the replay cache's copy of a completed record by the record's life in Redis: its
+    /// `PTTL`, counted on this instance's clocks from before the `PTTL` was sent. The copy was
+    /// kept until the deadline in the record, which another instance's clock wrote; a skew
+    /// between the two would let the copy outlive the record. One `PTTL` per copy made (a key's
+    /// first repeat on this instance), from a task of its own, so the replay does not wait.
+    pub(super) fn bound_copy(&self, cache: &Arc<ReplayCache>, key: &RecordKey) {
+        let (cache, digest) = (cache.clone(), *key.digest());
+        let client = self.connection.client().with_options(&self.options);
+        let redis_key = self.redis_key(key);
+        tokio::spawn(async move {
+            let asked = tokio::time::Instant::now();
+            let left = match client.pttl::<i64, _>(redis_key).await {
+                Ok(millis) if millis > 0 => Some(Duration::from_millis(millis.unsigned_abs())),
+                Ok(_) => None, // gone already, or no TTL (never written so by this crate)
+                Err(error) => {
+                    tracing::debug!(%error, "could not read a record's TTL; its copy is dropped");
+                    None
+                }
+            };
+            cache.shorten(&digest, left, asked);
+        });
+    }
+
+    pub(super) async fn set_if_absent(
+        &self,
+        client: &Client,
+        key: &RecordKey,
+        record: Bytes,
+        lease: Duration,
+    ) -> Result<Value, StoreError> {
+        let set = Command::SetIfAbsent {
+            key: self.redis_key(key).into(),
+            value: record,
+            lease_ms: lease_millis(lease),
+        };
+        self.coalescer
+            .send(client, &self.options, set)
+            .await
+            .map_err(|e| match e.details() {
+                details if details.starts_with("WRONGTYPE") => {
+                    StoreError::Corrupt("the key holds something other than a record".into())
+                }
+                _ => self.failed(e),
+            })
+    }
+
+    /// Runs `script` on the record's key: EVALSHA, then EVAL if the server lost its script cache.
+    pub(super) async fn run(
+        &self,
+        script: &Script,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<Value, StoreError> {
+        self.run_on(self.connection.client(), script, key, args).await
+    }
+
+    /// [`run`](Self::run) on `client`.
+    pub(super) async fn run_on(
+        &self,
+        client: &Client,
+        script: &Script,
+        key: &RecordKey,
+        args: &[Value],
+    ) -> Result<Value, StoreError> {
+        let redis_key = Value::from(self.redis_key(key));
+        // The durability option's completions each have a connection of their own, where nothing
+        // could be merged with them: a trip through the coalescing task would buy nothing.
+        let mergeable = script.per_record && self.acks.is_none();
+        let call = |text| ScriptCall::new(text, redis_key.clone(), args, mergeable);
+        let evalsha = Command::Script(call(ScriptText::Sha1(script.sha1)));
+        let sent = self.coalescer.send(client, &self.options, evalsha);
+        match sent.await {
+            Err(error) if error.details().starts_with("NOSCRIPT") => {
+                tracing::debug!(
+                    script = script.name,
+                    "script missing on the server; reloading it with EVAL"
+                );
+                let eval = Command::Script(call(ScriptText::Source(script.source)));
+                self.coalescer
+                    .send(client, &self.options, eval)
+                    .await
+                    .map_err(|e| self.failed(e))
+            }
+            result => result.map_err(|e| self.failed(e)),
+        }
+    }
+}
+
+impl Store for RedisStore {
+    fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
+        let copy = self.cache.as_deref()?.get(key.digest())?;
+        Some(if copy.fingerprint == *fingerprint.as_bytes() {
+            ClaimOutcome::Completed(copy.payload)
+        } else {
+            ClaimOutcome::Mismatch
+        })
+    }
+
+    fn claim<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(async move {
+            self.keep_alive();
+            self.refuse_claims_during_failover()?;
+            if let Some(waiter) = &self.acks {
+                // Boxed, like the other rare paths: inline, its state would size every claim.
+                let acknowledged = self.claim_acknowledged(waiter, key, fingerprint, owner, lease);
+                return Box::pin(acknowledged).await;
+            }
+            let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+            let fresh = record::in_flight(owner, fingerprint, lease)?;
+            let client = self.connection.client();
+            let existing = match self.set_if_absent(client, key, fresh, lease).await? {
+                Value::Null => return Ok(ClaimOutcome::Claimed),
+                value => into_bytes(value)
+                    .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
+            };
+            self.found(key, &existing, fingerprint, Some(owner), lease, epoch)
+        })
+    }
+
+    fn peek<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+    ) -> StoreFuture<'a, Option<ClaimOutcome>> {
+        Box::pin(async move {
+            let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+            let client = self.connection.client();
+            let get = Command::Get {
+                key: self.redis_key(key).into(),
+            };
+            let existing =
+                match (self.coalescer.send(client, &self.options, get).await).map_err(|e| {
+                    match e.details() {
+                        details if details.starts_with("WRONGTYPE") => {
+                            StoreError::Corrupt("the key holds something other than a record".into())
+                        }
+                        _ => self.failed(e),
+                    }
+                })? {
+                    Value::Null => return Ok(None),
+                    value => into_bytes(value)
+                        .ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?,
+                };
+            let lease = Duration::MAX;
+            Ok(Some(self.found(
+                key,
+                &existing,
+                fingerprint,
+                None,
+                lease,
+                epoch,
+            )?))
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        payload: Bytes,
+        retention: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::COMPLETED, retention)),
+                Value::Bytes(payload),
+                millis(retention),
+            ];
+            match &self.acks {
+                None => {
+                    self.after_failover().await;
+                    as_flag("complete", self.run(&COMPLETE, key, &args).await?)
+                }
+                Some(waiter) => {
+                    let acknowledged = self.complete_acknowledged(waiter, key, owner, args.to_vec());
+                    Box::pin(acknowledged).await
+                }
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let head = Value::Bytes(record::head(owner)?);
+            self.after_failover().await;
+            as_flag("release", self.run(&RELEASE, key, &[head]).await?)
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let args = [
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                millis(lease),
+            ];
+            self.after_failover().await;
+            as_flag("renew", self.run(&RENEW, key, &args).await?)
+        })
+    }
+
+    fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
+        Box::pin(async move {
+            let mut fields = match self.run(&INSPECT, key, &[]).await? {
+                Value::Array(fields) => fields.into_iter(),
+                other => return Err(unexpected("inspect", &other)),
+            };
+            let (Some(first), Some(second)) = (fields.next(), fields.next()) else {
+                return Ok(None);
+            };
+            if let (Some(b"wrongtype"), Some(kind)) = (first.as_bytes(), second.as_str()) {
+                return Err(StoreError::Corrupt(format!(
+                    "the key holds a {kind}, not a record"
+                )));
+            }
+            let (Some(stored), Some(ttl)) = (into_bytes(first), second.as_i64()) else {
+                return Err(StoreError::Corrupt(
+                    "unexpected answer from the inspect script".into(),
+                ));
+            };
+            if let Some(version) = record::newer_version(&stored) {
+                return Err(StoreError::Corrupt(format!(
+                    "a record in layout version {version}, written by a newer release: inspect it with that release"
+                )));
+            }
+            let found = record::parse(&stored).map_err(StoreError::Corrupt)?;
+            let expires_in = Duration::from_millis(ttl.max(0) as u64);
+            Ok(Some(if found.state == record::IN_FLIGHT {
+                let owner = OwnerToken::from_string(String::from_utf8_lossy(&found.owner));
+                RecordInfo::new(RecordState::InFlight, expires_in, None).with_owner(owner)
+            } else {
+                RecordInfo::new(RecordState::Completed, expires_in, Some(found.payload))
+            }))
+        })
+    }
+
+    /// Subscribes to the record's shard channel (`SSUBSCRIBE <record key>:settled`), on the
+    /// store's subscriber connection, opened with the first waiter; the completion, release and
+    /// purge scripts publish on it (`SPUBLISH`). Waiters on one key share one subscription.
+    fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
+        Box::pin(async move {
+            let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+            let notices = self
+                .notices
+                .get_or_try_init(|| async {
+                    let base = self.connection.client();
+                    let notices =
+                        Notices::connect(base, store_reconnect_policy(), timeout, self.pace.clone()).await?;
+                    if let Some(watch) = &self.switch_watch {
+                        watch.also_reconnect(vec![notices.client().clone()]);
+                    }
+                    Ok::<_, StoreError>(notices)
+                })
+                .await?;
+            let channel = settled_channel(&self.redis_key(key));
+            notices.watch(channel, timeout).await.map(Some)
+        })
+    }
+
+    fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            if let Some(cache) = &self.cache {
+                cache.invalidate(key.digest());
+            }
+            let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
+            as_flag("purge", self.run(&PURGE, key, &args).await?)
+        })
+    }
+
+    /// `SCAN MATCH <prefix>:{*} COUNT 1000` (on every master of a Cluster), then the first
+    /// bytes of each record found (`GETRANGE`, sent together: the payloads of completed
+    /// records are not read). Every page and every read is bounded by the command timeout.
+    fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
+        Box::pin(async move {
+            use fred::types::scan::Scanner;
+            use futures_util::StreamExt;
+
+            let client = self.connection.client();
+            let pattern = format!("{}:{{*}}", glob_escape(&self.prefix));
+            let mut pages = if client.is_clustered() {
+                client.scan_cluster(pattern, Some(SCAN_COUNT), None).boxed()
+            } else {
+                client.scan(pattern, Some(SCAN_COUNT), None).boxed()
+            };
+            let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
+            let mut oldest = Oldest::new(older_than, limit);
+            loop {
+                let page = match tokio::time::timeout(timeout, pages.next()).await {
+                    Err(_) => return Err(StoreError::Timeout(timeout)),
+                    Ok(None) => break,
+                    Ok(Some(page)) => page.map_err(|e| self.failed(e))?,
+                };
+                let mut page = page;
+                let keys = page.take_results().unwrap_or_default();
+                let heads = keys.iter().map(|name| self.record_head(name));
+                for found in futures_util::future::join_all(heads).await {
+                    if let Some((digest, owner, lease_left)) = found? {
+                        oldest.offer(digest, owner, lease_left);
+                    }
+                }
+                // Asks for the next page only now: the records of one page at a time are held.
+                Scanner::next(page);
+            }
+            Ok(oldest.into_vec())
+        })
+    }
+
+    /// While the Sentinel fence is up (see `sentinel_watch`): until it is lowered.
+    fn writes_held(&self) -> Option<StoreFuture<'_, ()>> {
+        let fence = self.fence().filter(|fence| fence.is_raised())?;
+        Some(Box::pin(async move {
+            fence.until_lowered().await;
+            Ok(())
+        }))
+    }
+}
+
+/// Keys asked for per `SCAN` call: a step of about a millisecond of Redis's time.
+const SCAN_COUNT: u32 = 1000;
+
+/// `text` with the characters special to `SCAN MATCH` escaped.
+fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+impl RedisStore {
+    /// The digest, owner and lease left of the record at `name` if it is in flight, from its
+    /// first bytes, read with `GETRANGE` (twice for an owner token longer than 255 bytes).
+    /// `None` for a completed record, one gone since the scan, or a key that holds no record
+    /// this release reads.
+    async fn record_head(
+        &self,
+        name: &fred::types::Key,
+    ) -> Result<Option<([u8; 32], OwnerToken, Duration)>, StoreError> {
+        const GUESS: usize = 6 + 255 + 9;
+        let Some(digest) = name
+            .as_bytes()
+            .strip_prefix(self.prefix.as_bytes())
+            .and_then(|rest| rest.strip_prefix(b":{"))
+            .and_then(|rest| rest.strip_suffix(b"}"))
+            .and_then(digest_from_hex)
+        else {
+            return Ok(None);
+        };
+        let mut start = match self.first_bytes(name, GUESS).await? {
+            Some(start) => start,
+            None => return Ok(None),
+        };
+        match record::head_len(&start) {
+            Some(needed) if needed > start.len() && start.len() == GUESS => {
+                start = match self.first_bytes(name, needed).await? {
+                    Some(start) => start,
+                    None => return Ok(None),
+                };
+            }
+            _ => {}
+        }
+        match record::parse_head(&start) {
+            Ok(head) if head.state == record::IN_FLIGHT => {
+                let owner = String::from_utf8_lossy(&head.owner).into_owned();
+                Ok(Some((digest, OwnerToken::from_string(owner), head.time_left)))
+            }
+            Ok(_) => Ok(None),
+            Err(reason) => {
+                tracing::debug!(key = ?name, %reason, "not listed: not a record this release reads");
+                Ok(None)
+            }
+        }
+    }
+
+    /// `GETRANGE name 0 len-1`; `None` when the key is gone or holds something else than a string.
+    async fn first_bytes(&self, name: &fred::types::Key, len: usize) -> Result<Option<Bytes>, StoreError> {
+        let client = self.connection.client().with_options(&self.options);
+        let getrange = CustomCommand::new_static("GETRANGE", ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(name.clone()),
+            Value::Integer(0),
+            Value::Integer(i64::try_from(len).unwrap_or(i64::MAX) - 1),
+        ];
+        match client.custom::<Value, Value>(getrange, args).await {
+            Ok(value) => Ok(into_bytes(value).filter(|bytes| !bytes.is_empty())),
+            Err(error) if error.details().starts_with("WRONGTYPE") => Ok(None),
+            Err(error) => Err(self.failed(error)),
+        }
+    }
+}
