@@ -1,4 +1,10 @@
 //! The HTTP-free protocol: claim a key, run the operation once, then complete or release.
+//!
+//! [`Coordinator`] and [`Begin`] are here; below them, each file one concern: `claim.rs` (a
+//! held key: completion, release, lease renewal), `waiting.rs` (the bound on callers waiting
+//! for a running key), `running.rs` (the in-flight bound and the shutdown that waits for it),
+//! `settings.rs` (what a coordinator, its clones and its claims share, and the store calls they
+//! all make the same way) and `error.rs`.
 
 mod claim;
 mod error;

@@ -5,6 +5,10 @@
 //! **completed**, holding a payload, for the retention period) or *releases* it (it is deleted).
 //! Every transition but the claim is owner-checked, so a request whose lease ran out and whose key
 //! was claimed again can never overwrite or delete the newer owner's record.
+//!
+//! `contract.rs` states the [`Store`] trait, `record.rs` the record types and owner tokens,
+//! `error.rs` the one error, `ticket.rs` what a transactional completion needs; each store below
+//! them: `memory.rs`, `redis/`, `postgres/`.
 
 mod contract;
 mod error;
