@@ -101,6 +101,20 @@ mod wake_anchor;
 // The tower adapter over it.
 mod http;
 
+/// The `sqlx` this crate is built with (0.8), for the pool and transactions a
+/// [`PostgresStore`] takes: `tower_idempotency::sqlx::PgPool`. Use it, or depend on the same
+/// minor version, as two releases of `sqlx` in one build are two types that do not mix.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sqlx;
+
+/// The `fred` this crate is built with (10), for a client or pool of your own
+/// ([`RedisStore::new`], [`RedisStore::from_pool`]): use it, or depend on the same major
+/// version, as two releases of `fred` in one build are two types that do not mix.
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use fred;
+
 pub use self::http::body::{BoxError, RequestBody, ResponseBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};
 pub use self::http::endpoints::{PolicyError, PolicyLayer, PolicyService};
