@@ -22,13 +22,11 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Extension, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use bytes::Bytes;
 use serde_json::json;
 use tower_idempotency::{IdempotencyLayer, PostgresStore, TransactionalClaim};
 
@@ -67,14 +65,13 @@ async fn create_order(
         .bind(order.amount)
         .fetch_one(&mut *transaction)
         .await?;
-    let body = serde_json::to_vec(&json!({ "id": id, "amount": order.amount }))?;
-    let response = Response::builder()
-        .status(StatusCode::CREATED)
-        .header(header::CONTENT_TYPE, "application/json")
-        .header(header::LOCATION, format!("/orders/{id}"))
-        .body(Bytes::from(body))?;
+    let body = Json(json!({ "id": id, "amount": order.amount }));
+    let location = [(header::LOCATION, format!("/orders/{id}"))];
+    let response = (StatusCode::CREATED, location, body).into_response();
+    // The response as the layer stores it, and the same response back, to return.
+    let (response, payload) = claim.encode_response(response).await.map_err(Failed)?;
     // Last, right before the commit: from here to the commit a retry waits for this transaction.
-    if let Some(payload) = claim.encode(&response) {
+    if let Some(payload) = payload {
         if !store
             .complete_in(&mut transaction, claim.ticket(), payload)
             .await?
@@ -88,7 +85,7 @@ async fn create_order(
     pause(order.pause_before_commit_ms).await;
     transaction.commit().await?;
     pause(order.pause_after_commit_ms).await;
-    Ok(response.map(Body::from))
+    Ok(response)
 }
 
 async fn pause(ms: Option<u64>) {

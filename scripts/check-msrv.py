@@ -4,7 +4,7 @@
 For the default features and for each feature alone, every dependency the library then builds
 with (dev-dependencies left out) must be locked at a version whose own `rust-version` is not
 newer than ours, or than the feature's own minimum where Cargo.toml declares one under
-`[package.metadata.msrv]` (a feature whose dependencies need a newer compiler; README lists them).
+`[package.metadata.msrv]` (a feature whose dependencies need a newer compiler; docs/crate-features.md lists them).
 Only one toolchain can be installed where CI runs, so the MSRV is checked from the metadata, and
 clippy's `incompatible_msrv` lint (on in `.ci/run`) checks our own use of the standard library.
 """

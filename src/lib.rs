@@ -62,8 +62,9 @@
 //! completed with the result or released. Queue consumers use it directly (see
 //! `examples/consumer.rs`).
 //!
-//! The behaviour table, every setting with its default, and the guarantees and their limits are
-//! in the README.
+//! The behaviour table, every setting with its default, and the guarantees in short are in the
+//! [README](guide::readme); each topic has a [guide] of its own (stores, topologies and failover,
+//! PostgreSQL, the guarantees in full, performance, operators, metrics, gRPC, the policy file).
 //!
 //! # Crate features
 //!
@@ -71,7 +72,7 @@
 //! |---|---|---|
 //! | `redis` | yes | [`RedisStore`], over the `fred` client: standalone, Sentinel and Cluster |
 //! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
-//! | `metrics` | yes | counters, a histogram and a gauge through the `metrics` facade (README, "Metrics and tracing") |
+//! | `metrics` | yes | counters, a histogram and a gauge through the `metrics` facade ([guide](guide::metrics_and_tracing)) |
 //! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
 //! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
@@ -100,6 +101,22 @@ mod telemetry;
 mod wake_anchor;
 // The tower adapter over it.
 mod http;
+// README and the guides of docs/, as pages of the documentation (no code).
+pub mod guide;
+
+/// The `sqlx` this crate is built with (0.8), for the pool and transactions a
+/// [`PostgresStore`] takes: `tower_idempotency::sqlx::PgPool`. Use it, or depend on the same
+/// minor version, as two releases of `sqlx` in one build are two types that do not mix.
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sqlx;
+
+/// The `fred` this crate is built with (10), for a client or pool of your own
+/// ([`RedisStore::new`], [`RedisStore::from_pool`]): use it, or depend on the same major
+/// version, as two releases of `fred` in one build are two types that do not mix.
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use fred;
 
 pub use self::http::body::{BoxError, RequestBody};
 pub use self::http::config::{default_cacheable, default_unstored_headers};

@@ -15,7 +15,7 @@
 //! are timed only when someone will read the time: an installed recorder or an interested
 //! subscriber.
 //!
-//! Every name, type and label is listed in the README ("Metrics and tracing").
+//! Every name, type and label is listed in docs/metrics-and-tracing.md.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -738,7 +738,7 @@ mod tests {
         }
     }
 
-    /// The label values a dashboard is built on are part of the contract (README lists them).
+    /// The label values a dashboard is built on are part of the contract (docs/metrics-and-tracing.md lists them).
     #[test]
     fn outcome_labels_are_the_documented_ones() {
         let all = [

@@ -5,7 +5,8 @@
 //!
 //! A key that ran twice must be explained by the layer itself: a double run is allowed only for
 //! a key whose claim the layer reported lost (its lease ran out while Redis was unreachable) or
-//! whose result it reported it could not store, the documented limits of README's Guarantees.
+//! whose result it reported it could not store, the documented limits of docs/guarantees.md
+//! ("Where the guarantees end").
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! The promises of README's "Guarantees" that hold on every store: one execution under
+//! The promises of docs/guarantees.md that hold on every store: one execution under
 //! contention, cancellation, panics, lease renewal and fencing, crashed owners, shutdown and the
 //! in-flight bound, unreadable records.
 

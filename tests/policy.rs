@@ -446,7 +446,7 @@ fn a_bad_file_names_the_place_and_the_field() {
     }
 }
 
-/// The mistakes the README shows, made in the example file, are reported as it shows them.
+/// The mistakes docs/policy-file.md shows, made in the example file, are reported as it shows them.
 #[test]
 fn the_readme_error_examples_are_what_the_loader_says() {
     let example = std::fs::read_to_string(example_file("yaml")).unwrap();

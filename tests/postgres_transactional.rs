@@ -82,11 +82,9 @@ async fn orders(store: PostgresStore, lease: Duration) -> Orders {
                         .unwrap_or_else(|_| panic!("insert into {table}"));
                 // The response committed with the row says so; the one answered live says
                 // "live", so a test can tell which one a replay is.
-                let committed = http::Response::builder()
-                    .status(201)
-                    .body(Bytes::from(format!("order {id} (committed)")))
-                    .unwrap();
-                let payload = claim.encode(&committed).expect("a 201 is stored");
+                let committed = (StatusCode::CREATED, format!("order {id} (committed)")).into_response();
+                let (_, payload) = claim.encode_response(committed).await.unwrap();
+                let payload = payload.expect("a 201 is stored");
                 let completed = store
                     .complete_in(&mut transaction, claim.ticket(), payload)
                     .await

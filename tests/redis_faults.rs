@@ -271,7 +271,7 @@ async fn a_client_without_a_reconnect_policy_still_rides_out_a_restart() {
     );
     let pool = Builder::from_config(config()).build_pool(2).unwrap();
     pool.init().await.unwrap();
-    // The command timeout at or below the layer's store timeout, as README asks.
+    // The command timeout at or below the layer's store timeout, as docs/stores.md asks.
     let stores = [
         ("new", RedisStore::new(plain_client).with_command_timeout(TIMEOUT)),
         (

@@ -269,8 +269,8 @@ impl Coordinator {
     /// (default: none): the store did not take the completion, the claim was lost before it, the
     /// HTTP layer could not store the response, or `RedisStore`'s replicas never acknowledged
     /// it. Each [`ReconciliationEvent`] carries the key, the owner token, what happened and the
-    /// result if there was one, for the application to journal and reconcile. See the README,
-    /// "Where the guarantees end".
+    /// result if there was one, for the application to journal and reconcile. See [the
+    /// reconciliation hook](crate::guide::guarantees#knowing-when-it-happened-the-reconciliation-hook).
     ///
     /// The hook runs on the task that found out, often a request's: keep it quick (send the
     /// event to a channel, or spawn). A panic in it is caught and logged. Without a hook nothing

@@ -180,8 +180,8 @@ impl IdempotencyLayer {
     /// How long a running request holds its key without renewal (default: 30 s; at least 30 ms).
     /// It is renewed every third of it while the handler runs; a node that crashes blocks its keys
     /// this long at most. Over Redis Sentinel, keep it above 15 s: during a failover nothing
-    /// renews a claim until the store is on the new master (up to 10 s; README, "Topologies and
-    /// failover").
+    /// renews a claim until the store is on the new master (up to 10 s; [Topologies and
+    /// failover](crate::guide::topologies_and_failover)).
     ///
     /// ```
     /// # use std::time::Duration;

@@ -123,7 +123,7 @@ with_settings! {
 /// The file has an `idempotency` section at its top: the settings every endpoint starts from,
 /// and `endpoints`, each a `path` pattern, its `method`s and the settings it changes. Unknown
 /// fields are refused; a mistake is reported with its place in the file and the field's path.
-/// The README's "Policy file" section lists every field.
+/// The [policy file guide](crate::guide::policy_file) lists every field.
 ///
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, Policy, PolicyLayer};

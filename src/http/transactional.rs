@@ -5,7 +5,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::Response;
+use http_body::Body;
+use http_body_util::BodyExt;
 
+use crate::http::body::BoxError;
 use crate::http::config::Config;
 use crate::http::stored::StoredResponse;
 use crate::store::ClaimTicket;
@@ -16,8 +19,8 @@ use crate::store::ClaimTicket;
 /// [`with_transactional_completion`](crate::IdempotencyLayer::with_transactional_completion);
 /// axum handlers take it with `Extension<TransactionalClaim>`.
 ///
-/// The handler [encodes](TransactionalClaim::encode) the response it is about to return, as the
-/// layer would store it, and completes the [ticket](TransactionalClaim::ticket) in its
+/// The handler [encodes](TransactionalClaim::encode_response) the response it is about to
+/// return (what `IntoResponse::into_response` gives, in axum), as the layer would store it, and completes the [ticket](TransactionalClaim::ticket) in its
 /// transaction (`PostgresStore::complete_in`) before it commits. After the commit the layer
 /// finds the record completed and stores nothing; if the transaction rolls back instead, the
 /// layer stores the response (or releases the key) as it does for any handler.
@@ -32,11 +35,11 @@ use crate::store::ClaimTicket;
 ///
 /// async fn handler(request: Request<RequestBody<Full<Bytes>>>) -> Result<Response<Full<Bytes>>, Infallible> {
 ///     let claim = request.extensions().get::<TransactionalClaim>().expect("a claimed request");
-///     let response = Response::builder().status(StatusCode::CREATED).body(Bytes::from("{\"id\":7}")).unwrap();
+///     let response = Response::builder().status(StatusCode::CREATED).body(Full::from("{\"id\":7}")).unwrap();
 ///     // In a real handler: store.complete_in(&mut transaction, claim.ticket(), payload), then commit.
-///     let payload = claim.encode(&response).expect("a 201 under the cap is stored");
-///     assert!(!payload.is_empty());
-///     Ok(response.map(Full::new))
+///     let (response, payload) = claim.encode_response(response).await.expect("a body that does not fail");
+///     assert!(!payload.expect("a 201 under the cap is stored").is_empty());
+///     Ok(response)
 /// }
 ///
 /// # #[tokio::main(flavor = "current_thread")]
@@ -120,6 +123,48 @@ impl TransactionalClaim {
         stored.push(body);
         Some(stored.finish(None).0)
     }
+
+    /// [`encode`](Self::encode) for a response of any body type, such as the one axum's
+    /// `IntoResponse::into_response` gives: reads the body into one buffer and hands the response
+    /// back, with that buffer as its body, together with what to store (`None` when the layer
+    /// would not store it). Return the response it gives back.
+    ///
+    /// The body must be one the handler has in hand (JSON, a short page), not an endless
+    /// stream: it is read to its end. One whose size hint already says it is over the layer's
+    /// response limit is handed back unread, with `None`. A body that fails is an error (answer
+    /// 500: the layer does not store it, so a retry runs again). Trailers, if the body has any,
+    /// are dropped, from the response as from what is stored.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::{Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower_idempotency::{BoxError, TransactionalClaim};
+    ///
+    /// async fn stored(claim: &TransactionalClaim) -> Result<Option<Bytes>, BoxError> {
+    ///     let created = Response::builder().status(StatusCode::CREATED).body(Full::new(Bytes::from("{}")))?;
+    ///     let (response, payload) = claim.encode_response(created).await?;
+    ///     assert_eq!(response.status(), StatusCode::CREATED, "the same response, to return");
+    ///     Ok(payload)
+    /// }
+    /// ```
+    pub async fn encode_response<B>(
+        &self,
+        response: Response<B>,
+    ) -> Result<(Response<B>, Option<Bytes>), BoxError>
+    where
+        B: Body + From<Bytes>,
+        B::Error: Into<BoxError>,
+    {
+        if response.body().size_hint().lower() > self.config.response_limit as u64 {
+            return Ok((response, None));
+        }
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.map_err(Into::into)?.to_bytes();
+        let response = Response::from_parts(parts, body);
+        let payload = self.encode(&response);
+        Ok((response.map(B::from), payload))
+    }
 }
 
 #[cfg(test)]
@@ -188,5 +233,39 @@ mod tests {
         assert!(claim.encode(&status(429, b"")).is_none());
         assert!(claim.encode(&status(201, b"12345")).is_none(), "over the limit");
         assert!(claim.encode(&status(201, b"1234")).is_some());
+    }
+
+    #[test]
+    fn a_response_of_any_body_is_read_and_handed_back_with_its_encoding() {
+        let claim = claim(Config {
+            response_limit: 4,
+            ..Config::default()
+        });
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let body = |bytes: &'static [u8]| http_body_util::Full::new(Bytes::from_static(bytes));
+        let response = Response::builder().status(201).body(body(b"1234")).unwrap();
+        let (response, payload) = runtime.block_on(claim.encode_response(response)).unwrap();
+        assert_eq!(
+            payload,
+            claim.encode(&Response::builder().status(201).body(b"1234").unwrap())
+        );
+        assert!(payload.is_some());
+        let handed_back = runtime
+            .block_on(response.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        assert_eq!(&handed_back[..], b"1234");
+        // Over the limit by its size hint: handed back unread, nothing to store.
+        let response = Response::builder().status(201).body(body(b"12345")).unwrap();
+        let (response, payload) = runtime.block_on(claim.encode_response(response)).unwrap();
+        assert_eq!(payload, None);
+        let handed_back = runtime
+            .block_on(response.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        assert_eq!(&handed_back[..], b"12345");
     }
 }

@@ -332,7 +332,7 @@ pub(crate) fn newer_record(
         _ => Err(StoreError::Corrupt(format!(
             "a record in layout version {version}, claimed by a newer release {}; past the 15 minutes \
              of a rolling upgrade this release no longer answers it as in flight: roll forward to \
-             that release, or purge the key (README, \"Rolling back\")",
+             that release, or purge the key (docs/guarantees.md, \"Rolling back\")",
             match age {
                 Some(age) => format!("{} s ago", age.as_secs()),
                 None => "at an unknown time".to_owned(),

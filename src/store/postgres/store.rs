@@ -145,7 +145,7 @@ impl PostgresStore {
     /// The `statement_timeout` goes in the `options` startup parameter, which PgBouncer refuses
     /// (or, with `options` in its `ignore_startup_parameters`, drops): behind PgBouncer, set
     /// the timeout on the store's role and build the pool yourself for
-    /// [`new`](PostgresStore::new) (README, "PostgreSQL").
+    /// [`new`](PostgresStore::new) ([PostgreSQL](crate::guide::postgresql)).
     ///
     /// ```no_run
     /// use tower_idempotency::PostgresStore;

@@ -145,7 +145,7 @@ pub(super) async fn warn_if_records_can_be_evicted(client: &Client) {
             maxmemory_policy = policy,
             "Redis may evict idempotency records under maxmemory-policy {policy}: a running \
              request's record can be evicted and its key run twice; set maxmemory-policy \
-             noeviction (README: Running Redis for this)"
+             noeviction (docs/running-redis.md)"
         ),
         None => tracing::debug!("INFO memory names no maxmemory_policy; not checked"),
     }
