@@ -22,7 +22,7 @@ use crate::http::unmatched::UnmatchedPaths;
 use crate::telemetry::{self, Outcome};
 
 /// One layer for a whole router, each endpoint (method and path pattern) with its own settings:
-/// the code form of a policy file (see [`Policy`](crate::Policy), feature `policy`).
+/// the code form of a policy file (see `Policy`, feature `policy`).
 ///
 /// A request whose method and path match an endpoint is handled with that endpoint's settings;
 /// any other passes through untouched (add `"/*"` for a default). The path is the one this
