@@ -98,7 +98,6 @@ mod replay_cache;
 mod store;
 // Metrics and the request span, for core and adapter alike.
 mod telemetry;
-mod wake_anchor;
 // The tower adapter over it.
 mod http;
 // README and the guides of docs/, as pages of the documentation (no code).

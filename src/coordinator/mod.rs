@@ -141,7 +141,6 @@ impl Coordinator {
                 waiting: AtomicUsize::new(0),
                 max: DEFAULT_MAX_WAITERS,
             }),
-            wake_anchor: Arc::default(),
         };
         Self {
             settings: Arc::new(settings),
@@ -636,23 +635,5 @@ impl Drop for PendingClaim<'_> {
                 .settings
                 .release_in_background(self.key.clone(), self.owner.clone());
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{IdempotencyKey, MemoryStore};
-
-    #[tokio::test]
-    async fn a_store_call_keeps_a_timer_due() {
-        let coordinator = Coordinator::new(MemoryStore::new());
-        assert!(!coordinator.settings.wake_anchor.is_running());
-        let key = RecordKey::new(None, IdempotencyKey::parse("anchored").expect("a valid key"));
-        let begun = coordinator
-            .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
-            .await;
-        assert!(matches!(begun, Ok(Begin::Claimed(_))));
-        assert!(coordinator.settings.wake_anchor.is_running());
     }
 }

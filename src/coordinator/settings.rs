@@ -14,7 +14,6 @@ use crate::key::RecordKey;
 use crate::reconciliation::Reconciler;
 use crate::store::{OwnerToken, Store, StoreError};
 use crate::telemetry::{Named, StoreOp, StoreTimer};
-use crate::wake_anchor::WakeAnchor;
 
 pub(super) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 pub(super) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -38,8 +37,6 @@ pub(super) struct Settings {
     /// The `name` label of this coordinator's metrics, with its keys, if it has a name.
     pub(super) named: Option<Arc<Named>>,
     pub(super) waiters: Arc<Waiters>,
-    /// Keeps a timer due while store calls are made, so that theirs wake no parked thread.
-    pub(super) wake_anchor: Arc<WakeAnchor>,
 }
 
 impl Settings {
@@ -52,7 +49,6 @@ impl Settings {
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        self.wake_anchor.touch();
         let timer = StoreTimer::start(op, self.named.as_deref());
         let answer = tokio::time::timeout(self.store_timeout + STORE_TIMEOUT_GRACE, call)
             .await
