@@ -24,8 +24,9 @@ def default_files():
     return [f for f in files if f.exists()]
 
 
-def prose_lines(text):
-    """(line number, line) for each line outside fenced code blocks, inline code blanked."""
+def prose_lines(text, blank_code=True):
+    """(line number, line) for each line outside fenced code blocks, inline code blanked unless
+    `blank_code` is false."""
     fence = None
     for number, line in enumerate(text.split("\n"), 1):
         stripped = line.lstrip()
@@ -37,7 +38,7 @@ def prose_lines(text):
             if stripped.startswith(fence) and stripped.strip() == fence[0] * len(stripped.strip()):
                 fence = None
             continue
-        yield number, re.sub(r"(`+)(.+?)\1", lambda m: " " * len(m.group(0)), line)
+        yield number, re.sub(r"(`+)(.+?)\1", lambda m: " " * len(m.group(0)), line) if blank_code else line
 
 
 def slug(heading):
@@ -63,17 +64,7 @@ def anchors(path):
     if path not in _anchors:
         found, seen = set(), {}
         text = path.read_text(encoding="utf-8")
-        fence = None
-        for line in text.split("\n"):
-            stripped = line.lstrip()
-            match = re.match(r"(`{3,}|~{3,})", stripped)
-            if fence is None and match:
-                fence = match.group(1)
-                continue
-            if fence is not None:
-                if stripped.startswith(fence):
-                    fence = None
-                continue
+        for _, line in prose_lines(text, blank_code=False):
             heading = re.match(r" {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
             if heading:
                 base = slug(heading.group(1).replace("`", ""))
