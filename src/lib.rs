@@ -132,7 +132,9 @@ pub use self::http::response_body::ResponseBody;
 pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
-pub use coordinator::{Begin, Claim, Coordinator, Error, ShutdownHandle, ShutdownTimedOut};
+pub use coordinator::{
+    Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle, ShutdownTimedOut,
+};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use reconciliation::{NotStored, ReconciliationEvent, ReconciliationKind};

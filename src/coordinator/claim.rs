@@ -321,6 +321,18 @@ impl Claim {
         self.reconcile(ReconciliationKind::NotStorable { why }, None);
     }
 
+    /// Gives up on storing a result that ran but cannot be encoded: reported to the
+    /// reconciliation hook, and the key left to its lease, as after a completion whose every
+    /// attempt failed (released, a redelivery would run the operation again at once).
+    pub(crate) fn abandon_unencodable(mut self, error: &Error) {
+        self.stop_renewal();
+        self.settled = true;
+        let failed = ReconciliationKind::CompletionFailed {
+            error: error.to_string(),
+        };
+        self.reconcile(failed, None);
+    }
+
     fn reconcile(&self, kind: ReconciliationKind, payload: Option<&Bytes>) {
         let hook = self.settings.reconciler.as_ref();
         reconciliation::report(hook, kind, &self.key, &self.owner, payload);

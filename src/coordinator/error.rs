@@ -25,6 +25,11 @@ pub enum Error {
     /// was not stored: another caller may own the key now.
     #[error("the claim was lost before the result could be stored")]
     ClaimLost,
+    /// The operation's result could not be encoded for the store (a
+    /// [`Coordinator::once_json`](crate::Coordinator::once_json) result that serde_json
+    /// refuses, such as a map with keys that are not strings), so it was not stored.
+    #[error("the result could not be encoded for the store: {0}")]
+    Encode(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl Error {
@@ -33,7 +38,7 @@ impl Error {
         match self {
             Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
             Error::Store(error) if error.is_fence() => Outcome::Fenced,
-            Error::Store(_) | Error::ClaimLost => Outcome::StoreError,
+            Error::Store(_) | Error::ClaimLost | Error::Encode(_) => Outcome::StoreError,
             Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
         }
     }

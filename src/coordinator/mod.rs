@@ -8,6 +8,7 @@
 
 mod claim;
 mod error;
+mod once;
 mod running;
 mod settings;
 mod waiting;
@@ -21,6 +22,7 @@ use bytes::Bytes;
 pub use self::claim::Claim;
 use self::claim::Renewal;
 pub use self::error::Error;
+pub use self::once::{Disposition, Once, OnceCall};
 pub(crate) use self::running::Slot;
 pub use self::running::{ShutdownHandle, ShutdownTimedOut};
 use self::running::{Tracker, MAX_DURATION};
