@@ -29,6 +29,11 @@ impl Drop for Demo {
 
 /// The quickstart built by cargo beside this test binary.
 pub fn quickstart_binary() -> PathBuf {
+    example_binary("quickstart")
+}
+
+/// The example `name` built by cargo beside this test binary.
+pub fn example_binary(name: &str) -> PathBuf {
     // Tests run from target/<profile>/deps; cargo builds examples into target/<profile>/examples.
     let exe = std::env::current_exe().expect("test executable path");
     let path = exe
@@ -36,7 +41,7 @@ pub fn quickstart_binary() -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("target dir")
         .join("examples")
-        .join("quickstart");
+        .join(name);
     assert!(
         path.exists(),
         "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples`",

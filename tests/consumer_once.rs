@@ -1,0 +1,448 @@
+//! The consumer API (`Coordinator::once`, `once_json`, `once_with_ticket`) on every store: what
+//! each answer means for the message, that the operation runs once, that an error or a panic
+//! gives the key up and a stored business outcome does not, that the lease is renewed while the
+//! operation runs, and that a dead store fails closed.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::Backend;
+use serde::{Deserialize, Serialize};
+use tower_idempotency::{
+    Coordinator, Disposition, Error, Fingerprint, IdempotencyKey, Once, RecordKey, StoreError,
+};
+
+fn key(k: &str) -> RecordKey {
+    RecordKey::new(None, IdempotencyKey::parse(k).unwrap())
+}
+
+fn fp(body: &str) -> Fingerprint {
+    Fingerprint::new([body.as_bytes()])
+}
+
+/// An operation that counts its runs and answers `receipt`.
+fn counted(
+    runs: &Arc<AtomicUsize>,
+    receipt: &'static str,
+) -> impl FnOnce() -> std::future::Ready<Result<Bytes, String>> {
+    let runs = runs.clone();
+    move || {
+        runs.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(Bytes::from_static(receipt.as_bytes())))
+    }
+}
+
+async fn a_duplicate_is_replayed_and_acknowledged(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f, runs) = (key("dup-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let first = coordinator.once(&k, &f, counted(&runs, "receipt-1")).await;
+    assert!(
+        matches!(&first, Once::Ran(receipt) if receipt == "receipt-1"),
+        "{first:?}"
+    );
+    assert_eq!(first.disposition(), Disposition::Ack);
+    for _ in 0..2 {
+        let again = coordinator.once(&k, &f, counted(&runs, "receipt-2")).await;
+        assert!(
+            matches!(&again, Once::Replayed(receipt) if receipt == "receipt-1"),
+            "{again:?}"
+        );
+        assert_eq!(again.disposition(), Disposition::Ack);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the operation ran once");
+}
+
+async fn a_technical_failure_releases_the_key_for_a_redelivery(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f) = (key("fail-1"), fp("amount=5"));
+    let failed = coordinator
+        .once(&k, &f, || async { Err::<Bytes, _>("the bank timed out") })
+        .await;
+    assert!(matches!(failed, Once::Failed("the bank timed out")), "{failed:?}");
+    assert_eq!(failed.disposition(), Disposition::Retry { after: None });
+    // Released at once: the redelivery runs it, no lease to wait out.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let redelivered = coordinator.once(&k, &f, counted(&runs, "receipt")).await;
+    assert!(matches!(redelivered, Once::Ran(_)), "{redelivered:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum Charge {
+    Accepted { receipt: u64 },
+    Declined { reason: String },
+}
+
+async fn a_business_rejection_is_stored_and_replayed_as_the_same_type(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f, runs) = (key("json-1"), fp("amount=99999"), Arc::new(AtomicUsize::new(0)));
+    let charge = || {
+        let runs = runs.clone();
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>(Charge::Declined {
+                reason: "over the limit".into(),
+            })
+        }
+    };
+    let declined = Charge::Declined {
+        reason: "over the limit".into(),
+    };
+    let first = coordinator.once_json(&k, &f, charge()).await;
+    assert!(matches!(&first, Once::Ran(c) if *c == declined), "{first:?}");
+    let again = coordinator.once_json(&k, &f, charge()).await;
+    assert!(matches!(&again, Once::Replayed(c) if *c == declined), "{again:?}");
+    assert_eq!(again.disposition(), Disposition::Ack);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a stored rejection is never run again"
+    );
+    // Stored as JSON: a reader of the raw bytes sees it.
+    let raw = coordinator
+        .once(&k, &f, || async { Ok::<_, String>(Bytes::new()) })
+        .await;
+    assert!(
+        matches!(&raw, Once::Replayed(bytes) if bytes == r#"{"Declined":{"reason":"over the limit"}}"#),
+        "{raw:?}"
+    );
+}
+
+async fn a_stored_result_of_another_type_is_dead_lettered(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f) = (key("json-2"), fp("amount=1"));
+    let stored = coordinator
+        .once(&k, &f, || async { Ok::<_, String>(Bytes::from("not json")) })
+        .await;
+    assert!(matches!(stored, Once::Ran(_)));
+    let read = coordinator
+        .once_json(&k, &f, || async {
+            Ok::<_, String>(Charge::Accepted { receipt: 1 })
+        })
+        .await;
+    assert!(
+        matches!(&read, Once::Unavailable(Error::Store(StoreError::Corrupt(why))) if why.contains("Charge")),
+        "{read:?}"
+    );
+    assert_eq!(read.disposition(), Disposition::DeadLetter);
+}
+
+async fn a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease(backend: Backend) {
+    let coordinator =
+        Coordinator::from_shared_store(backend.store.clone()).with_lease(Duration::from_secs(30));
+    let (k, f) = (key("json-3"), fp("amount=1"));
+    // serde_json refuses a map whose keys are not strings.
+    let unencodable =
+        || async { Ok::<_, String>(std::collections::HashMap::from([((1, 2), "value".to_owned())])) };
+    let answer = coordinator.once_json(&k, &f, unencodable).await;
+    assert!(
+        matches!(
+            &answer,
+            Once::NotStored {
+                error: Error::Encode(_),
+                ..
+            }
+        ),
+        "{answer:?}"
+    );
+    assert_eq!(answer.disposition(), Disposition::Ack, "it ran: acknowledge");
+    // The key is left to its lease, not released: a duplicate does not run it again at once.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let duplicate = coordinator.once(&k, &f, counted(&runs, "r")).await;
+    assert!(matches!(duplicate, Once::InFlight { .. }), "{duplicate:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+async fn a_panic_releases_the_key_before_it_propagates(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f) = (key("panic-1"), fp("amount=5"));
+    let panicking = {
+        let (coordinator, k, f) = (coordinator.clone(), k.clone(), f);
+        tokio::spawn(async move {
+            coordinator
+                .once(&k, &f, || async {
+                    if true {
+                        panic!("the operation panicked");
+                    }
+                    Ok::<Bytes, String>(Bytes::new())
+                })
+                .await
+        })
+    };
+    let joined = panicking.await.expect_err("the panic goes on up");
+    assert!(joined.is_panic());
+    // Released before the panic reached the caller: the very next delivery runs it.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let redelivered = coordinator.once(&k, &f, counted(&runs, "receipt")).await;
+    assert!(matches!(redelivered, Once::Ran(_)), "{redelivered:?}");
+}
+
+async fn a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, runs) = (key("mismatch-1"), Arc::new(AtomicUsize::new(0)));
+    let first = coordinator.once(&k, &fp("amount=5"), counted(&runs, "r")).await;
+    assert!(matches!(first, Once::Ran(_)));
+    let other = coordinator.once(&k, &fp("amount=6"), counted(&runs, "r")).await;
+    assert!(matches!(other, Once::Mismatch), "{other:?}");
+    assert_eq!(other.disposition(), Disposition::DeadLetter);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A lease of 300 ms under an operation of 1.2 s: renewed meanwhile, so a duplicate delivered
+/// during it is in flight every time (never run beside it), and is told when to come back.
+async fn the_lease_is_renewed_while_the_operation_runs(backend: Backend) {
+    let lease = Duration::from_millis(300);
+    let coordinator = Coordinator::from_shared_store(backend.store.clone()).with_lease(lease);
+    let (k, f, runs) = (key("slow-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let slow = {
+        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
+        tokio::spawn(async move {
+            coordinator
+                .once(&k, &f, || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(1200)).await;
+                    Ok::<_, String>(Bytes::from("slow receipt"))
+                })
+                .await
+        })
+    };
+    common::until("the slow operation starts", || runs.load(Ordering::SeqCst) == 1).await;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(900) {
+        let duplicate = coordinator.once(&k, &f, counted(&runs, "r")).await;
+        match duplicate {
+            Once::InFlight { retry_after } => {
+                assert!(retry_after <= lease, "{retry_after:?}");
+                assert_eq!(
+                    duplicate.disposition(),
+                    Disposition::Retry {
+                        after: Some(retry_after)
+                    }
+                );
+            }
+            other => panic!("a duplicate during the operation got {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(matches!(slow.await.unwrap(), Once::Ran(_)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// `.wait(...)`: a duplicate waits for the running operation and gets its result.
+async fn a_waiting_duplicate_gets_the_running_operations_result(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f, runs) = (key("wait-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let first = {
+        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
+        tokio::spawn(async move {
+            coordinator
+                .once(&k, &f, || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    Ok::<_, String>(Bytes::from("first receipt"))
+                })
+                .await
+        })
+    };
+    common::until("the first operation starts", || runs.load(Ordering::SeqCst) == 1).await;
+    let waited = coordinator
+        .once(&k, &f, counted(&runs, "second receipt"))
+        .wait(Duration::from_secs(10))
+        .await;
+    assert!(
+        matches!(&waited, Once::Replayed(r) if r == "first receipt"),
+        "{waited:?}"
+    );
+    assert!(matches!(first.await.unwrap(), Once::Ran(_)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A consumer killed mid-operation (its future dropped, as a cancelled task's is): the key is
+/// given up, and the redelivery runs it.
+async fn a_dropped_call_gives_the_key_up(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f, runs) = (key("drop-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let hung = {
+        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
+        tokio::spawn(async move {
+            coordinator
+                .once(&k, &f, || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<Result<Bytes, String>>().await
+                })
+                .await
+        })
+    };
+    common::until("the operation starts", || runs.load(Ordering::SeqCst) == 1).await;
+    hung.abort();
+    let _ = hung.await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match coordinator.once(&k, &f, counted(&runs, "r")).await {
+            Once::Ran(_) => break,
+            Once::InFlight { .. } if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            other => panic!("after the drop: {other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// The claim lost under the operation (purged here; a lease that lapsed is the same): the
+/// operation ran, its result is not stored, and the answer says so.
+async fn a_lost_claim_is_not_stored_but_acknowledged(backend: Backend) {
+    let coordinator = Coordinator::from_shared_store(backend.store.clone());
+    let (k, f) = (key("lost-1"), fp("amount=5"));
+    let answer = {
+        let (purger, k2) = (coordinator.clone(), k.clone());
+        coordinator
+            .once(&k, &f, || async move {
+                assert!(purger.purge(&k2).await.unwrap(), "the record was there to purge");
+                Ok::<_, String>(Bytes::from("receipt"))
+            })
+            .await
+    };
+    assert!(
+        matches!(&answer, Once::NotStored { result, error: Error::ClaimLost } if result == "receipt"),
+        "{answer:?}"
+    );
+    assert_eq!(answer.disposition(), Disposition::Ack);
+}
+
+on_both_stores!(
+    a_duplicate_is_replayed_and_acknowledged,
+    a_technical_failure_releases_the_key_for_a_redelivery,
+    a_business_rejection_is_stored_and_replayed_as_the_same_type,
+    a_stored_result_of_another_type_is_dead_lettered,
+    a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease,
+    a_panic_releases_the_key_before_it_propagates,
+    a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter,
+    the_lease_is_renewed_while_the_operation_runs,
+    a_waiting_duplicate_gets_the_running_operations_result,
+    a_dropped_call_gives_the_key_up,
+    a_lost_claim_is_not_stored_but_acknowledged,
+);
+on_postgres!(
+    a_duplicate_is_replayed_and_acknowledged,
+    a_technical_failure_releases_the_key_for_a_redelivery,
+    a_business_rejection_is_stored_and_replayed_as_the_same_type,
+    a_stored_result_of_another_type_is_dead_lettered,
+    a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease,
+    a_panic_releases_the_key_before_it_propagates,
+    a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter,
+    the_lease_is_renewed_while_the_operation_runs,
+    a_waiting_duplicate_gets_the_running_operations_result,
+    a_dropped_call_gives_the_key_up,
+    a_lost_claim_is_not_stored_but_acknowledged,
+);
+
+/// A dead store: nothing runs, and the message is to be delivered again (fail closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_fails_closed_and_runs_nothing() {
+    let mut server = common::RedisServer::start();
+    let store = tower_idempotency::RedisStore::connect(&server.url())
+        .await
+        .expect("connect");
+    let coordinator = Coordinator::new(store).with_store_timeout(Duration::from_millis(300));
+    server.kill();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let answer = coordinator
+        .once(&key("dead-1"), &fp("amount=5"), counted(&runs, "r"))
+        .await;
+    assert!(matches!(answer, Once::Unavailable(Error::Store(_))), "{answer:?}");
+    assert_eq!(answer.disposition(), Disposition::Retry { after: None });
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "nothing ran without the store");
+}
+
+/// `once_with_ticket` on PostgreSQL: the effect and the record commit in one transaction; an
+/// operation that rolls back leaves neither, and the redelivery runs it.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_commits_the_effect_and_the_record_together() {
+    let url = tokio::task::spawn_blocking(|| common::postgres::shared().url())
+        .await
+        .unwrap();
+    let store = common::postgres::store(&url).await;
+    let ledger = common::postgres::unique_table();
+    sqlx::query(&format!("CREATE TABLE {ledger} (id text, amount bigint)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let coordinator = Coordinator::new(store.clone());
+    let (k, f) = (key("pay-1"), fp("amount=7"));
+    let apply = |commit: bool| {
+        let (store, ledger) = (store.clone(), ledger.clone());
+        move |ticket: tower_idempotency::ClaimTicket| async move {
+            let mut transaction = store.pool().begin().await.map_err(|e| e.to_string())?;
+            sqlx::query(&format!("INSERT INTO {ledger} VALUES ('pay-1', 7)"))
+                .execute(&mut *transaction)
+                .await
+                .map_err(|e| e.to_string())?;
+            let receipt = Bytes::from("receipt-pay-1");
+            if !store
+                .complete_in(&mut transaction, &ticket, receipt.clone())
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                return Err("claim lost".to_owned());
+            }
+            if !commit {
+                transaction.rollback().await.map_err(|e| e.to_string())?;
+                return Err("rolled back".to_owned());
+            }
+            transaction.commit().await.map_err(|e| e.to_string())?;
+            Ok(receipt)
+        }
+    };
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {ledger}"))
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    };
+    let rolled_back = coordinator.once_with_ticket(&k, &f, apply(false)).await;
+    assert!(
+        matches!(rolled_back, Once::Failed(ref why) if why == "rolled back"),
+        "{rolled_back:?}"
+    );
+    assert_eq!(rows().await, 0, "a rollback leaves no effect");
+    let ran = coordinator.once_with_ticket(&k, &f, apply(true)).await;
+    assert!(matches!(&ran, Once::Ran(r) if r == "receipt-pay-1"), "{ran:?}");
+    let replayed = coordinator.once_with_ticket(&k, &f, apply(true)).await;
+    assert!(
+        matches!(&replayed, Once::Replayed(r) if r == "receipt-pay-1"),
+        "{replayed:?}"
+    );
+    assert_eq!(rows().await, 1, "one effect, committed with its record");
+}
+
+/// `examples/consumer.rs`, run as README says, in memory and on Redis: each delivery's answer
+/// and what it means for the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_example_answers_each_delivery_as_documented() {
+    let expected = [
+        "msg-1 (acme): ran -> receipt for msg-1 of acme; ack",
+        "msg-2 (acme): failed: the bank did not answer; deliver again",
+        "msg-1 (acme): duplicate -> receipt for msg-1 of acme; ack",
+        "msg-2 (acme): ran -> receipt for msg-2 of acme; ack",
+        "msg-1 (globex): ran -> receipt for msg-1 of globex; ack",
+        "msg-2 (acme): same id, different message; dead-letter",
+    ];
+    let server = common::RedisServer::start();
+    for redis_url in [None, Some(server.url())] {
+        let mut command = std::process::Command::new(common::demo::example_binary("consumer"));
+        command.env_remove("REDIS_URL");
+        if let Some(url) = &redis_url {
+            command.env("REDIS_URL", url);
+        }
+        let output = command.output().expect("run examples/consumer");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{redis_url:?}: {output:?}");
+        assert_eq!(stdout.lines().collect::<Vec<_>>(), expected, "{redis_url:?}");
+    }
+}
