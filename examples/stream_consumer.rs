@@ -23,9 +23,11 @@
 //! - `LEASE_MS`: the claim's lease, which is also how long a message stays pending on a consumer
 //!   before another takes it over (`XAUTOCLAIM`); default 30000;
 //! - `MAX_DELIVERIES`: a message delivered more times than this is dead-lettered without being
-//!   run (default 5). A message left pending (its key in flight elsewhere, a failure) is
-//!   delivered again after `LEASE_MS`, so this bounds a poison's retries to about
-//!   `MAX_DELIVERIES` leases;
+//!   run (default 5): a message that fails every time, or kills its consumer. A message left
+//!   pending (its key in flight elsewhere, a failure, the store down) is delivered again
+//!   after `LEASE_MS`, so this bounds its retries to about `MAX_DELIVERIES` leases. A takeover
+//!   counts as a delivery even when the consumer it came from is alive and still working, so
+//!   keep `MAX_DELIVERIES` × `LEASE_MS` above the longest work and store outage to ride out;
 //! - `DATABASE_URL` (built with `--features postgres`): the store is PostgreSQL.
 //!
 //! Each message has the fields `id` (the idempotency key) and `amount` (an integer); the record's
@@ -36,24 +38,28 @@
 //!
 //! What happens to a message, from what [`Coordinator::once`] answered:
 //!
-//! | answer                               | log line        | the message                                 |
-//! |--------------------------------------|-----------------|---------------------------------------------|
-//! | ran (also ran but not stored)        | `ran`           | `XACK`                                      |
-//! | replayed (a duplicate)               | `replayed`      | `XACK`                                      |
-//! | in flight on another consumer        | `in-flight`     | left pending: taken over after `LEASE_MS`   |
-//! | the operation failed                 | `failed`        | left pending: taken over after `LEASE_MS`   |
-//! | store unavailable                    | `unavailable`   | left pending: taken over after `LEASE_MS`   |
-//! | mismatch, bad `id` or `amount`, too many deliveries, unreadable record | `dead-lettered` | `XADD <STREAM>:dead` (its fields, `reason`, `entry`) and `XACK`, in one `MULTI` |
+//! | answer                                       | log line        | the message                 |
+//! |----------------------------------------------|-----------------|-----------------------------|
+//! | ran (also ran but not stored)                | `ran`           | `XACK`                      |
+//! | replayed (a duplicate)                       | `replayed`      | `XACK`                      |
+//! | in flight on another consumer                | `in-flight`     | left pending                |
+//! | the operation failed                         | `failed`        | left pending                |
+//! | store unavailable                            | `unavailable`   | left pending                |
+//! | mismatch, unreadable record; a bad `id` or `amount`, too many deliveries (not run) | `dead-lettered` | dead-lettered |
 //!
-//! A message taken over from another consumer waits up to a lease for that consumer's claim
-//! (`.wait(lease)`): a dead consumer's message runs as soon as its lease ends.
+//! A message left pending is taken over (`XAUTOCLAIM`) by whichever consumer finds it idle for
+//! `LEASE_MS`, and that consumer waits up to a lease for the claim it finds (`.wait(lease)`): a
+//! dead consumer's message runs as soon as its claim's lease ends, at most about a lease after
+//! the kill. Dead-lettering adds the message to `<STREAM>:dead` with its own fields plus
+//! `reason` and `entry` (its entry id) and acknowledges it, in one `MULTI`.
 //!
-//! It logs one line per message on stdout, `<outcome> msg=<entry id> id=<id> …`, written
-//! before the `XACK`. On `SIGTERM` (or Ctrl-C) it finishes the message in hand and exits 0.
-//! With `RUST_LOG=stream_consumer=debug` it also logs on stderr when it takes a message
-//! (`received`), right before the effect (`effect`), and, on the Redis store, how long after
-//! the effect its record was completed (`completed … window_us=`): a crash inside that window
-//! applies the effect again on redelivery, the limit of a store apart from the business data.
+//! It logs one line per message on stdout, `<outcome> msg=<entry id> id="<id>" …`, written
+//! before the `XACK` or the dead-lettering. On `SIGTERM` (or Ctrl-C) it finishes the message in
+//! hand and exits 0. With `RUST_LOG=stream_consumer=debug` it also logs on stderr when it takes
+//! a message (`received`), right before the effect (`effect`) and, on the Redis store, how long
+//! after the effect's reply the record's completion landed (`completed … window_us=`): a crash
+//! inside that window applies the effect again on redelivery, the limit of a store apart from
+//! the business data (`scripts/stream-window.sh` measures it).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -199,40 +205,37 @@ impl Consumer {
         };
         let took_ms = started.elapsed().as_millis();
         let what = format!("msg={entry} id={id:?}");
-        match (&answer, answer.disposition()) {
-            (_, Disposition::Ack) => {
-                match &answer {
-                    Once::NotStored { error, .. } => {
-                        println!(
-                            "ran {what} amount={amount} took_ms={took_ms} not_stored={:?}",
-                            error.to_string()
-                        )
-                    }
-                    Once::Replayed(_) => println!("replayed {what} took_ms={took_ms}"),
-                    _ => println!("ran {what} amount={amount} took_ms={took_ms}"),
-                }
-                self.ack(entry).await;
-            }
-            (Once::InFlight { retry_after }, _) => println!(
+        let disposition = answer.disposition();
+        // The log line says what happened; the disposition what to do with the message.
+        match &answer {
+            Once::Ran(_) => println!("ran {what} amount={amount} took_ms={took_ms}"),
+            Once::NotStored { error, .. } => println!(
+                "ran {what} amount={amount} took_ms={took_ms} not_stored={:?}",
+                error.to_string()
+            ),
+            Once::Replayed(_) => println!("replayed {what} took_ms={took_ms}"),
+            Once::InFlight { retry_after } => println!(
                 "in-flight {what} retry_after_ms={} (left pending)",
                 retry_after.as_millis()
             ),
-            (Once::Failed(error), _) => {
-                println!("failed {what} error={:?} (left pending)", error.to_string())
-            }
-            (Once::Unavailable(error), Disposition::Retry { .. }) => {
+            Once::Failed(error) => println!("failed {what} error={:?} (left pending)", error.to_string()),
+            Once::Unavailable(error) if disposition != Disposition::DeadLetter => {
                 println!("unavailable {what} error={:?} (left pending)", error.to_string())
             }
-            (Once::Mismatch, _) => {
-                let reason = "mismatch: this id came before with another amount";
-                self.dead_letter(&message, &id, reason).await
-            }
-            (Once::Unavailable(error), _) => {
-                let reason = format!("unreadable record: {error}");
+            Once::Unavailable(_) | Once::Mismatch => {} // logged as dead-lettered, with the reason
+        }
+        match disposition {
+            Disposition::Ack => self.ack(entry).await,
+            // A stream has no delayed redelivery: left pending, the message goes to whichever
+            // consumer finds it idle for a lease (XAUTOCLAIM), which is when the claim that
+            // made it wait has ended at the latest.
+            Disposition::Retry { .. } => {}
+            Disposition::DeadLetter => {
+                let reason = match &answer {
+                    Once::Unavailable(error) => format!("unreadable record: {error}"),
+                    _ => "mismatch: this id came before with another amount".to_owned(),
+                };
                 self.dead_letter(&message, &id, &reason).await
-            }
-            (Once::Ran(_) | Once::Replayed(_) | Once::NotStored { .. }, _) => {
-                unreachable!("acknowledged above")
             }
         }
     }
