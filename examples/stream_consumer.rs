@@ -56,7 +56,8 @@
 //! It logs one line per message on stdout, `<outcome> msg=<entry id> id="<id>" …`, written
 //! before the `XACK` or the dead-lettering. On `SIGTERM` (or Ctrl-C) it finishes the message in
 //! hand and exits 0. With `RUST_LOG=stream_consumer=debug` it also logs on stderr when it takes
-//! a message (`received`), right before the effect (`effect`) and, on the Redis store, how long
+//! a message (`received`), once it holds the message's key and runs it (`running`), right
+//! before the effect (`effect`) and, on the Redis store, how long
 //! after the effect's reply the record's completion landed (`completed … window_us=`): a crash
 //! inside that window applies the effect again on redelivery, the limit of a store apart from
 //! the business data (`scripts/stream-window.sh` measures it).
@@ -254,6 +255,7 @@ impl Consumer {
         let answer = self
             .coordinator
             .once(key, fingerprint, || async {
+                tracing::debug!(msg = %entry, id = ?id, "running");
                 tokio::time::sleep(self.settings.work).await;
                 tracing::debug!(msg = %entry, id = ?id, "effect");
                 let count: i64 = self.redis.hincrby(&self.ledger_key, id, 1).await?;
@@ -285,6 +287,7 @@ impl Consumer {
         let id = key.key().as_str();
         self.coordinator
             .once_with_ticket(key, fingerprint, |ticket| async move {
+                tracing::debug!(msg = %entry, id = ?id, "running");
                 tokio::time::sleep(self.settings.work).await;
                 tracing::debug!(msg = %entry, id = ?id, "effect");
                 let mut transaction = store.pool().begin().await?;

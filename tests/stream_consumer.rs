@@ -239,13 +239,16 @@ async fn kill_9_with_the_postgres_store() {
     crash(Streams::with_postgres(&env).await).await;
 }
 
-/// A consumer killed in the middle of a message: another runs it once the lease has passed,
-/// and no later.
+/// A consumer killed in the middle of a message, after its claim's lease was renewed: another
+/// takes the message over once it has been pending a lease, waits for the claim's lease to
+/// end, and runs it then: less than a lease after the kill, where leaving it pending once more
+/// would take two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_consumers_message_is_processed_a_lease_later() {
-    let streams = Streams::new(&[("WORK_MS", "300")]).await;
+    let streams = Streams::new(&[("WORK_MS", "800")]).await;
     let log = Log::default();
     let first = Consumer::start(0, streams.consumer(), &log);
+    let second = Consumer::start(1, streams.consumer(), &log);
     let published = streams
         .publish_all(&[Message {
             id: "pay-held".into(),
@@ -253,37 +256,49 @@ async fn a_killed_consumers_message_is_processed_a_lease_later() {
         }])
         .await;
     let entry = published[0].1.clone();
-    log.wait_for(
-        "the first consumer takes the message",
-        Duration::from_secs(10),
-        |e| e.kind == "received" && e.msg == entry,
-    )
-    .await;
-    let killed = Instant::now();
-    first.kill();
-    let second = Consumer::start(1, streams.consumer(), &log);
-    let done = log
-        .wait_for("the second consumer runs it", Duration::from_secs(10), |e| {
-            e.consumer == 1 && e.is_final() && e.msg == entry
+    let taken = log
+        .wait_for("a consumer takes the message", Duration::from_secs(10), |e| {
+            e.kind == "received" && e.msg == entry
         })
         .await;
-    let delay = done.at.duration_since(killed);
+    // Past the first renewal (a third of the lease): the claim now ends a lease after that.
+    tokio::time::sleep_until((taken.at + Duration::from_millis(500)).into()).await;
+    let killed = Instant::now();
+    let (victim, survivor) = if taken.consumer == 0 {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    victim.kill();
+    let running = log
+        .wait_for("the other consumer runs it", Duration::from_secs(10), |e| {
+            e.consumer == survivor.index && e.kind == "running" && e.msg == entry
+        })
+        .await;
+    let done = log
+        .wait_for("the other consumer finishes it", Duration::from_secs(10), |e| {
+            e.consumer == survivor.index && e.is_final() && e.msg == entry
+        })
+        .await;
+    let (started, finished) = (running.at - killed, done.at - killed);
     eprintln!(
-        "processed {} ms after the kill (lease {LEASE_MS} ms, work 300 ms)",
-        delay.as_millis()
+        "run again {} ms after the kill, done {} ms after it (lease {LEASE_MS} ms, work 800 ms)",
+        started.as_millis(),
+        finished.as_millis()
     );
     assert_eq!(done.kind, "ran", "{}", log.dump());
+    // Not before it has been pending a lease (500 ms of which passed before the kill).
     assert!(
-        delay >= Duration::from_millis(LEASE_MS / 2),
-        "taken over before its lease could end: {delay:?}\n{}",
+        started >= Duration::from_millis(LEASE_MS - 600),
+        "taken over {started:?} after the kill, before its lease could end\n{}",
         log.dump()
     );
     assert!(
-        delay <= Duration::from_millis(LEASE_MS + 300 + 700),
-        "taken over {delay:?} after the kill, more than a lease and the work\n{}",
+        started <= Duration::from_millis(LEASE_MS + 300),
+        "run again {started:?} after the kill, more than a lease\n{}",
         log.dump()
     );
-    assert!(second.terminate().success());
+    assert!(survivor.terminate().success());
     assert_eq!(streams.effects().await.get("pay-held"), Some(&1));
     assert!(streams.settled().await);
 }

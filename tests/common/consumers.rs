@@ -14,8 +14,9 @@
 //!   delivery). A `ran` line with `not_stored=` ran without storing its record;
 //! - stderr, `tracing`'s format without colours (`… DEBUG target: <event> key=value …`), at
 //!   debug level: `received msg= id=` when the consumer takes a message, `effect msg= id=`
-//!   right before it applies the effect, and (optionally) `completed msg= id= window_us=` on a
-//!   store apart from the effect: the time from the effect's reply to the record's completion.
+//!   right before it applies the effect, and optionally `running msg= id=` once it has claimed
+//!   the key (before its work), and `completed msg= id= window_us=` on a store apart from the
+//!   effect: the time from the effect's reply to the record's completion.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
