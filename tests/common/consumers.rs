@@ -276,12 +276,23 @@ impl Consumer {
 
     /// `SIGTERM`; waits for it to exit (30 s at most, then `kill -9` and panic) and for
     /// everything it wrote to be read.
-    pub fn terminate(mut self) -> ExitStatus {
+    pub fn terminate(self) -> ExitStatus {
+        self.sigterm();
+        self.wait()
+    }
+
+    /// Sends `SIGTERM` (see [`wait`](Consumer::wait)).
+    pub fn sigterm(&self) {
         let status = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -TERM {}", self.child.id());
+    }
+
+    /// Waits for it to exit (30 s at most, then `kill -9` and panic) and for everything it
+    /// wrote to be read.
+    pub fn wait(mut self) -> ExitStatus {
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {
             if let Some(status) = self.child.try_wait().expect("wait for a consumer") {
@@ -289,7 +300,7 @@ impl Consumer {
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
-                panic!("consumer {} did not exit within 30 s of SIGTERM", self.index);
+                panic!("consumer {} did not exit within 30 s", self.index);
             }
             std::thread::sleep(Duration::from_millis(10));
         };
@@ -387,7 +398,8 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let wall = started.elapsed();
-    let exits = running.into_iter().map(Consumer::terminate).collect();
+    running.iter().for_each(Consumer::sigterm);
+    let exits = running.into_iter().map(Consumer::wait).collect();
     let events = log.events();
     for kill in &mut kills {
         // A consumer handles one message at a time: its last `received` is the one in hand
