@@ -193,7 +193,8 @@ async fn crash(streams: Streams) {
     };
     let run = consumers::crash_run(&streams, &plan).await;
     eprintln!("{}", run.summary());
-    if std::env::var_os("DUMP").is_some() {
+    // Every consumer's lines, for a run that passed (a failure prints them anyway).
+    if std::env::var_os("STREAM_CONSUMER_LOG").is_some() {
         eprintln!("{}", run.log.dump());
     }
     consumers::check(&streams, &run, &published, streams.transactional()).await;
