@@ -580,6 +580,11 @@ pub async fn check<B: Broker>(broker: &B, run: &Run, published: &[(Message, Stri
     for id in effects.keys() {
         assert!(ids.contains(id.as_str()), "an effect for {id}, never published");
     }
+    let repeated: Vec<String> = (effects.iter())
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, n)| format!("{id} ×{n}"))
+        .collect();
+    eprintln!("applied more than once (each after a kill between effect and completion): {repeated:?}");
     for status in &run.exits {
         assert!(
             status.success(),
