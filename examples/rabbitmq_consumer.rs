@@ -5,9 +5,13 @@
 //! gives the message it held to another at once, which waits for the dead one's lease to end
 //! and then processes it.
 //!
+//! In another shell, with the same `AMQP_URL` (and `QUEUE`, if set), publish with the example
+//! itself (`publish ID AMOUNT [MESSAGE_ID]`, a persistent message, confirmed by the broker):
+//!
 //! ```text
-//! cargo run --example rabbitmq_consumer -- publish pay-1 40   # publishes {"id":"pay-1","amount":40}
+//! cargo run --example rabbitmq_consumer -- publish pay-1 40   # {"id":"pay-1","amount":40}
 //! cargo run --example rabbitmq_consumer -- publish pay-1 40   # a duplicate: acknowledged, not applied
+//! cargo run --example rabbitmq_consumer -- publish pay-1 41   # the same id, another amount: dead-lettered
 //! redis-cli HGETALL payments:ledger                            # pay-1 -> 1
 //! ```
 //!
@@ -28,7 +32,10 @@
 //! - `LEASE_MS`: the claim's lease, which is also how long a message redelivered after its
 //!   consumer died waits for that consumer's claim (default 30000);
 //! - `MAX_DELIVERIES`: a message delivered more times than this is dead-lettered without being
-//!   run (default 5).
+//!   run (default 5);
+//! - `PAUSE_AFTER_EFFECT_MS`: a pause right after the effect, before its record is completed
+//!   (before the commit, with PostgreSQL), to `kill -9` the consumer there and watch what a
+//!   redelivery does (default 0; the tests set it).
 //!
 //! Each message's body is JSON, `{"id": "pay-1", "amount": 40}`: `id` the idempotency key,
 //! `amount` an integer; other fields are ignored. The record's fingerprint covers `id` and
@@ -113,6 +120,7 @@ struct Settings {
     work: Duration,
     lease: Duration,
     max_deliveries: u64,
+    pause_after_effect: Duration,
 }
 
 /// Where the effect goes, and so which store keeps the records.
@@ -254,6 +262,7 @@ impl Consumer {
                 tracing::debug!(msg, id, "effect");
                 let count: i64 = redis.hincrby(&self.ledger_key, id, 1).await?;
                 *applied.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                tokio::time::sleep(self.settings.pause_after_effect).await;
                 Ok::<_, BoxError>(Bytes::from(format!("{id} counted ({count})")))
             })
             .wait(self.settings.lease)
@@ -288,6 +297,7 @@ impl Consumer {
                     .bind(amount)
                     .execute(&mut *transaction)
                     .await?;
+                tokio::time::sleep(self.settings.pause_after_effect).await;
                 let receipt = Bytes::from(format!("{id} recorded"));
                 if !store
                     .complete_in(&mut transaction, &ticket, receipt.clone())
@@ -473,6 +483,7 @@ async fn main() -> Result<(), BoxError> {
         work: Duration::from_millis(setting("WORK_MS", 0)?),
         lease: Duration::from_millis(setting("LEASE_MS", 30_000)?),
         max_deliveries: setting("MAX_DELIVERIES", 5)?,
+        pause_after_effect: Duration::from_millis(setting("PAUSE_AFTER_EFFECT_MS", 0)?),
     };
     let dead_queue = format!("{}.dead", settings.queue);
 
