@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod consumers;
 pub mod demo;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -1,0 +1,577 @@
+//! A crash harness for queue consumers, whatever the broker: publish messages with duplicate
+//! ids, run several consumer processes at once, `kill -9` them at random moments and start new
+//! ones until every message is acknowledged or dead-lettered, then read back what happened
+//! from the consumers' logs and the broker. A broker plugs in through [`Broker`]: how to
+//! publish, count the effects, tell whether all is settled, list the dead letters, and start
+//! one consumer.
+//!
+//! The consumers' logs are the protocol (`examples/stream_consumer.rs` writes it):
+//! - stdout, one line per message handled: `<outcome> msg=<ref> id=<id> [key=value …]`, where
+//!   `<ref>` names the message as [`Broker::publish`] answered (a stream entry id, an AMQP
+//!   `message_id`), values may be quoted (`id="pay-1"`, Rust `{:?}`), and `<outcome>` is
+//!   `ran`, `replayed` or `dead-lettered` (final: written right before the message is
+//!   acknowledged or dead-lettered), or `in-flight`, `failed`, `unavailable` (left for another
+//!   delivery). A `ran` line with `not_stored=` ran without storing its record;
+//! - stderr, `tracing`'s format without colours (`… DEBUG target: <event> key=value …`), at
+//!   debug level: `received msg= id=` when the consumer takes a message, `effect msg= id=`
+//!   right before it applies the effect, and (optionally) `completed msg= id= window_us=` on a
+//!   store apart from the effect: the time from the effect's reply to the record's completion.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+/// A message to publish: its idempotency key and amount.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub id: String,
+    pub amount: i64,
+}
+
+/// `ids` distinct ids, `<prefix>-<n>`, each published once, twice or three times (in turn) with
+/// the same amount every time, shuffled.
+pub fn with_duplicates(prefix: &str, ids: usize) -> Vec<Message> {
+    let mut messages = Vec::new();
+    for n in 0..ids {
+        let message = Message {
+            id: format!("{prefix}-{n}"),
+            amount: 10 + n as i64,
+        };
+        for _ in 0..(1 + n % 3) {
+            messages.push(message.clone());
+        }
+    }
+    messages.shuffle(&mut rand::rng());
+    messages
+}
+
+/// What the harness needs from a broker and the consumer it runs.
+#[allow(async_fn_in_trait)]
+pub trait Broker {
+    /// Publishes `messages` in order; answers each one's reference, as its consumer logs it
+    /// (`msg=`).
+    async fn publish(&self, messages: &[Message]) -> Vec<String>;
+    /// How many times each id's effect was applied (the ledger).
+    async fn effects(&self) -> BTreeMap<String, u64>;
+    /// Whether every published message is acknowledged or dead-lettered: none waits for a
+    /// consumer, none is delivered and unacknowledged.
+    async fn settled(&self) -> bool;
+    /// The dead-lettered messages: reference and reason.
+    async fn dead_letters(&self) -> Vec<(String, String)>;
+    /// A command that starts one consumer with its debug lines on (see the module doc); the
+    /// harness sets its stdout and stderr.
+    fn consumer(&self) -> Command;
+}
+
+/// An example binary built by cargo beside this test binary (`cargo test` builds examples
+/// into target/<profile>/examples; tests run from target/<profile>/deps).
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples --all-features`",
+        path.display()
+    );
+    path
+}
+
+/// One line a consumer wrote, parsed.
+#[derive(Clone, Debug)]
+pub struct Event {
+    /// When the harness read it.
+    pub at: Instant,
+    /// Which consumer (the order they were started in).
+    pub consumer: usize,
+    /// From stderr (a debug line), not stdout (an outcome).
+    pub debug: bool,
+    /// The outcome (`ran`, …) or the debug event (`received`, `effect`, `completed`), or the
+    /// first word of any other line.
+    pub kind: String,
+    /// `msg=`, if any.
+    pub msg: String,
+    /// `id=`, if any.
+    pub id: String,
+    pub fields: BTreeMap<String, String>,
+    pub text: String,
+}
+
+impl Event {
+    /// An outcome after which the message is acknowledged or dead-lettered.
+    pub fn is_final(&self) -> bool {
+        !self.debug && matches!(self.kind.as_str(), "ran" | "replayed" | "dead-lettered")
+    }
+
+    /// Any outcome line (final or left for another delivery).
+    pub fn is_outcome(&self) -> bool {
+        !self.debug
+            && matches!(
+                self.kind.as_str(),
+                "ran" | "replayed" | "dead-lettered" | "in-flight" | "failed" | "unavailable"
+            )
+    }
+}
+
+/// Splits `key=value key="quoted value" …` after a leading word.
+fn parse(consumer: usize, debug: bool, text: &str) -> Event {
+    // tracing: "<time> LEVEL target: event k=v …"; the time holds no ": ".
+    let body = if debug {
+        text.split_once(": ").map_or(text, |(_, rest)| rest)
+    } else {
+        text
+    };
+    let body = body.trim();
+    let (kind, rest) = body.split_once(' ').unwrap_or((body, ""));
+    let mut fields = BTreeMap::new();
+    for token in tokens(rest) {
+        if let Some((key, value)) = token.split_once('=') {
+            fields.insert(key.to_owned(), value.to_owned());
+        }
+    }
+    Event {
+        at: Instant::now(),
+        consumer,
+        debug,
+        kind: kind.to_owned(),
+        msg: fields.get("msg").cloned().unwrap_or_default(),
+        id: fields.get("id").cloned().unwrap_or_default(),
+        fields,
+        text: text.to_owned(),
+    }
+}
+
+/// Words split at spaces, where a `"…"` (with `\\` escapes) is part of its word, unquoted:
+/// `a=1 b="x y" (z)` is `a=1`, `b=x y`, `(z)`.
+fn tokens(text: &str) -> Vec<String> {
+    let mut tokens = Vec::new();
+    let mut token = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            ' ' if !token.is_empty() => tokens.push(std::mem::take(&mut token)),
+            ' ' => {}
+            '"' => {
+                while let Some(c) = chars.next() {
+                    match c {
+                        '\\' => token.extend(chars.next()),
+                        '"' => break,
+                        c => token.push(c),
+                    }
+                }
+            }
+            c => token.push(c),
+        }
+    }
+    if !token.is_empty() {
+        tokens.push(token);
+    }
+    tokens
+}
+
+/// Every consumer's lines, in the order read.
+#[derive(Clone, Default)]
+pub struct Log(Arc<Mutex<Vec<Event>>>);
+
+impl Log {
+    pub fn events(&self) -> Vec<Event> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn push(&self, event: Event) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+    }
+
+    /// Waits until some line matches `found`; panics after `timeout` with the log.
+    pub async fn wait_for(&self, what: &str, timeout: Duration, found: impl Fn(&Event) -> bool) -> Event {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(event) = self.events().into_iter().find(|e| found(e)) {
+                return event;
+            }
+            if Instant::now() > deadline {
+                panic!("never: {what}\n{}", self.dump());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    pub fn dump(&self) -> String {
+        let events = self.events();
+        let start = events.first().map(|e| e.at);
+        events
+            .iter()
+            .map(|e| {
+                let ms = start.map_or(0, |s| e.at.duration_since(s).as_millis());
+                format!("{ms:>6} ms c{} {}", e.consumer, e.text)
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// A consumer process, killed (`SIGKILL`) when dropped.
+pub struct Consumer {
+    pub index: usize,
+    child: Child,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Consumer {
+    /// Starts `command` with its stdout and stderr read into `log`.
+    pub fn start(index: usize, mut command: Command, log: &Log) -> Self {
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("start consumer {index} ({command:?}): {error}"));
+        let stdout = child.stdout.take().expect("stdout");
+        let stderr = child.stderr.take().expect("stderr");
+        let readers = [
+            (false, Box::new(stdout) as Box<dyn std::io::Read + Send>),
+            (true, Box::new(stderr)),
+        ]
+        .into_iter()
+        .map(|(debug, pipe)| {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    log.push(parse(index, debug, &line));
+                }
+            })
+        })
+        .collect();
+        Self {
+            index,
+            child,
+            readers,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `kill -9`, and waits until everything it wrote has been read.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+    }
+
+    /// `SIGTERM`; waits for it to exit (30 s at most, then `kill -9` and panic) and for
+    /// everything it wrote to be read.
+    pub fn terminate(mut self) -> ExitStatus {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.child.id());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait for a consumer") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("consumer {} did not exit within 30 s of SIGTERM", self.index);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+        status
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How a crash run goes.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Consumers running at once.
+    pub consumers: usize,
+    /// `kill -9` at most this many (a run stops once all is settled), each replaced at once.
+    pub kills: usize,
+    /// The time between kills, drawn uniformly.
+    pub kill_every: std::ops::Range<Duration>,
+    /// Fail if not settled by then.
+    pub deadline: Duration,
+}
+
+/// A `kill -9` and what the killed consumer was doing.
+#[derive(Clone, Debug)]
+pub struct Kill {
+    pub at: Instant,
+    pub consumer: usize,
+    /// The message it had taken and not finished (no outcome line): `(msg, id)`.
+    pub in_hand: Option<(String, String)>,
+    /// It had logged `effect` for its message in hand: the kill may have landed between the
+    /// effect and the record's completion.
+    pub after_effect: bool,
+}
+
+/// What a crash run did.
+pub struct Run {
+    pub log: Log,
+    pub kills: Vec<Kill>,
+    /// The exit status of every consumer still running at the end (stopped with SIGTERM).
+    pub exits: Vec<ExitStatus>,
+    /// From the first consumer's start until all was settled.
+    pub wall: Duration,
+}
+
+/// Runs `plan` against `broker` (its messages already published): consumers at once, killed
+/// and replaced at random moments, until the broker is settled; then stops the survivors with
+/// SIGTERM.
+pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
+    let log = Log::default();
+    let started = Instant::now();
+    let mut next_index = 0;
+    let mut spawn = |log: &Log| {
+        next_index += 1;
+        Consumer::start(next_index - 1, broker.consumer(), log)
+    };
+    let mut running: Vec<Consumer> = (0..plan.consumers).map(|_| spawn(&log)).collect();
+    let mut kills = Vec::new();
+    let between = |rng: &mut rand::rngs::ThreadRng| rng.random_range(plan.kill_every.clone());
+    let mut next_kill = Instant::now() + between(&mut rand::rng());
+    loop {
+        if broker.settled().await {
+            break;
+        }
+        if Instant::now() > started + plan.deadline {
+            panic!(
+                "not settled after {:?} ({} kills); effects {:?}\n{}",
+                plan.deadline,
+                kills.len(),
+                broker.effects().await,
+                log.dump()
+            );
+        }
+        if kills.len() < plan.kills && Instant::now() >= next_kill {
+            let victim = running.swap_remove(rand::rng().random_range(0..running.len()));
+            let consumer = victim.index;
+            let at = Instant::now();
+            victim.kill();
+            kills.push(Kill {
+                at,
+                consumer,
+                in_hand: None,
+                after_effect: false,
+            });
+            running.push(spawn(&log));
+            next_kill = Instant::now() + between(&mut rand::rng());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let wall = started.elapsed();
+    let exits = running.into_iter().map(Consumer::terminate).collect();
+    let events = log.events();
+    for kill in &mut kills {
+        // A consumer handles one message at a time: its last `received` is the one in hand
+        // unless an outcome for it follows.
+        let mine: Vec<&Event> = events.iter().filter(|e| e.consumer == kill.consumer).collect();
+        let Some(last) = mine.iter().rposition(|e| e.debug && e.kind == "received") else {
+            continue;
+        };
+        let after = &mine[last + 1..];
+        if after.iter().any(|e| e.is_outcome()) {
+            continue;
+        }
+        kill.in_hand = Some((mine[last].msg.clone(), mine[last].id.clone()));
+        kill.after_effect = after.iter().any(|e| e.debug && e.kind == "effect");
+    }
+    Run {
+        log,
+        kills,
+        exits,
+        wall,
+    }
+}
+
+impl Run {
+    pub fn events(&self) -> Vec<Event> {
+        self.log.events()
+    }
+
+    /// Per id, how many times its effect may have been applied more than once: kills after
+    /// the effect and before the outcome, and runs whose record was not stored.
+    pub fn repeat_allowance(&self) -> BTreeMap<String, u64> {
+        let mut allowed = BTreeMap::new();
+        for kill in &self.kills {
+            if let (Some((_, id)), true) = (&kill.in_hand, kill.after_effect) {
+                *allowed.entry(id.clone()).or_insert(0) += 1;
+            }
+        }
+        for event in self.events() {
+            if event.kind == "ran" && !event.debug && event.fields.contains_key("not_stored") {
+                *allowed.entry(event.id.clone()).or_insert(0) += 1;
+            }
+        }
+        allowed
+    }
+
+    /// For each kill that left a message in hand: how long after the kill a consumer logged
+    /// its final outcome. `None`: never (it was acknowledged right before the kill), or the
+    /// consumer that took it over was killed too (that kill has the delay).
+    pub fn takeover_delays(&self) -> Vec<(String, Option<Duration>)> {
+        let events = self.events();
+        self.kills
+            .iter()
+            .filter_map(|kill| {
+                let (msg, _) = kill.in_hand.as_ref()?;
+                let done = events
+                    .iter()
+                    .find(|e| e.is_final() && &e.msg == msg && e.at > kill.at)
+                    .map(|e| e.at);
+                let killed_again = self.kills.iter().any(|other| {
+                    other.in_hand.as_ref().is_some_and(|(m, _)| m == msg)
+                        && other.at > kill.at
+                        && done.is_none_or(|done| other.at < done)
+                });
+                let delay = done
+                    .filter(|_| !killed_again)
+                    .map(|done| done.duration_since(kill.at));
+                Some((msg.clone(), delay))
+            })
+            .collect()
+    }
+
+    /// The `window_us` of every `completed` line, sorted.
+    pub fn windows_us(&self) -> Vec<u64> {
+        let mut windows: Vec<u64> = (self.events().iter())
+            .filter(|e| e.debug && e.kind == "completed")
+            .filter_map(|e| e.fields.get("window_us")?.parse().ok())
+            .collect();
+        windows.sort_unstable();
+        windows
+    }
+
+    /// Each message's last final outcome (`ran`, `replayed`, `dead-lettered`), by reference.
+    pub fn last_outcomes(&self) -> BTreeMap<String, Event> {
+        let mut last = BTreeMap::new();
+        for event in self.events().into_iter().filter(Event::is_final) {
+            last.insert(event.msg.clone(), event);
+        }
+        last
+    }
+
+    /// A summary for the test's output: kills, takeovers, windows, time.
+    pub fn summary(&self) -> String {
+        let delays: Vec<String> = (self.takeover_delays().iter())
+            .map(|(msg, delay)| match delay {
+                Some(delay) => format!("{msg} after {} ms", delay.as_millis()),
+                None => format!("{msg} acknowledged before the kill, or killed again"),
+            })
+            .collect();
+        let windows = self.windows_us();
+        format!(
+            "{} kills ({} with a message in hand, {} after its effect); taken over: [{}]; \
+             windows (µs) p50 {} p99 {} max {} of {}; settled in {} ms",
+            self.kills.len(),
+            self.kills.iter().filter(|k| k.in_hand.is_some()).count(),
+            self.kills.iter().filter(|k| k.after_effect).count(),
+            delays.join(", "),
+            percentile(&windows, 50),
+            percentile(&windows, 99),
+            windows.last().copied().unwrap_or(0),
+            windows.len(),
+            self.wall.as_millis()
+        )
+    }
+}
+
+/// The `p`th percentile of sorted `values` (0 if empty).
+pub fn percentile(sorted: &[u64], p: usize) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    sorted[((sorted.len() - 1) * p).div_ceil(100).min(sorted.len() - 1)]
+}
+
+/// The checks every broker's crash test makes, given what was `published` (messages and their
+/// references) and whether the effect commits with the record (`transactional`):
+/// - every message ends acknowledged or dead-lettered: the broker is settled, each message
+///   has a final outcome, and those whose last outcome is `dead-lettered` are exactly the
+///   broker's dead letters;
+/// - each id's effect applied exactly once; on a store apart from the effect, more only for
+///   an id a kill hit after its effect (or whose record was not stored), at most once more
+///   per such kill;
+/// - the consumers stopped with SIGTERM exited 0.
+pub async fn check<B: Broker>(broker: &B, run: &Run, published: &[(Message, String)], transactional: bool) {
+    let context = || format!("{}\n{}", run.summary(), run.log.dump());
+    assert!(broker.settled().await, "not settled\n{}", context());
+    let last = run.last_outcomes();
+    for (message, reference) in published {
+        assert!(
+            last.contains_key(reference),
+            "{reference} ({message:?}) has no final outcome\n{}",
+            context()
+        );
+    }
+    let dead: BTreeSet<String> = broker.dead_letters().await.into_iter().map(|(r, _)| r).collect();
+    let dead_lettered: BTreeSet<String> = (last.iter())
+        .filter(|(_, e)| e.kind == "dead-lettered")
+        .map(|(r, _)| r.clone())
+        .collect();
+    assert_eq!(dead, dead_lettered, "dead letters\n{}", context());
+
+    let effects = broker.effects().await;
+    let allowance = if transactional {
+        BTreeMap::new()
+    } else {
+        run.repeat_allowance()
+    };
+    let ids: BTreeSet<&str> = published.iter().map(|(m, _)| m.id.as_str()).collect();
+    for id in &ids {
+        let all_dead = (published.iter())
+            .filter(|(m, _)| m.id == *id)
+            .all(|(_, r)| dead_lettered.contains(r));
+        let count = effects.get(*id).copied().unwrap_or(0);
+        let extra = allowance.get(*id).copied().unwrap_or(0);
+        if all_dead {
+            assert!(
+                count <= 1 + extra,
+                "{id}: {count} effects, all dead-lettered\n{}",
+                context()
+            );
+        } else {
+            assert!(
+                (1..=1 + extra).contains(&count),
+                "{id}: {count} effects, expected 1 (+ at most {extra} for kills after the effect)\n{}",
+                context()
+            );
+        }
+    }
+    for id in effects.keys() {
+        assert!(ids.contains(id.as_str()), "an effect for {id}, never published");
+    }
+    for status in &run.exits {
+        assert!(
+            status.success(),
+            "a consumer stopped with SIGTERM exited {status}\n{}",
+            context()
+        );
+    }
+}

@@ -1,0 +1,379 @@
+//! `examples/stream_consumer.rs` run as its users run it: consumer processes in one consumer
+//! group on a real `redis-server`, with the Redis store and with PostgreSQL, `kill -9` at random
+//! moments and replaced, over messages whose ids come two and three times. Then the effects are
+//! counted per id, every message must end acknowledged or dead-lettered, and a message a killed
+//! consumer held must be processed about a lease later (tests/common/consumers.rs does the
+//! crashing and the counting). Also: poisoned messages are dead-lettered, a message that fails
+//! every time is dead-lettered after `MAX_DELIVERIES`, and SIGTERM finishes the message in hand.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::consumers::{self, Broker, Consumer, Log, Message, Plan};
+use common::RedisServer;
+use fred::prelude::*;
+
+/// A lease short enough for a test: a killed consumer's message waits this long.
+const LEASE_MS: u64 = 1000;
+
+/// A stream on a `redis-server` of the test's own, and how its consumers are started.
+struct Streams {
+    _server: RedisServer,
+    url: String,
+    client: Client,
+    stream: String,
+    env: Vec<(String, String)>,
+    /// The PostgreSQL store's database: its URL and a pool to count the ledger's rows.
+    #[cfg(feature = "postgres")]
+    postgres: Option<(String, sqlx::PgPool)>,
+}
+
+impl Streams {
+    async fn new(env: &[(&str, &str)]) -> Self {
+        let server = RedisServer::start();
+        let url = server.url();
+        let client = common::client(&url).await;
+        Self {
+            _server: server,
+            url,
+            client,
+            stream: "payments".into(),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            #[cfg(feature = "postgres")]
+            postgres: None,
+        }
+    }
+
+    /// The same, with the PostgreSQL store: a database of its own on the binary's shared server.
+    #[cfg(feature = "postgres")]
+    async fn with_postgres(env: &[(&str, &str)]) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static DATABASES: AtomicUsize = AtomicUsize::new(0);
+        let addr = tokio::task::spawn_blocking(|| common::postgres::shared().addr())
+            .await
+            .expect("start the shared PostgreSQL server");
+        let name = format!(
+            "streams_{}_{}",
+            std::process::id(),
+            DATABASES.fetch_add(1, Ordering::Relaxed)
+        );
+        let admin = sqlx::PgPool::connect(&common::postgres::url_for(addr))
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+        let url = format!("postgres://postgres@{addr}/{name}");
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let mut streams = Self::new(env).await;
+        streams.postgres = Some((url, pool));
+        streams
+    }
+
+    fn transactional(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.postgres.is_some();
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
+
+    /// Publishes and answers each message beside its entry id.
+    async fn publish_all(&self, messages: &[Message]) -> Vec<(Message, String)> {
+        let entries = self.publish(messages).await;
+        messages.iter().cloned().zip(entries).collect()
+    }
+
+    async fn publish_fields(&self, fields: &[(&str, &str)]) -> String {
+        let fields: Vec<(&str, &str)> = fields.to_vec();
+        self.client
+            .xadd(&self.stream, false, None, "*", fields)
+            .await
+            .unwrap()
+    }
+
+    async fn pending(&self) -> u64 {
+        let summary: Value = self.client.xpending(&self.stream, "workers", ()).await.unwrap();
+        summary.into_array().first().and_then(Value::as_u64).unwrap_or(0)
+    }
+}
+
+impl Broker for Streams {
+    async fn publish(&self, messages: &[Message]) -> Vec<String> {
+        let mut entries = Vec::new();
+        for message in messages {
+            let amount = message.amount.to_string();
+            entries.push(
+                self.publish_fields(&[("id", &message.id), ("amount", &amount)])
+                    .await,
+            );
+        }
+        entries
+    }
+
+    async fn effects(&self) -> BTreeMap<String, u64> {
+        #[cfg(feature = "postgres")]
+        if let Some((_, pool)) = &self.postgres {
+            let rows: Vec<(String, i64)> = sqlx::query_as("SELECT id, count(*) FROM ledger GROUP BY id")
+                .fetch_all(pool)
+                .await
+                .unwrap_or_default();
+            return rows.into_iter().map(|(id, n)| (id, n as u64)).collect();
+        }
+        let ledger: HashMap<String, u64> = self
+            .client
+            .hgetall(format!("{}:ledger", self.stream))
+            .await
+            .unwrap();
+        ledger.into_iter().collect()
+    }
+
+    /// Nothing pending in the group, and the group has been handed the stream's last entry.
+    async fn settled(&self) -> bool {
+        let groups: Vec<HashMap<String, Value>> = self.client.xinfo_groups(&self.stream).await.unwrap();
+        let Some(group) = groups
+            .iter()
+            .find(|g| g["name"].as_str().as_deref() == Some("workers"))
+        else {
+            return false;
+        };
+        let last: Vec<(String, HashMap<String, Value>)> = self
+            .client
+            .xrevrange_values(&self.stream, "+", "-", Some(1))
+            .await
+            .unwrap();
+        let delivered = group["last-delivered-id"].as_string();
+        group["pending"].as_u64() == Some(0) && last.first().map(|(id, _)| id.clone()) == delivered
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, String)> {
+        let dead: Vec<(String, HashMap<String, String>)> = self
+            .client
+            .xrange_values(format!("{}:dead", self.stream), "-", "+", None)
+            .await
+            .unwrap();
+        dead.into_iter()
+            .map(|(_, fields)| (fields["entry"].clone(), fields["reason"].clone()))
+            .collect()
+    }
+
+    fn consumer(&self) -> Command {
+        let mut command = Command::new(consumers::example_binary("stream_consumer"));
+        command
+            .env("REDIS_URL", &self.url)
+            .env("STREAM", &self.stream)
+            .env("LEASE_MS", LEASE_MS.to_string())
+            .env("RUST_LOG", "stream_consumer=debug,warn")
+            .env_remove("DATABASE_URL")
+            .env_remove("GROUP")
+            .env_remove("CONSUMER")
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
+        #[cfg(feature = "postgres")]
+        if let Some((url, _)) = &self.postgres {
+            command.env("DATABASE_URL", url);
+        }
+        command
+    }
+}
+
+/// Three consumers over 39 messages (20 ids, each one to three times), six `kill -9` at random
+/// moments, each consumer replaced at once. Each first delivery of an id works 200 ms, so the
+/// kills land while the consumers are busy.
+async fn crash(streams: Streams) {
+    let published = streams.publish_all(&consumers::with_duplicates("pay", 20)).await;
+    let plan = Plan {
+        consumers: 3,
+        kills: 6,
+        kill_every: Duration::from_millis(100)..Duration::from_millis(300),
+        deadline: Duration::from_secs(60),
+    };
+    let run = consumers::crash_run(&streams, &plan).await;
+    eprintln!("{}", run.summary());
+    if std::env::var_os("DUMP").is_some() {
+        eprintln!("{}", run.log.dump());
+    }
+    consumers::check(&streams, &run, &published, streams.transactional()).await;
+    assert!(
+        streams.dead_letters().await.is_empty(),
+        "nothing here is a poison (MAX_DELIVERIES is high)\n{}",
+        run.log.dump()
+    );
+    // A message a killed consumer held: its lease ends at most a lease after the kill (it was
+    // renewed until then), and it has been pending since before the kill, so it is taken over
+    // and run by then, plus the work and a poll; another takeover the taker waits on first
+    // can add a lease.
+    let bound = Duration::from_millis(2 * LEASE_MS + WORK_MS + 1000);
+    for (msg, delay) in run.takeover_delays() {
+        if let Some(delay) = delay {
+            assert!(
+                delay < bound,
+                "{msg} was done {delay:?} after its consumer was killed\n{}",
+                run.log.dump()
+            );
+        }
+    }
+}
+
+const WORK_MS: u64 = 200;
+
+fn crash_env() -> [(&'static str, String); 2] {
+    [("WORK_MS", WORK_MS.to_string()), ("MAX_DELIVERIES", "50".into())]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_the_redis_store() {
+    let env = crash_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    crash(Streams::new(&env).await).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_with_the_postgres_store() {
+    let env = crash_env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    crash(Streams::with_postgres(&env).await).await;
+}
+
+/// A consumer killed in the middle of a message: another runs it once the lease has passed,
+/// and no later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_consumers_message_is_processed_a_lease_later() {
+    let streams = Streams::new(&[("WORK_MS", "300")]).await;
+    let log = Log::default();
+    let first = Consumer::start(0, streams.consumer(), &log);
+    let published = streams
+        .publish_all(&[Message {
+            id: "pay-held".into(),
+            amount: 5,
+        }])
+        .await;
+    let entry = published[0].1.clone();
+    log.wait_for(
+        "the first consumer takes the message",
+        Duration::from_secs(10),
+        |e| e.kind == "received" && e.msg == entry,
+    )
+    .await;
+    let killed = Instant::now();
+    first.kill();
+    let second = Consumer::start(1, streams.consumer(), &log);
+    let done = log
+        .wait_for("the second consumer runs it", Duration::from_secs(10), |e| {
+            e.consumer == 1 && e.is_final() && e.msg == entry
+        })
+        .await;
+    let delay = done.at.duration_since(killed);
+    eprintln!(
+        "processed {} ms after the kill (lease {LEASE_MS} ms, work 300 ms)",
+        delay.as_millis()
+    );
+    assert_eq!(done.kind, "ran", "{}", log.dump());
+    assert!(
+        delay >= Duration::from_millis(LEASE_MS / 2),
+        "taken over before its lease could end: {delay:?}\n{}",
+        log.dump()
+    );
+    assert!(
+        delay <= Duration::from_millis(LEASE_MS + 300 + 700),
+        "taken over {delay:?} after the kill, more than a lease and the work\n{}",
+        log.dump()
+    );
+    assert!(second.terminate().success());
+    assert_eq!(streams.effects().await.get("pay-held"), Some(&1));
+    assert!(streams.settled().await);
+}
+
+/// What cannot succeed is dead-lettered with its fields and a reason, and acknowledged: an id
+/// that is not a key, an amount that is not a number, an id reused with another amount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poisoned_messages_are_dead_lettered() {
+    let streams = Streams::new(&[]).await;
+    let good = streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
+    let again = streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
+    let reused = streams.publish_fields(&[("id", "pay-1"), ("amount", "41")]).await;
+    let bad_id = streams
+        .publish_fields(&[("id", "not a key"), ("amount", "1")])
+        .await;
+    let bad_amount = streams
+        .publish_fields(&[("id", "pay-2"), ("amount", "lots")])
+        .await;
+    let no_id = streams.publish_fields(&[("amount", "3")]).await;
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    common::until_async("all settled", || streams.settled()).await;
+    assert!(consumer.terminate().success());
+    let outcomes: BTreeMap<String, String> = (log.events().into_iter())
+        .filter(|e| e.is_final())
+        .map(|e| (e.msg, e.kind))
+        .collect();
+    assert_eq!(outcomes[&good], "ran", "{}", log.dump());
+    assert_eq!(outcomes[&again], "replayed", "{}", log.dump());
+    let dead: BTreeMap<String, String> = streams.dead_letters().await.into_iter().collect();
+    assert_eq!(dead.len(), 4, "{dead:?}");
+    assert!(dead[&reused].starts_with("mismatch"), "{dead:?}");
+    assert!(dead[&bad_id].starts_with("bad id"), "{dead:?}");
+    assert!(dead[&bad_amount].starts_with("bad amount"), "{dead:?}");
+    assert!(dead[&no_id].starts_with("bad id"), "{dead:?}");
+    // The dead letter keeps the message's own fields.
+    let entries: Vec<(String, HashMap<String, String>)> = streams
+        .client
+        .xrange_values("payments:dead", "-", "+", None)
+        .await
+        .unwrap();
+    let (_, kept) = entries.iter().find(|(_, f)| f["entry"] == bad_id).unwrap();
+    assert_eq!((kept["id"].as_str(), kept["amount"].as_str()), ("not a key", "1"));
+    assert_eq!(streams.effects().await, BTreeMap::from([("pay-1".to_owned(), 1)]));
+    assert_eq!(streams.pending().await, 0);
+}
+
+/// A message whose effect fails every time (the ledger is not a hash) is delivered again after
+/// each lease, then dead-lettered once delivered more than `MAX_DELIVERIES` times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_always_fails_is_dead_lettered_after_max_deliveries() {
+    let streams = Streams::new(&[("MAX_DELIVERIES", "2"), ("LEASE_MS", "300")]).await;
+    let () = streams
+        .client
+        .set("payments:ledger", "not a hash", None, None, false)
+        .await
+        .unwrap();
+    let entry = streams.publish_fields(&[("id", "pay-9"), ("amount", "9")]).await;
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    common::until_async("dead-lettered", || streams.settled()).await;
+    assert!(consumer.terminate().success());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_outcome() && e.msg == entry)
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["failed", "failed", "dead-lettered"], "{}", log.dump());
+    let dead = streams.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0, entry);
+    assert!(dead[0].1.contains("delivered 3 times"), "{dead:?}");
+}
+
+/// SIGTERM in the middle of a message: the consumer finishes it, acknowledges it, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_message_in_hand() {
+    let streams = Streams::new(&[("WORK_MS", "700")]).await;
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    let entry = streams.publish_fields(&[("id", "pay-7"), ("amount", "7")]).await;
+    log.wait_for("the consumer takes the message", Duration::from_secs(10), |e| {
+        e.kind == "received" && e.msg == entry
+    })
+    .await;
+    let asked = Instant::now();
+    let status = consumer.terminate();
+    eprintln!("exited {} ms after SIGTERM", asked.elapsed().as_millis());
+    assert!(status.success(), "exit status {status}\n{}", log.dump());
+    let ran = log.events().into_iter().find(|e| e.is_final() && e.msg == entry);
+    assert_eq!(ran.map(|e| e.kind).as_deref(), Some("ran"), "{}", log.dump());
+    assert_eq!(streams.pending().await, 0, "acknowledged before exiting");
+    assert_eq!(streams.effects().await.get("pay-7"), Some(&1));
+}
