@@ -61,7 +61,7 @@
 //! duplicate of a message in progress gets its result as soon as it is stored, rather than going
 //! round the queue meanwhile.
 //!
-//! It logs one line per message on stdout, `<outcome> msg=<message id> id=<id> …`, written
+//! It logs one line per message on stdout, `<outcome> msg=<message id> id="<id>" …`, written
 //! before the acknowledgement. On `SIGTERM` (or Ctrl-C) it finishes the message in hand and
 //! exits 0. With `RUST_LOG=rabbitmq_consumer=debug` it also logs on stderr when it takes a message
 //! (`received`), right before the effect (`effect`), and, on the Redis store, how long after
@@ -196,51 +196,45 @@ impl Consumer {
             }
         };
         let took_ms = started.elapsed().as_millis();
-        let what = format!("msg={msg} id={id} deliveries={deliveries}");
-        match (&answer, answer.disposition()) {
-            (_, Disposition::Ack) => {
-                match &answer {
-                    Once::NotStored { error, .. } => println!(
-                        "ran {what} amount={} took_ms={took_ms} not_stored={:?}",
-                        payment.amount,
-                        error.to_string()
-                    ),
-                    Once::Replayed(_) => println!("replayed {what} took_ms={took_ms}"),
-                    _ => println!("ran {what} amount={} took_ms={took_ms}", payment.amount),
-                }
-                self.settle(&msg, delivery.acker.ack(BasicAckOptions::default()).await);
+        let what = format!("msg={msg} id={id:?} deliveries={deliveries}");
+        let amount = payment.amount;
+        let disposition = answer.disposition();
+        // The log line says what happened; the disposition what to do with the message.
+        match &answer {
+            Once::Ran(_) => println!("ran {what} amount={amount} took_ms={took_ms}"),
+            Once::NotStored { error, .. } => println!(
+                "ran {what} amount={amount} took_ms={took_ms} not_stored={:?}",
+                error.to_string()
+            ),
+            Once::Replayed(_) => println!("replayed {what} took_ms={took_ms}"),
+            Once::InFlight { retry_after } => println!(
+                "in-flight {what} retry_after_ms={} (requeued)",
+                retry_after.as_millis()
+            ),
+            Once::Failed(error) => println!("failed {what} error={:?} (requeued)", error.to_string()),
+            Once::Unavailable(error) if disposition != Disposition::DeadLetter => {
+                println!("unavailable {what} error={:?} (requeued)", error.to_string())
             }
-            (Once::InFlight { retry_after }, _) => {
-                // Still held a lease after waiting a lease: its consumer is alive and renewing.
-                // No failure of this message, so a nack, which RabbitMQ 4.3+ does not count.
-                println!(
-                    "in-flight {what} retry_after_ms={} (requeued)",
-                    retry_after.as_millis()
-                );
+            Once::Unavailable(_) | Once::Mismatch => {} // logged as dead-lettered, with the reason
+        }
+        match disposition {
+            Disposition::Ack => self.settle(&msg, delivery.acker.ack(BasicAckOptions::default()).await),
+            // Still in flight after waiting a lease: its consumer is alive and renewing. No
+            // failure of this message, so a nack, which RabbitMQ 4.3+ does not count.
+            Disposition::Retry { after: Some(_) } => {
                 let requeue = BasicNackOptions {
                     requeue: true,
                     ..BasicNackOptions::default()
                 };
-                self.settle(&msg, delivery.acker.nack(requeue).await);
+                self.settle(&msg, delivery.acker.nack(requeue).await)
             }
-            (Once::Failed(error), _) => {
-                println!("failed {what} error={:?} (requeued)", error.to_string());
-                self.retry_later(&delivery, &msg).await;
-            }
-            (Once::Unavailable(error), Disposition::Retry { .. }) => {
-                println!("unavailable {what} error={:?} (requeued)", error.to_string());
-                self.retry_later(&delivery, &msg).await;
-            }
-            (Once::Mismatch, _) => {
-                let reason = "mismatch: this id came before with another amount";
-                self.dead_letter(&delivery, &msg, id, deliveries, reason).await
-            }
-            (Once::Unavailable(error), _) => {
-                let reason = format!("unreadable record: {error}");
+            Disposition::Retry { after: None } => self.retry_later(&delivery, &msg).await,
+            Disposition::DeadLetter => {
+                let reason = match &answer {
+                    Once::Unavailable(error) => format!("unreadable record: {error}"),
+                    _ => "mismatch: this id came before with another amount".to_owned(),
+                };
                 self.dead_letter(&delivery, &msg, id, deliveries, &reason).await
-            }
-            (Once::Ran(_) | Once::Replayed(_) | Once::NotStored { .. }, _) => {
-                unreachable!("acknowledged above")
             }
         }
     }
