@@ -32,7 +32,10 @@
 //! - `LEASE_MS`: the claim's lease, which is also how long a message redelivered after its
 //!   consumer died waits for that consumer's claim (default 30000);
 //! - `MAX_DELIVERIES`: a message delivered more times than this is dead-lettered without being
-//!   run (default 5);
+//!   run (default 5): a message that fails every time, or kills its consumer. Each failure, and
+//!   each attempt while the store is down, costs a delivery (500 ms apart, plus the store's
+//!   timeout), so keep `MAX_DELIVERIES` high enough to ride out the store outages you expect,
+//!   or they dead-letter the messages that arrive meanwhile;
 //! - `PAUSE_AFTER_EFFECT_MS`: a pause right after the effect, before its record is completed
 //!   (before the commit, with PostgreSQL), to `kill -9` the consumer there and watch what a
 //!   redelivery does (default 0; the tests set it).
