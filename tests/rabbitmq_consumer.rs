@@ -134,6 +134,24 @@ impl Rabbit {
         false
     }
 
+    /// Whether `id`'s effect is applied and its record not yet completed, as a consumer held
+    /// by `PAUSE_AFTER_EFFECT_MS` leaves it: counted in Redis; in PostgreSQL, the row inserted
+    /// by a transaction still open.
+    async fn effect_pending(&self, id: &str) -> bool {
+        #[cfg(feature = "postgres")]
+        if let Some((_, pool)) = &self.postgres {
+            let open: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE state = 'idle in transaction' AND query LIKE 'INSERT INTO ledger%'",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            return open == 1;
+        }
+        self.effects().await.get(id) == Some(&1)
+    }
+
     /// Publishes and answers each message beside its reference (its `message_id`).
     async fn publish_all(&self, messages: &[Message]) -> Vec<(Message, String)> {
         let references = self.publish(messages).await;
@@ -448,8 +466,9 @@ async fn kill_between_effect_and_completion(rabbit: &Rabbit) -> (u64, String) {
         |e| e.consumer == 0 && e.kind == "effect" && e.msg == msg,
     )
     .await;
-    // `effect` is logged right before the effect: give it time to be applied.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // `effect` is logged right before the effect: wait until it is applied (in Redis), or
+    // inserted and waiting for its commit (in PostgreSQL).
+    common::until_async("the effect is applied", || rabbit.effect_pending("pay-w")).await;
     first.kill();
     let second = Consumer::start(1, rabbit.consumer(), &log);
     let done = log
