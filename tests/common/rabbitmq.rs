@@ -251,8 +251,8 @@ impl RabbitServer {
     }
 
     /// A quorum queue's messages: ready for a consumer, and delivered but not acknowledged,
-    /// read from the queue's state machine (the counts `rabbitmqctl list_queues` shows are
-    /// refreshed only every few seconds for a quorum queue).
+    /// read from the queue's state machine itself (over AMQP a queue tells only its ready
+    /// messages, in `queue.declare-ok`).
     pub fn queue_counts(&self, queue: &str) -> (u64, u64) {
         let answer = self.eval(&format!(
             "{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<\"/\">>, queue, <<\"{queue}\">>)),
