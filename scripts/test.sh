@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit tests, the behaviour suites on every store, Redis and
 # PostgreSQL fault tests, TLS, doctests and examples, then the library's TLS tests once more built
-# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis and
-# PostgreSQL tests start their own redis-server and postgres processes on free loopback ports
-# (never 6379 or 5432); on a machine without redis-server or PostgreSQL's server binaries this
-# installs them with apt-get first.
+# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis,
+# PostgreSQL and RabbitMQ tests start their own redis-server, postgres and rabbitmq-server
+# processes on free loopback ports (never 6379, 5432, 5672 or 4369); on a machine without
+# redis-server, PostgreSQL's server binaries or rabbitmq-server this installs them with apt-get
+# first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,13 @@ if [ -z "${PG_BIN_DIR:-}" ] && ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >
   apt_install postgresql
 fi
 echo "using $("${PG_BIN_DIR:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}/postgres" --version)"
+# The RabbitMQ tests run a node of their own from RABBITMQ_SERVER_BIN, else from Debian's
+# /usr/lib/rabbitmq/bin/rabbitmq-server (as the current user, not /usr/sbin's wrapper), and
+# read its queues with erl_call (erlang-base, which rabbitmq-server brings).
+if [ -z "${RABBITMQ_SERVER_BIN:-}" ] && [ ! -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+  apt_install rabbitmq-server
+fi
+echo "using RabbitMQ $(dpkg-query -W -f '${Version}' rabbitmq-server 2>/dev/null || echo "from ${RABBITMQ_SERVER_BIN:-?}")"
 
 cargo test --all-features "$@"
 if [ "$#" -eq 0 ]; then

@@ -8,6 +8,7 @@ pub mod demo;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod proxy;
+pub mod rabbitmq;
 pub mod sentinel;
 pub mod storm;
 pub mod tls;
