@@ -32,10 +32,9 @@
 //! - `LEASE_MS`: the claim's lease, which is also how long a message redelivered after its
 //!   consumer died waits for that consumer's claim (default 30000);
 //! - `MAX_DELIVERIES`: a message delivered more times than this is dead-lettered without being
-//!   run (default 5): a message that fails every time, or kills its consumer. Each failure, and
-//!   each attempt while the store is down, costs a delivery (500 ms apart, plus the store's
-//!   timeout), so keep `MAX_DELIVERIES` high enough to ride out the store outages you expect,
-//!   or they dead-letter the messages that arrive meanwhile;
+//!   run (default 5): a message that fails every time, or kills its consumer. Each failure
+//!   costs a delivery (500 ms apart); a store outage costs none, since the message is held
+//!   and tried again in hand until the store answers;
 //! - `PAUSE_AFTER_EFFECT_MS`: a pause right after the effect, before its record is completed
 //!   (before the commit, with PostgreSQL), to `kill -9` the consumer there and watch what a
 //!   redelivery does (default 0; the tests set it).
@@ -56,7 +55,7 @@
 //! | replayed (a duplicate)               | `replayed`      | `basic.ack`                                 |
 //! | in flight on another consumer, a lease later | `in-flight` | `basic.nack`, requeued                  |
 //! | the operation failed                 | `failed`        | `basic.reject`, requeued, after 500 ms      |
-//! | store unavailable                    | `unavailable`   | `basic.reject`, requeued, after 500 ms      |
+//! | store unavailable                    | (a warning)     | held, and tried again after 0.5, 1, 2, 4, 5, 5… s until the store answers; on `SIGTERM`, `unavailable` and `basic.reject`, requeued |
 //! | mismatch, bad body, too many deliveries, unreadable record | `dead-lettered` | published to `<QUEUE>.dead` (confirmed), then `basic.ack` |
 //!
 //! Every call waits up to a lease for a key another consumer holds (`.wait(lease)`): a message
@@ -99,7 +98,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fred::prelude::{Builder, Client, ClientLike, Config, HashesInterface};
+use fred::prelude::{Builder, Client, ClientLike, Config, HashesInterface, ReconnectPolicy};
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
@@ -116,6 +115,9 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// A failure or a store that did not answer: wait this long before returning the message, so a
 /// dependency that is down is not hammered by the same message going round.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// The longest pause between two tries of a message held while the store is unavailable.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 struct Settings {
     queue: String,
@@ -143,6 +145,8 @@ struct Payment {
 }
 
 struct Consumer {
+    /// Turns true on SIGTERM or Ctrl-C.
+    stopping: tokio::sync::watch::Receiver<bool>,
     channel: Channel,
     coordinator: Coordinator,
     ledger: Ledger,
@@ -191,11 +195,31 @@ impl Consumer {
         let amount_text = payment.amount.to_string();
         let fingerprint = Fingerprint::new([id.as_bytes(), amount_text.as_bytes()]);
         let started = Instant::now();
-        let answer = match &self.ledger {
-            Ledger::Redis(redis) => self.count_in_redis(redis, &msg, &key, &fingerprint).await,
-            #[cfg(feature = "postgres")]
-            Ledger::Postgres(store) => {
-                (self.insert_row(store, &msg, &key, &fingerprint, payment.amount)).await
+        // While the store does not answer, nothing can run: hold the message and try again,
+        // with a growing pause, rather than send it round the queue, where each return counts
+        // towards MAX_DELIVERIES and an outage would dead-letter every message it meets.
+        let mut pause = RETRY_PAUSE;
+        let answer = loop {
+            let answer = match &self.ledger {
+                Ledger::Redis(redis) => self.count_in_redis(redis, &msg, &key, &fingerprint).await,
+                #[cfg(feature = "postgres")]
+                Ledger::Postgres(store) => {
+                    (self.insert_row(store, &msg, &key, &fingerprint, payment.amount)).await
+                }
+            };
+            match &answer {
+                Once::Unavailable(error)
+                    if answer.disposition() != Disposition::DeadLetter && !*self.stopping.borrow() =>
+                {
+                    tracing::warn!(msg, id, %error, ?pause, "the store is unavailable; holding the message and trying again");
+                    let mut stopping = self.stopping.clone();
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = stopping.wait_for(|stop| *stop) => {}
+                    }
+                    pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                }
+                _ => break answer,
             }
         };
         let took_ms = started.elapsed().as_millis();
@@ -473,6 +497,14 @@ async fn main() -> Result<(), BoxError> {
     // Listening from the start: a SIGTERM before the first message is not lost either.
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;
+    let (stop, mut stopping) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = terminate.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+        let _ = stop.send(true);
+    });
     let amqp_url = std::env::var("AMQP_URL").map_err(|_| "set AMQP_URL to the broker (amqp://…)")?;
     let settings = Settings {
         queue: setting("QUEUE", "payments".to_owned())?,
@@ -497,7 +529,13 @@ async fn main() -> Result<(), BoxError> {
     let (coordinator, ledger) = match std::env::var("DATABASE_URL") {
         Err(_) => {
             let url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL (or DATABASE_URL)")?;
-            let redis = Builder::from_config(Config::from_url(&url)?).build()?;
+            // The ledger's client, reconnecting as the store does: an outage of the Redis the
+            // records and the ledger share is ridden out in hand (see `handle`), not failed.
+            let redis = Builder::from_config(Config::from_url(&url)?)
+                .with_connection_config(|c| c.connection_timeout = Duration::from_secs(2))
+                .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(5))
+                .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
+                .build()?;
             redis.init().await?;
             (
                 Coordinator::new(RedisStore::connect(&url).await?),
@@ -515,6 +553,7 @@ async fn main() -> Result<(), BoxError> {
         Ok(_) => return Err("DATABASE_URL needs the example built with --features postgres".into()),
     };
     let consumer = Consumer {
+        stopping: stopping.clone(),
         coordinator: coordinator.with_lease(settings.lease),
         ledger_key: format!("{}:ledger", settings.queue),
         dead_queue,
@@ -548,8 +587,7 @@ async fn main() -> Result<(), BoxError> {
         // which goes back to the queue when the channel closes.
         let delivery = tokio::select! {
             biased;
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
+            _ = stopping.wait_for(|stop| *stop) => break,
             delivery = deliveries.next() => delivery,
         };
         match delivery {

@@ -24,10 +24,12 @@
 //!   before another takes it over (`XAUTOCLAIM`); default 30000;
 //! - `MAX_DELIVERIES`: a message delivered more times than this is dead-lettered without being
 //!   run (default 5): a message that fails every time, or kills its consumer. A message left
-//!   pending (its key in flight elsewhere, a failure, the store down) is delivered again
-//!   after `LEASE_MS`, so this bounds its retries to about `MAX_DELIVERIES` leases. A takeover
-//!   counts as a delivery even when the consumer it came from is alive and still working, so
-//!   keep `MAX_DELIVERIES` × `LEASE_MS` above the longest work and store outage to ride out;
+//!   pending (its key in flight elsewhere, a failure) is delivered again after `LEASE_MS`, so
+//!   this bounds its retries to about `MAX_DELIVERIES` leases. A takeover counts as a delivery
+//!   even when the consumer it came from is alive and still working, so keep
+//!   `MAX_DELIVERIES` × `LEASE_MS` above the longest work. A store outage costs no delivery:
+//!   the message is held and tried again in hand (kept from takeovers by `XCLAIM … JUSTID`)
+//!   until the store answers;
 //! - `DATABASE_URL` (built with `--features postgres`): the store is PostgreSQL.
 //!
 //! Each message has the fields `id` (the idempotency key) and `amount` (an integer); the record's
@@ -44,7 +46,7 @@
 //! | replayed (a duplicate)                       | `replayed`      | `XACK`                      |
 //! | in flight on another consumer                | `in-flight`     | left pending                |
 //! | the operation failed                         | `failed`        | left pending                |
-//! | store unavailable                            | `unavailable`   | left pending                |
+//! | store unavailable                            | (a warning)     | held, tried again after 0.5, 1, 2, 4, 5, 5… s until the store answers; on `SIGTERM`, `unavailable` and left pending |
 //! | mismatch, unreadable record; a bad `id` or `amount`, too many deliveries (not run) | `dead-lettered` | dead-lettered |
 //!
 //! A message left pending is taken over (`XAUTOCLAIM`) by whichever consumer finds it idle for
@@ -73,6 +75,11 @@ use fred::types::streams::{XReadResponse, XReadValue};
 use tower_idempotency::{Coordinator, Disposition, Fingerprint, IdempotencyKey, Once, RecordKey, RedisStore};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The first pause before a message held while the store is unavailable is tried again; the
+/// pause doubles up to `MAX_RETRY_PAUSE`.
+const RETRY_PAUSE: Duration = Duration::from_millis(500);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 struct Settings {
     stream: String,
@@ -104,6 +111,8 @@ struct Entry {
 }
 
 struct Consumer {
+    /// Set on SIGTERM or Ctrl-C.
+    stop: Arc<AtomicBool>,
     redis: Client,
     coordinator: Coordinator,
     ledger: Ledger,
@@ -196,13 +205,39 @@ impl Consumer {
             Duration::ZERO
         };
         let started = Instant::now();
-        let answer = match &self.ledger {
-            Ledger::Redis => self.count_in_redis(entry, &key, &fingerprint, wait).await,
-            #[cfg(feature = "postgres")]
-            Ledger::Postgres(store) => {
-                self.insert_row(store, entry, &key, &fingerprint, amount, wait)
-                    .await
+        // While the store does not answer, nothing can run: hold the message and try again,
+        // with a growing pause, rather than leave it pending, where each takeover counts
+        // towards MAX_DELIVERIES and an outage would dead-letter every message it meets.
+        let mut pause = RETRY_PAUSE.min(self.settings.lease / 3);
+        let mut held = false;
+        let answer = loop {
+            let answer = match &self.ledger {
+                Ledger::Redis => self.count_in_redis(entry, &key, &fingerprint, wait).await,
+                #[cfg(feature = "postgres")]
+                Ledger::Postgres(store) => {
+                    self.insert_row(store, entry, &key, &fingerprint, amount, wait)
+                        .await
+                }
+            };
+            let stopping = self.stop.load(Ordering::SeqCst);
+            match &answer {
+                Once::Unavailable(error) if answer.disposition() != Disposition::DeadLetter && !stopping => {
+                    tracing::warn!(msg = %entry, id = ?id, %error, ?pause, "the store is unavailable; holding the message and trying again");
+                    held = true;
+                }
+                // A claim of ours that timed out may have landed once the store came back: its
+                // key is in flight until it is released in the background or its lease ends.
+                Once::InFlight { .. } if held && !stopping => {
+                    tracing::debug!(msg = %entry, id = ?id, "in flight after the outage; holding the message");
+                }
+                _ => break answer,
             }
+            // The entry's idle time is reset before and after each pause, so that no other
+            // consumer takes it over while it is held (a pause stays under a third of a lease).
+            self.keep(entry).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE).min(self.settings.lease / 3);
+            self.keep(entry).await;
         };
         let took_ms = started.elapsed().as_millis();
         let what = format!("msg={entry} id={id:?}");
@@ -310,6 +345,30 @@ impl Consumer {
             })
             .wait(wait)
             .await
+    }
+
+    /// Keeps `entry` on this consumer while it is held: `XCLAIM … JUSTID` to itself resets the
+    /// entry's idle time without counting a delivery, so no other consumer takes it over
+    /// meanwhile. If the stream's Redis is down too, nobody can take it over anyway.
+    async fn keep(&self, entry: &str) {
+        let s = &self.settings;
+        let kept: Result<Value, Error> = (self.redis)
+            .xclaim(
+                &s.stream,
+                &s.group,
+                &s.consumer,
+                0,
+                entry,
+                None,
+                None,
+                None,
+                false,
+                true,
+            )
+            .await;
+        if let Err(error) = kept {
+            tracing::debug!(msg = %entry, %error, "could not keep the held message (XCLAIM)");
+        }
     }
 
     async fn ack(&self, entry: &str) {
@@ -437,6 +496,7 @@ async fn main() -> Result<(), BoxError> {
         Ok(_) => return Err("DATABASE_URL needs the example built with --features postgres".into()),
     };
     let consumer = Consumer {
+        stop: stop.clone(),
         coordinator: coordinator.with_lease(settings.lease),
         ledger_key: format!("{}:ledger", settings.stream),
         dead_key: format!("{}:dead", settings.stream),

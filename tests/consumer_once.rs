@@ -435,7 +435,7 @@ async fn the_consumer_example_answers_each_delivery_as_documented() {
     ];
     let server = common::RedisServer::start();
     for redis_url in [None, Some(server.url())] {
-        let mut command = std::process::Command::new(common::demo::example_binary("consumer"));
+        let mut command = std::process::Command::new(common::example_binary("consumer"));
         command.env_remove("REDIS_URL");
         if let Some(url) = &redis_url {
             command.env("REDIS_URL", url);

@@ -279,7 +279,7 @@ impl Broker for Rabbit {
     }
 
     fn consumer(&self) -> Command {
-        let mut command = Command::new(consumers::example_binary("rabbitmq_consumer"));
+        let mut command = Command::new(common::example_binary("rabbitmq_consumer"));
         command
             .env("AMQP_URL", self.node.url())
             .env("REDIS_URL", &self.redis_url)
@@ -571,6 +571,41 @@ async fn a_message_that_always_fails_is_dead_lettered_after_max_deliveries() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0, msg);
     assert!(dead[0].1.contains("delivered 3 times"), "{dead:?}");
+}
+
+/// A store outage costs no delivery: the consumer holds the message and tries again until the
+/// store answers, so even with `MAX_DELIVERIES=1` the message runs once Redis is back, rather
+/// than going round the queue and into the dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_holds_the_message_rather_than_dead_lettering_it() {
+    let mut rabbit = Rabbit::new(&[("MAX_DELIVERIES", "1")]).await;
+    let log = Log::default();
+    let consumer = Consumer::start(0, rabbit.consumer(), &log);
+    // Up and consuming first (it connects to the store at its start).
+    let warm = rabbit.publish_body(br#"{"id": "pay-w", "amount": 1}"#).await;
+    log.wait_for("the first message runs", Duration::from_secs(20), |e| {
+        e.is_outcome() && e.msg == warm
+    })
+    .await;
+    rabbit._redis.kill();
+    let msg = rabbit.publish_body(br#"{"id": "pay-o", "amount": 2}"#).await;
+    log.wait_for("the consumer takes the message", Duration::from_secs(10), |e| {
+        e.kind == "received" && e.msg == msg
+    })
+    .await;
+    // Past the store timeout (2 s) and a few tries: the old way, each a delivery, would have
+    // dead-lettered it by now.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    rabbit._redis.restart();
+    common::until_async("the message is settled", || rabbit.settled()).await;
+    assert!(consumer.terminate().success());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_outcome() && e.msg == msg)
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["ran"], "{}", log.dump());
+    assert!(rabbit.dead_letters().await.is_empty());
+    assert_eq!(rabbit.effects().await.get("pay-o"), Some(&1));
 }
 
 /// SIGTERM in the middle of a message: the consumer finishes it, acknowledges it, and exits 0.

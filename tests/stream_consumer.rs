@@ -162,7 +162,7 @@ impl Broker for Streams {
     }
 
     fn consumer(&self) -> Command {
-        let mut command = Command::new(consumers::example_binary("stream_consumer"));
+        let mut command = Command::new(common::example_binary("stream_consumer"));
         command
             .env("REDIS_URL", &self.url)
             .env("STREAM", &self.stream)
@@ -371,6 +371,55 @@ async fn a_message_that_always_fails_is_dead_lettered_after_max_deliveries() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0, entry);
     assert!(dead[0].1.contains("delivered 3 times"), "{dead:?}");
+}
+
+/// A store outage costs no delivery: the consumer holds the message and tries again until the
+/// store answers, keeping it from the other consumer's takeovers meanwhile, so even with
+/// `MAX_DELIVERIES=1` the message runs once PostgreSQL is back (frozen here for longer than a
+/// lease, with `SIGSTOP`), rather than being taken over and dead-lettered.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_holds_the_message_rather_than_dead_lettering_it() {
+    let server = tokio::task::spawn_blocking(common::postgres::PgServer::start)
+        .await
+        .expect("start a PostgreSQL server of this test's own");
+    let mut streams = Streams::new(&[("MAX_DELIVERIES", "1"), ("LEASE_MS", "3000")]).await;
+    let pool = sqlx::PgPool::connect(&server.url()).await.unwrap();
+    streams.postgres = Some((server.url(), pool));
+    let log = Log::default();
+    let first = Consumer::start(0, streams.consumer(), &log);
+    let warm = streams.publish_fields(&[("id", "pay-w"), ("amount", "1")]).await;
+    log.wait_for("the first message runs", Duration::from_secs(20), |e| {
+        e.is_outcome() && e.msg == warm
+    })
+    .await;
+    // A second consumer, idle, would take the message over after a lease (3 s) if it were not
+    // kept: that takeover would be its second delivery, one more than MAX_DELIVERIES. (Started
+    // now: a consumer connects to its store at its start.)
+    let second = Consumer::start(1, streams.consumer(), &log);
+    log.wait_for("the second consumer is up", Duration::from_secs(20), |e| {
+        e.consumer == 1 && e.kind == "consuming"
+    })
+    .await;
+    server.pause();
+    let entry = streams.publish_fields(&[("id", "pay-o"), ("amount", "2")]).await;
+    log.wait_for("a consumer takes the message", Duration::from_secs(10), |e| {
+        e.kind == "received" && e.msg == entry
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    server.resume();
+    common::until_async("the message is settled", || streams.settled()).await;
+    assert!(first.terminate().success());
+    let status = second.terminate();
+    assert!(status.success(), "second consumer: {status}\n{}", log.dump());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_outcome() && e.msg == entry)
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["ran"], "{}", log.dump());
+    assert!(streams.dead_letters().await.is_empty());
+    assert_eq!(streams.effects().await.get("pay-o"), Some(&1));
 }
 
 /// SIGTERM in the middle of a message: the consumer finishes it, acknowledges it, and exits 0.

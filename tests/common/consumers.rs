@@ -21,7 +21,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -69,24 +68,6 @@ pub trait Broker {
     /// A command that starts one consumer with its debug lines on (see the module doc); the
     /// harness sets its stdout and stderr.
     fn consumer(&self) -> Command;
-}
-
-/// An example binary built by cargo beside this test binary (`cargo test` builds examples
-/// into target/<profile>/examples; tests run from target/<profile>/deps).
-pub fn example_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let path = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target dir")
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples --all-features`",
-        path.display()
-    );
-    path
 }
 
 /// One line a consumer wrote, parsed.

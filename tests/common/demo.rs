@@ -29,25 +29,7 @@ impl Drop for Demo {
 
 /// The quickstart built by cargo beside this test binary.
 pub fn quickstart_binary() -> PathBuf {
-    example_binary("quickstart")
-}
-
-/// The example `name` built by cargo beside this test binary.
-pub fn example_binary(name: &str) -> PathBuf {
-    // Tests run from target/<profile>/deps; cargo builds examples into target/<profile>/examples.
-    let exe = std::env::current_exe().expect("test executable path");
-    let path = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target dir")
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples`",
-        path.display()
-    );
-    path
+    super::example_binary("quickstart")
 }
 
 /// Starts the quickstart on a free port, on Redis at `redis_url` or in memory, and waits until

@@ -757,3 +757,21 @@ impl Store for FaultyStore {
         self.inner.purge(key)
     }
 }
+
+/// The example `name`, built by cargo beside this test binary (tests run from
+/// target/<profile>/deps; cargo builds examples into target/<profile>/examples).
+pub fn example_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the whole suite (cargo test builds examples) or `cargo build --examples --all-features`",
+        path.display()
+    );
+    path
+}
