@@ -8,6 +8,7 @@
 //!   fingerprints
 //! - [Waiting for the first request](waiting)
 //! - [gRPC](grpc)
+//! - [Queue consumers](queue_consumers)
 //! - [Guarantees](guarantees), in full, and where they end
 //! - [Policy file](policy_file)
 //! - [Stores](stores): Redis, the replay cache, memory
@@ -43,6 +44,7 @@ macro_rules! links {
          [stores]: crate::guide::stores\n\
          [operators]: crate::guide::operators\n\
          [grpc]: crate::guide::grpc\n\
+         [queue-consumers]: crate::guide::queue_consumers\n\
          [running-redis]: crate::guide::running_redis\n\
          [with-axum-guide]: crate::guide::with_axum\n\
          [guarantees]: crate::guide::guarantees\n\
@@ -78,6 +80,7 @@ page!(readme, "../README.md", "README", "redis");
 page!(with_axum, "../docs/with-axum.md");
 page!(waiting, "../docs/waiting.md");
 page!(grpc, "../docs/grpc.md");
+page!(queue_consumers, "../docs/queue-consumers.md");
 page!(guarantees, "../docs/guarantees.md");
 page!(policy_file, "../docs/policy-file.md", "Policy file", "policy");
 page!(stores, "../docs/stores.md");

@@ -4,7 +4,8 @@
 //! held key: completion, release, lease renewal), `waiting.rs` (the bound on callers waiting
 //! for a running key), `running.rs` (the in-flight bound and the shutdown that waits for it),
 //! `settings.rs` (what a coordinator, its clones and its claims share, and the store calls they
-//! all make the same way) and `error.rs`.
+//! all make the same way), `once.rs` (a queue consumer's one call: claim, run, complete or
+//! release, and what to do with the message) and `error.rs`.
 
 mod claim;
 mod error;
@@ -44,8 +45,10 @@ use crate::telemetry::{self, Named, Outcome, StoreOp};
 /// short lease never lets a second caller in beside a slow but live one. A claim dropped without
 /// either is released in the background.
 ///
-/// The HTTP layer is built on this type; queue consumers use it directly
-/// (see `examples/consumer.rs`). Needs a Tokio runtime.
+/// The HTTP layer is built on this type; queue consumers use it directly, most simply through
+/// [`once`](Coordinator::once), which claims, runs, completes or releases in one call and says
+/// what to do with the message (see the [queue consumers guide](crate::guide::queue_consumers)).
+/// Needs a Tokio runtime.
 ///
 /// ```
 /// use bytes::Bytes;
