@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::consumers::{self, Broker, Consumer, Log, Message, Plan};
+use common::consumers::{self, Broker, Consumer, Log, Message};
 use common::RedisServer;
 use fred::prelude::*;
 
@@ -50,26 +50,7 @@ impl Streams {
     /// The same, with the PostgreSQL store: a database of its own on the binary's shared server.
     #[cfg(feature = "postgres")]
     async fn with_postgres(env: &[(&str, &str)]) -> Self {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static DATABASES: AtomicUsize = AtomicUsize::new(0);
-        let addr = tokio::task::spawn_blocking(|| common::postgres::shared().addr())
-            .await
-            .expect("start the shared PostgreSQL server");
-        let name = format!(
-            "streams_{}_{}",
-            std::process::id(),
-            DATABASES.fetch_add(1, Ordering::Relaxed)
-        );
-        let admin = sqlx::PgPool::connect(&common::postgres::url_for(addr))
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&admin)
-            .await
-            .unwrap();
-        admin.close().await;
-        let url = format!("postgres://postgres@{addr}/{name}");
-        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let (url, pool) = common::postgres::fresh_database("streams").await;
         let mut streams = Self::new(env).await;
         streams.postgres = Some((url, pool));
         streams
@@ -180,54 +161,17 @@ impl Broker for Streams {
     }
 }
 
-/// Three consumers over 39 messages (20 ids, each one to three times), six `kill -9` at random
-/// moments, each consumer replaced at once. Each first delivery of an id works 200 ms, so the
-/// kills land while the consumers are busy.
+/// The crash test (`consumers::crash_test`). A message a killed consumer
+/// held has been pending since before the kill, so it is taken over a lease after it at the
+/// latest, and the consumer that takes it over waits for the claim's lease, which ends at most
+/// a lease after the kill; another takeover the taker waits on first can add a lease.
 async fn crash(streams: Streams) {
-    let published = streams.publish_all(&consumers::with_duplicates("pay", 20)).await;
-    let plan = Plan {
-        consumers: 3,
-        kills: 6,
-        kill_every: Duration::from_millis(100)..Duration::from_millis(300),
-        deadline: Duration::from_secs(60),
-    };
-    let run = consumers::crash_run(&streams, &plan).await;
-    eprintln!("{}", run.summary());
-    // Every consumer's lines, for a run that passed (a failure prints them anyway).
-    if std::env::var_os("STREAM_CONSUMER_LOG").is_some() {
-        eprintln!("{}", run.log.dump());
-    }
-    consumers::check(&streams, &run, &published, streams.transactional()).await;
-    assert!(
-        streams.dead_letters().await.is_empty(),
-        "nothing here is a poison (MAX_DELIVERIES is high)\n{}",
-        run.log.dump()
-    );
-    // A message a killed consumer held: its lease ends at most a lease after the kill (it was
-    // renewed until then), and it has been pending since before the kill, so it is taken over
-    // and run by then, plus the work and a poll; another takeover the taker waits on first
-    // can add a lease.
-    let bound = Duration::from_millis(2 * LEASE_MS + WORK_MS + 1000);
-    for (msg, delay) in run.takeover_delays() {
-        if let Some(delay) = delay {
-            assert!(
-                delay < bound,
-                "{msg} was done {delay:?} after its consumer was killed\n{}",
-                run.log.dump()
-            );
-        }
-    }
-}
-
-const WORK_MS: u64 = 200;
-
-fn crash_env() -> [(&'static str, String); 2] {
-    [("WORK_MS", WORK_MS.to_string()), ("MAX_DELIVERIES", "50".into())]
+    consumers::crash_test(&streams, streams.transactional(), Duration::from_millis(LEASE_MS)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_with_the_redis_store() {
-    let env = crash_env();
+    let env = consumers::crash_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     crash(Streams::new(&env).await).await;
 }
@@ -235,7 +179,7 @@ async fn kill_9_with_the_redis_store() {
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_with_the_postgres_store() {
-    let env = crash_env();
+    let env = consumers::crash_env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     crash(Streams::with_postgres(&env).await).await;
 }

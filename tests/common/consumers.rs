@@ -574,3 +574,56 @@ pub async fn check<B: Broker>(broker: &B, run: &Run, published: &[(Message, Stri
         );
     }
 }
+
+/// How long each first delivery of an id works in a crash test, so that the kills land while
+/// the consumers are busy.
+pub const CRASH_WORK_MS: u64 = 200;
+
+/// The environment of a crash test's consumers: the work above, and a bound on deliveries high
+/// enough that nothing there is dead-lettered.
+pub fn crash_env() -> Vec<(&'static str, String)> {
+    vec![
+        ("WORK_MS", CRASH_WORK_MS.to_string()),
+        ("MAX_DELIVERIES", "50".into()),
+    ]
+}
+
+/// The crash test every broker runs, its consumers started with [`crash_env`] and `lease`:
+/// three consumers over 39 messages (20 ids, each one to three times), six `kill -9` at random
+/// moments, each consumer replaced at once; then [`check`], no dead letters, and each message a
+/// killed consumer held done within two leases, the work and a second of the kill (its lease
+/// ends at most a lease after the kill, and the consumer that takes it over may first wait out
+/// another lease of its own; each broker's test says how its takeover gets there).
+pub async fn crash_test<B: Broker>(broker: &B, transactional: bool, lease: Duration) {
+    let messages = with_duplicates("pay", 20);
+    let references = broker.publish(&messages).await;
+    let published: Vec<(Message, String)> = messages.into_iter().zip(references).collect();
+    let plan = Plan {
+        consumers: 3,
+        kills: 6,
+        kill_every: Duration::from_millis(100)..Duration::from_millis(300),
+        deadline: Duration::from_secs(60),
+    };
+    let run = crash_run(broker, &plan).await;
+    eprintln!("{}", run.summary());
+    // Every consumer's lines, for a run that passed (a failure prints them anyway).
+    if std::env::var_os("CONSUMER_LOG").is_some() {
+        eprintln!("{}", run.log.dump());
+    }
+    check(broker, &run, &published, transactional).await;
+    assert!(
+        broker.dead_letters().await.is_empty(),
+        "nothing here is a poison (MAX_DELIVERIES is high)\n{}",
+        run.log.dump()
+    );
+    let bound = 2 * lease + Duration::from_millis(CRASH_WORK_MS + 1000);
+    for (msg, delay) in run.takeover_delays() {
+        if let Some(delay) = delay {
+            assert!(
+                delay < bound,
+                "{msg} was done {delay:?} after its consumer was killed\n{}",
+                run.log.dump()
+            );
+        }
+    }
+}

@@ -375,3 +375,30 @@ pub async fn store(url: &str) -> tower_idempotency::PostgresStore {
     store.migrate().await.expect("create the record table");
     store
 }
+
+/// A database of its own, named `<prefix>_<pid>_<n>`, on the server shared by this test binary:
+/// its URL and a pool on it. For tests whose tables have fixed names (a consumer's `ledger`).
+pub async fn fresh_database(prefix: &str) -> (String, sqlx::PgPool) {
+    static DATABASES: AtomicUsize = AtomicUsize::new(0);
+    let addr = tokio::task::spawn_blocking(|| shared().addr())
+        .await
+        .expect("start the shared PostgreSQL server");
+    let name = format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        DATABASES.fetch_add(1, Ordering::Relaxed)
+    );
+    let admin = sqlx::PgPool::connect(&url_for(addr))
+        .await
+        .expect("connect to the shared PostgreSQL server");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&admin)
+        .await
+        .expect("create a database");
+    admin.close().await;
+    let url = format!("postgres://postgres@{addr}/{name}");
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .expect("connect to the new database");
+    (url, pool)
+}
