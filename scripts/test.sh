@@ -34,11 +34,44 @@ if [ "$#" -eq 0 ]; then
   # target/servers, nothing installed): the store, layer and waiting suites on standalone,
   # Sentinel and Cluster, and the Redis-only tests but the failover storms
   # (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
-  for server in $(scripts/newer-servers.sh); do
+  # An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
+  # loop over a failed substitution would run zero times and pass.
+  newer=$(scripts/newer-servers.sh)
+  [ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
+  # The test binaries built above, run directly so that the servers' runs go side by side
+  # (cargo runs one test command at a time); their tests mostly wait on leases and timeouts.
+  mapfile -t binaries < <(cargo test --all-features --no-run --message-format=json \
+    --test store_suite --test layer_suite --test waiting --test redis --test redis_faults \
+    --test redis_replica_acks --test redis_cluster | python3 -c '
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and message.get("executable") and message["profile"]["test"]:
+        print(message["target"]["name"], message["executable"])')
+  [ "${#binaries[@]}" -eq 7 ] || { echo "expected 7 test binaries, found: ${binaries[*]}" >&2; exit 1; }
+  on_server() {
+    local server=$1 name exe failed=0
     echo "the Redis tests on $("$server" --version)"
-    REDIS_SERVER_BIN="$server" cargo test --all-features --test store_suite --test layer_suite \
-      --test waiting -- redis sentinel:: cluster two_nodes::
-    REDIS_SERVER_BIN="$server" cargo test --all-features --test redis --test redis_faults \
-      --test redis_replica_acks --test redis_cluster
+    for entry in "${binaries[@]}"; do
+      read -r name exe <<<"$entry"
+      filters=()
+      case "$name" in store_suite | layer_suite | waiting) filters=(redis sentinel:: cluster two_nodes::) ;; esac
+      echo "== $name"
+      REDIS_SERVER_BIN="$server" "$exe" "${filters[@]}" || failed=1
+    done
+    return "$failed"
+  }
+  logs=$(mktemp -d)
+  pids=()
+  n=0
+  for server in $newer; do
+    on_server "$server" >"$logs/$n.log" 2>&1 &
+    pids+=("$!")
+    n=$((n + 1))
   done
+  failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  cat "$logs"/*.log
+  rm -rf "$logs"
+  [ "$failed" -eq 0 ] || { echo "the Redis tests failed on a newer server (above)" >&2; exit 1; }
 fi

@@ -363,7 +363,8 @@ impl Coordinator {
     /// own database transaction with its business writes (`PostgresStore::complete_in`, given
     /// the [`ClaimTicket`] passed in): the effect and the record then commit together, so no
     /// crash anywhere can apply the effect twice. The operation returns the result it
-    /// completed with; the completion that follows finds the record completed and leaves it.
+    /// completed with; the completion that follows (one more round trip, which also covers an
+    /// operation that returned without completing) finds the record completed and leaves it.
     /// An operation that rolls back (its claim was lost, or its writes failed) returns `Err`.
     ///
     /// ```
