@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: unit tests, the behaviour suites on every store, Redis and
-# PostgreSQL fault tests, TLS, doctests and examples, then the library's TLS tests once more built
-# without its `tls` feature, and the Redis tests on newer Redis and Valkey servers. The Redis,
-# PostgreSQL and RabbitMQ tests start their own redis-server, postgres and rabbitmq-server
-# processes on free loopback ports (never 6379, 5432, 5672 or 4369); on a machine without
-# redis-server, PostgreSQL's server binaries or rabbitmq-server this installs them with apt-get
-# first.
+# PostgreSQL fault tests, TLS, the queue consumers on Redis Streams and RabbitMQ, doctests and
+# examples, then the library's TLS tests once more built without its `tls` feature, and the
+# Redis tests on newer Redis and Valkey servers. The test binaries run in two lanes side by side
+# (most of their time is spent waiting on leases, timeouts and servers). The Redis, PostgreSQL
+# and RabbitMQ tests start their own redis-server, postgres and rabbitmq-server processes on
+# free loopback ports (never 6379, 5432, 5672 or 4369); on a machine without redis-server,
+# PostgreSQL's server binaries or rabbitmq-server this installs them with apt-get first. With
+# arguments, it runs `cargo test --all-features <arguments>` alone (one suite, say).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,53 +27,96 @@ if [ -z "${RABBITMQ_SERVER_BIN:-}" ] && [ ! -x /usr/lib/rabbitmq/bin/rabbitmq-se
 fi
 echo "using RabbitMQ $(dpkg-query -W -f '${Version}' rabbitmq-server 2>/dev/null || echo "from ${RABBITMQ_SERVER_BIN:-?}")"
 
-cargo test --all-features "$@"
-if [ "$#" -eq 0 ]; then
-  # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be
-  # refused (never a plain-text connection).
-  cargo test --no-default-features --features redis,postgres --lib -- tls
-  # The Redis tests once more on the newest Redis and Valkey in Debian's registry (fetched into
-  # target/servers, nothing installed): the store, layer and waiting suites on standalone,
-  # Sentinel and Cluster, and the Redis-only tests but the failover storms
-  # (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
-  # An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
-  # loop over a failed substitution would run zero times and pass.
-  newer=$(scripts/newer-servers.sh)
-  [ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
-  # The test binaries built above, run directly so that the servers' runs go side by side
-  # (cargo runs one test command at a time); their tests mostly wait on leases and timeouts.
-  mapfile -t binaries < <(cargo test --all-features --no-run --message-format=json \
-    --test store_suite --test layer_suite --test waiting --test redis --test redis_faults \
-    --test redis_replica_acks --test redis_cluster | python3 -c '
+# One suite (arguments for cargo test): as asked.
+if [ "$#" -gt 0 ]; then
+  exec cargo test --all-features "$@"
+fi
+
+# Builds the test binaries of `cargo test --all-features <args>` (and, with no args, the
+# examples the consumer tests run) and prints each one's name and path.
+test_binaries() {
+  cargo test --all-features --no-run --message-format=json "$@" | python3 -c '
 import json, sys
 for line in sys.stdin:
     message = json.loads(line)
     if message.get("reason") == "compiler-artifact" and message.get("executable") and message["profile"]["test"]:
-        print(message["target"]["name"], message["executable"])')
-  [ "${#binaries[@]}" -eq 7 ] || { echo "expected 7 test binaries, found: ${binaries[*]}" >&2; exit 1; }
-  on_server() {
-    local server=$1 name exe failed=0
-    echo "the Redis tests on $("$server" --version)"
-    for entry in "${binaries[@]}"; do
-      read -r name exe <<<"$entry"
-      filters=()
-      case "$name" in store_suite | layer_suite | waiting) filters=(redis sentinel:: cluster two_nodes::) ;; esac
-      echo "== $name"
-      REDIS_SERVER_BIN="$server" "$exe" "${filters[@]}" || failed=1
-    done
-    return "$failed"
-  }
+        print(message["target"]["name"], message["executable"])'
+}
+
+# Runs `binaries` (lines "<name> <path>") side by side in lanes, each lane's binaries one after
+# another with their output to a log of its own, then prints the logs; fails if any binary did.
+# Most tests wait on leases, timeouts and servers rather than on the CPU, so two lanes overlap
+# well on 2 cores. A lane is lines "<name> <path> [filters…]"; a line NAME=VALUE sets the
+# environment of the binaries after it; the line "doctests" runs cargo's doctests there.
+run_lanes() {
+  local logs failed=0 pids=() n=0
   logs=$(mktemp -d)
-  pids=()
-  n=0
-  for server in $newer; do
-    on_server "$server" >"$logs/$n.log" 2>&1 &
+  for lane in "$@"; do
+    (
+      lane_failed=0
+      while read -r name exe filters; do
+        case "$name" in
+          "") ;;
+          *=*) export "${name?}" ;; # a lane's environment, ahead of its binaries
+          doctests) echo "== doctests" && { cargo test --all-features --doc || lane_failed=1; } ;;
+          *)
+            echo "== $name"
+            # shellcheck disable=SC2086 # filters are words
+            "$exe" $filters || lane_failed=1
+            ;;
+        esac
+      done <<<"$lane"
+      exit "$lane_failed"
+    ) >"$logs/$n.log" 2>&1 &
     pids+=("$!")
     n=$((n + 1))
   done
-  failed=0
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   cat "$logs"/*.log
   rm -rf "$logs"
-  [ "$failed" -eq 0 ] || { echo "the Redis tests failed on a newer server (above)" >&2; exit 1; }
-fi
+  return "$failed"
+}
+
+mapfile -t binaries < <(test_binaries)
+expected=$(($(ls tests/*.rs | wc -l) + 2)) # every tests/*.rs, the library's and the admin tool's unit tests
+[ "${#binaries[@]}" -eq "$expected" ] || {
+  echo "expected $expected test binaries, found ${#binaries[@]}: ${binaries[*]}" >&2
+  exit 1
+}
+# Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest and
+# then the doctests in the other (about 3 and 4 minutes of running, one after the other).
+redis_lane="" other_lane=""
+for entry in "${binaries[@]}"; do
+  case "${entry%% *}" in
+    redis* | chaos | waiting | layer_suite | store_suite | faults) redis_lane+="$entry"$'\n' ;;
+    *) other_lane+="$entry"$'\n' ;;
+  esac
+done
+other_lane+="doctests"$'\n'
+run_lanes "$redis_lane" "$other_lane"
+
+# Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be refused
+# (never a plain-text connection).
+cargo test --no-default-features --features redis,postgres --lib -- tls
+
+# The Redis tests once more on the newest Redis and Valkey in Debian's registry (fetched into
+# target/servers, nothing installed), one lane per server: the store, layer and waiting suites on
+# standalone, Sentinel and Cluster, and the Redis-only tests but the failover storms
+# (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
+# An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
+# loop over a failed substitution would run zero times and pass.
+newer=$(scripts/newer-servers.sh)
+[ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
+lanes=()
+for server in $newer; do
+  echo "the Redis tests on $("$server" --version)"
+  lane=""
+  for entry in "${binaries[@]}"; do
+    case "${entry%% *}" in
+      store_suite | layer_suite | waiting) lane+="$entry redis sentinel:: cluster two_nodes::"$'\n' ;;
+      redis | redis_faults | redis_replica_acks | redis_cluster) lane+="$entry"$'\n' ;;
+    esac
+  done
+  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"$lane")
+done
+run_lanes "${lanes[@]}"

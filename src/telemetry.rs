@@ -718,6 +718,7 @@ mod recorded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(feature = "metrics")]
     use crate::reconciliation::ReconciliationKind;
 
     #[test]
