@@ -36,6 +36,31 @@ fn counted(
     }
 }
 
+/// Runs `once` on a task of its own, with an operation that counts its run in `runs`, works
+/// `work` (forever if `None`), then answers `receipt`.
+fn spawn_working(
+    coordinator: &Coordinator,
+    k: &RecordKey,
+    f: Fingerprint,
+    runs: &Arc<AtomicUsize>,
+    work: Option<Duration>,
+    receipt: &'static str,
+) -> tokio::task::JoinHandle<Once<Bytes, String>> {
+    let (coordinator, k, runs) = (coordinator.clone(), k.clone(), runs.clone());
+    tokio::spawn(async move {
+        coordinator
+            .once(&k, &f, || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                match work {
+                    Some(work) => tokio::time::sleep(work).await,
+                    None => std::future::pending().await,
+                }
+                Ok(Bytes::from(receipt))
+            })
+            .await
+    })
+}
+
 async fn a_duplicate_is_replayed_and_acknowledged(backend: Backend) {
     let coordinator = Coordinator::from_shared_store(backend.store.clone());
     let (k, f, runs) = (key("dup-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
@@ -188,6 +213,7 @@ async fn a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter(backe
     assert!(matches!(first, Once::Ran(_)));
     let other = coordinator.once(&k, &fp("amount=6"), counted(&runs, "r")).await;
     assert!(matches!(other, Once::Mismatch), "{other:?}");
+    assert!(other.result().is_none(), "nothing ran, no result");
     assert_eq!(other.disposition(), Disposition::DeadLetter);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
@@ -198,18 +224,14 @@ async fn the_lease_is_renewed_while_the_operation_runs(backend: Backend) {
     let lease = Duration::from_millis(300);
     let coordinator = Coordinator::from_shared_store(backend.store.clone()).with_lease(lease);
     let (k, f, runs) = (key("slow-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
-    let slow = {
-        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
-        tokio::spawn(async move {
-            coordinator
-                .once(&k, &f, || async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(1200)).await;
-                    Ok::<_, String>(Bytes::from("slow receipt"))
-                })
-                .await
-        })
-    };
+    let slow = spawn_working(
+        &coordinator,
+        &k,
+        f,
+        &runs,
+        Some(Duration::from_millis(1200)),
+        "slow receipt",
+    );
     common::until("the slow operation starts", || runs.load(Ordering::SeqCst) == 1).await;
     let started = Instant::now();
     while started.elapsed() < Duration::from_millis(900) {
@@ -236,18 +258,14 @@ async fn the_lease_is_renewed_while_the_operation_runs(backend: Backend) {
 async fn a_waiting_duplicate_gets_the_running_operations_result(backend: Backend) {
     let coordinator = Coordinator::from_shared_store(backend.store.clone());
     let (k, f, runs) = (key("wait-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
-    let first = {
-        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
-        tokio::spawn(async move {
-            coordinator
-                .once(&k, &f, || async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                    Ok::<_, String>(Bytes::from("first receipt"))
-                })
-                .await
-        })
-    };
+    let first = spawn_working(
+        &coordinator,
+        &k,
+        f,
+        &runs,
+        Some(Duration::from_millis(300)),
+        "first receipt",
+    );
     common::until("the first operation starts", || runs.load(Ordering::SeqCst) == 1).await;
     let waited = coordinator
         .once(&k, &f, counted(&runs, "second receipt"))
@@ -266,17 +284,7 @@ async fn a_waiting_duplicate_gets_the_running_operations_result(backend: Backend
 async fn a_dropped_call_gives_the_key_up(backend: Backend) {
     let coordinator = Coordinator::from_shared_store(backend.store.clone());
     let (k, f, runs) = (key("drop-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
-    let hung = {
-        let (coordinator, k, f, runs) = (coordinator.clone(), k.clone(), f, runs.clone());
-        tokio::spawn(async move {
-            coordinator
-                .once(&k, &f, || async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    std::future::pending::<Result<Bytes, String>>().await
-                })
-                .await
-        })
-    };
+    let hung = spawn_working(&coordinator, &k, f, &runs, None, "never");
     common::until("the operation starts", || runs.load(Ordering::SeqCst) == 1).await;
     hung.abort();
     let _ = hung.await;
@@ -312,34 +320,32 @@ async fn a_lost_claim_is_not_stored_but_acknowledged(backend: Backend) {
         "{answer:?}"
     );
     assert_eq!(answer.disposition(), Disposition::Ack);
+    assert_eq!(
+        answer.result().map(|r| &r[..]),
+        Some(&b"receipt"[..]),
+        "it ran: its result is there"
+    );
 }
 
-on_both_stores!(
-    a_duplicate_is_replayed_and_acknowledged,
-    a_technical_failure_releases_the_key_for_a_redelivery,
-    a_business_rejection_is_stored_and_replayed_as_the_same_type,
-    a_stored_result_of_another_type_is_dead_lettered,
-    a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease,
-    a_panic_releases_the_key_before_it_propagates,
-    a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter,
-    the_lease_is_renewed_while_the_operation_runs,
-    a_waiting_duplicate_gets_the_running_operations_result,
-    a_dropped_call_gives_the_key_up,
-    a_lost_claim_is_not_stored_but_acknowledged,
-);
-on_postgres!(
-    a_duplicate_is_replayed_and_acknowledged,
-    a_technical_failure_releases_the_key_for_a_redelivery,
-    a_business_rejection_is_stored_and_replayed_as_the_same_type,
-    a_stored_result_of_another_type_is_dead_lettered,
-    a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease,
-    a_panic_releases_the_key_before_it_propagates,
-    a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter,
-    the_lease_is_renewed_while_the_operation_runs,
-    a_waiting_duplicate_gets_the_running_operations_result,
-    a_dropped_call_gives_the_key_up,
-    a_lost_claim_is_not_stored_but_acknowledged,
-);
+/// Every test above, on memory and Redis (`on_both_stores!`) and on PostgreSQL (`on_postgres!`).
+macro_rules! on_each_store {
+    ($($generate:ident),*) => {
+        $($generate!(
+            a_duplicate_is_replayed_and_acknowledged,
+            a_technical_failure_releases_the_key_for_a_redelivery,
+            a_business_rejection_is_stored_and_replayed_as_the_same_type,
+            a_stored_result_of_another_type_is_dead_lettered,
+            a_result_that_does_not_encode_is_not_stored_and_the_key_waits_out_its_lease,
+            a_panic_releases_the_key_before_it_propagates,
+            a_different_message_under_a_used_key_is_a_mismatch_to_dead_letter,
+            the_lease_is_renewed_while_the_operation_runs,
+            a_waiting_duplicate_gets_the_running_operations_result,
+            a_dropped_call_gives_the_key_up,
+            a_lost_claim_is_not_stored_but_acknowledged,
+        );)*
+    };
+}
+on_each_store!(on_both_stores, on_postgres);
 
 /// A dead store: nothing runs, and the message is to be delivered again (fail closed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
