@@ -85,15 +85,20 @@ expected=$(($(ls tests/*.rs | wc -l) + 2)) # every tests/*.rs, the library's and
 }
 # Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest and
 # then the doctests in the other (about 3 and 4 minutes of running, one after the other).
-redis_lane="" other_lane=""
+# The failover storms run afterwards, alone: under the load of a second lane,
+# forced_failover_with_replica_acks_runs_no_key_twice once found a key run twice (issue 24's
+# note), so they run as they always had until that is understood.
+redis_lane="" other_lane="" storms=""
 for entry in "${binaries[@]}"; do
   case "${entry%% *}" in
+    redis_sentinel | redis_cluster_failover) storms+="$entry"$'\n' ;;
     redis* | chaos | waiting | layer_suite | store_suite | faults) redis_lane+="$entry"$'\n' ;;
     *) other_lane+="$entry"$'\n' ;;
   esac
 done
 other_lane+="doctests"$'\n'
 run_lanes "$redis_lane" "$other_lane"
+run_lanes "$storms"
 
 # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be refused
 # (never a plain-text connection).
