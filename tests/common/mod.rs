@@ -207,11 +207,17 @@ pub fn acl_cli_args() -> Vec<String> {
 
 /// A connected `fred` client for `url`, with a reconnect policy and command timeouts.
 pub async fn client(url: &str) -> Client {
+    client_with_attempts(url, 3).await
+}
+
+/// [`client`], sending each command at most `attempts` times (fred re-sends a command whose
+/// connection closed before its answer; 1: never).
+pub async fn client_with_attempts(url: &str, attempts: u32) -> Client {
     let client = Builder::from_config(Config::from_url(url).expect("valid url"))
         .with_connection_config(|c| {
             c.connection_timeout = Duration::from_secs(1);
             c.internal_command_timeout = Duration::from_secs(1);
-            c.max_command_attempts = 3;
+            c.max_command_attempts = attempts;
         })
         .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
         .set_policy(ReconnectPolicy::new_constant(0, 20))
@@ -471,11 +477,12 @@ pub mod app {
     use tower::ServiceExt;
     use tower_idempotency::IdempotencyLayer;
 
-    /// How often the handler started, and how often it ran to its end.
+    /// How often the handler started, and how often it ran to its end; and the key of each start.
     #[derive(Clone, Default)]
     pub struct Runs {
         started: Arc<AtomicUsize>,
         finished: Arc<AtomicUsize>,
+        keys: Arc<std::sync::Mutex<Vec<String>>>,
     }
 
     impl Runs {
@@ -488,11 +495,20 @@ pub mod app {
         pub fn finished(&self) -> usize {
             self.finished.load(Ordering::SeqCst)
         }
+
+        /// How often the handler started for `key` (its `Idempotency-Key`).
+        pub fn of(&self, key: &str) -> usize {
+            self.keys.lock().unwrap().iter().filter(|k| *k == key).count()
+        }
     }
 
     async fn handler(runs: Runs, headers: HeaderMap, body: Bytes) -> Response {
         let run = runs.started.fetch_add(1, Ordering::SeqCst) + 1;
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        runs.keys
+            .lock()
+            .unwrap()
+            .push(header("idempotency-key").unwrap_or_default());
         if let Some(ms) = header("x-delay-ms").and_then(|v| v.parse().ok()) {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
@@ -612,6 +628,96 @@ pub mod app {
             trailers,
             extensions: parts.extensions,
         }
+    }
+
+    /// Load sent across a store outage, as (key, status) pairs, checked against the handler's
+    /// runs: every answer is 201 or 503, some met the outage (503), a 503 ran nothing (fail
+    /// closed), a 201 ran exactly once, and nothing else ran.
+    pub fn assert_failed_closed(answers: &[(String, StatusCode)], runs: &Runs) {
+        let mut unavailable = 0;
+        for (key, status) in answers {
+            let expected = match *status {
+                StatusCode::CREATED => 1,
+                StatusCode::SERVICE_UNAVAILABLE => 0,
+                other => panic!("{key}: answered {other}, not 201 or 503"),
+            };
+            unavailable += 1 - expected;
+            assert_eq!(
+                runs.of(key),
+                expected,
+                "{key}: answered {status}, ran {} times",
+                runs.of(key)
+            );
+        }
+        assert!(unavailable > 0, "no request met the outage: {answers:?}");
+        assert_eq!(runs.get(), answers.len() - unavailable, "runs beyond the 201s");
+    }
+
+    /// Sends `key` until it is answered 201, then once more, which must replay that answer: the
+    /// store took a completion again (a 201 alone is what a client also gets when every
+    /// completion fails). Panics after 10 s.
+    pub async fn until_stored(router: &Router, key: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let created = loop {
+            let answer = send(router, super::app::payment(key, "{}")).await;
+            if answer.status == StatusCode::CREATED {
+                break answer;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never answered 201: {} {:?}",
+                answer.status,
+                answer.body
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let again = send(router, super::app::payment(key, "{}")).await;
+        assert!(
+            again.is_replay(),
+            "{key}: answered 201 but not stored: {} {:?}",
+            again.status,
+            again.body
+        );
+        assert_eq!(
+            again.body, created.body,
+            "{key}: the replay differs from the answer"
+        );
+    }
+
+    /// A router whose handler answers 201 `ran once` and, as it returns, has `proxy` drop the reply
+    /// to the next request it forwards: the completion's. Counts the handler's runs.
+    pub fn dropping_the_completion_reply(
+        layer: IdempotencyLayer,
+        proxy: &Arc<super::proxy::FaultProxy>,
+    ) -> (Router, Arc<AtomicUsize>) {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (proxy, counted) = (proxy.clone(), runs.clone());
+        let handler = move || {
+            let (proxy, runs) = (proxy.clone(), counted.clone());
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                // The tail of the claim's answer (PostgreSQL's ReadyForQuery) may still be on its
+                // way when the handler starts: let it pass first.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                proxy.set(super::proxy::Fault::DropNextReply);
+                (StatusCode::CREATED, "ran once")
+            }
+        };
+        (
+            Router::new()
+                .route("/payments", routing::post(handler))
+                .layer(layer),
+            runs,
+        )
+    }
+
+    /// Every reconciliation event the layer reports, by kind.
+    pub fn reconciled(layer: IdempotencyLayer) -> (IdempotencyLayer, Arc<std::sync::Mutex<Vec<String>>>) {
+        let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = events.clone();
+        let layer =
+            layer.with_reconciliation(move |event| seen.lock().unwrap().push(format!("{:?}", event.kind)));
+        (layer, events)
     }
 
     /// Sends `request` from a task of its own, for requests that must overlap.

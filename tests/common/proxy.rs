@@ -45,6 +45,8 @@ struct Counts {
     /// Reads from a client that came after an answer was delivered to it (or first on its
     /// connection): the round trips the clients waited for.
     turns: AtomicU64,
+    /// Replies dropped by `Fault::DropNextReply`.
+    dropped_replies: AtomicU64,
 }
 
 impl FaultProxy {
@@ -108,6 +110,11 @@ impl FaultProxy {
     /// reach it before it has sent them all.
     pub fn turns(&self) -> u64 {
         self.counts.turns.load(Ordering::SeqCst)
+    }
+
+    /// Replies dropped so far by [`Fault::DropNextReply`] (each one's request reached the server).
+    pub fn dropped_replies(&self) -> u64 {
+        self.counts.dropped_replies.load(Ordering::SeqCst)
     }
 
     pub fn url(&self) -> String {
@@ -213,6 +220,7 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     .compare_exchange(once, Fault::None as u8, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
                 {
+                    faults.counts.dropped_replies.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
                 pause(&faults).await;
