@@ -123,6 +123,7 @@ for server in $newer; do
       redis | redis_faults | redis_replica_acks | redis_cluster) lane+="$entry"$'\n' ;;
     esac
   done
-  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"$lane")
+  # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.
+  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"$lane")
 done
 run_lanes "${lanes[@]}"

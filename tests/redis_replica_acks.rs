@@ -421,7 +421,8 @@ async fn server_version(server: &Client) -> (u32, u32) {
 /// one never acknowledges, so new keys are answered 503 and never run (plain `WAIT` lets them
 /// run); a master without one is refused when the store connects. Where the server lacks
 /// `WAITAOF` (Redis 7.0), the store refuses the option when it connects. `scripts/test.sh` runs
-/// this on Redis 7.0, Redis 8.0 and Valkey 8.1.
+/// this on Redis 7.0, Redis 8.0 and Valkey 8.1, the latter two with `EXPECT_WAITAOF` set, so
+/// that a newer server lacking it fails instead of passing on the refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
     const AOF: [&str; 4] = ["--appendonly", "yes", "--appendfsync", "always"];
@@ -440,6 +441,12 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
     let single = RedisServer::start_with(&AOF);
     let version = server_version(&client(&single.url()).await).await;
     if version < (7, 2) {
+        // scripts/test.sh sets this where it runs the newer servers: a lane that meant to test
+        // the real thing must not pass on the refusal alone (a wrong binary, say).
+        assert!(
+            std::env::var_os("EXPECT_WAITAOF").is_none(),
+            "EXPECT_WAITAOF is set but this server ({version:?}) has no WAITAOF"
+        );
         let refused = connect(single.url(), fsync(500)).await;
         let error = refused.expect_err("fsync refused without WAITAOF").to_string();
         assert!(error.contains("WAITAOF"), "{error}");
