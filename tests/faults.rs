@@ -579,17 +579,18 @@ async fn a_failed_completion_is_tried_3_times_with_its_lease_renewed(b: Backend)
     assert_eq!(runs.get(), 1);
     assert!(journal.lock().unwrap().is_empty(), "nothing to reconcile");
 
-    // Every attempt fails: exactly 3, then the hook hears of it; the client has its response.
-    let down = Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_completions(100, fails_for));
+    // Every attempt fails: exactly 3 (all made before the client is answered), then the hook
+    // hears of it; the client has its response.
+    let down =
+        Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_completions(100, Duration::ZERO));
     let (app, runs) = router(
         IdempotencyLayer::new(down.clone())
-            .with_lease(lease)
+            .with_lease(Duration::from_millis(300))
             .with_reconciliation(hook),
     );
     let answer = send(&app, payment("never-stored", "{}")).await;
     assert_eq!(answer.status, StatusCode::CREATED);
     assert_eq!(answer.body, "run 1; echo {}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(down.completions(), 3, "3 attempts in all, no fourth");
     let events = journal.lock().unwrap().clone();
     assert_eq!(events.len(), 1, "{events:?}");
