@@ -272,6 +272,21 @@ async fn a_store_outage_is_logged_once_per_interval_with_the_count_held_back() {
     }
 }
 
+/// README, Behaviour row 13: the outage warning is logged "once per 10 s per layer": a second
+/// layer's outage is not held back by the first layer's warning.
+#[tokio::test(start_paused = true)]
+async fn each_layer_logs_its_own_store_outage() {
+    let _turn = turn().await;
+    let (first, _) = router(IdempotencyLayer::new(DownStore));
+    let (second, _) = router(IdempotencyLayer::new(DownStore));
+    for n in 0..3 {
+        send(&first, payment(&format!("a{n}"), "{}")).await;
+        send(&second, payment(&format!("b{n}"), "{}")).await;
+    }
+    let logs = logged(OUTAGE);
+    assert_eq!(logs.len(), 2, "one warning per layer: {logs:?}");
+}
+
 #[tokio::test]
 async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
     let _turn = turn().await;
