@@ -490,6 +490,49 @@ async fn the_memory_stores_first_early_eviction_is_logged_once_per_store() {
     }
 }
 
+/// docs/guarantees.md, "Rolling back": a record of a newer release past its 15 minutes is
+/// answered 500 `UnreadableRecord` "with an error log naming the layout and the key's digest"
+/// (README, Behaviour: "500 `UnreadableRecord` and an error logged"); within them, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_release_record_past_its_window_logs_an_error_naming_the_layout() {
+    use fred::interfaces::KeysInterface;
+    let _turn = turn().await;
+    let server = common::RedisServer::start();
+    let client = common::client(&server.url()).await;
+    let store = tower_idempotency::RedisStore::new(client.clone());
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for (key, claimed_ms_ago) in [("newer-recent", 60_000), ("newer-rolled-back", 16 * 60_000)] {
+        let owner = format!("n-1@{}", now_ms - claimed_ms_ago);
+        // Layout 3's first bytes: `TIR`, the version, the owner's length and the owner.
+        let mut record = b"TIR\x03".to_vec();
+        record.extend_from_slice(&(owner.len() as u16).to_be_bytes());
+        record.extend_from_slice(owner.as_bytes());
+        record.extend_from_slice(b"C and whatever layout 3 holds");
+        let record_key = RecordKey::new(None, IdempotencyKey::parse(key).unwrap());
+        let _: () = client
+            .set(
+                store.redis_key(&record_key),
+                record,
+                Some(fred::types::Expiration::EX(3600)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+        send(&app, payment(key, "{}")).await;
+    }
+    assert_eq!(runs.get(), 0);
+    let errors = logged_at(tracing::Level::ERROR, "unreadable");
+    assert_eq!(errors.len(), 1, "only the record past its window: {errors:?}");
+    let digest = RecordKey::new(None, IdempotencyKey::parse("newer-rolled-back").unwrap()).digest_hex();
+    assert!(errors[0]["key"].contains(&digest[..16]), "{errors:?}");
+    assert!(errors[0]["reason"].contains("layout version 3"), "{errors:?}");
+}
+
 // Settings that can only hurt are refused when the layer is configured.
 
 #[test]
