@@ -521,6 +521,107 @@ async fn operators_see_the_lease_left_on_a_running_key(b: Backend) {
     );
 }
 
+/// README, Behaviour row 15 and Settings: "lease (default 30 s)"; `with_lease` | 30 s. A layer
+/// with no `with_lease` gives a running request's record 30 s: `inspect` (the record's PTTL on
+/// Redis, its expiry column on PostgreSQL) shows 30 s less the time since the claim.
+async fn the_default_lease_is_30_s(b: Backend) {
+    let layer = layer(&b);
+    let (app, runs) = router(layer.clone());
+    let running = spawn_send(&app, slow("default-lease", 500));
+    until("the handler runs", || runs.get() == 1).await;
+    let seen = layer
+        .inspect(None, "default-lease")
+        .await
+        .unwrap()
+        .expect("in flight");
+    assert_eq!(seen.state, RecordState::InFlight);
+    assert!(
+        seen.expires_in <= Duration::from_secs(30) && seen.expires_in > Duration::from_secs(28),
+        "the lease left: {:?}",
+        seen.expires_in
+    );
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+}
+
+/// docs/guarantees.md, promise 6: "A completion that fails after the handler ran is tried 3
+/// times, its lease renewed meanwhile; if it still fails, the client still gets its response and
+/// an error is logged" (the log: tests/setup_warnings.rs), and the reconciliation hook gets
+/// `CompletionFailed` with the response. Each failing attempt takes 300 ms against a 600 ms
+/// lease, so the third attempt starts after the lease taken at the claim has run out: it lands
+/// only if the lease was renewed meanwhile.
+async fn a_failed_completion_is_tried_3_times_with_its_lease_renewed(b: Backend) {
+    let lease = Duration::from_millis(600);
+    let fails_for = Duration::from_millis(300);
+    let journal = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let hook = {
+        let journal = journal.clone();
+        move |event: &tower_idempotency::ReconciliationEvent| journal.lock().unwrap().push(event.clone())
+    };
+    // Two failures, then the third attempt lands: stored, and replayed byte-exact.
+    let flaky = Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_completions(2, fails_for));
+    let (app, runs) = router(
+        IdempotencyLayer::new(flaky.clone())
+            .with_lease(lease)
+            .with_reconciliation(hook.clone()),
+    );
+    let started = std::time::Instant::now();
+    let first = send(&app, payment("tried-twice", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        started.elapsed() > lease,
+        "the third attempt came after the first lease ended"
+    );
+    assert_eq!(flaky.completions(), 3, "two failed attempts and one that landed");
+    assert!(flaky.renewals() >= 1, "renewed while completing");
+    let replay = send(&app, payment("tried-twice", "{}")).await;
+    assert!(replay.is_replay(), "{:?}", replay.body);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.get(), 1);
+    assert!(journal.lock().unwrap().is_empty(), "nothing to reconcile");
+
+    // Every attempt fails: exactly 3 (all made before the client is answered), then the hook
+    // hears of it; the client has its response.
+    let down =
+        Arc::new(common::FaultyStore::new(b.store.clone()).with_failing_completions(100, Duration::ZERO));
+    let (app, runs) = router(
+        IdempotencyLayer::new(down.clone())
+            .with_lease(Duration::from_millis(300))
+            .with_reconciliation(hook),
+    );
+    let answer = send(&app, payment("never-stored", "{}")).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(answer.body, "run 1; echo {}");
+    assert_eq!(down.completions(), 3, "3 attempts in all, no fourth");
+    let events = journal.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(
+        matches!(&events[0].kind, tower_idempotency::ReconciliationKind::CompletionFailed { error } if error.contains("injected")),
+        "{:?}",
+        events[0].kind
+    );
+    assert_eq!(
+        events[0].key,
+        RecordKey::new(None, IdempotencyKey::parse("never-stored").unwrap())
+    );
+    let payload = events[0].payload.as_ref().expect("the response to be stored");
+    assert!(payload.windows(answer.body.len()).any(|w| w == answer.body));
+    // The claim is left to its lease; a retry then runs the handler again.
+    let started = std::time::Instant::now();
+    let retry = loop {
+        let retry = send(&app, payment("never-stored", "{}")).await;
+        if retry.status != StatusCode::CONFLICT {
+            break retry;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the claim outlived its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!((retry.status, retry.is_replay()), (StatusCode::CREATED, false));
+    assert_eq!(runs.get(), 2);
+}
+
 // Promise 10
 async fn an_unreadable_stored_response_is_an_error_never_a_replay(b: Backend) {
     let (app, runs) = router(layer(&b));
@@ -553,6 +654,8 @@ async fn an_unreadable_stored_response_is_an_error_never_a_replay(b: Backend) {
 
 on_both_stores!(
     hundreds_of_concurrent_requests_run_the_handler_once,
+    the_default_lease_is_30_s,
+    a_failed_completion_is_tried_3_times_with_its_lease_renewed,
     a_dropped_response_future_does_not_lose_the_work,
     cancel_on_disconnect_cancels_and_releases,
     a_hang_up_during_the_claim_leaves_the_key_free,
@@ -573,6 +676,8 @@ on_both_stores!(
 );
 on_postgres!(
     hundreds_of_concurrent_requests_run_the_handler_once,
+    the_default_lease_is_30_s,
+    a_failed_completion_is_tried_3_times_with_its_lease_renewed,
     a_dropped_response_future_does_not_lose_the_work,
     cancel_on_disconnect_cancels_and_releases,
     a_hang_up_during_the_claim_leaves_the_key_free,

@@ -777,17 +777,35 @@ async fn an_endless_stream_whose_client_left_is_read_no_further_than_its_claim(b
     }
 }
 
-// Row 7: a handler that gives no response head within the handler timeout is cancelled; the
-// client gets 504 and the key is kept as not replayable (or released, if configured).
+/// README row 17: "the handler gives no response head within the handler timeout (default 60 s;
+/// `with_handler_timeout`) | the handler is cancelled; 504 problem+json `HandlerTimedOut`; the key
+/// is kept as not replayable (a retry gets `ResponseNotStored`), unless
+/// `with_release_not_stored(true)`". Cancelled means its future is dropped at the timeout, before
+/// the 504 leaves (its drop is recorded), so it never reaches its end; its sleep (1.5 s) is
+/// short enough that a layer that let it run on would answer late and fail this test rather
+/// than hang it.
 async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
-    let layer = layer(&b).with_handler_timeout(Duration::from_millis(200));
+    const SLEEP: Duration = Duration::from_millis(1500);
+    let timeout = Duration::from_millis(200);
+    let layer = layer(&b).with_handler_timeout(timeout);
     let (app, runs) = router(layer.clone());
-    let hung = || payment_with("hung", &[("x-delay-ms", "600000")]);
+    let hung = |key: &str| payment_with(key, &[("x-delay-ms", "1500")]);
     let started = std::time::Instant::now();
-    let first = send(&app, hung()).await;
+    let first = send(&app, hung("hung")).await;
+    let answered = started.elapsed();
     assert_problem(&first, StatusCode::GATEWAY_TIMEOUT, "HandlerTimedOut");
-    assert!(started.elapsed() < Duration::from_secs(5));
-    assert_eq!((runs.get(), runs.finished()), (1, 0), "cancelled");
+    assert!(
+        answered < SLEEP / 2,
+        "answered at the timeout, not when the handler would end: {answered:?}"
+    );
+    let stopped = runs.stopped();
+    assert_eq!(stopped.len(), 1, "the run was stopped before the 504 left");
+    let at = stopped[0] - started;
+    assert!(
+        at >= timeout && at < SLEEP / 2,
+        "stopped at about the timeout: {at:?}"
+    );
+    assert_eq!((runs.get(), runs.finished()), (1, 0), "the hung run never ended");
     assert_eq!(layer.shutdown_handle().running(), 0, "its slot is free");
     let retry = send(&app, payment("hung", "{}")).await;
     assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
@@ -795,12 +813,98 @@ async fn a_hung_handler_is_cancelled_at_its_timeout(b: Backend) {
     assert_eq!(seen.not_stored, Some(NotStored::TimedOut));
     assert_eq!(runs.get(), 1);
     // Released instead, on request: the retry runs.
-    let (app, runs) = router(layer.with_release_not_stored(true));
-    let first = send(&app, payment_with("hung-released", &[("x-delay-ms", "600000")])).await;
+    let (released, released_runs) = router(layer.with_release_not_stored(true));
+    let first = send(&released, hung("hung-released")).await;
     assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
-    let retry = send(&app, payment("hung-released", "{}")).await;
+    assert_eq!(released_runs.stopped().len(), 1, "cancelled too");
+    let retry = send(&released, payment("hung-released", "{}")).await;
     assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!((released_runs.get(), released_runs.finished()), (2, 1));
+}
+
+/// README row 17 and the notes on the table: "The handler timeout covers the handler and the
+/// reading of a response body of known length". A handler that gives its head at once with a
+/// `Content-Length` but whose body comes slowly is cut at the handler timeout: 504
+/// `HandlerTimedOut`, the key kept as not replayable (`NotStored::TimedOut`), or released with
+/// `with_release_not_stored(true)`.
+async fn the_handler_timeout_covers_a_body_of_known_length(b: Backend) {
+    let timeout = Duration::from_millis(200);
+    let layer = layer(&b).with_handler_timeout(timeout);
+    let (app, runs) = router(layer.clone());
+    // Ten chunks of 8 bytes, 100 ms apart: the body would end at about 900 ms.
+    let slow_body = |key: &str| payment_with(key, &[("x-stream", "10,100"), ("x-stream-length", "80")]);
+    let started = std::time::Instant::now();
+    let first = send(&app, slow_body("slow-sized")).await;
+    let answered = started.elapsed();
+    assert_problem(&first, StatusCode::GATEWAY_TIMEOUT, "HandlerTimedOut");
+    assert!(
+        answered < Duration::from_millis(700),
+        "cut at the timeout, not when the body ends: {answered:?}"
+    );
+    assert_eq!(runs.finished(), 1, "the handler gave its head; its body was cut");
+    let seen = layer
+        .inspect(None, "slow-sized")
+        .await
+        .unwrap()
+        .expect("a record");
+    assert_eq!(seen.state, tower_idempotency::RecordState::Completed);
+    assert_eq!(seen.not_stored, Some(NotStored::TimedOut));
+    assert_eq!(seen.status, None, "no status was sent but the 504");
+    let retry = send(&app, slow_body("slow-sized")).await;
+    assert_problem(&retry, StatusCode::CONFLICT, "ResponseNotStored");
+    assert_eq!(runs.get(), 1, "never run twice");
+    // Released instead, on request: the retry runs (and is cut again).
+    let (app, runs) = router(layer.with_release_not_stored(true));
+    assert_eq!(
+        send(&app, slow_body("slow-sized-released")).await.status,
+        StatusCode::GATEWAY_TIMEOUT
+    );
+    let retry = send(&app, payment("slow-sized-released", "{}")).await;
+    assert_eq!((retry.status, retry.is_replay()), (StatusCode::CREATED, false));
     assert_eq!(runs.get(), 2);
+}
+
+/// README row 7: "A body of unknown length [...] goes to the client as it comes, a copy is kept
+/// as it passes, and the key completes when the body ends, before the client sees the end (the
+/// lease is renewed meanwhile)". With a 300 ms lease and a stream of about 850 ms (near three
+/// leases), every request for the key meanwhile gets 409 `InFlight`, never a second run, also
+/// after two leases would have run out; the record completes at the end and replays
+/// byte-exact.
+async fn the_lease_is_renewed_while_a_response_of_unknown_length_streams(b: Backend) {
+    let lease = Duration::from_millis(300);
+    let (app, runs) = router(layer(&b).with_lease(lease));
+    let key = "long-stream";
+    let started = std::time::Instant::now();
+    let first = common::app::spawn_send(&app, payment_with(key, &[("x-stream", "8,120")]));
+    common::until("the handler runs", || runs.get() == 1).await;
+    let (mut in_flight, mut in_flight_after_two_leases) = (0, 0);
+    while !first.is_finished() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let retry = send(&app, payment(key, "{}")).await;
+        if retry.is_replay() {
+            break; // the stream ended meanwhile
+        }
+        assert_problem(&retry, StatusCode::CONFLICT, "InFlight");
+        in_flight += 1;
+        if started.elapsed() > 2 * lease {
+            in_flight_after_two_leases += 1;
+        }
+    }
+    assert!(
+        in_flight >= 4 && in_flight_after_two_leases >= 1,
+        "the key was seen in flight {in_flight} times, {in_flight_after_two_leases} past two leases"
+    );
+    let first = first.await.unwrap();
+    let expected: String = (0..8).map(|n| format!("chunk {n}\n")).collect();
+    assert_eq!(
+        (first.status, first.body.clone()),
+        (StatusCode::CREATED, Bytes::from(expected))
+    );
+    let replay = send(&app, payment(key, "{}")).await;
+    assert!(replay.is_replay(), "{:?}", replay.body);
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body, "byte-exact");
+    assert_eq!(runs.get(), 1, "never a second run beside the stream");
 }
 
 /// The 4xx statuses named in the doc comment just above `item` in `source`.
@@ -970,6 +1074,8 @@ on_every_store!(
     a_stalled_stream_holds_its_key_no_longer_than_the_stream_timeout,
     an_endless_stream_whose_client_left_is_read_no_further_than_its_claim,
     a_hung_handler_is_cancelled_at_its_timeout,
+    the_handler_timeout_covers_a_body_of_known_length,
+    the_lease_is_renewed_while_a_response_of_unknown_length_streams,
     a_store_slower_than_its_timeout_fails_closed_or_open,
     scoped_keys_never_replay_across_scopes,
     retention_is_configurable,

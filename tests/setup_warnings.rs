@@ -42,6 +42,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
     fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
         let mut fields = Fields(HashMap::new());
         event.record(&mut fields);
+        fields
+            .0
+            .insert("level".to_owned(), event.metadata().level().to_string());
         self.0.lock().unwrap().push(fields.0);
     }
 }
@@ -269,6 +272,21 @@ async fn a_store_outage_is_logged_once_per_interval_with_the_count_held_back() {
     }
 }
 
+/// README, Behaviour row 13: the outage warning is logged "once per 10 s per layer": a second
+/// layer's outage is not held back by the first layer's warning.
+#[tokio::test(start_paused = true)]
+async fn each_layer_logs_its_own_store_outage() {
+    let _turn = turn().await;
+    let (first, _) = router(IdempotencyLayer::new(DownStore));
+    let (second, _) = router(IdempotencyLayer::new(DownStore));
+    for n in 0..3 {
+        send(&first, payment(&format!("a{n}"), "{}")).await;
+        send(&second, payment(&format!("b{n}"), "{}")).await;
+    }
+    let logs = logged(OUTAGE);
+    assert_eq!(logs.len(), 2, "one warning per layer: {logs:?}");
+}
+
 #[tokio::test]
 async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
     let _turn = turn().await;
@@ -295,6 +313,224 @@ async fn logs_name_a_key_by_its_digest_never_the_raw_key_or_scope() {
     let line = format!("{logs:?}");
     assert!(!line.contains("acme") && !line.contains("secret"), "{line}");
     assert!(line.contains(&key.digest_hex()[..16]), "{line}");
+}
+
+/// The events logged since the turn began at `level` whose message contains `needle`.
+fn logged_at(level: tracing::Level, needle: &str) -> Vec<HashMap<String, String>> {
+    let level = level.to_string();
+    logged(needle)
+        .into_iter()
+        .filter(|fields| fields["level"] == level)
+        .collect()
+}
+
+/// README, Behaviour row 12: a response over the storage cap, or one whose body fails part way,
+/// is kept as not replayable (or released) and "a warning is logged": one per such response,
+/// naming the key (by digest) and why.
+#[tokio::test]
+async fn a_response_not_stored_is_warned_about_once_with_why() {
+    let _turn = turn().await;
+    const NOT_STORED: &str = "response not stored";
+    let layer = IdempotencyLayer::new(MemoryStore::new()).with_response_limit(100);
+    let (app, _) = router(layer.clone());
+    let key = RecordKey::new(None, IdempotencyKey::parse("too-large").unwrap());
+    send(&app, payment_with("too-large", &[("x-body-size", "1000")])).await;
+    let warnings = logged_at(tracing::Level::WARN, NOT_STORED);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0]["message"].contains("kept as not replayable"),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings[0]["key"].contains(&key.digest_hex()[..16]),
+        "{warnings:?}"
+    );
+    assert!(!warnings[0]["why"].is_empty());
+    let failing = payment_with("body-fails", &[("x-stream", "2,0,fail")]);
+    let response = tower::ServiceExt::oneshot(app.clone(), failing).await.unwrap();
+    assert!(http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .is_err());
+    let warnings = logged_at(tracing::Level::WARN, NOT_STORED);
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert_ne!(warnings[0]["why"], warnings[1]["why"], "each says why");
+    // Released instead: the warning says so.
+    let (app, _) = router(layer.with_release_not_stored(true));
+    send(
+        &app,
+        payment_with("too-large-released", &[("x-body-size", "1000")]),
+    )
+    .await;
+    let warnings = logged_at(tracing::Level::WARN, NOT_STORED);
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
+    assert!(warnings[2]["message"].contains("released"), "{warnings:?}");
+    // A response that is stored is not warned about.
+    let (app, _) = router(IdempotencyLayer::new(MemoryStore::new()));
+    send(&app, payment("stored", "{}")).await;
+    assert_eq!(logged_at(tracing::Level::WARN, NOT_STORED).len(), 3);
+}
+
+/// docs/guarantees.md, promise 6: a completion that fails after the handler ran is tried 3
+/// times; "if it still fails, the client still gets its response and an error is logged",
+/// naming the key (and, per "Where the guarantees end", that a retry after the lease runs again).
+#[tokio::test]
+async fn a_completion_that_fails_every_attempt_logs_one_error() {
+    let _turn = turn().await;
+    let down = Arc::new(
+        common::FaultyStore::new(Arc::new(MemoryStore::new())).with_failing_completions(100, Duration::ZERO),
+    );
+    let (app, _) = router(IdempotencyLayer::new(down.clone()));
+    let answer = send(&app, payment("unstored", "{}")).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the client still gets its response"
+    );
+    assert_eq!(down.completions(), 3);
+    let errors = logged_at(tracing::Level::ERROR, "could not store the result");
+    assert_eq!(errors.len(), 1, "one error for the three attempts: {errors:?}");
+    let key = RecordKey::new(None, IdempotencyKey::parse("unstored").unwrap());
+    assert!(errors[0]["key"].contains(&key.digest_hex()[..16]), "{errors:?}");
+    assert!(
+        errors[0]["message"].contains("run the operation again"),
+        "{errors:?}"
+    );
+    assert!(errors[0]["error"].contains("injected"), "{errors:?}");
+}
+
+/// docs/guarantees.md, promise 4: "If a renewal finds the claim lost, the completion is refused
+/// (fenced) and a warning is logged".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_is_warned_about() {
+    let _turn = turn().await;
+    let layer = IdempotencyLayer::new(MemoryStore::new()).with_lease(Duration::from_millis(300));
+    let (app, runs) = router(layer.clone());
+    let running = common::app::spawn_send(&app, payment_with("lost", &[("x-delay-ms", "500")]));
+    common::until("the handler runs", || runs.get() == 1).await;
+    assert!(layer.purge(None, "lost").await.unwrap());
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+    let warnings = logged_at(tracing::Level::WARN, "claim lost");
+    assert!(!warnings.is_empty(), "a warning is logged");
+    let key = RecordKey::new(None, IdempotencyKey::parse("lost").unwrap());
+    assert!(
+        warnings
+            .iter()
+            .all(|w| w["key"].contains(&key.digest_hex()[..16])),
+        "{warnings:?}"
+    );
+    assert!(
+        layer.inspect(None, "lost").await.unwrap().is_none(),
+        "fenced: nothing was written"
+    );
+}
+
+/// README, Behaviour: "the stored record is unreadable [...] | 500 problem+json
+/// `UnreadableRecord`, an error logged"; docs/guarantees.md, promise 11.
+#[tokio::test]
+async fn an_unreadable_record_logs_an_error() {
+    let _turn = turn().await;
+    let store = MemoryStore::new();
+    let key = RecordKey::new(None, IdempotencyKey::parse("garbled").unwrap());
+    let owner = OwnerToken::generate();
+    let fingerprint = Fingerprint::new([b"POST".as_slice(), b"", b"/payments", b"application/json", b"{}"]);
+    store
+        .claim(&key, &fingerprint, &owner, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let garbage = Bytes::from_static(b"\x00\x01 not a stored response");
+    assert!(store
+        .complete(&key, &owner, garbage, Duration::from_secs(60))
+        .await
+        .unwrap());
+    let (app, runs) = router(IdempotencyLayer::new(store));
+    let answer = send(&app, payment("garbled", "{}")).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(runs.get(), 0);
+    let errors = logged_at(tracing::Level::ERROR, "unreadable");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0]["key"].contains(&key.digest_hex()[..16]), "{errors:?}");
+}
+
+/// docs/guarantees.md, the reconciliation hook: "A panic in it is caught and logged."
+#[tokio::test]
+async fn a_panicking_reconciliation_hook_is_logged() {
+    let _turn = turn().await;
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .with_response_limit(8)
+        .with_reconciliation(|_| panic!("the journal is down"));
+    let (app, _) = router(layer);
+    let answer = send(&app, payment_with("panicky", &[("x-body-size", "100")])).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let errors = logged_at(tracing::Level::ERROR, "reconciliation hook panicked");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0]["kind"].contains("NotStorable"), "{errors:?}");
+}
+
+/// docs/guarantees.md, "Where the guarantees end": at its bound the memory store evicts
+/// completed records early, and "the first such eviction is logged once per store, naming how
+/// long records are really kept, and `MemoryStore::evicted_early()` counts them all".
+#[tokio::test]
+async fn the_memory_stores_first_early_eviction_is_logged_once_per_store() {
+    let _turn = turn().await;
+    const EVICTING: &str = "memory store full";
+    for round in 0..2 {
+        let store = MemoryStore::new().with_max_entries(1);
+        let (app, _) = router(IdempotencyLayer::new(store.clone()));
+        for n in 0..4 {
+            send(&app, payment(&format!("evicted-{n}"), "{}")).await;
+        }
+        assert_eq!(store.evicted_early(), 3, "every eviction is counted");
+        let warnings = logged_at(tracing::Level::WARN, EVICTING);
+        assert_eq!(warnings.len(), round + 1, "once per store: {warnings:?}");
+        assert!(
+            warnings[round]["message"].contains("with_max_entries"),
+            "{warnings:?}"
+        );
+        assert!(warnings[round].contains_key("kept_secs"), "{warnings:?}");
+    }
+}
+
+/// docs/guarantees.md, "Rolling back": a record of a newer release past its 15 minutes is
+/// answered 500 `UnreadableRecord` "with an error log naming the layout and the key's digest"
+/// (README, Behaviour: "500 `UnreadableRecord` and an error logged"); within them, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_release_record_past_its_window_logs_an_error_naming_the_layout() {
+    use fred::interfaces::KeysInterface;
+    let _turn = turn().await;
+    let server = common::RedisServer::start();
+    let client = common::client(&server.url()).await;
+    let store = tower_idempotency::RedisStore::new(client.clone());
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for (key, claimed_ms_ago) in [("newer-recent", 60_000), ("newer-rolled-back", 16 * 60_000)] {
+        let owner = format!("n-1@{}", now_ms - claimed_ms_ago);
+        // Layout 3's first bytes: `TIR`, the version, the owner's length and the owner.
+        let mut record = b"TIR\x03".to_vec();
+        record.extend_from_slice(&(owner.len() as u16).to_be_bytes());
+        record.extend_from_slice(owner.as_bytes());
+        record.extend_from_slice(b"C and whatever layout 3 holds");
+        let record_key = RecordKey::new(None, IdempotencyKey::parse(key).unwrap());
+        let _: () = client
+            .set(
+                store.redis_key(&record_key),
+                record,
+                Some(fred::types::Expiration::EX(3600)),
+                None,
+                false,
+            )
+            .await
+            .unwrap();
+        send(&app, payment(key, "{}")).await;
+    }
+    assert_eq!(runs.get(), 0);
+    let errors = logged_at(tracing::Level::ERROR, "unreadable");
+    assert_eq!(errors.len(), 1, "only the record past its window: {errors:?}");
+    let digest = RecordKey::new(None, IdempotencyKey::parse("newer-rolled-back").unwrap()).digest_hex();
+    assert!(errors[0]["key"].contains(&digest[..16]), "{errors:?}");
+    assert!(errors[0]["reason"].contains("layout version 3"), "{errors:?}");
 }
 
 // Settings that can only hurt are refused when the layer is configured.

@@ -429,7 +429,9 @@ macro_rules! on_every_store {
 
 /// Generates, for each named `async fn test(backend: Backend)`, a `postgres::test` on the
 /// PostgreSQL server shared by the binary (a table per test), when the crate feature
-/// `postgres` is on (`scripts/test.sh` turns on every feature).
+/// `postgres` is on (`scripts/test.sh` turns on every feature). Built without it, the binary
+/// has one failing test, `postgres::not_built`, instead: a store's tranche is never left out
+/// without a word.
 #[macro_export]
 macro_rules! on_postgres {
     ($($test:ident),* $(,)?) => {
@@ -441,6 +443,16 @@ macro_rules! on_postgres {
                     super::$test($crate::common::Backend::postgres().await).await
                 }
             )*
+        }
+        #[cfg(not(feature = "postgres"))]
+        mod postgres {
+            #[test]
+            fn not_built() {
+                panic!(
+                    "this suite's PostgreSQL tests were not built (the crate feature `postgres` is off): \
+                     run scripts/test.sh, or cargo test --all-features"
+                );
+            }
         }
     };
 }
@@ -477,12 +489,29 @@ pub mod app {
     use tower::ServiceExt;
     use tower_idempotency::IdempotencyLayer;
 
-    /// How often the handler started, and how often it ran to its end; and the key of each start.
+    /// How often the handler started, how often it ran to its end, the key of each start, and
+    /// when runs were stopped before their end (their future dropped: cancelled, or a panic).
     #[derive(Clone, Default)]
     pub struct Runs {
         started: Arc<AtomicUsize>,
         finished: Arc<AtomicUsize>,
         keys: Arc<std::sync::Mutex<Vec<String>>>,
+        stopped: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+    }
+
+    /// Held by a run of the handler: dropped before it is marked done, it records when the run
+    /// was stopped.
+    struct Running {
+        runs: Runs,
+        done: bool,
+    }
+
+    impl Drop for Running {
+        fn drop(&mut self) {
+            if !self.done {
+                self.runs.stopped.lock().unwrap().push(std::time::Instant::now());
+            }
+        }
     }
 
     impl Runs {
@@ -500,10 +529,20 @@ pub mod app {
         pub fn of(&self, key: &str) -> usize {
             self.keys.lock().unwrap().iter().filter(|k| *k == key).count()
         }
+
+        /// When each run stopped before its end (its future dropped mid-run: a cancellation, or
+        /// a panic), in order.
+        pub fn stopped(&self) -> Vec<std::time::Instant> {
+            self.stopped.lock().unwrap().clone()
+        }
     }
 
     async fn handler(runs: Runs, headers: HeaderMap, body: Bytes) -> Response {
         let run = runs.started.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut running = Running {
+            runs: runs.clone(),
+            done: false,
+        };
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         runs.keys
             .lock()
@@ -516,6 +555,7 @@ pub mod app {
             panic!("handler asked to panic");
         }
         runs.finished.fetch_add(1, Ordering::SeqCst);
+        running.done = true;
         let status = header("x-status").and_then(|s| s.parse().ok()).unwrap_or(201);
         let body = match header("x-body-size").and_then(|v| v.parse::<usize>().ok()) {
             Some(size) => Body::from(vec![b'x'; size]),
@@ -750,12 +790,17 @@ pub mod app {
 }
 
 /// A store wrapper that injects faults: answers that come back late (the call lands at once,
-/// its answer after `answer_delay`: a slow network on the way back), and releases that fail.
+/// its answer after `answer_delay`: a slow network on the way back), releases that fail, and
+/// completions that fail; it counts the completions and renewals it was asked for.
 pub struct FaultyStore {
     inner: Arc<dyn Store>,
     answer_delay: Duration,
     releases_to_fail: std::sync::atomic::AtomicUsize,
     failed_releases: std::sync::atomic::AtomicUsize,
+    completions_to_fail: std::sync::atomic::AtomicUsize,
+    completion_failure_after: Duration,
+    completions: std::sync::atomic::AtomicUsize,
+    renewals: std::sync::atomic::AtomicUsize,
 }
 
 impl FaultyStore {
@@ -765,7 +810,32 @@ impl FaultyStore {
             answer_delay: Duration::ZERO,
             releases_to_fail: 0.into(),
             failed_releases: 0.into(),
+            completions_to_fail: 0.into(),
+            completion_failure_after: Duration::ZERO,
+            completions: 0.into(),
+            renewals: 0.into(),
         }
+    }
+
+    /// The first `n` completions fail with `Unavailable` after `after` (a store that takes that
+    /// long to fail, a timeout say), without reaching the inner store.
+    pub fn with_failing_completions(self, n: usize, after: Duration) -> Self {
+        self.completions_to_fail
+            .store(n, std::sync::atomic::Ordering::SeqCst);
+        Self {
+            completion_failure_after: after,
+            ..self
+        }
+    }
+
+    /// Completions asked for, failed or not.
+    pub fn completions(&self) -> usize {
+        self.completions.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Renewals asked for.
+    pub fn renewals(&self) -> usize {
+        self.renewals.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Claims and completions answer only after `delay`.
@@ -818,7 +888,18 @@ impl Store for FaultyStore {
         payload: bytes::Bytes,
         retention: Duration,
     ) -> tower_idempotency::StoreFuture<'a, bool> {
+        use std::sync::atomic::Ordering;
+        self.completions.fetch_add(1, Ordering::SeqCst);
+        let fail = self
+            .completions_to_fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         Box::pin(async move {
+            if fail {
+                tokio::time::sleep(self.completion_failure_after).await;
+                let error = std::io::Error::new(std::io::ErrorKind::TimedOut, "injected completion failure");
+                return Err(tower_idempotency::StoreError::Unavailable(Box::new(error)));
+            }
             self.late(self.inner.complete(key, owner, payload, retention).await)
                 .await
         })
@@ -848,6 +929,7 @@ impl Store for FaultyStore {
         owner: &'a tower_idempotency::OwnerToken,
         lease: Duration,
     ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.renewals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.renew(key, owner, lease)
     }
     fn inspect<'a>(
