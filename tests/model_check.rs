@@ -29,10 +29,13 @@ fn long() -> bool {
 
 /// One key in two scopes: two clients of the first record with one payload, a third with
 /// another payload (a retry with a changed body), a client of the second scope; two servers; a
-/// crash, a handler failure and a hang-up anywhere. The long configuration adds a second key and
-/// its client, and a second crash and hang-up.
+/// crash, a handler failure and a hang-up anywhere (the long configuration: see [`sized`]).
 fn two_scopes() -> Config {
-    let mut config = Config {
+    sized(two_scopes_bounded())
+}
+
+fn two_scopes_bounded() -> Config {
+    Config {
         records: vec![(0, 0), (1, 0)],
         clients: vec![(0, 0), (0, 0), (0, 1), (1, 0)],
         servers: 2,
@@ -43,45 +46,59 @@ fn two_scopes() -> Config {
         replica_acks: false,
         hang_ups: 1,
         mutation: None,
-    };
+    }
+}
+
+/// `config`, or with the long configuration's bounds: a second crash, handler failure and
+/// hang-up, a second failover where there is one, and one more client: with another payload for
+/// one key, with another payload in the second scope for two scopes.
+fn sized(mut config: Config) -> Config {
     if long() {
-        config.records.push((0, 1));
-        config.clients.push((2, 0));
         config.crashes = 2;
+        config.failures = 2;
         config.hang_ups = 2;
+        config.failovers *= 2;
+        config
+            .clients
+            .push(if config.records.len() == 1 { (0, 1) } else { (1, 1) });
     }
     config
 }
 
-/// One record and two clients of it with one payload (the long configuration: a third client
-/// with another payload, and a second crash and hang-up); two servers; a crash, a handler failure
+/// One record and two clients of it with one payload; two servers; a crash, a handler failure
 /// and a hang-up anywhere. The failover checks start here: a replica multiplies the states.
-fn one_key() -> Config {
-    let mut config = Config {
+fn one_key_bounded() -> Config {
+    Config {
         records: vec![(0, 0)],
         clients: vec![(0, 0), (0, 0)],
-        ..two_scopes()
-    };
-    if long() {
-        config.clients.push((0, 1));
+        ..two_scopes_bounded()
     }
-    config
 }
 
 /// One key with a replica and one failover, with or without the durability option.
 fn failover(replica_acks: bool) -> Config {
+    sized(failover_bounded(replica_acks))
+}
+
+fn failover_bounded(replica_acks: bool) -> Config {
     Config {
         failovers: 1,
         replica_acks,
-        ..one_key()
+        ..one_key_bounded()
     }
 }
 
-/// One key where a lease may lapse under a live owner once.
+/// One key where a lease may lapse under a live owner once; a third client retries it with
+/// another payload.
 fn lapsing() -> Config {
+    sized(lapsing_bounded())
+}
+
+fn lapsing_bounded() -> Config {
     Config {
+        clients: vec![(0, 0), (0, 0), (0, 1)],
         live_lapses: 1,
-        ..one_key()
+        ..one_key_bounded()
     }
 }
 
@@ -139,7 +156,7 @@ fn liveness(name: &str, config: Config) {
             started.elapsed()
         ),
         Err(path) => panic!(
-            "{name}: from this state no client... can ever be answered:\n{}",
+            "{name}: from the end of this trace, some client can never be answered:\n{}",
             trace(&model, &path)
         ),
     }
@@ -160,9 +177,10 @@ fn every_promise_holds_with_two_scopes() {
 
 #[test]
 fn with_the_durability_option_a_failover_runs_no_key_twice() {
-    let checker = checked("durability option, one failover", failover(true), None);
+    let name = format!("durability option, {} failover(s)", failover(true).failovers);
+    let checker = checked(&name, failover(true), None);
     checker.assert_properties();
-    liveness("durability option, one failover", failover(true));
+    liveness(&name, failover(true));
 }
 
 /// README's limit: a lease that runs out while its owner is alive (cut off from the store, or
@@ -193,15 +211,28 @@ fn limit_an_asynchronous_failover_runs_a_key_twice() {
     assert!(trace.contains(&model::Action::Failover));
 }
 
-/// Protocol bugs put into the model: each breaks the property that guards against it.
+/// Protocol bugs put into the model: each breaks the property that guards against it (in the
+/// bounded configurations, also under `MODEL_CHECK=long`: each stops at its first trace).
 #[test]
 fn protocol_bugs_are_caught() {
     let cases = [
-        (Mutation::ClaimNotAtomic, one_key(), AT_MOST_ONCE),
-        (Mutation::CompleteNotOwnerChecked, lapsing(), NEVER_CHANGED),
-        (Mutation::ScopeNotInDigest, two_scopes(), OWN_RECORD),
-        (Mutation::ClaimNotAcknowledged, failover(true), AT_MOST_ONCE),
-        (Mutation::NoBackgroundCompletion, failover(true), AT_MOST_ONCE),
+        (Mutation::ClaimNotAtomic, one_key_bounded(), AT_MOST_ONCE),
+        (
+            Mutation::CompleteNotOwnerChecked,
+            lapsing_bounded(),
+            NEVER_CHANGED,
+        ),
+        (Mutation::ScopeNotInDigest, two_scopes_bounded(), OWN_RECORD),
+        (
+            Mutation::ClaimNotAcknowledged,
+            failover_bounded(true),
+            AT_MOST_ONCE,
+        ),
+        (
+            Mutation::NoBackgroundCompletion,
+            failover_bounded(true),
+            AT_MOST_ONCE,
+        ),
     ];
     for (mutation, config, property) in cases {
         let config = Config {
@@ -219,7 +250,7 @@ fn protocol_bugs_are_caught() {
 fn a_client_left_retrying_forever_is_caught() {
     let config = Config {
         mutation: Some(Mutation::MismatchAnsweredInFlight),
-        ..two_scopes()
+        ..two_scopes_bounded()
     };
     let path = done_reachable_from_everywhere(&System::new(config.clone()))
         .expect_err("a state from which the client that changed its payload is never answered");

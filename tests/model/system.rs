@@ -189,66 +189,51 @@ pub struct State {
     pub budget: Budget,
 }
 
+/// A step of the model. Each names the code that takes it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
-    /// Server takes client's request and claims its key.
-    Serve {
-        server: u8,
-        client: u8,
-    },
+    /// Server takes client's request and claims its key: `Coordinator::begin`
+    /// (src/coordinator/mod.rs) calling `Store::claim` ([`Node::claim`]).
+    Serve { server: u8, client: u8 },
     /// [`Mutation::ClaimNotAtomic`]'s write.
-    ClaimWrite {
-        server: u8,
-    },
-    /// Durability option: the replica has the claim (`WAIT` answered enough).
-    ClaimAcked {
-        server: u8,
-    },
-    /// Durability option: `WAIT` timed out: release the claim, answer 503.
-    ClaimNotAcked {
-        server: u8,
-    },
-    Renew {
-        server: u8,
-    },
-    /// The handler runs to its end.
-    Run {
-        server: u8,
-    },
-    /// The handler fails before any effect: release the key, the client retries.
-    Fail {
-        server: u8,
-    },
-    Complete {
-        server: u8,
-    },
-    /// Durability option: the replica has the completion.
-    CompleteAcked {
-        server: u8,
-    },
-    /// Durability option: the wait timed out: answer the client, keep completing.
-    CompleteTimedOut {
-        server: u8,
-    },
-    /// Durability option: the background task completes again (the record lost it).
-    CompleteAgain {
-        server: u8,
-    },
-    Crash {
-        server: u8,
-    },
-    HangUp {
-        client: u8,
-    },
-    /// A lease runs out (abstract time).
-    Expire {
-        slot: u8,
-    },
-    /// Asynchronous replication of one record to the replica.
-    Replicate {
-        slot: u8,
-    },
-    /// The replica is promoted; what it lacked is lost.
+    ClaimWrite { server: u8 },
+    /// Durability option: the replica has the claim: `RedisStore::claim_acknowledged`'s
+    /// `waiter.wait` answered enough (`WAIT`, src/store/redis/acknowledged.rs, replica_acks.rs).
+    ClaimAcked { server: u8 },
+    /// Durability option: `WAIT` timed out: `claim_acknowledged` runs release.lua on its own
+    /// connection and answers `StoreError::Unavailable` (503); the client retries.
+    ClaimNotAcked { server: u8 },
+    /// The lease renewal: `renew_until_lost` (src/coordinator/claim.rs) calling `Store::renew`
+    /// ([`Node::renew`]); a `false` sets `ClaimFlags::lost`.
+    Renew { server: u8 },
+    /// The handler runs to its end: its effect happens.
+    Run { server: u8 },
+    /// The handler fails before any effect: `Claim::release` (or `Claim`'s `Drop` after a
+    /// panic) calling `Store::release` ([`Node::release`]); the client retries.
+    Fail { server: u8 },
+    /// `Claim::complete` (src/coordinator/claim.rs): nothing written if a renewal found the
+    /// claim lost, else `Store::complete` ([`Node::complete`]); the layer answers the handler's
+    /// response whatever it says (src/http/service.rs).
+    Complete { server: u8 },
+    /// Durability option: the replica has the completion (`complete_then_wait`'s `WAIT`,
+    /// src/store/redis/acknowledged.rs).
+    CompleteAcked { server: u8 },
+    /// Durability option: the wait timed out: `complete_acknowledged` answers `Ok(true)` (the
+    /// client gets its response) and its task keeps completing.
+    CompleteTimedOut { server: u8 },
+    /// Durability option: the background task completes again on whichever node is primary
+    /// (`keep_completing`, src/store/redis/replica_acks.rs); `false` is `GaveUp::Lost`.
+    CompleteAgain { server: u8 },
+    /// The server process dies (`kill -9`) at any step: what it held is left to its lease.
+    Crash { server: u8 },
+    /// The client gives up on its request and may send it again; the server goes on (a dropped
+    /// response future does not cancel the handler).
+    HangUp { client: u8 },
+    /// A lease runs out (abstract time): [`Node::expire`].
+    Expire { slot: u8 },
+    /// Asynchronous replication of one record to the replica (Redis's replication stream).
+    Replicate { slot: u8 },
+    /// The replica is promoted (Sentinel, Cluster); what it lacked is lost.
     Failover,
 }
 
