@@ -18,7 +18,7 @@ mod model;
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use model::explore::{done_reachable_from_everywhere, trace};
+use model::explore::{done_reachable_from_everywhere, shortest, trace};
 use model::system::{AT_MOST_ONCE, NEVER_CHANGED, OWN_RECORD, REPLAYS_AGREE, RUN_AGAIN_AFTER_A_DEATH};
 use model::{Config, Mutation, System};
 use stateright::{Checker, HasDiscoveries, Model};
@@ -258,4 +258,43 @@ fn a_client_left_retrying_forever_is_caught() {
         "(d) broken by MismatchAnsweredInFlight:\n{}",
         trace(&System::new(config), &path)
     );
+}
+
+/// README's limit "a process that dies", shortest: the handler ran, its server died before the
+/// completion, the lease ran out, and a retry runs the key again.
+#[test]
+fn limit_a_process_that_dies_runs_its_key_again() {
+    let model = System::new(one_key_bounded());
+    let path = shortest(&model, |state| {
+        state
+            .ghosts
+            .iter()
+            .any(|ghost| ghost.runs >= 2 && ghost.orphaned > 0)
+    })
+    .expect("a run again after a crash");
+    println!("{RUN_AGAIN_AFTER_A_DEATH}, shortest:\n{}", trace(&model, &path));
+    assert!(path
+        .iter()
+        .any(|action| matches!(action, model::Action::Crash { .. })));
+}
+
+/// With the durability option, a completion the replica has not acknowledged in time is
+/// answered, and replayed from the primary, before the replica has it: if its process then dies
+/// before the background task completes it again on the promoted replica, the key runs again
+/// and its retries get another answer than the first clients got.
+#[test]
+fn limit_with_the_durability_option_answers_given_before_the_replica_has_them_can_differ() {
+    let model = System::new(failover_bounded(true));
+    let path = shortest(&model, |state| {
+        state.ghosts.iter().any(|ghost| ghost.replays_differ)
+    })
+    .expect("answers that differ after a failover and a crash");
+    println!(
+        "durability option, answers that differ:\n{}",
+        trace(&model, &path)
+    );
+    assert!(path.contains(&model::Action::Failover));
+    assert!(path
+        .iter()
+        .any(|action| matches!(action, model::Action::Crash { .. })));
 }

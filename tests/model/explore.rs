@@ -150,3 +150,37 @@ pub fn trace(model: &System, actions: &[Action]) -> String {
     }
     out
 }
+
+/// The shortest trace to a state where `shows` holds, if any state reachable holds it.
+pub fn shortest(model: &System, shows: impl Fn(&State) -> bool) -> Option<Vec<Action>> {
+    let mut parents: HashMap<State, Option<(State, Action)>> = HashMap::new();
+    let mut queue = VecDeque::new();
+    for init in model.init_states() {
+        parents.insert(init.clone(), None);
+        queue.push_back(init);
+    }
+    let mut actions = Vec::new();
+    while let Some(state) = queue.pop_front() {
+        if shows(&state) {
+            let mut path = Vec::new();
+            let mut at = state;
+            while let Some(Some((before, action))) = parents.get(&at) {
+                path.push(*action);
+                at = before.clone();
+            }
+            path.reverse();
+            return Some(path);
+        }
+        actions.clear();
+        model.actions(&state, &mut actions);
+        for &action in &actions {
+            if let Some(next) = model.next_state(&state, action) {
+                if !parents.contains_key(&next) {
+                    parents.insert(next.clone(), Some((state.clone(), action)));
+                    queue.push_back(next);
+                }
+            }
+        }
+    }
+    None
+}
