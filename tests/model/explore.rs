@@ -1,0 +1,186 @@
+//! What stateright does not do for us: liveness under fairness, and short traces.
+//!
+//! stateright's `eventually` is checked on acyclic paths only (a path closing a cycle counts as
+//! neither success nor failure), and it has no fairness. Retries make cycles (a client told
+//! "in flight" asks again), so liveness is checked here instead, as "from every reachable state,
+//! a state where every client has its answer is reachable" (AG EF done): in a finite state
+//! space, every execution that is strongly fair to the protocol's steps (one that passes a state
+//! infinitely often takes each of its steps infinitely often) then reaches that state.
+
+use std::collections::HashMap;
+use std::collections::VecDeque;
+
+use stateright::Model;
+
+use super::system::{Action, State, System};
+
+/// The size of an exhaustive exploration.
+#[derive(Debug, Clone, Copy)]
+pub struct Explored {
+    pub states: usize,
+    pub transitions: usize,
+}
+
+/// Checks AG EF `System::all_done` over every reachable state. `Err` holds a path to a state from
+/// which no state with every client answered can be reached.
+pub fn done_reachable_from_everywhere(model: &System) -> Result<Explored, Vec<Action>> {
+    let mut ids: HashMap<State, u32> = HashMap::new();
+    let mut parents: Vec<Option<(u32, Action)>> = Vec::new();
+    let mut predecessors: Vec<Vec<u32>> = Vec::new();
+    let mut done: Vec<bool> = Vec::new();
+    let mut queue = VecDeque::new();
+    let mut transitions = 0;
+    for init in model.init_states() {
+        ids.insert(init.clone(), 0);
+        parents.push(None);
+        predecessors.push(Vec::new());
+        done.push(System::all_done(&init));
+        queue.push_back((0u32, init));
+    }
+    let mut actions = Vec::new();
+    while let Some((id, state)) = queue.pop_front() {
+        actions.clear();
+        model.actions(&state, &mut actions);
+        for &action in &actions {
+            let Some(next) = model.next_state(&state, action) else {
+                continue;
+            };
+            transitions += 1;
+            let next_id = match ids.get(&next) {
+                Some(&known) => known,
+                None => {
+                    let new = ids.len() as u32;
+                    ids.insert(next.clone(), new);
+                    parents.push(Some((id, action)));
+                    predecessors.push(Vec::new());
+                    done.push(System::all_done(&next));
+                    queue.push_back((new, next));
+                    new
+                }
+            };
+            predecessors[next_id as usize].push(id);
+        }
+    }
+    // Backwards from every state where all are done.
+    let mut reaches = done.clone();
+    let mut back: VecDeque<u32> = (0..done.len() as u32).filter(|&i| done[i as usize]).collect();
+    while let Some(id) = back.pop_front() {
+        for &before in &predecessors[id as usize] {
+            if !reaches[before as usize] {
+                reaches[before as usize] = true;
+                back.push_back(before);
+            }
+        }
+    }
+    if let Some(stuck) = reaches.iter().position(|&r| !r) {
+        let mut path = Vec::new();
+        let mut at = stuck as u32;
+        while let Some((before, action)) = parents[at as usize] {
+            path.push(action);
+            at = before;
+        }
+        path.reverse();
+        return Err(path);
+    }
+    Ok(Explored {
+        states: ids.len(),
+        transitions,
+    })
+}
+
+/// A state in one line: the primary's and the replica's records, each server's phase, each
+/// client's status.
+pub fn short(state: &State) -> String {
+    use super::store::{Node, RecState};
+    use super::system::{Answer, Client, Phase};
+    let node = |node: &Node| {
+        node.records
+            .iter()
+            .map(|rec| match rec {
+                None => "-".to_string(),
+                Some(rec) => match rec.state {
+                    RecState::InFlight => format!("F(S{}#{})", rec.owner.server, rec.owner.n),
+                    RecState::Completed(p) => format!("C(r{}run{})", p.record, p.run),
+                },
+            })
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let mut line = format!("primary[{}]", node(&state.primary));
+    if let Some(replica) = &state.replica {
+        line += &format!(" replica[{}]", node(replica));
+    }
+    for (s, server) in state.servers.iter().enumerate() {
+        let phase = match server.phase {
+            Phase::Idle => "idle".to_string(),
+            Phase::Reading { client, .. } => format!("C{client} read"),
+            Phase::AwaitClaimAck { client, .. } => format!("C{client} awaits claim ack"),
+            Phase::Claimed { client, lost, .. } => {
+                format!("C{client} claimed{}", if lost { " LOST" } else { "" })
+            }
+            Phase::Ran { client, lost, .. } => format!("C{client} ran{}", if lost { " LOST" } else { "" }),
+            Phase::AwaitCompleteAck { client, .. } => format!("{client:?} awaits completion ack"),
+        };
+        line += &format!(" S{s}:{phase}");
+    }
+    for (c, client) in state.clients.iter().enumerate() {
+        let status = match client {
+            Client::Ready => "ready".to_string(),
+            Client::Waiting(s) => format!("at S{s}"),
+            Client::Done(Answer::Result(p)) => format!("got r{}run{}", p.record, p.run),
+            Client::Done(Answer::Mismatch) => "mismatch".to_string(),
+        };
+        line += &format!(" C{c}:{status}");
+    }
+    let runs: Vec<String> = state
+        .ghosts
+        .iter()
+        .map(|g| format!("{}{}", g.runs, if g.orphaned > 0 { "*" } else { "" }))
+        .collect();
+    line + &format!(" runs[{}]", runs.join(","))
+}
+
+/// A trace, one step a line: the action, then the state it led to.
+pub fn trace(model: &System, actions: &[Action]) -> String {
+    let mut state = model.initial();
+    let mut out = format!("   {}\n", short(&state));
+    for (i, &action) in actions.iter().enumerate() {
+        state = model.step(&state, action).0;
+        out += &format!("{:>2}. {action:?}\n      => {}\n", i + 1, short(&state));
+    }
+    out
+}
+
+/// The shortest trace to a state where `shows` holds, if any state reachable holds it.
+pub fn shortest(model: &System, shows: impl Fn(&State) -> bool) -> Option<Vec<Action>> {
+    let mut parents: HashMap<State, Option<(State, Action)>> = HashMap::new();
+    let mut queue = VecDeque::new();
+    for init in model.init_states() {
+        parents.insert(init.clone(), None);
+        queue.push_back(init);
+    }
+    let mut actions = Vec::new();
+    while let Some(state) = queue.pop_front() {
+        if shows(&state) {
+            let mut path = Vec::new();
+            let mut at = state;
+            while let Some(Some((before, action))) = parents.get(&at) {
+                path.push(*action);
+                at = before.clone();
+            }
+            path.reverse();
+            return Some(path);
+        }
+        actions.clear();
+        model.actions(&state, &mut actions);
+        for &action in &actions {
+            if let Some(next) = model.next_state(&state, action) {
+                if !parents.contains_key(&next) {
+                    parents.insert(next.clone(), Some((state.clone(), action)));
+                    queue.push_back(next);
+                }
+            }
+        }
+    }
+    None
+}

@@ -1,0 +1,16 @@
+//! A model of the claim protocol, checked exhaustively by `stateright` (`tests/model_check.rs`)
+//! and tied to the stores by `tests/model_conformance.rs`: `store.rs` is one store node and its
+//! transitions, each naming the script or statement that implements it; `system.rs` the clients,
+//! servers, replication and failover around it, and the properties; `explore.rs` the liveness
+//! check stateright cannot express, and the traces printed for counterexamples.
+#![allow(dead_code)]
+
+pub mod explore;
+pub mod store;
+pub mod system;
+
+// Each test binary uses some of these.
+#[allow(unused_imports)]
+pub use self::store::{Mutation, Outcome, Payload, Token};
+#[allow(unused_imports)]
+pub use self::system::{Action, Call, Config, State, System};
