@@ -107,7 +107,8 @@ cargo test --no-default-features --features redis,postgres --lib -- tls
 
 # The Redis tests once more on the newest Redis and Valkey in Debian's registry (fetched into
 # target/servers, nothing installed), one lane per server: the store, layer and waiting suites on
-# standalone, Sentinel and Cluster, and the Redis-only tests but the failover storms
+# standalone, Sentinel and Cluster, the model's traces on the Redis store, and the Redis-only
+# tests but the failover storms
 # (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
 # An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
 # loop over a failed substitution would run zero times and pass.
@@ -121,6 +122,7 @@ for server in $newer; do
     case "${entry%% *}" in
       store_suite | layer_suite | waiting) lane+="$entry redis sentinel:: cluster two_nodes::"$'\n' ;;
       redis | redis_faults | redis_replica_acks | redis_cluster) lane+="$entry"$'\n' ;;
+      model_conformance) lane+="$entry redis_store"$'\n' ;;
     esac
   done
   # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.

@@ -39,6 +39,7 @@ macro_rules! links {
          [topologies-and-failover]: crate::guide::topologies_and_failover\n\
          [durability]: crate::guide::topologies_and_failover#durability-waiting-for-replicas\n\
          [where-the-guarantees-end]: crate::guide::guarantees#where-the-guarantees-end\n\
+         [checked-by-a-model]: crate::guide::guarantees#checked-by-a-model\n\
          [postgresql]: crate::guide::postgresql\n\
          [performance]: crate::guide::performance\n\
          [stores]: crate::guide::stores\n\
