@@ -92,5 +92,4 @@ mod tests {
             prop_assert_eq!(Fingerprint::from_digest(*of(&a).as_bytes()), of(&a));
         }
     }
-
 }

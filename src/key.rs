@@ -472,5 +472,4 @@ mod tests {
             prop_assert_eq!(one.digest() == two.digest(), (a, k) == (b, l));
         }
     }
-
 }

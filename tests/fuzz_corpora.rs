@@ -8,7 +8,10 @@ use std::path::Path;
 
 use tower_idempotency::__fuzz;
 
-const TARGETS: [(&str, fn(&[u8])); 6] = [
+/// A target's check: panics where a property fails.
+type Check = fn(&[u8]);
+
+const TARGETS: [(&str, Check); 6] = [
     ("key", __fuzz::key),
     ("redis_record", __fuzz::redis_record),
     ("stored_response", __fuzz::stored_response),

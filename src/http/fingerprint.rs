@@ -251,7 +251,10 @@ pub(crate) fn check(data: &[u8]) {
     let fingerprint = policy.fingerprint(&request(target.clone(), host.clone()), b"");
     let loud_host = http::HeaderValue::from_bytes(&authority.to_ascii_uppercase()).expect("still a value");
     if let Some(loud_target) = shouted(&target) {
-        assert_eq!(fingerprint, policy.fingerprint(&request(loud_target, loud_host), b""));
+        assert_eq!(
+            fingerprint,
+            policy.fingerprint(&request(loud_target, loud_host), b"")
+        );
     }
 }
 
@@ -356,8 +359,11 @@ mod tests {
     /// an IPv6 literal; and a port: none, 80, 443 or another.
     fn authorities() -> impl Strategy<Value = (String, Option<u16>)> {
         let host = prop_oneof![
-            ("[a-cA-C0-9-]{1,3}(\\.[a-cA-C0-9-]{1,3}){0,2}", any::<bool>())
-                .prop_map(|(h, dot)| if dot { format!("{h}.") } else { h }),
+            ("[a-cA-C0-9-]{1,3}(\\.[a-cA-C0-9-]{1,3}){0,2}", any::<bool>()).prop_map(|(h, dot)| if dot {
+                format!("{h}.")
+            } else {
+                h
+            }),
             "\\[(::1|2001:[dD][bB]8::[0-9a-fA-F]{1,2})\\]",
         ];
         let port = proptest::option::of(prop_oneof![Just(80u16), Just(443), Just(8080), 1u16..3]);
@@ -446,5 +452,4 @@ mod tests {
             check(text.as_bytes());
         }
     }
-
 }

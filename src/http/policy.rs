@@ -789,7 +789,10 @@ fn check_pattern(source: &str, path: &str) {
         })
         .collect();
     let described = format!("/{}", described.join("/"));
-    assert!(pattern.matches(&described), "{source:?} does not match {described:?}");
+    assert!(
+        pattern.matches(&described),
+        "{source:?} does not match {described:?}"
+    );
 }
 
 #[cfg(test)]
@@ -997,5 +1000,4 @@ mod tests {
             check(&data);
         }
     }
-
 }

@@ -154,7 +154,11 @@ pub(crate) fn check(data: &[u8]) {
         !quoted && std::str::from_utf8(field.as_bytes()).is_ok()
     };
     if fields.len() > 1 && fields.iter().all(closed) {
-        let joined = fields.iter().map(|f| f.as_bytes()).collect::<Vec<_>>().join(&b", "[..]);
+        let joined = fields
+            .iter()
+            .map(|f| f.as_bytes())
+            .collect::<Vec<_>>()
+            .join(&b", "[..]);
         let joined = HeaderValue::from_bytes(&joined).expect("fields joined are a field");
         assert_eq!(preferred_wait(&headers(&[joined])), found, "{fields:?}");
     }
@@ -164,13 +168,14 @@ pub(crate) fn check(data: &[u8]) {
         ..Config::default()
     };
     match Wait::for_request(&headers(&fields), &config) {
-        None => assert!(
-            config.max_wait.is_zero() || found.unwrap_or(config.default_wait).is_zero()
-        ),
+        None => assert!(config.max_wait.is_zero() || found.unwrap_or(config.default_wait).is_zero()),
         Some(wait) => {
             assert!(!wait.wait.is_zero() && wait.wait <= config.max_wait);
             assert_eq!(wait.asked, found.is_some());
-            assert_eq!(wait.wait, found.unwrap_or(config.default_wait).min(config.max_wait));
+            assert_eq!(
+                wait.wait,
+                found.unwrap_or(config.default_wait).min(config.max_wait)
+            );
             let mut response = http::Response::new(());
             wait.mark(&mut response);
             assert_eq!(response.headers().contains_key(PREFERENCE_APPLIED), wait.asked);
@@ -318,14 +323,16 @@ mod tests {
             "\"[a-z ,;=]{0,6}\"".prop_map(|t| (t, None)),
         ];
         let params = proptest::collection::vec("; ?[a-z]{1,4}(=\"[a-z ,;]{0,5}\"|=[a-z0-9]{1,3})?", 0..3);
-        (name, proptest::option::of(value), params, " {0,2}", " {0,2}").prop_map(|(name, value, params, s1, s2)| {
-            let is_wait = name.eq_ignore_ascii_case("wait");
-            let (text, asked) = match value {
-                Some((text, asked)) => (format!("{name}{s1}={s2}{text}"), asked),
-                None => (name, None),
-            };
-            (format!("{text}{}", params.concat()), is_wait.then_some(asked))
-        })
+        (name, proptest::option::of(value), params, " {0,2}", " {0,2}").prop_map(
+            |(name, value, params, s1, s2)| {
+                let is_wait = name.eq_ignore_ascii_case("wait");
+                let (text, asked) = match value {
+                    Some((text, asked)) => (format!("{name}{s1}={s2}{text}"), asked),
+                    None => (name, None),
+                };
+                (format!("{text}{}", params.concat()), is_wait.then_some(asked))
+            },
+        )
     }
 
     proptest! {
@@ -369,5 +376,4 @@ mod tests {
             check(&settings);
         }
     }
-
 }

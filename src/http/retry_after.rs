@@ -126,5 +126,4 @@ mod tests {
             prop_assert_eq!(answer.as_secs(), up(typical).min(up(lease)));
         }
     }
-
 }

@@ -339,7 +339,11 @@ pub(crate) fn check(data: &[u8]) {
             );
         }
         Decoded::NotStored { why, status } => {
-            assert_eq!(encode_not_stored(*why, *status), data, "an unstored record is 8 bytes");
+            assert_eq!(
+                encode_not_stored(*why, *status),
+                data,
+                "an unstored record is 8 bytes"
+            );
         }
         Decoded::Newer { version: newer } => {
             assert!(*newer > PAYLOAD_VERSION && *newer == version);
@@ -522,16 +526,31 @@ mod tests {
         assert_eq!(stored.headers.len(), 3);
         assert_eq!(&stored.body[..], b"a\x00b");
         let trailers = stored.trailers.as_ref().expect("trailers");
-        assert_eq!((trailers.len(), &trailers["grpc-status"]), (1, &HeaderValue::from_static("0")));
-        let again = encode(stored.status, &stored.headers, |_| true, &stored.body, stored.trailers.as_ref());
+        assert_eq!(
+            (trailers.len(), &trailers["grpc-status"]),
+            (1, &HeaderValue::from_static("0"))
+        );
+        let again = encode(
+            stored.status,
+            &stored.headers,
+            |_| true,
+            &stored.body,
+            stored.trailers.as_ref(),
+        );
         assert_eq!(&again[..], RESPONSE_V2);
 
         let decoded = decode(&Bytes::from_static(NOT_STORED_V2)).unwrap();
         assert!(matches!(
             decoded,
-            Decoded::NotStored { why: NotStored::TooLarge, status: Some(StatusCode::OK) }
+            Decoded::NotStored {
+                why: NotStored::TooLarge,
+                status: Some(StatusCode::OK)
+            }
         ));
-        assert_eq!(&encode_not_stored(NotStored::TooLarge, Some(StatusCode::OK))[..], NOT_STORED_V2);
+        assert_eq!(
+            &encode_not_stored(NotStored::TooLarge, Some(StatusCode::OK))[..],
+            NOT_STORED_V2
+        );
         check(RESPONSE_V2);
         check(NOT_STORED_V2);
         check(VERSION_1);
@@ -541,11 +560,8 @@ mod tests {
 
     fn header_maps() -> impl Strategy<Value = HeaderMap> {
         let name = "[a-zA-Z][a-zA-Z0-9-]{0,12}".prop_map(|n| HeaderName::from_bytes(n.as_bytes()).unwrap());
-        let value = proptest::collection::vec(
-            prop_oneof![0x20u8..0x7f, 0x80u8..=0xff, Just(b'\t')],
-            0..20,
-        )
-        .prop_map(|v| HeaderValue::from_bytes(&v).unwrap());
+        let value = proptest::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff, Just(b'\t')], 0..20)
+            .prop_map(|v| HeaderValue::from_bytes(&v).unwrap());
         proptest::collection::vec((name, value), 0..8).prop_map(|fields| {
             let mut map = HeaderMap::new();
             for (name, value) in fields {
@@ -560,7 +576,11 @@ mod tests {
     }
 
     fn reasons() -> impl Strategy<Value = NotStored> {
-        prop_oneof![Just(NotStored::TooLarge), Just(NotStored::BodyFailed), Just(NotStored::TimedOut)]
+        prop_oneof![
+            Just(NotStored::TooLarge),
+            Just(NotStored::BodyFailed),
+            Just(NotStored::TimedOut)
+        ]
     }
 
     proptest! {
@@ -654,5 +674,4 @@ mod tests {
             check(&[&RESPONSE_V2[..start], &data].concat());
         }
     }
-
 }

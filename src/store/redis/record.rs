@@ -261,7 +261,12 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
             Ok(shorter) => {
                 assert!(cut >= fixed && parsed.state == COMPLETED);
                 assert_eq!(
-                    (shorter.state, &shorter.owner, shorter.fingerprint, shorter.time_left),
+                    (
+                        shorter.state,
+                        &shorter.owner,
+                        shorter.fingerprint,
+                        shorter.time_left
+                    ),
                     (parsed.state, &parsed.owner, parsed.fingerprint, parsed.time_left)
                 );
                 assert_eq!(shorter.payload, parsed.payload.slice(..cut - fixed));
@@ -282,7 +287,12 @@ mod tests {
 
     /// A completed record as the completion script leaves it: the in-flight record with its
     /// state and deadline rewritten after the head (`SETRANGE`), the payload appended.
-    fn completed_until(owner: &OwnerToken, fingerprint: &Fingerprint, deadline: SystemTime, payload: &[u8]) -> Bytes {
+    fn completed_until(
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        deadline: SystemTime,
+        payload: &[u8],
+    ) -> Bytes {
         let mut record = in_flight_until(owner, fingerprint, at(0)).unwrap().to_vec();
         let head = head(owner).unwrap().len();
         record[head..head + 9].copy_from_slice(&state_at(COMPLETED, deadline));
@@ -323,8 +333,15 @@ mod tests {
         assert_eq!(UNIX_EPOCH + record.time_left, claimed);
         assert!(record.payload.is_empty());
         let later = parse_at(&Bytes::from_static(IN_FLIGHT_V2), at(1_764_115_200_000)).unwrap();
-        assert_eq!(later.time_left, Duration::from_secs(30), "the lease left, counted from now");
-        assert_eq!(&in_flight_until(&owner, &fingerprint, claimed).unwrap()[..], IN_FLIGHT_V2);
+        assert_eq!(
+            later.time_left,
+            Duration::from_secs(30),
+            "the lease left, counted from now"
+        );
+        assert_eq!(
+            &in_flight_until(&owner, &fingerprint, claimed).unwrap()[..],
+            IN_FLIGHT_V2
+        );
 
         let record = parse_at(&Bytes::from_static(COMPLETED_V2), UNIX_EPOCH).unwrap();
         assert_eq!(record.state, COMPLETED);
@@ -341,10 +358,17 @@ mod tests {
         let completed = completed_until(&owner, &fingerprint, kept, &COMPLETED_V2[PAYLOAD_AT..]);
         assert_eq!(&completed[..], COMPLETED_V2);
 
-        let head = parse_head_at(&Bytes::from_static(&IN_FLIGHT_V2[..head_len(IN_FLIGHT_V2).unwrap()]), UNIX_EPOCH).unwrap();
+        let head = parse_head_at(
+            &Bytes::from_static(&IN_FLIGHT_V2[..head_len(IN_FLIGHT_V2).unwrap()]),
+            UNIX_EPOCH,
+        )
+        .unwrap();
         assert_eq!((head.state, &head.owner[..]), (IN_FLIGHT, OWNER.as_bytes()));
         assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V2)), None);
-        assert_eq!(super::owner(&Bytes::from_static(COMPLETED_V2)), Some(OWNER.as_bytes()));
+        assert_eq!(
+            super::owner(&Bytes::from_static(COMPLETED_V2)),
+            Some(OWNER.as_bytes())
+        );
         check(IN_FLIGHT_V2);
         assert_eq!(check(COMPLETED_V2).as_deref(), Some(&COMPLETED_V2[PAYLOAD_AT..]));
     }
