@@ -215,9 +215,25 @@ pub(crate) fn check(data: &[u8]) {
         normalized.iter().all(|b| rest.any(|c| c == b)),
         "{normalized:?} is not {authority:?} with parts taken away"
     );
-    let well_formed = http::uri::Authority::try_from(authority).is_ok()
-        && !authority.windows(2).any(|w| w == b"..")
-        && !authority.starts_with(b".");
+    // `host[:digits]`, the host a name with no empty label or an IPv6 literal: the `http`
+    // crate takes more (`a.:.`), whose dot and colon normalisation may read differently twice.
+    let host_end = match authority.first() {
+        Some(b'[') => authority.iter().position(|b| *b == b']').map(|end| end + 1),
+        _ => Some(
+            authority
+                .iter()
+                .position(|b| *b == b':')
+                .unwrap_or(authority.len()),
+        ),
+    };
+    let well_formed = host_end.is_some_and(|end| {
+        let (host, port) = authority.split_at(end);
+        !host.is_empty()
+            && !host.starts_with(b".")
+            && !host.windows(2).any(|w| w == b"..")
+            && port.first().is_none_or(|colon| *colon == b':')
+            && port.iter().skip(1).all(u8::is_ascii_digit)
+    });
     if well_formed {
         assert_eq!(normalized_authority(&normalized), normalized, "{authority:?}");
     }

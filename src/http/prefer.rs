@@ -336,7 +336,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        #![proptest_config(ProptestConfig::with_cases(128))]
 
         /// The first `wait` preference decides, however the preferences are spread over
         /// fields: one field, one per preference, or any grouping (RFC 9110 §5.3: a list over

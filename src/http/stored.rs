@@ -584,7 +584,9 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        // 128 cases each: the fuzz check decodes every cut of each payload (the whole set of
+        // property tests stays near 2 s in a debug build).
+        #![proptest_config(ProptestConfig::with_cases(128))]
 
         /// Any response round trips: status, every header value in order as raw bytes, the
         /// body, the trailers; encoding what was decoded gives the same bytes; and every cut
@@ -593,7 +595,7 @@ mod tests {
         fn responses_round_trip_exactly(
             status in statuses(),
             headers in header_maps(),
-            body in proptest::collection::vec(any::<u8>(), 0..300),
+            body in proptest::collection::vec(any::<u8>(), 0..100),
             trailers in proptest::option::of(header_maps()),
         ) {
             let trailers = trailers.filter(|t| !t.is_empty());
