@@ -68,4 +68,28 @@ mod tests {
         assert_ne!(a, b);
         assert_eq!(a, Fingerprint::new([b"ab".as_slice(), b"c"]));
     }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Two lists of parts share a fingerprint only if they are the same parts: moving
+        /// bytes across a boundary, or adding an empty part, changes it; built part by part it
+        /// is the same.
+        #[test]
+        fn fingerprints_are_equal_only_for_equal_parts(
+            a in proptest::collection::vec(proptest::collection::vec(0u8..3, 0..3), 0..4),
+            b in proptest::collection::vec(proptest::collection::vec(0u8..3, 0..3), 0..4),
+        ) {
+            let of = |parts: &[Vec<u8>]| Fingerprint::new(parts.iter().map(Vec::as_slice));
+            prop_assert_eq!(of(&a) == of(&b), a == b);
+            let mut builder = FingerprintBuilder::default();
+            for part in &a {
+                builder.part(part);
+            }
+            prop_assert_eq!(builder.finish(), of(&a));
+            prop_assert_eq!(Fingerprint::from_digest(*of(&a).as_bytes()), of(&a));
+        }
+    }
 }

@@ -284,6 +284,42 @@ pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
     }
 }
 
+/// The fuzz target's check of one header value as a key (`fuzz/fuzz_targets/key.rs`, and
+/// `tests/fuzz_corpora.rs` on every checked-in input): a key accepted is 1 to [`MAX_KEY_LEN`]
+/// visible ASCII characters; a bare value is accepted exactly when it is such a string, and
+/// then is the key as sent; the key written as a Structured Field string names the same key,
+/// and, if it does not start with `"`, so does its bare form.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let visible = |bytes: &[u8]| {
+        (1..=MAX_KEY_LEN).contains(&bytes.len()) && bytes.iter().all(|b| (0x21..=0x7e).contains(b))
+    };
+    let parsed = IdempotencyKey::parse_bytes(data);
+    if data.first() != Some(&b'"') {
+        assert_eq!(parsed.is_ok(), visible(data), "a bare key {data:?}: {parsed:?}");
+    }
+    let Ok(key) = parsed else {
+        return;
+    };
+    let text = key.as_str().as_bytes();
+    assert!(visible(text));
+    if data.first() != Some(&b'"') {
+        assert_eq!(text, data);
+    }
+    if text[0] != b'"' {
+        assert_eq!(IdempotencyKey::parse_bytes(text).as_ref(), Ok(&key));
+    }
+    let mut quoted = vec![b'"'];
+    for &byte in text {
+        if byte == b'"' || byte == b'\\' {
+            quoted.push(b'\\');
+        }
+        quoted.push(byte);
+    }
+    quoted.push(b'"');
+    assert_eq!(IdempotencyKey::parse_bytes(&quoted), Ok(key));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,5 +408,68 @@ mod tests {
         assert_ne!(unscoped.digest(), empty_scope.digest());
         assert_eq!(a.digest(), RecordKey::new(Some("ab"), key("c")).digest());
         assert_eq!(a.digest_hex().len(), 64);
+    }
+
+    use proptest::prelude::*;
+
+    /// A key's text written as a Structured Field string.
+    fn quoted(text: &str) -> String {
+        format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Every string of 1 to 255 visible ASCII characters is a key, as sent (but for a
+        /// leading `"`, which starts a Structured Field string); quoted (with parameters or
+        /// not) it names the same key.
+        #[test]
+        fn visible_ascii_keys_round_trip(text in "[!-~&&[^\"]][!-~]{0,254}", params in "(;[a-z][a-z0-9]{0,4}=[0-9]{1,3}){0,2}") {
+            let key = IdempotencyKey::parse(&text).unwrap();
+            prop_assert_eq!(key.as_str(), text.as_str());
+            prop_assert_eq!(IdempotencyKey::parse(&format!("{}{params}", quoted(&text))), Ok(key));
+            check(text.as_bytes());
+        }
+
+        /// A byte outside visible ASCII is refused at its first position, bare or quoted; too
+        /// long is refused with its length; never a key that differs from what was sent.
+        #[test]
+        fn other_keys_are_refused_where_they_go_wrong(
+            before in "[!-~&&[^\"]][!-~]{0,20}",
+            bad in prop_oneof![0u8..0x21, 0x7fu8..=0xff],
+            after in "[!-~]{0,20}",
+            long in 256usize..400,
+        ) {
+            let mut value = before.clone().into_bytes();
+            value.push(bad);
+            value.extend_from_slice(after.as_bytes());
+            prop_assert_eq!(
+                IdempotencyKey::parse_bytes(&value),
+                Err(KeyError::InvalidCharacter { position: before.len() })
+            );
+            prop_assert_eq!(IdempotencyKey::parse(&"k".repeat(long)), Err(KeyError::TooLong { len: long }));
+            prop_assert_eq!(IdempotencyKey::parse(&quoted(&"k".repeat(long))), Err(KeyError::TooLong { len: long }));
+            check(&value);
+        }
+
+        /// Any bytes at all, and any bytes quoted: the fuzz check (no panic; an accepted key
+        /// is visible ASCII, bare as sent, quoted the same key).
+        #[test]
+        fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..300), text in "\"[ -~]{0,30}\"(;[a-z]=[0-9?])?") {
+            check(&data);
+            check(text.as_bytes());
+        }
+
+        /// Two record keys share a digest only if scope and key are the same: no choice of
+        /// characters moves a record from one scope to another.
+        #[test]
+        fn record_keys_share_a_digest_only_when_equal(
+            a in proptest::option::of("[a-c]{0,3}"), b in proptest::option::of("[a-c]{0,3}"),
+            k in "[a-c]{1,3}", l in "[a-c]{1,3}",
+        ) {
+            let one = RecordKey::new(a.as_deref(), IdempotencyKey::parse(&k).unwrap());
+            let two = RecordKey::new(b.as_deref(), IdempotencyKey::parse(&l).unwrap());
+            prop_assert_eq!(one.digest() == two.digest(), (a, k) == (b, l));
+        }
     }
 }

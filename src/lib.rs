@@ -103,6 +103,48 @@ mod http;
 // README and the guides of docs/, as pages of the documentation (no code).
 pub mod guide;
 
+/// Not an API: the fuzz targets' entry points (`fuzz/`), each the check of one parser or codec
+/// on one input, which panics where a property fails. Only with the crate feature `fuzzing`,
+/// for `fuzz/` and `tests/fuzz_corpora.rs`; hidden, and changed or removed in any release.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod __fuzz {
+    /// An `Idempotency-Key` header value.
+    pub fn key(data: &[u8]) {
+        crate::key::check(data);
+    }
+
+    /// A stored response (the payload of a completed record, in every store).
+    pub fn stored_response(data: &[u8]) {
+        crate::http::stored::check(data);
+    }
+
+    /// A Redis record, and the stored response of a completed one.
+    #[cfg(feature = "redis")]
+    pub fn redis_record(data: &[u8]) {
+        if let Some(payload) = crate::store::redis::check_record(data) {
+            crate::http::stored::check(&payload);
+        }
+    }
+
+    /// `Prefer: wait` fields with the layer's wait settings, and `Retry-After`.
+    pub fn prefer(data: &[u8]) {
+        crate::http::prefer::check(data);
+        crate::http::retry_after::check(data);
+    }
+
+    /// The fingerprint's authority, media type and request target.
+    pub fn fingerprint(data: &[u8]) {
+        crate::http::fingerprint::check(data);
+    }
+
+    /// A policy file, a path pattern, a duration or a size.
+    #[cfg(feature = "policy")]
+    pub fn policy(data: &[u8]) {
+        crate::http::policy::check(data);
+    }
+}
+
 /// The `sqlx` this crate is built with (0.8), for the pool and transactions a
 /// [`PostgresStore`] takes: `tower_idempotency::sqlx::PgPool`. Use it, or depend on the same
 /// minor version, as two releases of `sqlx` in one build are two types that do not mix.

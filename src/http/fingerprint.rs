@@ -193,6 +193,87 @@ pub(crate) fn normalized_authority(raw: &[u8]) -> Cow<'_, [u8]> {
     Cow::Owned(normalized)
 }
 
+/// The fuzz target's check of the fingerprint's normalisation (`fuzz/fuzz_targets/fingerprint.rs`,
+/// and `tests/fuzz_corpora.rs` on every checked-in input): the first line is an authority (or
+/// `Host`), the second a `Content-Type`, the third a request target. Normalising never panics,
+/// ignores ASCII case, only takes away (a trailing dot, a default port) and, for a host with
+/// no empty label and one port at most, is the same done twice; a media type is the same with
+/// parameters added; a request's fingerprint ignores the case of its authority and `Host`.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let mut lines = data.splitn(3, |b| *b == b'\n');
+    let authority = lines.next().unwrap_or_default();
+    let content_type = lines.next().unwrap_or_default();
+    let target = lines.next().unwrap_or_default();
+
+    let normalized = normalized_authority(authority);
+    assert_eq!(*normalized, normalized.to_ascii_lowercase());
+    assert_eq!(normalized, normalized_authority(&authority.to_ascii_uppercase()));
+    let lower = authority.to_ascii_lowercase();
+    let mut rest = lower.iter();
+    assert!(
+        normalized.iter().all(|b| rest.any(|c| c == b)),
+        "{normalized:?} is not {authority:?} with parts taken away"
+    );
+    // `host[:digits]`, the host a name with no empty label or an IPv6 literal: the `http`
+    // crate takes more (`a.:.`), whose dot and colon normalisation may read differently twice.
+    let host_end = match authority.first() {
+        Some(b'[') => authority.iter().position(|b| *b == b']').map(|end| end + 1),
+        _ => Some(
+            authority
+                .iter()
+                .position(|b| *b == b':')
+                .unwrap_or(authority.len()),
+        ),
+    };
+    let well_formed = host_end.is_some_and(|end| {
+        let (host, port) = authority.split_at(end);
+        !host.is_empty()
+            && !host.starts_with(b".")
+            && !host.windows(2).any(|w| w == b"..")
+            && port.first().is_none_or(|colon| *colon == b':')
+            && port.iter().skip(1).all(u8::is_ascii_digit)
+    });
+    if well_formed {
+        assert_eq!(normalized_authority(&normalized), normalized, "{authority:?}");
+    }
+
+    let media = media_type(content_type);
+    assert_eq!(media_type(&media), media);
+    if !content_type.contains(&b';') {
+        assert_eq!(media_type(&[content_type, b"; charset=utf-8"].concat()), media);
+    }
+
+    let (Ok(target), Ok(host)) = (
+        http::Uri::try_from(target),
+        http::HeaderValue::from_bytes(authority),
+    ) else {
+        return;
+    };
+    let request = |target: http::Uri, host: http::HeaderValue| {
+        let mut request = http::Request::new(());
+        *request.uri_mut() = target;
+        request.headers_mut().insert(HOST, host);
+        request.into_parts().0
+    };
+    let shouted = |uri: &http::Uri| {
+        let mut parts = uri.clone().into_parts();
+        parts.authority = parts
+            .authority
+            .and_then(|a| a.as_str().to_ascii_uppercase().parse().ok());
+        http::Uri::from_parts(parts).ok()
+    };
+    let policy = FingerprintPolicy::new();
+    let fingerprint = policy.fingerprint(&request(target.clone(), host.clone()), b"");
+    let loud_host = http::HeaderValue::from_bytes(&authority.to_ascii_uppercase()).expect("still a value");
+    if let Some(loud_target) = shouted(&target) {
+        assert_eq!(
+            fingerprint,
+            policy.fingerprint(&request(loud_target, loud_host), b"")
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,5 +367,105 @@ mod tests {
             normalized_authority(b"api.example.com:8080"),
             Cow::Borrowed(_)
         ));
+    }
+
+    use proptest::prelude::*;
+
+    /// A host name (labels of letters in any case, digits and `-`, maybe a trailing dot), or
+    /// an IPv6 literal; and a port: none, 80, 443 or another.
+    fn authorities() -> impl Strategy<Value = (String, Option<u16>)> {
+        let host = prop_oneof![
+            ("[a-cA-C0-9-]{1,3}(\\.[a-cA-C0-9-]{1,3}){0,2}", any::<bool>()).prop_map(|(h, dot)| if dot {
+                format!("{h}.")
+            } else {
+                h
+            }),
+            "\\[(::1|2001:[dD][bB]8::[0-9a-fA-F]{1,2})\\]",
+        ];
+        let port = proptest::option::of(prop_oneof![Just(80u16), Just(443), Just(8080), 1u16..3]);
+        (host, port)
+    }
+
+    fn written((host, port): &(String, Option<u16>)) -> String {
+        match port {
+            Some(port) => format!("{host}:{port}"),
+            None => host.clone(),
+        }
+    }
+
+    /// What DNS and HTTP take the authority for: the host lower-cased without its trailing
+    /// dot, and the port, the defaults 80 and 443 being none (the layer cannot tell the scheme).
+    fn named((host, port): &(String, Option<u16>)) -> (String, Option<u16>) {
+        let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
+        (host, port.filter(|p| *p != 80 && *p != 443))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Two authorities normalise alike exactly when they name the same host and port: no
+        /// two hosts share records (unscoped keys of `a.example` never replay for
+        /// `b.example`), and no spelling of one host makes a retry a mismatch. Normalised twice
+        /// is normalised once.
+        #[test]
+        fn authorities_normalise_alike_exactly_when_they_name_the_same_host(a in authorities(), b in authorities()) {
+            let (x, y) = (written(&a), written(&b));
+            let nx = normalized_authority(x.as_bytes()).into_owned();
+            let ny = normalized_authority(y.as_bytes()).into_owned();
+            prop_assert_eq!(nx == ny, named(&a) == named(&b), "{} {}", x, y);
+            prop_assert_eq!(&*normalized_authority(&nx), &nx[..]);
+            check(format!("{x}\n\n/").as_bytes());
+        }
+
+        /// The media type is the type and subtype, lower-cased, whatever the parameters and
+        /// spaces; and `Content-Type` as sent counts in full by default.
+        #[test]
+        fn media_types_ignore_parameters_and_case(
+            media in "[a-zA-Z]{1,5}/[a-zA-Z+.-]{1,8}",
+            params in "( ?; ?[a-z]{1,6}=[A-Za-z0-9-]{1,6}){0,2}",
+            space in " {0,2}",
+        ) {
+            let value = format!("{space}{media}{space}{params}");
+            let lower = media.to_ascii_lowercase();
+            prop_assert_eq!(&*media_type(value.as_bytes()), lower.as_bytes());
+            let policy = FingerprintPolicy::new().media_type_only();
+            let with = |ct: &str| {
+                let request = parts(Request::post("/p").header("content-type", ct).body(()).unwrap());
+                (policy.fingerprint(&request, b""), FingerprintPolicy::new().fingerprint(&request, b""))
+            };
+            let (loose, full) = with(&value);
+            prop_assert_eq!(loose, with(&media.to_ascii_lowercase()).0);
+            prop_assert_eq!(full == with(&media).1, value == media);
+        }
+
+        /// A request's fingerprint is the same in absolute form and in origin form with `Host`,
+        /// whatever the case of the authority; a different method, path, query or body is
+        /// another fingerprint.
+        #[test]
+        fn requests_naming_the_same_target_share_a_fingerprint(
+            a in authorities(),
+            path in "(/[a-z0-9%._~-]{0,6}){1,3}(\\?[a-z0-9=&]{0,8})?",
+            other in "(/[a-z0-9%._~-]{0,6}){1,3}(\\?[a-z0-9=&]{0,8})?",
+            body in proptest::collection::vec(any::<u8>(), 0..20),
+        ) {
+            let authority = written(&a);
+            let policy = FingerprintPolicy::new();
+            let absolute = parts(Request::post(format!("http://{}{path}", authority.to_ascii_uppercase())).body(()).unwrap());
+            let origin = parts(Request::post(path.as_str()).header("host", authority.as_str()).body(()).unwrap());
+            prop_assert_eq!(policy.fingerprint(&absolute, &body), policy.fingerprint(&origin, &body));
+            let put = parts(Request::put(path.as_str()).header("host", authority.as_str()).body(()).unwrap());
+            prop_assert_ne!(policy.fingerprint(&put, &body), policy.fingerprint(&origin, &body));
+            let moved = parts(Request::post(other.as_str()).header("host", authority.as_str()).body(()).unwrap());
+            prop_assert_eq!(policy.fingerprint(&moved, &body) == policy.fingerprint(&origin, &body), other == path);
+            prop_assert_ne!(policy.fingerprint(&origin, &[&body[..], b"x"].concat()), policy.fingerprint(&origin, &body));
+            check(format!("{authority}\napplication/json\nhttp://{authority}{path}").as_bytes());
+        }
+
+        /// Any bytes: the fuzz check.
+        #[test]
+        fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..80), text in "[ -~]{0,20}(\n[ -~]{0,20}){0,2}") {
+            check(&data);
+            check(text.as_bytes());
+        }
     }
 }

@@ -706,6 +706,95 @@ impl<'de> Deserialize<'de> for Methods {
     }
 }
 
+/// The fuzz target's check of the policy file (`fuzz/fuzz_targets/policy.rs`, and
+/// `tests/fuzz_corpora.rs` on every checked-in input). The first byte picks what the rest is:
+/// a JSON, YAML or TOML file, a path pattern and a path (one a line), a duration or a size.
+/// Nothing panics: a file that loads builds its layer or is refused with an error, never a
+/// panic in a setter; a pattern matches the path it describes; a duration or size read back
+/// from its plain form is the same.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let Some((&selector, rest)) = data.split_first() else {
+        return;
+    };
+    let Ok(text) = std::str::from_utf8(rest) else {
+        return;
+    };
+    let file = match selector % 6 {
+        0 => Some(Policy::from_json_str(text)),
+        #[cfg(feature = "policy-yaml")]
+        1 => Some(Policy::from_yaml_str(text)),
+        #[cfg(feature = "policy-toml")]
+        2 => Some(Policy::from_toml_str(text)),
+        3 => {
+            let (pattern, path) = text.split_once('\n').unwrap_or((text, "/"));
+            check_pattern(pattern, path);
+            None
+        }
+        4 => {
+            if let Ok(duration) = parse_duration(text) {
+                let plain = match duration.subsec_millis() {
+                    0 => format!("{}s", duration.as_secs()),
+                    ms => format!("{}s{ms}ms", duration.as_secs()),
+                };
+                assert_eq!(parse_duration(&plain), Ok(duration), "{text:?}");
+                assert_eq!(parse_duration(&format!(" {text}\t")), Ok(duration));
+            }
+            None
+        }
+        _ => {
+            if let Ok(size) = parse_size(text) {
+                assert_eq!(parse_size(&size.to_string()), Ok(size), "{text:?}");
+                if size % 1024 == 0 {
+                    assert_eq!(parse_size(&format!("{}KiB", size / 1024)), Ok(size));
+                }
+            }
+            None
+        }
+    };
+    match file {
+        Some(Ok(policy)) => {
+            let base = IdempotencyLayer::new(crate::store::memory::MemoryStore::new());
+            let _ = PolicyLayer::from_policy(base, &policy);
+        }
+        Some(Err(error)) => {
+            let _ = error.to_string();
+        }
+        None => {}
+    }
+}
+
+/// A pattern that parses matches the path it describes (each parameter and the wildcard given
+/// a value), and only paths from `/`; one that does not parse is refused with its text.
+#[cfg(any(test, feature = "fuzzing"))]
+fn check_pattern(source: &str, path: &str) {
+    let pattern = match PathPattern::parse(source) {
+        Ok(pattern) => pattern,
+        Err(error) => {
+            assert!(error.to_string().contains(&format!("{source:?}")));
+            return;
+        }
+    };
+    if pattern.matches(path) {
+        assert!(path.starts_with('/'));
+    }
+    let parts: Vec<&str> = source[1..].split('/').collect();
+    let described: Vec<&str> = parts
+        .iter()
+        .map(|part| match *part {
+            "*" => "rest",
+            p if p.starts_with("{*") => "rest",
+            p if p.starts_with('{') || p.starts_with(':') => "value",
+            p => p,
+        })
+        .collect();
+    let described = format!("/{}", described.join("/"));
+    assert!(
+        pattern.matches(&described),
+        "{source:?} does not match {described:?}"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -795,6 +884,120 @@ mod tests {
                 (Err(error), Some(field)) => assert!(error.to_string().contains(field), "{text}: {error}"),
                 (answer, _) => panic!("{text}: {answer:?}"),
             }
+        }
+    }
+
+    use proptest::prelude::*;
+
+    /// A pattern segment, and a path segment it matches.
+    fn segments() -> impl Strategy<Value = (String, String)> {
+        prop_oneof![
+            "[a-z0-9._~-]{0,6}".prop_map(|l| (l.clone(), l)),
+            ("[a-zA-Z0-9_]{1,6}", "[a-z0-9]{1,4}").prop_map(|(n, v)| (format!("{{{n}}}"), v)),
+            ("[a-zA-Z0-9_]{1,6}", "[a-z0-9]{1,4}").prop_map(|(n, v)| (format!(":{n}"), v)),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A duration written as parts (any units, any spaces) is their sum; one too long for a
+        /// `Duration` is refused, never wrapped.
+        #[test]
+        fn durations_are_the_sum_of_their_parts(
+            parts in proptest::collection::vec((0u64..100_000, prop_oneof![Just("ms"), Just("s"), Just("m"), Just("h"), Just("d")], " {0,1}", " {0,1}"), 1..5),
+            huge in any::<u64>(),
+        ) {
+            let text: String = parts.iter().map(|(n, unit, a, b)| format!("{a}{n}{b}{unit}")).collect();
+            let sum = parts.iter().map(|(n, unit, _, _)| match *unit {
+                "ms" => Duration::from_millis(*n),
+                "s" => Duration::from_secs(*n),
+                "m" => Duration::from_secs(n * 60),
+                "h" => Duration::from_secs(n * 3600),
+                _ => Duration::from_secs(n * 86_400),
+            }).sum::<Duration>();
+            prop_assert_eq!(parse_duration(&text), Ok(sum), "{:?}", text);
+            let days = parse_duration(&format!("{huge}d"));
+            prop_assert_eq!(days.is_ok(), huge.checked_mul(86_400).is_some());
+            let mut data = vec![4];
+            data.extend_from_slice(text.as_bytes());
+            check(&data);
+        }
+
+        /// A size is its number times its unit; one past `usize` is refused.
+        #[test]
+        fn sizes_are_a_number_times_a_unit(n in any::<u32>(), unit in prop_oneof![Just(("", 1u64)), Just(("B", 1)), Just(("KiB", 1 << 10)), Just(("MiB", 1 << 20)), Just(("GiB", 1 << 30))], space in " {0,2}") {
+            let expected = usize::try_from(u64::from(n) * unit.1).ok();
+            prop_assert_eq!(parse_size(&format!("{n}{space}{}", unit.0)).ok(), expected);
+            let past = format!("{}0{}", usize::MAX, unit.0);
+            prop_assert!(parse_size(&past).is_err());
+        }
+
+        /// A pattern matches the paths it describes (a parameter any non-empty segment, a
+        /// trailing wildcard any rest), and no path with a literal changed, a segment more or
+        /// less (without a wildcard), or a parameter left empty.
+        #[test]
+        fn patterns_match_exactly_the_paths_they_describe(
+            segments in proptest::collection::vec(segments(), 1..5),
+            wildcard in prop_oneof![Just(None), Just(Some("*")), Just(Some("{*rest}"))],
+            rest in "[a-z0-9/]{0,8}",
+            change in any::<prop::sample::Index>(),
+        ) {
+            let mut source = segments.iter().map(|(s, _)| format!("/{s}")).collect::<String>();
+            let mut path = segments.iter().map(|(_, p)| format!("/{p}")).collect::<String>();
+            if let Some(wildcard) = wildcard {
+                source.push_str(&format!("/{wildcard}"));
+                path.push_str(&format!("/{rest}"));
+            }
+            let pattern = PathPattern::parse(&source).unwrap();
+            prop_assert!(pattern.matches(&path), "{} {}", source, path);
+            let longer = format!("{path}/x");
+            prop_assert_eq!(pattern.matches(&longer), wildcard.is_some());
+            let i = change.index(segments.len());
+            let (segment, value) = &segments[i];
+            let mut changed: Vec<String> = segments.iter().map(|(_, p)| p.clone()).collect();
+            changed[i] = if segment == value { format!("{value}Z") } else { String::new() };
+            let changed = format!("/{}", changed.join("/"));
+            prop_assert!(!pattern.matches(&changed), "{} {}", source, changed);
+            check(format!("\x03{source}\n{path}").as_bytes());
+        }
+
+        /// Any bytes under each selector (a policy file in JSON, YAML, TOML, a pattern, a
+        /// duration, a size): the fuzz check. A policy that loads builds a layer or an error,
+        /// never a panic.
+        #[test]
+        fn any_input_passes_the_fuzz_check(selector in 0u8..6, text in "[ -~\n]{0,60}") {
+            let mut data = vec![selector];
+            data.extend_from_slice(text.as_bytes());
+            check(&data);
+        }
+
+        /// Policy files of any setting the format allows: loading either refuses the file or
+        /// gives a policy whose layer builds (a setter that panics on a value the file let
+        /// through would fail here).
+        #[test]
+        fn every_loadable_policy_builds_its_layer(
+            fields in proptest::collection::vec((
+                prop_oneof![
+                    Just("lease"), Just("ttl"), Just("handler_timeout"), Just("stream_timeout"), Just("store_timeout"),
+                    Just("mismatch_status"), Just("not_stored_status"), Just("body_limit"), Just("response_limit"),
+                    Just("max_in_flight"), Just("required"), Just("key_header"), Just("scope"), Just("method"),
+                ],
+                prop_oneof![
+                    (0u64..100_000).prop_map(|n| n.to_string()),
+                    (0u64..1000, prop_oneof![Just("ms"), Just("s"), Just("h"), Just("d"), Just("KiB"), Just("GiB")]).prop_map(|(n, u)| format!("\"{n}{u}\"")),
+                    Just("true".to_owned()), Just("\"x-tenant\"".to_owned()), Just("\"host\"".to_owned()),
+                    Just("\"POST\"".to_owned()), Just("[]".to_owned()), Just("\"\"".to_owned()),
+                ],
+            ), 0..5),
+        ) {
+            let settings: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+            let settings = settings.join(", ");
+            let text = format!(r#"{{"idempotency": {{ {settings}{}"endpoints": [{{"path": "/p", {settings}}}] }}}}"#, if settings.is_empty() { "" } else { ", " });
+            let text = text.replace("{\"path\": \"/p\", }", "{\"path\": \"/p\"}");
+            let mut data = vec![0];
+            data.extend_from_slice(text.as_bytes());
+            check(&data);
         }
     }
 }

@@ -109,6 +109,80 @@ fn split_outside_quotes(text: &str, separator: char) -> impl Iterator<Item = &st
     })
 }
 
+/// The fuzz target's check of `Prefer` fields (`fuzz/fuzz_targets/prefer.rs`, and
+/// `tests/fuzz_corpora.rs` on every checked-in input): the first 16 bytes are the layer's
+/// maximum and default wait (seconds, mod 1000), the rest the fields, one a line. Reading never
+/// panics; a wait found stays the answer whatever field comes after; fields each of which ends
+/// outside a quoted string read as their comma-joined single field (RFC 9110 §5.3); the wait a
+/// request gets is never zero, never more than the maximum, and marked only when asked.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let (Some(max), Some(default)) = (data.get(..8), data.get(8..16)) else {
+        return;
+    };
+    let seconds = |b: &[u8]| Duration::from_secs(u64::from_be_bytes(b.try_into().unwrap_or_default()) % 1000);
+    let fields: Vec<HeaderValue> = data[16..]
+        .split(|b| *b == b'\n')
+        .filter_map(|line| HeaderValue::from_bytes(line).ok())
+        .collect();
+    let headers = |fields: &[HeaderValue]| {
+        let mut headers = HeaderMap::new();
+        for field in fields {
+            headers.append(PREFER, field.clone());
+        }
+        headers
+    };
+    let found = preferred_wait(&headers(&fields));
+    for extra in &fields {
+        let mut more = fields.clone();
+        more.push(extra.clone());
+        if found.is_some() {
+            assert_eq!(preferred_wait(&headers(&more)), found);
+        }
+    }
+    // Whether a field ends outside a quoted string, by a scan of its own.
+    let closed = |field: &HeaderValue| {
+        let (mut quoted, mut escaped) = (false, false);
+        for &b in field.as_bytes() {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' if quoted => escaped = true,
+                b'"' => quoted = !quoted,
+                _ => {}
+            }
+        }
+        !quoted && std::str::from_utf8(field.as_bytes()).is_ok()
+    };
+    if fields.len() > 1 && fields.iter().all(closed) {
+        let joined = fields
+            .iter()
+            .map(|f| f.as_bytes())
+            .collect::<Vec<_>>()
+            .join(&b", "[..]);
+        let joined = HeaderValue::from_bytes(&joined).expect("fields joined are a field");
+        assert_eq!(preferred_wait(&headers(&[joined])), found, "{fields:?}");
+    }
+    let config = Config {
+        max_wait: seconds(max),
+        default_wait: seconds(default),
+        ..Config::default()
+    };
+    match Wait::for_request(&headers(&fields), &config) {
+        None => assert!(config.max_wait.is_zero() || found.unwrap_or(config.default_wait).is_zero()),
+        Some(wait) => {
+            assert!(!wait.wait.is_zero() && wait.wait <= config.max_wait);
+            assert_eq!(wait.asked, found.is_some());
+            assert_eq!(
+                wait.wait,
+                found.unwrap_or(config.default_wait).min(config.max_wait)
+            );
+            let mut response = http::Response::new(());
+            wait.mark(&mut response);
+            assert_eq!(response.headers().contains_key(PREFERENCE_APPLIED), wait.asked);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +307,73 @@ mod tests {
         }
         .mark(&mut response);
         assert!(response.headers().get(PREFERENCE_APPLIED).is_none());
+    }
+
+    use proptest::prelude::*;
+
+    /// A preference as RFC 7240 writes it, and the wait it asks for if it is `wait`: a name
+    /// (`wait` in any case, or another), a value (a number, quoted or not, or a token, or
+    /// none) and parameters, some with quoted commas and semicolons.
+    fn preferences() -> impl Strategy<Value = (String, Option<Option<Duration>>)> {
+        let name = prop_oneof!["[wW][aA][iI][tT]", "[a-z][a-z-]{0,8}"];
+        let value = prop_oneof![
+            (0u64..100_000).prop_map(|n| (format!("{n}"), Some(Duration::from_secs(n)))),
+            (0u64..100_000).prop_map(|n| (format!("\"{n}\""), Some(Duration::from_secs(n)))),
+            "[a-z-]{1,5}".prop_map(|t| (t, None)),
+            "\"[a-z ,;=]{0,6}\"".prop_map(|t| (t, None)),
+        ];
+        let params = proptest::collection::vec("; ?[a-z]{1,4}(=\"[a-z ,;]{0,5}\"|=[a-z0-9]{1,3})?", 0..3);
+        (name, proptest::option::of(value), params, " {0,2}", " {0,2}").prop_map(
+            |(name, value, params, s1, s2)| {
+                let is_wait = name.eq_ignore_ascii_case("wait");
+                let (text, asked) = match value {
+                    Some((text, asked)) => (format!("{name}{s1}={s2}{text}"), asked),
+                    None => (name, None),
+                };
+                (format!("{text}{}", params.concat()), is_wait.then_some(asked))
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// The first `wait` preference decides, however the preferences are spread over
+        /// fields: one field, one per preference, or any grouping (RFC 9110 §5.3: a list over
+        /// several lines is the list joined with commas).
+        #[test]
+        fn the_first_wait_decides_however_the_list_is_split(
+            list in proptest::collection::vec(preferences(), 0..6),
+            splits in proptest::collection::vec(any::<bool>(), 6),
+        ) {
+            let expected = list.iter().find_map(|(_, wait)| *wait).flatten();
+            let mut fields: Vec<String> = Vec::new();
+            for (i, (text, _)) in list.iter().enumerate() {
+                match fields.last_mut() {
+                    Some(last) if !splits[i] => {
+                        last.push_str(", ");
+                        last.push_str(text);
+                    }
+                    _ => fields.push(text.clone()),
+                }
+            }
+            let fields: Vec<&str> = fields.iter().map(String::as_str).collect();
+            prop_assert_eq!(asked(&fields), expected, "{:?}", fields);
+            let mut data = [0u8; 16];
+            data[7] = 30;
+            let mut data = data.to_vec();
+            data.extend_from_slice(fields.join("\n").as_bytes());
+            check(&data);
+        }
+
+        /// Any bytes: the fuzz check (no panic; a wait found stays found; the wait a request
+        /// gets is within the layer's maximum, and marked only when asked).
+        #[test]
+        fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..120), text in "[ -~\n]{0,60}") {
+            check(&data);
+            let mut settings = data.get(..16).map(<[u8]>::to_vec).unwrap_or_else(|| vec![0; 16]);
+            settings.extend_from_slice(text.as_bytes());
+            check(&settings);
+        }
     }
 }

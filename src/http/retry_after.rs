@@ -44,6 +44,33 @@ impl TypicalDuration {
     }
 }
 
+/// The fuzz target's check of `Retry-After` (`fuzz/fuzz_targets/prefer.rs`, and
+/// `tests/fuzz_corpora.rs`): the first 16 bytes are the typical duration and the lease left,
+/// in milliseconds. The answer is whole seconds, at least 1, never past the lease left rounded
+/// up (unless that is under 1 s), at least the typical duration rounded up when the lease
+/// allows it, and never shorter for a longer typical duration or lease.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let (Some(typical), Some(lease)) = (data.get(..8), data.get(8..16)) else {
+        return;
+    };
+    let millis = |b: &[u8]| Duration::from_millis(u64::from_be_bytes(b.try_into().unwrap_or_default()));
+    let (typical, lease) = (millis(typical), millis(lease));
+    let up = |d: Duration| d.as_millis().div_ceil(1000);
+    for typical in [None, Some(typical)] {
+        let answer = retry_after(typical, lease);
+        assert_eq!(answer.subsec_nanos(), 0);
+        let seconds = u128::from(answer.as_secs());
+        assert!(seconds >= 1);
+        assert!(seconds <= up(lease).max(1));
+        let typical_up = typical.map_or(1, up);
+        assert!(seconds >= typical_up.min(up(lease)));
+        let longer = Duration::from_millis(1);
+        assert!(retry_after(typical.map(|t| t.saturating_add(longer)), lease) >= answer);
+        assert!(retry_after(typical, lease.saturating_add(longer)) >= answer);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,5 +104,26 @@ mod tests {
             now < Duration::from_millis(210) && now >= Duration::from_millis(200),
             "{now:?}"
         );
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// `Retry-After` is whole seconds, at least 1, never past the lease left (rounded up),
+        /// at least the typical duration when the lease allows, and monotone in both (the fuzz
+        /// check), over small, second-boundary and huge durations alike.
+        #[test]
+        fn retry_after_is_bounded_by_the_lease_and_follows_the_typical_duration(
+            typical in prop_oneof![0u64..5_000, (0u64..100).prop_map(|s| s * 1000), any::<u64>()],
+            lease in prop_oneof![0u64..5_000, (0u64..100).prop_map(|s| s * 1000), any::<u64>()],
+        ) {
+            let data = [typical.to_be_bytes(), lease.to_be_bytes()].concat();
+            check(&data);
+            let answer = retry_after(Some(Duration::from_millis(typical)), Duration::from_millis(lease));
+            let up = |ms: u64| ms.div_ceil(1000).max(1);
+            prop_assert_eq!(answer.as_secs(), up(typical).min(up(lease)));
+        }
     }
 }

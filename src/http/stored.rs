@@ -126,7 +126,7 @@ fn put_fields<'a>(
 
 /// Encodes a whole response (status, the headers `keep` accepts, all values in order as raw
 /// bytes, the body and any trailers) in one go.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub(crate) fn encode(
     status: StatusCode,
     headers: &HeaderMap,
@@ -237,6 +237,9 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
                         StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?,
                     ),
                 };
+                if reader.at != payload.len() {
+                    return Err("bytes after an unstored response".into());
+                }
                 Ok(Decoded::NotStored { why, status })
             }
             _ => Err("unknown kind of stored payload".into()),
@@ -299,6 +302,63 @@ impl Reader<'_> {
         let mut out = [0; N];
         out.copy_from_slice(self.take(N)?);
         Ok(out)
+    }
+}
+
+/// The fuzz target's check of one input as a stored response (`fuzz/fuzz_targets/`, and
+/// `tests/fuzz_corpora.rs` on every checked-in input): decoding never panics; what decodes
+/// encodes back to as many bytes (nothing in the payload is skipped or read twice) and to the
+/// same response; an unstored response's record is exactly its 8 bytes; a payload of this
+/// layout cut short never decodes, and one of version 1 (no body length) only with its body
+/// cut.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) {
+    let payload = Bytes::copy_from_slice(data);
+    let Ok(decoded) = decode(&payload) else {
+        return;
+    };
+    let version = data[3];
+    match &decoded {
+        Decoded::Response(stored) => {
+            let again = encode(
+                stored.status,
+                &stored.headers,
+                |_| true,
+                &stored.body,
+                stored.trailers.as_ref(),
+            );
+            if version == PAYLOAD_VERSION {
+                assert_eq!(again.len(), data.len(), "bytes skipped or read twice");
+            }
+            let Ok(Decoded::Response(twice)) = decode(&again) else {
+                panic!("a re-encoded response does not decode");
+            };
+            assert_eq!(
+                (twice.status, &twice.headers, &twice.body, &twice.trailers),
+                (stored.status, &stored.headers, &stored.body, &stored.trailers)
+            );
+        }
+        Decoded::NotStored { why, status } => {
+            assert_eq!(
+                encode_not_stored(*why, *status),
+                data,
+                "an unstored record is 8 bytes"
+            );
+        }
+        Decoded::Newer { version: newer } => {
+            assert!(*newer > PAYLOAD_VERSION && *newer == version);
+            return;
+        }
+    }
+    for cut in 0..data.len() {
+        match (decode(&payload.slice(..cut)), &decoded) {
+            (Err(_), _) => {}
+            (Ok(Decoded::Response(shorter)), Decoded::Response(whole)) if version == 1 => {
+                assert_eq!((shorter.status, &shorter.headers), (whole.status, &whole.headers));
+                assert!(whole.body.starts_with(&shorter.body));
+            }
+            (Ok(shorter), _) => panic!("cut at {cut} of {}, decoded as {shorter:?}", data.len()),
+        }
     }
 }
 
@@ -410,6 +470,10 @@ mod tests {
         for cut in 0..not_stored.len() {
             assert!(decode(&not_stored.slice(..cut)).is_err(), "cut at {cut}");
         }
+        // Bytes after an unstored response are not ignored: the record is not what this
+        // release wrote (they were, until the property `unstored_responses_round_trip`).
+        let longer = Bytes::from([&not_stored[..], b"x"].concat());
+        assert!(decode(&longer).is_err(), "bytes after an unstored response");
         let mut extra = payload.to_vec();
         extra.push(0);
         assert!(decode(&Bytes::from(extra)).is_err(), "trailing bytes");
@@ -439,5 +503,177 @@ mod tests {
         let mut bad_kind = payload.to_vec();
         bad_kind[4] = b'?';
         assert!(decode(&Bytes::from(bad_kind)).is_err());
+    }
+
+    /// Today's stored-response layout (version 2), byte for byte: a response (201, two
+    /// `x-multi` values and a Latin-1 one, a body with a NUL, a `grpc-status` trailer), and an
+    /// unstored one. The next release must read these; a change of the layout fails here.
+    const RESPONSE_V2: &[u8] = b"TIR\x02R\x00\xc9\x00\x00\x00\x03\
+        \x00\x00\x00\x07x-multi\x00\x00\x00\x03one\
+        \x00\x00\x00\x07x-multi\x00\x00\x00\x03two\
+        \x00\x00\x00\x08x-latin1\x00\x00\x00\x04caf\xe9\
+        \x00\x00\x00\x00\x00\x00\x00\x03a\x00b\
+        \x00\x00\x00\x01\x00\x00\x00\x0bgrpc-status\x00\x00\x00\x010";
+    const NOT_STORED_V2: &[u8] = b"TIR\x02NL\x00\xc8";
+
+    #[test]
+    fn todays_stored_responses_are_pinned_byte_for_byte() {
+        let stored = response(&Bytes::from_static(RESPONSE_V2));
+        assert_eq!(stored.status, StatusCode::CREATED);
+        let multi: Vec<_> = stored.headers.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["one", "two"]);
+        assert_eq!(stored.headers["x-latin1"].as_bytes(), b"caf\xe9");
+        assert_eq!(stored.headers.len(), 3);
+        assert_eq!(&stored.body[..], b"a\x00b");
+        let trailers = stored.trailers.as_ref().expect("trailers");
+        assert_eq!(
+            (trailers.len(), &trailers["grpc-status"]),
+            (1, &HeaderValue::from_static("0"))
+        );
+        let again = encode(
+            stored.status,
+            &stored.headers,
+            |_| true,
+            &stored.body,
+            stored.trailers.as_ref(),
+        );
+        assert_eq!(&again[..], RESPONSE_V2);
+
+        let decoded = decode(&Bytes::from_static(NOT_STORED_V2)).unwrap();
+        assert!(matches!(
+            decoded,
+            Decoded::NotStored {
+                why: NotStored::TooLarge,
+                status: Some(StatusCode::OK)
+            }
+        ));
+        assert_eq!(
+            &encode_not_stored(NotStored::TooLarge, Some(StatusCode::OK))[..],
+            NOT_STORED_V2
+        );
+        check(RESPONSE_V2);
+        check(NOT_STORED_V2);
+        check(VERSION_1);
+    }
+
+    use proptest::prelude::*;
+
+    fn header_maps() -> impl Strategy<Value = HeaderMap> {
+        let name = "[a-zA-Z][a-zA-Z0-9-]{0,12}".prop_map(|n| HeaderName::from_bytes(n.as_bytes()).unwrap());
+        let value = proptest::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff, Just(b'\t')], 0..20)
+            .prop_map(|v| HeaderValue::from_bytes(&v).unwrap());
+        proptest::collection::vec((name, value), 0..8).prop_map(|fields| {
+            let mut map = HeaderMap::new();
+            for (name, value) in fields {
+                map.append(name, value);
+            }
+            map
+        })
+    }
+
+    fn statuses() -> impl Strategy<Value = StatusCode> {
+        (100u16..1000).prop_map(|s| StatusCode::from_u16(s).unwrap())
+    }
+
+    fn reasons() -> impl Strategy<Value = NotStored> {
+        prop_oneof![
+            Just(NotStored::TooLarge),
+            Just(NotStored::BodyFailed),
+            Just(NotStored::TimedOut)
+        ]
+    }
+
+    proptest! {
+        // 128 cases each: the fuzz check decodes every cut of each payload (the whole set of
+        // property tests stays near 2 s in a debug build).
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Any response round trips: status, every header value in order as raw bytes, the
+        /// body, the trailers; encoding what was decoded gives the same bytes; and every cut
+        /// of it is an error (the fuzz check).
+        #[test]
+        fn responses_round_trip_exactly(
+            status in statuses(),
+            headers in header_maps(),
+            body in proptest::collection::vec(any::<u8>(), 0..100),
+            trailers in proptest::option::of(header_maps()),
+        ) {
+            let trailers = trailers.filter(|t| !t.is_empty());
+            let payload = encode(status, &headers, |_| true, &body, trailers.as_ref());
+            let stored = response(&payload);
+            prop_assert_eq!(stored.status, status);
+            prop_assert_eq!(&stored.headers, &headers);
+            prop_assert_eq!(&stored.body[..], &body[..]);
+            prop_assert_eq!(&stored.trailers, &trailers);
+            let again = encode(stored.status, &stored.headers, |_| true, &stored.body, stored.trailers.as_ref());
+            prop_assert_eq!(&again, &payload);
+            check(&payload);
+        }
+
+        /// A body written in pieces, as it streams, is the same payload as written at once.
+        #[test]
+        fn a_streamed_body_is_stored_as_one(
+            headers in header_maps(),
+            pieces in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..40), 0..6),
+        ) {
+            let whole = pieces.concat();
+            let mut stored = StoredResponse::start(StatusCode::OK, &headers, |_| true, 0, usize::MAX);
+            for piece in &pieces {
+                prop_assert!(stored.push(piece));
+            }
+            let (payload, body) = stored.finish(None);
+            prop_assert_eq!(&payload[body], &whole[..]);
+            prop_assert_eq!(payload, encode(StatusCode::OK, &headers, |_| true, &whole, None));
+        }
+
+        /// Unstored responses round trip to exactly their 8 bytes, and nothing else decodes
+        /// as one.
+        #[test]
+        fn unstored_responses_round_trip(why in reasons(), status in proptest::option::of(statuses()), extra in proptest::collection::vec(any::<u8>(), 1..4)) {
+            let payload = encode_not_stored(why, status);
+            let decoded = decode(&payload).unwrap();
+            let same = matches!(decoded, Decoded::NotStored { why: w, status: s } if w == why && s == status);
+            prop_assert!(same);
+            prop_assert_eq!(payload.len(), 8);
+            let longer = Bytes::from([&payload[..], &extra].concat());
+            prop_assert!(decode(&longer).is_err(), "bytes after an unstored response");
+            check(&payload);
+        }
+
+        /// A version above this one is another release's (never corrupt, never replayed as
+        /// ours); 0 and unknown kinds are errors.
+        #[test]
+        fn other_versions_and_kinds(version in any::<u8>(), kind in any::<u8>(), rest in proptest::collection::vec(any::<u8>(), 0..40)) {
+            let payload = Bytes::from([&MAGIC[..], &[version, kind], &rest].concat());
+            let decoded = decode(&payload);
+            if version > PAYLOAD_VERSION {
+                let newer = matches!(decoded, Ok(Decoded::Newer { version: v }) if v == version);
+                prop_assert!(newer);
+            } else if version == 0 || (version == PAYLOAD_VERSION && kind != RESPONSE && kind != NOT_STORED) {
+                prop_assert!(decoded.is_err());
+            }
+            check(&payload);
+        }
+
+        /// A bit flipped anywhere decodes to an error, another release's layout, or exactly
+        /// what its bytes say (the fuzz check); a flip in the magic, version or kind is never
+        /// read as a response of this layout.
+        #[test]
+        fn bit_flips_are_errors_or_read_exactly(flip in any::<prop::sample::Index>(), bit in 0..8u8) {
+            let mut payload = RESPONSE_V2.to_vec();
+            let at = flip.index(payload.len());
+            payload[at] ^= 1 << bit;
+            if at < 5 {
+                prop_assert!(!matches!(decode(&Bytes::from(payload.clone())), Ok(Decoded::Response(_))) || payload[3] == 1);
+            }
+            check(&payload);
+        }
+
+        /// Any bytes, and any bytes after a valid start: the fuzz check.
+        #[test]
+        fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..200), start in 0..=5usize) {
+            check(&data);
+            check(&[&RESPONSE_V2[..start], &data].concat());
+        }
     }
 }

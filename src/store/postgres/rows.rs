@@ -99,6 +99,7 @@ where
 }
 
 /// A live record as a statement read it.
+#[derive(Debug)]
 pub(super) struct Found {
     pub(super) version: i16,
     pub(super) owner: String,
@@ -176,5 +177,72 @@ impl Found {
                 ClaimOutcome::Completed(Bytes::from(self.payload.unwrap_or_default()))
             },
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::IdempotencyKey;
+    use proptest::prelude::*;
+
+    fn found() -> impl Strategy<Value = Found> {
+        (
+            prop_oneof![Just(RECORD_VERSION as i16), any::<i16>()],
+            prop_oneof!["[a-z0-9-]{1,20}@1764115200000", "[a-z]{0,8}"],
+            prop_oneof![Just(IN_FLIGHT.to_owned()), Just(COMPLETED.to_owned()), ".{0,2}"],
+            prop_oneof![Just(vec![7u8; 32]), proptest::collection::vec(any::<u8>(), 0..40)],
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)),
+            0u64..100_000,
+        )
+            .prop_map(|(version, owner, state, fingerprint, payload, left)| Found {
+                version,
+                owner,
+                state,
+                fingerprint,
+                payload,
+                left: Duration::from_millis(left),
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// What a claim makes of any row: a row of another layout, fingerprint size, state, or
+        /// with a payload where its state has none, is an error (or, newer, another release's
+        /// record), never an answer; a replay is the row's own payload, and only for the same
+        /// fingerprint; a row in flight is this claim's only for its owner.
+        #[test]
+        fn a_row_is_answered_as_it_says_or_refused(row in found(), mine in any::<bool>(), same in any::<bool>()) {
+            let key = RecordKey::new(None, IdempotencyKey::parse("k").unwrap());
+            let request = Fingerprint::from_digest(if same { [7; 32] } else { [8; 32] });
+            let owner = OwnerToken::from_string(if mine { row.owner.clone() } else { "other".to_owned() });
+            let lease = Duration::from_secs(30);
+            let (version, state, payload) = (row.version, row.state.clone(), row.payload.clone());
+            let valid = version == RECORD_VERSION as i16
+                && row.fingerprint.len() == 32
+                && matches!((state.as_str(), &payload), (IN_FLIGHT, None) | (COMPLETED, Some(_)));
+            let matches = row.fingerprint == request.as_bytes();
+            let owned = mine && row.owner != "other";
+            let left = row.left;
+            match row.outcome(&key, &request, Some(&owner), lease) {
+                Ok(ClaimOutcome::Completed(replayed)) => {
+                    prop_assert!(valid && state == COMPLETED && matches);
+                    prop_assert_eq!(Some(replayed.to_vec()), payload);
+                }
+                Ok(ClaimOutcome::Claimed) => prop_assert!(valid && state == IN_FLIGHT && owned),
+                Ok(ClaimOutcome::Mismatch) => prop_assert!(valid && !matches && !(state == IN_FLIGHT && owned)),
+                Ok(ClaimOutcome::InFlight { lease_left }) => {
+                    if version > RECORD_VERSION as i16 {
+                        prop_assert_eq!(lease_left, Duration::from_secs(1));
+                    } else {
+                        prop_assert!(valid && state == IN_FLIGHT && matches && !owned);
+                        prop_assert_eq!(lease_left, left.min(lease));
+                    }
+                }
+                Err(StoreError::Corrupt(_)) => prop_assert!(!valid),
+                Err(other) => prop_assert!(false, "{other:?}"),
+            }
+        }
     }
 }

@@ -29,3 +29,6 @@ mod store;
 
 pub use self::replica_acks::ReplicaAcks;
 pub use self::store::RedisStore;
+// The record layout's fuzz check, for `crate::__fuzz` (crate feature `fuzzing`, not an API).
+#[cfg(feature = "fuzzing")]
+pub(crate) use self::record::check as check_record;

@@ -37,7 +37,11 @@ pub(super) fn head(owner: &OwnerToken) -> Result<Bytes, StoreError> {
 
 /// A state byte and the deadline `from_now` away, as the scripts write them after the head.
 pub(super) fn state_until(state: u8, from_now: Duration) -> Bytes {
-    let at = SystemTime::now() + from_now;
+    state_at(state, SystemTime::now() + from_now)
+}
+
+/// A state byte and the deadline `at`, in milliseconds since the Unix epoch.
+fn state_at(state: u8, at: SystemTime) -> Bytes {
     let millis = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let mut bytes = BytesMut::with_capacity(9);
     bytes.put_u8(state);
@@ -51,10 +55,19 @@ pub(super) fn in_flight(
     fingerprint: &Fingerprint,
     lease: Duration,
 ) -> Result<Bytes, StoreError> {
+    in_flight_until(owner, fingerprint, SystemTime::now() + lease)
+}
+
+/// A new in-flight record whose lease ends at `deadline`.
+fn in_flight_until(
+    owner: &OwnerToken,
+    fingerprint: &Fingerprint,
+    deadline: SystemTime,
+) -> Result<Bytes, StoreError> {
     let head = head(owner)?;
     let mut record = BytesMut::with_capacity(head.len() + 9 + 32);
     record.put_slice(&head);
-    record.put_slice(&state_until(IN_FLIGHT, lease));
+    record.put_slice(&state_at(IN_FLIGHT, deadline));
     record.put_slice(fingerprint.as_bytes());
     Ok(record.freeze())
 }
@@ -100,6 +113,11 @@ pub(super) fn head_len(start: &[u8]) -> Option<usize> {
 }
 
 pub(super) fn parse_head(record: &Bytes) -> Result<Head, String> {
+    parse_head_at(record, SystemTime::now())
+}
+
+/// [`parse_head`], its time left counted from `now`.
+fn parse_head_at(record: &Bytes, now: SystemTime) -> Result<Head, String> {
     let take = |at: usize, len: usize| {
         record
             .get(at..at + len)
@@ -127,7 +145,7 @@ pub(super) fn parse_head(record: &Bytes) -> Result<Head, String> {
     let deadline = UNIX_EPOCH + Duration::from_millis(u64::from_be_bytes(deadline));
     // Another instance's clock set the deadline: a skew shifts `Retry-After` and how long a
     // replay cache keeps a copy, never the record's own expiry (Redis's TTL).
-    let time_left = deadline.duration_since(SystemTime::now()).unwrap_or_default();
+    let time_left = deadline.duration_since(now).unwrap_or_default();
     Ok(Head {
         state,
         owner,
@@ -136,11 +154,16 @@ pub(super) fn parse_head(record: &Bytes) -> Result<Head, String> {
 }
 
 pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
+    parse_at(record, SystemTime::now())
+}
+
+/// [`parse`], its time left counted from `now`.
+fn parse_at(record: &Bytes, now: SystemTime) -> Result<Parsed, String> {
     let Head {
         state,
         owner,
         time_left,
-    } = parse_head(record)?;
+    } = parse_head_at(record, now)?;
     let at = 6 + owner.len() + 9;
     let mut fingerprint = [0; 32];
     fingerprint.copy_from_slice(
@@ -164,11 +187,310 @@ pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
 /// The digest of a record key written in hex (a purge message, a key name after its prefix).
 pub(super) fn digest_from_hex(hex: &[u8]) -> Option<[u8; 32]> {
     let mut digest = [0; 32];
-    if hex.len() != 64 {
+    // `from_str_radix` takes a sign: without this, `+f` read as `0f`, and a key name that is
+    // not a record's (`…:{+f+f…}`) was listed, and purged, as the record `0f0f…`.
+    if hex.len() != 64 || !hex.iter().all(u8::is_ascii_hexdigit) {
         return None;
     }
     for (byte, pair) in digest.iter_mut().zip(hex.chunks(2)) {
         *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
     }
     Some(digest)
+}
+
+/// The fuzz target's check of one input as a record (`fuzz/fuzz_targets/redis_record.rs`, and
+/// `tests/fuzz_corpora.rs` on every checked-in input): reading never panics, a record read is
+/// exactly the bytes its fields encode to (through this file's encoders), its head alone reads
+/// the same, a truncated record never reads with other fields, a newer layout is never read as
+/// this one, and a digest in hex reads back to the same hex. Answers the payload of a completed
+/// record, for the caller to decode as a stored response.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
+    if let Some(digest) = digest_from_hex(data) {
+        assert_eq!(crate::key::hex(&digest).as_bytes(), data.to_ascii_lowercase());
+    } else {
+        assert!(data.len() != 64 || !data.iter().all(u8::is_ascii_hexdigit));
+    }
+    let record = Bytes::copy_from_slice(data);
+    let parsed = parse_at(&record, UNIX_EPOCH);
+    if newer_version(&record).is_some() {
+        assert!(parsed.is_err(), "a newer layout read as this one");
+    }
+    let parsed = parsed.ok()?;
+    let deadline = UNIX_EPOCH + parsed.time_left;
+    let encoded: Vec<u8> = match std::str::from_utf8(&parsed.owner) {
+        Ok(owner) => {
+            let owner = OwnerToken::from_string(owner);
+            let fingerprint = Fingerprint::from_digest(parsed.fingerprint);
+            let fresh = in_flight_until(&owner, &fingerprint, deadline).ok()?;
+            let head_len = head(&owner).ok()?.len();
+            // What the completion script makes of it: the state and deadline rewritten in
+            // place, the payload appended.
+            let mut record = fresh.to_vec();
+            record[head_len..head_len + 9].copy_from_slice(&state_at(parsed.state, deadline));
+            record.extend_from_slice(&parsed.payload);
+            record
+        }
+        Err(_) => {
+            let owner_len = u16::try_from(parsed.owner.len()).ok()?;
+            [
+                &MAGIC[..],
+                &[RECORD_VERSION as u8],
+                &owner_len.to_be_bytes(),
+                &parsed.owner,
+                &state_at(parsed.state, deadline),
+                &parsed.fingerprint,
+                &parsed.payload,
+            ]
+            .concat()
+        }
+    };
+    assert_eq!(encoded, data, "a record read differs from its bytes");
+    assert!(parsed.state == COMPLETED || parsed.payload.is_empty());
+    assert_eq!(owner(&record), Some(&parsed.owner[..]));
+    let needed = head_len(data).expect("a record has a head");
+    let head = parse_head_at(&record.slice(..needed), UNIX_EPOCH).expect("its head reads");
+    assert_eq!(
+        (head.state, &head.owner, head.time_left),
+        (parsed.state, &parsed.owner, parsed.time_left)
+    );
+    let fixed = needed + 32;
+    for cut in 0..data.len() {
+        match parse_at(&record.slice(..cut), UNIX_EPOCH) {
+            Err(_) => assert!(cut < fixed, "a record cut at {cut} of {} not read", data.len()),
+            Ok(shorter) => {
+                assert!(cut >= fixed && parsed.state == COMPLETED);
+                assert_eq!(
+                    (
+                        shorter.state,
+                        &shorter.owner,
+                        shorter.fingerprint,
+                        shorter.time_left
+                    ),
+                    (parsed.state, &parsed.owner, parsed.fingerprint, parsed.time_left)
+                );
+                assert_eq!(shorter.payload, parsed.payload.slice(..cut - fixed));
+            }
+        }
+    }
+    (parsed.state == COMPLETED).then_some(parsed.payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn at(millis: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(millis)
+    }
+
+    /// A completed record as the completion script leaves it: the in-flight record with its
+    /// state and deadline rewritten after the head (`SETRANGE`), the payload appended.
+    fn completed_until(
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        deadline: SystemTime,
+        payload: &[u8],
+    ) -> Bytes {
+        let mut record = in_flight_until(owner, fingerprint, at(0)).unwrap().to_vec();
+        let head = head(owner).unwrap().len();
+        record[head..head + 9].copy_from_slice(&state_at(COMPLETED, deadline));
+        record.extend_from_slice(payload);
+        record.into()
+    }
+
+    // Today's layout (RECORD_VERSION 2), byte for byte: the next release must read these.
+    const OWNER: &str = "0123456789abcdef0123456789abcdef-2a@1764115200000";
+    const FINGERPRINT: [u8; 32] = *b"\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f";
+    /// Claimed by `OWNER`, its lease ending at 1 764 115 230 000 ms (30 s after the claim).
+    const IN_FLIGHT_V2: &[u8] = b"TIR\x02\x00\x310123456789abcdef0123456789abcdef-2a@1764115200000\
+        F\x00\x00\x01\x9a\xbd\x76\x2d\x30\
+        \x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f";
+    /// The same record completed, kept until 1 764 201 600 000 ms, its payload a stored
+    /// response (layout 2: 201, `content-type: application/json`, body `{"id":"pay_1"}`).
+    const COMPLETED_V2: &[u8] = b"TIR\x02\x00\x310123456789abcdef0123456789abcdef-2a@1764115200000\
+        C\x00\x00\x01\x9a\xc2\x9c\x14\x00\
+        \x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\
+        TIR\x02R\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json\
+        \x00\x00\x00\x00\x00\x00\x00\x0e{\"id\":\"pay_1\"}\x00\x00\x00\x00";
+    const PAYLOAD_AT: usize = 6 + OWNER.len() + 9 + 32;
+
+    /// The upgrade promise (each release reads the previous release's records) starts from
+    /// today's bytes: read field by field, and written back to exactly these bytes. A change of
+    /// the layout (a field moved, resized, or the version byte) fails here, not in production.
+    #[test]
+    fn todays_records_are_pinned_byte_for_byte() {
+        let owner = OwnerToken::from_string(OWNER);
+        let fingerprint = Fingerprint::from_digest(FINGERPRINT);
+        let claimed = at(1_764_115_230_000);
+        let kept = at(1_764_201_600_000);
+
+        let record = parse_at(&Bytes::from_static(IN_FLIGHT_V2), UNIX_EPOCH).unwrap();
+        assert_eq!(record.state, IN_FLIGHT);
+        assert_eq!(&record.owner[..], OWNER.as_bytes());
+        assert_eq!(record.fingerprint, FINGERPRINT);
+        assert_eq!(UNIX_EPOCH + record.time_left, claimed);
+        assert!(record.payload.is_empty());
+        let later = parse_at(&Bytes::from_static(IN_FLIGHT_V2), at(1_764_115_200_000)).unwrap();
+        assert_eq!(
+            later.time_left,
+            Duration::from_secs(30),
+            "the lease left, counted from now"
+        );
+        assert_eq!(
+            &in_flight_until(&owner, &fingerprint, claimed).unwrap()[..],
+            IN_FLIGHT_V2
+        );
+
+        let record = parse_at(&Bytes::from_static(COMPLETED_V2), UNIX_EPOCH).unwrap();
+        assert_eq!(record.state, COMPLETED);
+        assert_eq!(&record.owner[..], OWNER.as_bytes());
+        assert_eq!(record.fingerprint, FINGERPRINT);
+        assert_eq!(UNIX_EPOCH + record.time_left, kept);
+        assert_eq!(&record.payload[..], &COMPLETED_V2[PAYLOAD_AT..]);
+        // What the completion script is sent (head, then state and deadline), and what it makes.
+        assert_eq!(&head(&owner).unwrap()[..], &COMPLETED_V2[..6 + OWNER.len()]);
+        assert_eq!(
+            &state_at(COMPLETED, kept)[..],
+            &COMPLETED_V2[6 + OWNER.len()..6 + OWNER.len() + 9]
+        );
+        let completed = completed_until(&owner, &fingerprint, kept, &COMPLETED_V2[PAYLOAD_AT..]);
+        assert_eq!(&completed[..], COMPLETED_V2);
+
+        let head = parse_head_at(
+            &Bytes::from_static(&IN_FLIGHT_V2[..head_len(IN_FLIGHT_V2).unwrap()]),
+            UNIX_EPOCH,
+        )
+        .unwrap();
+        assert_eq!((head.state, &head.owner[..]), (IN_FLIGHT, OWNER.as_bytes()));
+        assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V2)), None);
+        assert_eq!(
+            super::owner(&Bytes::from_static(COMPLETED_V2)),
+            Some(OWNER.as_bytes())
+        );
+        check(IN_FLIGHT_V2);
+        assert_eq!(check(COMPLETED_V2).as_deref(), Some(&COMPLETED_V2[PAYLOAD_AT..]));
+    }
+
+    /// A sign is not a hex digit: `u8::from_str_radix` took `+f` for `0f`, so a key name
+    /// that is no record's (`…:{+f+f…}`) was listed, and purged, as the record `0f0f…`.
+    #[test]
+    fn a_digest_in_hex_has_no_signs() {
+        assert_eq!(digest_from_hex("+f".repeat(32).as_bytes()), None);
+        assert_eq!(digest_from_hex("0f".repeat(32).as_bytes()), Some([0x0f; 32]));
+        check("+f".repeat(32).as_bytes());
+    }
+
+    /// An owner token of any length the head holds, any text.
+    fn owners() -> impl Strategy<Value = OwnerToken> {
+        prop_oneof![
+            "[0-9a-f]{32}-[0-9a-f]{1,16}@[0-9]{1,20}",
+            any::<String>(),
+            ".{0,300}",
+        ]
+        .prop_map(OwnerToken::from_string)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Encode then read gives back every field, the deadline to the millisecond; the
+        /// record is exactly its fields' bytes, and reads the same from its head alone.
+        #[test]
+        fn records_round_trip(
+            owner in owners(),
+            fingerprint in any::<[u8; 32]>(),
+            deadline in any::<u64>(),
+            payload in proptest::collection::vec(any::<u8>(), 0..200),
+            completed in any::<bool>(),
+        ) {
+            let fingerprint = Fingerprint::from_digest(fingerprint);
+            let record = if completed {
+                completed_until(&owner, &fingerprint, at(deadline), &payload)
+            } else {
+                in_flight_until(&owner, &fingerprint, at(deadline)).unwrap()
+            };
+            let read = parse_at(&record, UNIX_EPOCH).unwrap();
+            prop_assert_eq!(read.state, if completed { COMPLETED } else { IN_FLIGHT });
+            prop_assert_eq!(&read.owner[..], owner.as_str().as_bytes());
+            prop_assert_eq!(&read.fingerprint, fingerprint.as_bytes());
+            prop_assert_eq!(read.time_left, Duration::from_millis(deadline));
+            let expected: &[u8] = if completed { &payload } else { &[] };
+            prop_assert_eq!(&read.payload[..], expected);
+            prop_assert_eq!(super::owner(&record), Some(owner.as_str().as_bytes()));
+            prop_assert_eq!(newer_version(&record), None);
+            check(&record);
+        }
+
+        /// A record cut anywhere before its payload, or of another version, magic or state, is
+        /// an error, never read; one of a newer version is recognised as such.
+        #[test]
+        fn truncated_or_foreign_records_are_errors(
+            owner in owners(),
+            cut in any::<prop::sample::Index>(),
+            version in any::<u8>(),
+            state in any::<u8>(),
+            magic in any::<[u8; 3]>(),
+        ) {
+            let record = in_flight_until(&owner, &Fingerprint::from_digest([7; 32]), at(5)).unwrap();
+            prop_assert!(parse(&record.slice(..cut.index(record.len()))).is_err());
+            let mut other = record.to_vec();
+            other[3] = version;
+            let other = Bytes::from(other);
+            prop_assert_eq!(parse(&other).is_ok(), u32::from(version) == RECORD_VERSION);
+            prop_assert_eq!(newer_version(&other).is_some(), u32::from(version) > RECORD_VERSION);
+            let mut other = record.to_vec();
+            other[6 + owner.as_str().len()] = state;
+            prop_assert_eq!(parse(&Bytes::from(other)).is_ok(), state == IN_FLIGHT || state == COMPLETED);
+            let mut other = record.to_vec();
+            other[..3].copy_from_slice(&magic);
+            prop_assert_eq!(parse(&Bytes::from(other)).is_ok(), &magic == MAGIC);
+        }
+
+        /// A bit flipped anywhere in a completed record (its stored response included) never
+        /// panics, and whatever still reads is exactly the bytes it was read from (the fuzz
+        /// check): a flipped body byte replays as stored, nothing is skipped or guessed. A
+        /// flip in the magic, version, owner length or state makes the record unreadable.
+        #[test]
+        fn bit_flips_are_errors_or_read_exactly(owner in "[a-z0-9@-]{0,60}", flip in any::<prop::sample::Index>(), bit in 0..8u8) {
+            let owner = OwnerToken::from_string(owner);
+            let mut record = completed_until(&owner, &Fingerprint::from_digest([9; 32]), at(77), &COMPLETED_V2[PAYLOAD_AT..]).to_vec();
+            let at = flip.index(record.len());
+            record[at] ^= 1 << bit;
+            let structural = at < 6 || at == 6 + owner.as_str().len();
+            if structural {
+                prop_assert!(parse(&Bytes::from(record.clone())).is_err(), "flip at {}", at);
+            }
+            if let Some(payload) = check(&record) {
+                crate::http::stored::check(&payload);
+            }
+        }
+
+        /// Any bytes at all: the fuzz target's check (no panic; exact when read; truncation
+        /// never reads other fields).
+        #[test]
+        fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..120)) {
+            check(&data);
+            let mut record = IN_FLIGHT_V2.to_vec();
+            record.extend_from_slice(&data);
+            check(&record);
+        }
+
+        /// A digest in hex reads back to the same hex, in either case; anything else is none.
+        #[test]
+        fn digests_in_hex_round_trip(digest in any::<[u8; 32]>(), upper in any::<bool>(), junk in "[^0-9a-fA-F]{1,2}", at in 0..63usize) {
+            let hex = crate::key::hex(&digest);
+            let hex = if upper { hex.to_ascii_uppercase() } else { hex };
+            prop_assert_eq!(digest_from_hex(hex.as_bytes()), Some(digest));
+            let mut bad = hex.into_bytes();
+            let junk = junk.as_bytes();
+            let end = (at + junk.len()).min(64);
+            bad.splice(at..end, junk[..end - at].iter().copied());
+            if bad.len() == 64 {
+                prop_assert_eq!(digest_from_hex(&bad), None, "{:?}", String::from_utf8_lossy(&bad));
+            }
+            check(&bad);
+        }
+    }
 }

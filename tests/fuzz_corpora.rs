@@ -1,0 +1,54 @@
+//! Every checked-in fuzz input (`fuzz/corpus/<target>/`: the seeds, and the input of each bug
+//! fixed, named `fixed-*`) run through its target's check on stable, so CI, which has no
+//! nightly, keeps each fixed bug fixed. The checks are the fuzz targets' own
+//! (`tower_idempotency::__fuzz`, crate feature `fuzzing`); `scripts/fuzz.sh` runs the fuzzers.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+
+use tower_idempotency::__fuzz;
+
+/// A target's check: panics where a property fails.
+type Check = fn(&[u8]);
+
+const TARGETS: [(&str, Check); 6] = [
+    ("key", __fuzz::key),
+    ("redis_record", __fuzz::redis_record),
+    ("stored_response", __fuzz::stored_response),
+    ("prefer", __fuzz::prefer),
+    ("fingerprint", __fuzz::fingerprint),
+    ("policy", __fuzz::policy),
+];
+
+#[test]
+fn every_checked_in_fuzz_input_passes_its_target() {
+    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    if !fuzz.join("Cargo.toml").exists() {
+        // The published package leaves fuzz/ out (Cargo.toml's `include`); the repository has it.
+        eprintln!("no fuzz/ beside this crate (a packaged copy): no corpora to run");
+        return;
+    }
+    let targets = std::fs::read_dir(fuzz.join("fuzz_targets"))
+        .expect("fuzz/fuzz_targets")
+        .map(|entry| entry.expect("a target").path())
+        .filter_map(|path| Some(path.file_stem()?.to_str()?.to_owned()))
+        .collect::<std::collections::BTreeSet<_>>();
+    let named = TARGETS.iter().map(|(name, _)| name.to_string()).collect();
+    assert_eq!(targets, named, "every fuzz target's corpus is run here");
+    let mut failed = Vec::new();
+    for (target, check) in TARGETS {
+        let dir = fuzz.join("corpus").join(target);
+        let inputs: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|entry| entry.expect("an input").path())
+            .collect();
+        assert!(!inputs.is_empty(), "{} holds no input", dir.display());
+        for input in inputs {
+            let data = std::fs::read(&input).expect("readable");
+            if catch_unwind(AssertUnwindSafe(|| check(&data))).is_err() {
+                failed.push(input.display().to_string());
+            }
+        }
+    }
+    assert!(failed.is_empty(), "inputs that fail their target: {failed:#?}");
+}
