@@ -513,6 +513,20 @@ impl System {
         };
     }
 
+    /// Server `s` releases its claim (`token`) on the primary and tells `client` to retry; the
+    /// release call it made.
+    fn release(&self, state: &mut State, s: u8, client: u8, token: Token) -> Call {
+        let record = state.servers[usize::from(s)].record;
+        let answer = (state.primary).release(self.config.slot(record), token, self.config.mutation);
+        self.answer(state, s, client, None, false);
+        state.servers[usize::from(s)].phase = Phase::Idle;
+        Call::Release {
+            record,
+            owner: token,
+            answer,
+        }
+    }
+
     /// The state after `action`, and the store call it made on the primary, if any.
     pub fn step(&self, last: &State, action: Action) -> (State, Option<Call>) {
         let c = &self.config;
@@ -565,15 +579,7 @@ impl System {
             }
             Action::ClaimNotAcked { server: s } => {
                 if let Phase::AwaitClaimAck { client, token } = state.servers[usize::from(s)].phase {
-                    let slot = c.slot(state.servers[usize::from(s)].record);
-                    let answer = state.primary.release(slot, token, mutation);
-                    call = Some(Call::Release {
-                        record: state.servers[usize::from(s)].record,
-                        owner: token,
-                        answer,
-                    });
-                    self.answer(&mut state, s, client, None, false);
-                    state.servers[usize::from(s)].phase = Phase::Idle;
+                    call = Some(self.release(&mut state, s, client, token));
                 }
             }
             Action::Renew { server: s } => {
@@ -610,15 +616,7 @@ impl System {
             Action::Fail { server: s } => {
                 if let Phase::Claimed { client, token, .. } = state.servers[usize::from(s)].phase {
                     state.budget.failures -= 1;
-                    let slot = c.slot(state.servers[usize::from(s)].record);
-                    let answer = state.primary.release(slot, token, mutation);
-                    call = Some(Call::Release {
-                        record: state.servers[usize::from(s)].record,
-                        owner: token,
-                        answer,
-                    });
-                    self.answer(&mut state, s, client, None, false);
-                    state.servers[usize::from(s)].phase = Phase::Idle;
+                    call = Some(self.release(&mut state, s, client, token));
                 }
             }
             Action::Complete { server: s } => {
