@@ -9,10 +9,13 @@ use fred::interfaces::ClientLike;
 use fred::types::Value;
 
 use super::coalesce::{ScriptCall, ScriptText};
+use super::commands::{CompletionCall, COMPARE_AGAIN};
 use super::connection::{unavailable, worth_retrying};
+use super::native::{self, Found};
+use super::notices::settled_channel;
 use super::record;
 use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, Waiter};
-use super::scripts::{as_flag, into_bytes, millis, COMPLETE, RELEASE, RENEW};
+use super::scripts::{as_flag, into_bytes, lease_millis, millis, COMPLETE, RELEASE, RENEW};
 use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
@@ -36,7 +39,7 @@ impl RedisStore {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
-        let answer = self.set_if_absent(&client, key, fresh, lease).await?;
+        let answer = self.set_if_absent(&client, key, fresh.clone(), lease).await?;
         if answer != Value::Null {
             let existing = into_bytes(answer)
                 .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?;
@@ -46,9 +49,11 @@ impl RedisStore {
             }
             // This claim, re-sent after a dropped connection: it was written on another
             // connection, and WAIT counts only this one's writes. Renewing it here writes it again.
+            let head = record::head(owner)?;
+            let state = record::state_until(record::IN_FLIGHT, lease);
             let args = [
-                Value::Bytes(record::head(owner)?),
-                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                Value::Bytes(head.clone()),
+                Value::Bytes(state.clone()),
                 millis(lease),
             ];
             if !as_flag("renew", self.run_on(&client, &RENEW, key, &args).await?)? {
@@ -56,6 +61,10 @@ impl RedisStore {
                     "the claim expired while it was re-sent; retry".into(),
                 ));
             }
+            self.native.hold(existing, lease);
+            self.native.renewed(&head, Some(&state), lease);
+        } else {
+            self.native.hold(fresh, lease);
         }
         let error = match waiter.wait(&client, &self.redis_key(key)).await {
             Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
@@ -64,8 +73,9 @@ impl RedisStore {
         };
         // Nobody may run on a claim a failover can lose. The release follows the claim to the
         // replicas; the coordinator also queues one, in case this one fails.
-        let head = Value::Bytes(record::head(owner)?);
-        if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[head]).await {
+        let head = record::head(owner)?;
+        self.native.forget(&head);
+        if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[Value::Bytes(head)]).await {
             tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
         }
         tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
@@ -91,7 +101,7 @@ impl RedisStore {
         waiter: &Arc<Waiter>,
         key: &RecordKey,
         owner: &OwnerToken,
-        args: Vec<Value>,
+        call: CompletionCall,
     ) -> Result<bool, StoreError> {
         let Some(owned) = waiter.own_completion(key, owner) else {
             tracing::debug!(
@@ -106,17 +116,14 @@ impl RedisStore {
         let hook = reconciliation::in_force().map(|hook| (hook, owner.clone()));
         let completing = async move {
             let _owned = owned;
-            let payload = match args.get(2) {
-                Some(Value::Bytes(payload)) => Some(payload.clone()),
-                _ => None,
-            };
+            let payload = Some(call.payload.clone());
             let tell = |kind: ReconciliationKind| match &hook {
                 Some((hook, owner)) => {
                     reconciliation::report(Some(hook), kind, &record, owner, payload.as_ref())
                 }
                 None => crate::telemetry::reconciliation(kind.event_kind(), None),
             };
-            let first = store.complete_once_acknowledged(&waiter, &record, &args).await;
+            let first = store.complete_once_acknowledged(&waiter, &record, &call).await;
             let retry = match &first {
                 Ok(Completion::NotAcknowledged(_)) => true,
                 Ok(Completion::Durable | Completion::Lost) => false,
@@ -141,7 +148,7 @@ impl RedisStore {
             }
             if retry {
                 let retry_for = waiter.acks.retry_for();
-                let attempt = || store.complete_once_acknowledged(&waiter, &record, &args);
+                let attempt = || store.complete_once_acknowledged(&waiter, &record, &call);
                 match keep_completing(&record, retry_for, attempt).await {
                     None => {}
                     Some(GaveUp::Lost) => tell(ReconciliationKind::LostBeforeReplicated),
@@ -174,11 +181,11 @@ impl RedisStore {
         &self,
         waiter: &Waiter,
         key: &RecordKey,
-        args: &[Value],
+        call: &CompletionCall,
     ) -> Result<Completion, StoreError> {
         self.after_failover().await;
         let client = waiter.acquire().await;
-        let (completed, acked) = self.complete_then_wait(waiter, &client, key, args).await?;
+        let (completed, acked) = self.complete_then_wait(waiter, &client, key, call).await?;
         if !as_flag("complete", completed)? {
             return Ok(Completion::Lost);
         }
@@ -196,6 +203,26 @@ impl RedisStore {
     /// replicas lag.) The pipeline is bounded by its first command's timeout, set to the wait's.
     /// Answers the script's answer, and what the WAIT said.
     pub(super) async fn complete_then_wait(
+        &self,
+        waiter: &Waiter,
+        client: &Client,
+        key: &RecordKey,
+        call: &CompletionCall,
+    ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
+        if let Some(done) = self
+            .complete_then_wait_natively(waiter, client, key, call)
+            .await?
+        {
+            return Ok(done);
+        }
+        let done = self
+            .complete_then_wait_scripted(waiter, client, key, &call.script_args())
+            .await;
+        self.native.forget(&call.head);
+        done
+    }
+
+    async fn complete_then_wait_scripted(
         &self,
         waiter: &Waiter,
         client: &Client,
@@ -239,5 +266,85 @@ impl RedisStore {
                 Ok((completed, acked))
             }
         }
+    }
+
+    /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` and the
+    /// WAIT, in one round trip; `None` where the script is to do it (see `native`). A record
+    /// this owner completed already (an attempt whose answer was lost, or that went over
+    /// another connection) is written again with its retention restarted, as complete.lua
+    /// writes it again: WAIT counts this connection's writes only.
+    async fn complete_then_wait_natively(
+        &self,
+        waiter: &Waiter,
+        client: &Client,
+        key: &RecordKey,
+        call: &CompletionCall,
+    ) -> Result<Option<(Value, Result<Acked, StoreError>)>, StoreError> {
+        let Some(mut expected) = self.native.held(&call.head) else {
+            return Ok(None);
+        };
+        let redis_key = self.redis_key(key);
+        let (head, ms, options) = (&call.head, lease_millis(call.retention), waiter.wait_options());
+        let acked = |waited: Option<Result<Value, fred::error::Error>>| match waited {
+            Some(waited) => waited
+                .map_err(unavailable)
+                .and_then(|answer| waiter.acked(answer)),
+            None => Err(StoreError::Corrupt("no answer to WAIT".into())),
+        };
+        for _ in 0..=COMPARE_AGAIN {
+            let written = native::rewritten(&expected, head.len(), &call.state, &call.payload);
+            let after = vec![
+                native::publish_settled(&settled_channel(&redis_key)),
+                waiter.wait_command(&redis_key),
+            ];
+            let answer = self
+                .compare_and_set(
+                    client,
+                    options,
+                    &redis_key,
+                    native::Swap {
+                        written: written.clone(),
+                        expected: expected.clone(),
+                        ms,
+                    },
+                    after,
+                )
+                .await?;
+            let Some((found, mut answers)) = answer else {
+                return Ok(None);
+            };
+            let outcome = match native::found(found.as_ref(), head, &expected, &written) {
+                Found::Written => (Value::Integer(1), acked(answers.pop())),
+                Found::OursInFlight(current) => {
+                    expected = current;
+                    continue;
+                }
+                Found::OursCompleted(current) => {
+                    let again = native::restarted(&current, head.len(), &call.state);
+                    let after = vec![waiter.wait_command(&redis_key)];
+                    let answer = self
+                        .compare_and_set(
+                            client,
+                            options,
+                            &redis_key,
+                            native::Swap {
+                                written: again,
+                                expected: current,
+                                ms,
+                            },
+                            after,
+                        )
+                        .await?;
+                    let Some((_, mut answers)) = answer else {
+                        return Ok(None);
+                    };
+                    (Value::Integer(1), acked(answers.pop()))
+                }
+                Found::Lost => (Value::Integer(0), acked(answers.pop())),
+            };
+            self.native.forget(head);
+            return Ok(Some(outcome));
+        }
+        Ok(None)
     }
 }

@@ -1,6 +1,7 @@
 //! The store's commands: the claim as one native `SET … NX GET`, the owner-checked transitions
-//! as scripts (EVALSHA, reloaded on NOSCRIPT), what their answers mean, and the [`Store`]
-//! implementation built on them.
+//! as compare-and-set commands where the server has them (`native`) and as scripts elsewhere
+//! (EVALSHA, reloaded on NOSCRIPT), what their answers mean, and the [`Store`] implementation
+//! built on them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,10 +9,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{Command, ScriptCall, ScriptText};
 use super::connection::store_reconnect_policy;
+use super::native::{self, Found};
 use super::notices::{settled_channel, Notices};
 use super::record::{self, digest_from_hex};
 use super::scripts::{
@@ -181,12 +184,20 @@ impl Store for RedisStore {
             let epoch = self.cache.as_deref().map(ReplayCache::epoch);
             let fresh = record::in_flight(owner, fingerprint, lease)?;
             let client = self.connection.client();
-            let existing = match self.set_if_absent(client, key, fresh, lease).await? {
-                Value::Null => return Ok(ClaimOutcome::Claimed),
+            let existing = match self.set_if_absent(client, key, fresh.clone(), lease).await? {
+                Value::Null => {
+                    self.native.hold(fresh, lease);
+                    return Ok(ClaimOutcome::Claimed);
+                }
                 value => into_bytes(value)
                     .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
             };
-            self.found(key, &existing, fingerprint, Some(owner), lease, epoch)
+            let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
+            if outcome == ClaimOutcome::Claimed {
+                // This claim, re-sent: the record is the one the first copy wrote.
+                self.native.hold(existing, lease);
+            }
+            Ok(outcome)
         })
     }
 
@@ -234,19 +245,24 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let args = [
-                Value::Bytes(record::head(owner)?),
-                Value::Bytes(record::state_until(record::COMPLETED, retention)),
-                Value::Bytes(payload),
-                millis(retention),
-            ];
+            let completion = CompletionCall {
+                head: record::head(owner)?,
+                state: record::state_until(record::COMPLETED, retention),
+                payload,
+                retention,
+            };
             match &self.acks {
                 None => {
                     self.after_failover().await;
-                    as_flag("complete", self.run(&COMPLETE, key, &args).await?)
+                    if let Some(done) = self.complete_natively(key, &completion).await? {
+                        return Ok(done);
+                    }
+                    let completed = self.run(&COMPLETE, key, &completion.script_args()).await;
+                    self.native.forget(&completion.head);
+                    as_flag("complete", completed?)
                 }
                 Some(waiter) => {
-                    let acknowledged = self.complete_acknowledged(waiter, key, owner, args.to_vec());
+                    let acknowledged = self.complete_acknowledged(waiter, key, owner, completion);
                     Box::pin(acknowledged).await
                 }
             }
@@ -255,9 +271,14 @@ impl Store for RedisStore {
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = Value::Bytes(record::head(owner)?);
+            let head = record::head(owner)?;
             self.after_failover().await;
-            as_flag("release", self.run(&RELEASE, key, &[head]).await?)
+            if let Some(true) = self.release_natively(key, &head).await? {
+                return Ok(true);
+            }
+            let released = self.run(&RELEASE, key, &[Value::Bytes(head.clone())]).await;
+            self.native.forget(&head);
+            as_flag("release", released?)
         })
     }
 
@@ -268,13 +289,20 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
+            let head = record::head(owner)?;
+            let state = record::state_until(record::IN_FLIGHT, lease);
+            self.after_failover().await;
+            if let Some(renewed) = self.renew_natively(key, &head, &state, lease).await? {
+                return Ok(renewed);
+            }
             let args = [
-                Value::Bytes(record::head(owner)?),
-                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+                Value::Bytes(head.clone()),
+                Value::Bytes(state.clone()),
                 millis(lease),
             ];
-            self.after_failover().await;
-            as_flag("renew", self.run(&RENEW, key, &args).await?)
+            let renewed = as_flag("renew", self.run(&RENEW, key, &args).await?)?;
+            self.native.renewed(&head, renewed.then_some(&state), lease);
+            Ok(renewed)
         })
     }
 
@@ -391,6 +419,213 @@ impl Store for RedisStore {
             fence.until_lowered().await;
             Ok(())
         }))
+    }
+}
+
+/// A completion's parts: what the script takes as arguments, and what a native completion
+/// builds its record from.
+pub(super) struct CompletionCall {
+    /// The owner's head (magic, version, owner).
+    pub(super) head: Bytes,
+    /// `'C'` and the retention's deadline.
+    pub(super) state: Bytes,
+    pub(super) payload: Bytes,
+    pub(super) retention: Duration,
+}
+
+impl CompletionCall {
+    /// complete.lua's arguments for this record.
+    pub(super) fn script_args(&self) -> [Value; 4] {
+        [
+            Value::Bytes(self.head.clone()),
+            Value::Bytes(self.state.clone()),
+            Value::Bytes(self.payload.clone()),
+            millis(self.retention),
+        ]
+    }
+}
+
+/// How many times a compare-and-set is made again with the record it found, while that is
+/// still the owner's in flight but not the one remembered, before the script decides.
+pub(super) const COMPARE_AGAIN: usize = 2;
+
+/// The owner-checked transitions as compare-and-set commands (see `native`). Each answers
+/// `None` where the script is to make the call instead: the server has no such command, refused
+/// it, or this process does not remember the claim's record.
+impl RedisStore {
+    /// `SET key <written> IFEQ <expected> PX <ms> GET`, and `after` in the same round trip (one
+    /// write of a pipeline). Answers what the `SET` found and the answers of `after`; `None` if
+    /// the server refused the command (it wrote nothing). A key holding something other than a
+    /// string is a lost claim, as the scripts answer it.
+    pub(super) async fn compare_and_set(
+        &self,
+        client: &Client,
+        options: &Options,
+        redis_key: &str,
+        swap: native::Swap,
+        after: Vec<(CustomCommand, Vec<Value>)>,
+    ) -> Result<Option<(Option<Bytes>, Vec<Result<Value, fred::error::Error>>)>, StoreError> {
+        let (set, args) = swap.command(Value::from(redis_key));
+        let pipeline = client.pipeline();
+        let queued: Result<(), _> = pipeline.with_options(options).custom(set, args).await;
+        queued.map_err(|e| self.failed(e))?;
+        for (command, args) in after {
+            let queued: Result<(), _> = pipeline.custom(command, args).await;
+            queued.map_err(|e| self.failed(e))?;
+        }
+        let mut answers = pipeline.try_all::<Value>().await.into_iter();
+        let found = match answers.next() {
+            Some(Ok(Value::Null)) => None,
+            Some(Ok(value)) => Some(
+                into_bytes(value)
+                    .ok_or_else(|| StoreError::Corrupt("unexpected answer to SET IFEQ".into()))?,
+            ),
+            Some(Err(error)) if self.native.refused(&error) => return Ok(None),
+            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => None,
+            Some(Err(error)) => return Err(self.failed(error)),
+            None => return Err(StoreError::Corrupt("no answer to SET IFEQ".into())),
+        };
+        Ok(Some((found, answers.collect())))
+    }
+
+    /// `complete.lua` as `SET … IFEQ` and `SPUBLISH` (the waiters' notice) in one round trip.
+    /// The notice goes whether or not the record was written: a waiter woken for nothing looks
+    /// again and waits again.
+    async fn complete_natively(
+        &self,
+        key: &RecordKey,
+        completion: &CompletionCall,
+    ) -> Result<Option<bool>, StoreError> {
+        let Some(mut expected) = self.native.held(&completion.head) else {
+            return Ok(None);
+        };
+        let client = self.connection.client();
+        let redis_key = self.redis_key(key);
+        let ms = lease_millis(completion.retention);
+        let head = &completion.head;
+        for _ in 0..=COMPARE_AGAIN {
+            let written = native::rewritten(&expected, head.len(), &completion.state, &completion.payload);
+            let notice = native::publish_settled(&settled_channel(&redis_key));
+            let answer = self
+                .compare_and_set(
+                    client,
+                    &self.options,
+                    &redis_key,
+                    native::Swap {
+                        written: written.clone(),
+                        expected: expected.clone(),
+                        ms,
+                    },
+                    vec![notice],
+                )
+                .await?;
+            let Some((found, _)) = answer else { return Ok(None) };
+            match native::found(found.as_ref(), head, &expected, &written) {
+                Found::Written => {}
+                Found::OursInFlight(current) => {
+                    expected = current;
+                    continue;
+                }
+                Found::OursCompleted(current) => {
+                    // Completed by this owner already (an attempt whose answer was lost): the
+                    // retention starts again, as complete.lua restarts it.
+                    let again = native::restarted(&current, head.len(), &completion.state);
+                    self.compare_and_set(
+                        client,
+                        &self.options,
+                        &redis_key,
+                        native::Swap {
+                            written: again,
+                            expected: current,
+                            ms,
+                        },
+                        Vec::new(),
+                    )
+                    .await?;
+                }
+                Found::Lost => {
+                    self.native.forget(head);
+                    return Ok(Some(false));
+                }
+            }
+            self.native.forget(head);
+            return Ok(Some(true));
+        }
+        Ok(None)
+    }
+
+    /// `renew.lua` as `SET … IFEQ`.
+    async fn renew_natively(
+        &self,
+        key: &RecordKey,
+        head: &Bytes,
+        state: &Bytes,
+        lease: Duration,
+    ) -> Result<Option<bool>, StoreError> {
+        let Some(mut expected) = self.native.held(head) else {
+            return Ok(None);
+        };
+        let client = self.connection.client();
+        let redis_key = self.redis_key(key);
+        for _ in 0..=COMPARE_AGAIN {
+            let written = native::rewritten(&expected, head.len(), state, b"");
+            let answer = self
+                .compare_and_set(
+                    client,
+                    &self.options,
+                    &redis_key,
+                    native::Swap {
+                        written: written.clone(),
+                        expected: expected.clone(),
+                        ms: lease_millis(lease),
+                    },
+                    Vec::new(),
+                )
+                .await?;
+            let Some((found, _)) = answer else { return Ok(None) };
+            match native::found(found.as_ref(), head, &expected, &written) {
+                Found::Written => {
+                    self.native.hold(written, lease);
+                    return Ok(Some(true));
+                }
+                Found::OursInFlight(current) => expected = current,
+                Found::OursCompleted(_) | Found::Lost => {
+                    self.native.forget(head);
+                    return Ok(Some(false));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// `release.lua` as `DELEX … IFEQ` (Redis) or `DELIFEQ` (Valkey 9), and `SPUBLISH`, in one
+    /// round trip. Answers `Some(true)` when it deleted the record; anything else is the
+    /// script's to decide (the record may be this owner's with another deadline than the one
+    /// remembered), one round trip more on a path that is rare already.
+    async fn release_natively(&self, key: &RecordKey, head: &Bytes) -> Result<Option<bool>, StoreError> {
+        let (Some(deleter), Some(expected)) = (self.native.deleter(), self.native.held(head)) else {
+            return Ok(None);
+        };
+        let client = self.connection.client();
+        let redis_key = self.redis_key(key);
+        let (delete, args) = deleter.command(Value::from(redis_key.as_str()), expected);
+        let (notice, notice_args) = native::publish_settled(&settled_channel(&redis_key));
+        let pipeline = client.pipeline();
+        let queued: Result<(), _> = pipeline.with_options(&self.options).custom(delete, args).await;
+        queued.map_err(|e| self.failed(e))?;
+        let queued: Result<(), _> = pipeline.custom(notice, notice_args).await;
+        queued.map_err(|e| self.failed(e))?;
+        match pipeline.try_all::<Value>().await.into_iter().next() {
+            Some(Ok(deleted)) if deleted.as_i64() == Some(1) => {
+                self.native.forget(head);
+                Ok(Some(true))
+            }
+            Some(Ok(_)) => Ok(None),
+            Some(Err(error)) if self.native.refused(&error) => Ok(None),
+            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => Ok(None),
+            Some(Err(error)) => Err(self.failed(error)),
+            None => Err(StoreError::Corrupt("no answer to a conditional delete".into())),
+        }
     }
 }
 

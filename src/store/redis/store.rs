@@ -17,6 +17,7 @@ use super::connection::{
     Connection, Quit,
 };
 use super::liveness::{self, Heartbeat, Pace, Watched};
+use super::native::Native;
 use super::notices::Notices;
 use super::replica_acks::{ReplicaAcks, Waiter};
 use super::scripts::{COMPLETE, INSPECT, PURGE, RELEASE, RENEW};
@@ -81,6 +82,9 @@ pub struct RedisStore {
     pub(super) heartbeat: Arc<OnceLock<Heartbeat>>,
     /// How often every heartbeat of the store pings ([`with_heartbeat`](RedisStore::with_heartbeat)).
     pub(super) pace: Arc<Pace>,
+    /// The compare-and-set commands the server has, and the records of the claims held
+    /// ([`with_native_transitions`](RedisStore::with_native_transitions)).
+    pub(super) native: Arc<Native>,
 }
 
 /// The task that feeds a replay cache its invalidations, and its subscriber connection; both
@@ -170,6 +174,7 @@ impl RedisStore {
             coalescer: Arc::default(),
             heartbeat: Arc::default(),
             pace,
+            native: Arc::new(Native::new(true)),
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             store.keep_alive();
@@ -183,6 +188,7 @@ impl RedisStore {
             let clients = self.connection.clients().to_vec();
             Heartbeat::start(Role::Commands, Watched::Shared(clients), self.pace.clone())
         });
+        self.native.start(self.connection.clients());
     }
 
     /// Sets TCP keepalive and, on Linux, `TCP_USER_TIMEOUT` on a fred connection config: what
@@ -388,7 +394,8 @@ impl RedisStore {
                 None
             }
         };
-        let mut store = Self::with_connection(Connection::Client(client), pace);
+        let mut store = Self::with_connection(Connection::Client(client.clone()), pace);
+        store.native.detect_now(&client).await;
         store.switch_watch = switch_watch;
         store._own_client = Some(own_client);
         Ok(store)
@@ -424,6 +431,32 @@ impl RedisStore {
              to the prefix they were made with; call with_prefix first"
         );
         self.prefix = Arc::from(prefix);
+        self
+    }
+
+    /// Whether the owner-checked transitions (complete, release, renew) use the server's
+    /// compare-and-set commands where it has them (default: `true`), or always the Lua scripts.
+    ///
+    /// Redis 8.4 and later (`SET … IFEQ`, `DELEX … IFEQ`) and Valkey 8.1 and later (`SET … IFEQ`;
+    /// `DELIFEQ` from 9.0) can make them as native commands, which cost Redis about a quarter of
+    /// the completion script's time; the store asks the server which it has when it starts and
+    /// again after every reconnect (a failover can land on an older server), and uses the
+    /// scripts on servers without them (Redis 7.0–8.2, Valkey before 8.1) and for whatever one
+    /// lacks (Valkey 8.1 releases with the script). Both paths write the same records, so
+    /// instances on either share one Redis. Turn it off to keep every instance on the scripts,
+    /// say to compare the two.
+    ///
+    /// ```no_run
+    /// # use tower_idempotency::RedisStore;
+    /// # async fn run(client: fred::clients::Client) {
+    /// let store = RedisStore::new(client).with_native_transitions(false);
+    /// # }
+    /// ```
+    pub fn with_native_transitions(mut self, enabled: bool) -> Self {
+        self.native = Arc::new(Native::new(enabled));
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.native.start(self.connection.clients());
+        }
         self
     }
 
