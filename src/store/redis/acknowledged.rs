@@ -4,9 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::ClientLike;
-use fred::types::Value;
+use fred::types::config::Options;
+use fred::types::{CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
 use super::commands::{CompletionCall, COMPARE_AGAIN};
@@ -298,7 +300,7 @@ impl RedisStore {
                 waiter.wait_command(&redis_key),
             ];
             let answer = self
-                .compare_and_set(
+                .compare_and_set_then_wait(
                     client,
                     options,
                     &redis_key,
@@ -323,7 +325,7 @@ impl RedisStore {
                     let again = native::restarted(&current, head.len(), &call.state);
                     let after = vec![waiter.wait_command(&redis_key)];
                     let answer = self
-                        .compare_and_set(
+                        .compare_and_set_then_wait(
                             client,
                             options,
                             &redis_key,
@@ -346,5 +348,37 @@ impl RedisStore {
             return Ok(Some(outcome));
         }
         Ok(None)
+    }
+
+    /// `SET key <written> IFEQ <expected> PX <ms> GET`, and `after` (the notice, the WAIT) in
+    /// the same round trip, on `client`'s connection (a pipeline). Answers what the `SET`
+    /// found and the answers of `after`; `None` if the server refused the command (it wrote
+    /// nothing). A key holding something other than a string is a lost claim, as the scripts
+    /// answer it.
+    async fn compare_and_set_then_wait(
+        &self,
+        client: &Client,
+        options: &Options,
+        redis_key: &str,
+        swap: native::Swap,
+        after: Vec<(CustomCommand, Vec<Value>)>,
+    ) -> Result<Option<(Option<Bytes>, Vec<Result<Value, fred::error::Error>>)>, StoreError> {
+        let (set, args) = swap.command(Value::from(redis_key));
+        let pipeline = client.pipeline();
+        let queued: Result<(), _> = pipeline.with_options(options).custom(set, args).await;
+        queued.map_err(|e| self.failed(e))?;
+        for (command, args) in after {
+            let queued: Result<(), _> = pipeline.custom(command, args).await;
+            queued.map_err(|e| self.failed(e))?;
+        }
+        let mut answers = pipeline.try_all::<Value>().await.into_iter();
+        let found = match answers.next() {
+            Some(Ok(answer)) => native::swapped(answer)?,
+            Some(Err(error)) if self.native.refused(&error) => return Ok(None),
+            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => None,
+            Some(Err(error)) => return Err(self.failed(error)),
+            None => return Err(StoreError::Corrupt("no answer to SET IFEQ".into())),
+        };
+        Ok(Some((found, answers.collect())))
     }
 }

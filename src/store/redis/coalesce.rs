@@ -29,7 +29,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::{ClientLike, KeysInterface};
+use fred::interfaces::{ClientLike, KeysInterface, PubsubInterface};
 use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Expiration, Key, SetOptions, Value};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -44,6 +44,15 @@ pub(crate) enum Command {
     Get { key: Key },
     /// A call of one of the crate's scripts on one record.
     Script(ScriptCall),
+    /// A compare-and-set on one record (`SET … IFEQ`, `DELEX`, `DELIFEQ`; see `native`), and
+    /// behind it, on the same connection, `SPUBLISH <notice> ""` for the requests waiting for
+    /// the record. fred writes the first at once (a custom command) and feeds the notice, its
+    /// own `SPUBLISH`, without a flush: the next write carries it, the next compare-and-set of
+    /// the batch, or its own if none follows. Its answer is the compare-and-set's.
+    Native {
+        command: (CustomCommand, Vec<Value>),
+        notice: Option<String>,
+    },
 }
 
 /// How a script call names its script: `EVALSHA` with its SHA-1, or `EVAL` with its source (to
@@ -115,7 +124,7 @@ impl Command {
     fn is_sent_alone(&self, client: &Client) -> bool {
         match self {
             Command::Script(call) => !call.mergeable || client.is_clustered(),
-            Command::SetIfAbsent { .. } | Command::Get { .. } => false,
+            Command::SetIfAbsent { .. } | Command::Get { .. } | Command::Native { .. } => false,
         }
     }
 
@@ -128,6 +137,20 @@ impl Command {
             }
             Command::Get { key } => client.get(key).await,
             Command::Script(call) => client.custom(call.command(), call.args).await,
+            Command::Native { command, notice } => {
+                let (command, args) = command;
+                let changed = client.custom::<Value, Value>(command, args);
+                let Some(channel) = notice else {
+                    return changed.await;
+                };
+                // Polled in this order, so fred queues the notice behind the change.
+                let notice = client.spublish::<Value, _, _>(channel, Value::from_static_str(""));
+                let (changed, notice) = tokio::join!(changed, notice);
+                if let Err(error) = notice {
+                    tracing::debug!(%error, "could not tell the waiting requests of a record's change");
+                }
+                changed
+            }
         }
     }
 }
@@ -296,10 +319,16 @@ struct MergedRecord {
 }
 
 /// The order fred gets a batch in: the commands it feeds without a flush first, so that the
-/// write the first script flushes carries them too; then the mergeable script calls, merged.
+/// write the first compare-and-set or script flushes carries them too; then the compare-and-sets
+/// (each written at once, carrying the notice fed behind the one before); then the mergeable
+/// script calls, merged.
 fn plan(batch: Vec<Job>) -> Vec<Send> {
     let mut sends = Vec::with_capacity(batch.len());
     let mut merged: Vec<Merged> = Vec::new();
+    // Compare-and-sets after the commands fred feeds, which their writes then carry.
+    let (native, batch): (Vec<Job>, Vec<Job>) =
+        (batch.into_iter()).partition(|job| matches!(job.command, Command::Native { .. }));
+    let native = native.into_iter().map(Send::One);
     for job in batch {
         let Job {
             client,
@@ -347,6 +376,7 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             }),
         }
     }
+    sends.extend(native);
     sends.extend(merged.into_iter().map(Send::Merged));
     sends
 }

@@ -9,7 +9,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
-use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{Command, ScriptCall, ScriptText};
@@ -453,39 +452,23 @@ pub(super) const COMPARE_AGAIN: usize = 2;
 /// `None` where the script is to make the call instead: the server has no such command, refused
 /// it, or this process does not remember the claim's record.
 impl RedisStore {
-    /// `SET key <written> IFEQ <expected> PX <ms> GET`, and `after` in the same round trip (one
-    /// write of a pipeline). Answers what the `SET` found and the answers of `after`; `None` if
-    /// the server refused the command (it wrote nothing). A key holding something other than a
-    /// string is a lost claim, as the scripts answer it.
+    /// Sends a compare-and-set (`native`), and behind it the waiters' notice on `notice`, through
+    /// the coalescer. Answers its answer, or `None` if the server refused the command (it wrote
+    /// nothing). A key holding something other than a string answers `nil`: a lost claim, as the
+    /// scripts answer it.
     pub(super) async fn compare_and_set(
         &self,
         client: &Client,
-        options: &Options,
-        redis_key: &str,
-        swap: native::Swap,
-        after: Vec<(CustomCommand, Vec<Value>)>,
-    ) -> Result<Option<(Option<Bytes>, Vec<Result<Value, fred::error::Error>>)>, StoreError> {
-        let (set, args) = swap.command(Value::from(redis_key));
-        let pipeline = client.pipeline();
-        let queued: Result<(), _> = pipeline.with_options(options).custom(set, args).await;
-        queued.map_err(|e| self.failed(e))?;
-        for (command, args) in after {
-            let queued: Result<(), _> = pipeline.custom(command, args).await;
-            queued.map_err(|e| self.failed(e))?;
+        command: (CustomCommand, Vec<Value>),
+        notice: Option<String>,
+    ) -> Result<Option<Value>, StoreError> {
+        let native = Command::Native { command, notice };
+        match self.coalescer.send(client, &self.options, native).await {
+            Ok(answer) => Ok(Some(answer)),
+            Err(error) if self.native.refused(&error) => Ok(None),
+            Err(error) if error.details().starts_with("WRONGTYPE") => Ok(Some(Value::Null)),
+            Err(error) => Err(self.failed(error)),
         }
-        let mut answers = pipeline.try_all::<Value>().await.into_iter();
-        let found = match answers.next() {
-            Some(Ok(Value::Null)) => None,
-            Some(Ok(value)) => Some(
-                into_bytes(value)
-                    .ok_or_else(|| StoreError::Corrupt("unexpected answer to SET IFEQ".into()))?,
-            ),
-            Some(Err(error)) if self.native.refused(&error) => return Ok(None),
-            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => None,
-            Some(Err(error)) => return Err(self.failed(error)),
-            None => return Err(StoreError::Corrupt("no answer to SET IFEQ".into())),
-        };
-        Ok(Some((found, answers.collect())))
     }
 
     /// `complete.lua` as `SET … IFEQ` and `SPUBLISH` (the waiters' notice) in one round trip.
@@ -505,22 +488,19 @@ impl RedisStore {
         let head = &completion.head;
         for _ in 0..=COMPARE_AGAIN {
             let written = native::rewritten(&expected, head.len(), &completion.state, &completion.payload);
-            let notice = native::publish_settled(&settled_channel(&redis_key));
-            let answer = self
-                .compare_and_set(
-                    client,
-                    &self.options,
-                    &redis_key,
-                    native::Swap {
-                        written: written.clone(),
-                        expected: expected.clone(),
-                        ms,
-                    },
-                    vec![notice],
-                )
-                .await?;
-            let Some((found, _)) = answer else { return Ok(None) };
-            match native::found(found.as_ref(), head, &expected, &written) {
+            let swap = native::Swap {
+                written: written.clone(),
+                expected: expected.clone(),
+                ms,
+            };
+            let notice = Some(settled_channel(&redis_key));
+            let Some(answer) = self
+                .compare_and_set(client, swap.command(redis_key.as_str().into()), notice)
+                .await?
+            else {
+                return Ok(None);
+            };
+            match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
                 Found::Written => {}
                 Found::OursInFlight(current) => {
                     expected = current;
@@ -529,19 +509,13 @@ impl RedisStore {
                 Found::OursCompleted(current) => {
                     // Completed by this owner already (an attempt whose answer was lost): the
                     // retention starts again, as complete.lua restarts it.
-                    let again = native::restarted(&current, head.len(), &completion.state);
-                    self.compare_and_set(
-                        client,
-                        &self.options,
-                        &redis_key,
-                        native::Swap {
-                            written: again,
-                            expected: current,
-                            ms,
-                        },
-                        Vec::new(),
-                    )
-                    .await?;
+                    let again = native::Swap {
+                        written: native::restarted(&current, head.len(), &completion.state),
+                        expected: current,
+                        ms,
+                    };
+                    self.compare_and_set(client, again.command(redis_key.as_str().into()), None)
+                        .await?;
                 }
                 Found::Lost => {
                     self.native.forget(head);
@@ -569,21 +543,18 @@ impl RedisStore {
         let redis_key = self.redis_key(key);
         for _ in 0..=COMPARE_AGAIN {
             let written = native::rewritten(&expected, head.len(), state, b"");
-            let answer = self
-                .compare_and_set(
-                    client,
-                    &self.options,
-                    &redis_key,
-                    native::Swap {
-                        written: written.clone(),
-                        expected: expected.clone(),
-                        ms: lease_millis(lease),
-                    },
-                    Vec::new(),
-                )
-                .await?;
-            let Some((found, _)) = answer else { return Ok(None) };
-            match native::found(found.as_ref(), head, &expected, &written) {
+            let swap = native::Swap {
+                written: written.clone(),
+                expected: expected.clone(),
+                ms: lease_millis(lease),
+            };
+            let Some(answer) = self
+                .compare_and_set(client, swap.command(redis_key.as_str().into()), None)
+                .await?
+            else {
+                return Ok(None);
+            };
+            match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
                 Found::Written => {
                     self.native.hold(written, lease);
                     return Ok(Some(true));
@@ -608,23 +579,14 @@ impl RedisStore {
         };
         let client = self.connection.client();
         let redis_key = self.redis_key(key);
-        let (delete, args) = deleter.command(Value::from(redis_key.as_str()), expected);
-        let (notice, notice_args) = native::publish_settled(&settled_channel(&redis_key));
-        let pipeline = client.pipeline();
-        let queued: Result<(), _> = pipeline.with_options(&self.options).custom(delete, args).await;
-        queued.map_err(|e| self.failed(e))?;
-        let queued: Result<(), _> = pipeline.custom(notice, notice_args).await;
-        queued.map_err(|e| self.failed(e))?;
-        match pipeline.try_all::<Value>().await.into_iter().next() {
-            Some(Ok(deleted)) if deleted.as_i64() == Some(1) => {
+        let delete = deleter.command(Value::from(redis_key.as_str()), expected);
+        let notice = Some(settled_channel(&redis_key));
+        match self.compare_and_set(client, delete, notice).await? {
+            Some(deleted) if deleted.as_i64() == Some(1) => {
                 self.native.forget(head);
                 Ok(Some(true))
             }
-            Some(Ok(_)) => Ok(None),
-            Some(Err(error)) if self.native.refused(&error) => Ok(None),
-            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => Ok(None),
-            Some(Err(error)) => Err(self.failed(error)),
-            None => Err(StoreError::Corrupt("no answer to a conditional delete".into())),
+            _ => Ok(None),
         }
     }
 }

@@ -37,6 +37,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::record;
+use crate::store::error::StoreError;
 
 /// `SET … IFEQ`: completion and renewal.
 const SET_IFEQ: u8 = 1;
@@ -340,6 +341,18 @@ impl Swap {
             Value::from_static_str("GET"),
         ];
         (set, args)
+    }
+}
+
+/// The record a `SET … GET` found there: `None` for `nil`.
+pub(super) fn swapped(answer: Value) -> Result<Option<Bytes>, StoreError> {
+    match answer {
+        Value::Null => Ok(None),
+        Value::Bytes(bytes) => Ok(Some(bytes)),
+        Value::String(text) => Ok(Some(text.into_inner())),
+        other => Err(StoreError::Corrupt(format!(
+            "unexpected answer to SET IFEQ: {other:?}"
+        ))),
     }
 }
 
