@@ -1347,9 +1347,9 @@ def memory_lines(aggs):
     lines = ["Redis memory per completed record (after the redis store's fresh-key cells: "
              "`MEMORY USAGE` and `STRLEN` of up to 200 completed records, median; used_memory's "
              "growth over the cell ÷ keys; medians over rounds):", "",
-             "| Redis server | conc | request body | keys | MEMORY USAGE B (min–max) | STRLEN B "
+             "| store | Redis server | conc | request body | keys | MEMORY USAGE B (min–max) | STRLEN B "
              "| Redis's own B (USAGE − STRLEN) | used_memory Δ ÷ keys B | key name B |",
-             "|" + "---|" * 9]
+             "|" + "---|" * 10]
     layouts = {}
     for a in rows:
         runs = a["record_memory"]
@@ -1361,7 +1361,7 @@ def memory_lines(aggs):
         usage, strlen = med("memory_usage"), med("strlen")
         low = min(m["memory_usage_min"] for m in runs)
         high = max(m["memory_usage_max"] for m in runs)
-        lines.append(f"| {a['server']} | {a['conc']} | {BODY_LABEL[a['body']]} | {med('keys'):,.0f} "
+        lines.append(f"| {a['store']} | {a['server']} | {a['conc']} | {BODY_LABEL[a['body']]} | {med('keys'):,.0f} "
                      f"| {usage:.0f} ({low}–{high}) | {strlen:.0f} | {usage - strlen:.0f} "
                      f"| {fmt_num(med('used_memory_per_key'), 0)} | {med('key_len'):.0f} |")
         layouts.setdefault(a["body"], runs[-1])
