@@ -1336,6 +1336,13 @@ def shard_lines(aggs):
         lines.append(f"| {a['store']} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
                      f"| {a['server']} | {cpu:.1f}{spread} | {ceiling} | {a['rps']:,.0f} "
                      f"| {fmt_num(a['server_cpu_us_per_req'])} | {cmds} |")
+    # CPU per request moves with the machine's speed (a shared or throttled host): plain axum's
+    # own is the yardstick to compare runs by.
+    plain = [f"{a['conc']} {fmt_num(a['server_cpu_us_per_req'])} µs" for a in aggs
+             if a["store"] == "plain" and a["body"] == "100"]
+    if plain:
+        lines += ["", f"Plain axum's server CPU per request in this run (100 B bodies): {', '.join(plain)}; "
+                  "CPU figures scale with the machine's speed, so compare runs whose plain rows agree."]
     return lines
 
 
