@@ -1422,7 +1422,14 @@ def chart_svg(aggs, rounds):
     grouped by scenario, one bar per store, whiskers for the min-max over rounds."""
     data = [a for a in aggs if a["body"] == "100" and a["store"] != "plain" and a["ratio"] is not None]
     concs = [c for c in CONCURRENCY if any(a["conc"] == c for a in data)]
-    stores = [s for s in STORES if any(a["store"] == s for a in data)]
+    # One bar per store and Redis server (--redis-servers), in the order the cells ran.
+    stores = list(dict.fromkeys((a["store"], a["server"]) for a in data
+                                if mode_of(a["store"]) in STORES))
+    palette = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2", "#eeca3b",
+               "#ff9da6", "#9d755d", "#bab0ac"]
+    several = len({server for _, server in stores}) > 1
+    colors = {series: (palette[i % len(palette)] if several else SVG_COLORS.get(series[0], "#999"))
+              for i, series in enumerate(stores)}
     scenarios = [s for s in LAYERED_SCENARIOS if any(a["scenario"] == s for a in data)]
     if not data:
         return None
@@ -1431,7 +1438,16 @@ def chart_svg(aggs, rounds):
     y_max = math.ceil(top * 1.08 / step) * step
     panel_w, panel_h, left, top_pad, gap = 380, 260, 60, 84, 40
     width = left + len(concs) * panel_w + (len(concs) - 1) * gap + 20
-    height = top_pad + panel_h + 100
+    # The legend: one entry per bar series, then plain's line, wrapped into rows that fit.
+    legend = [(cell_name(*series), colors[series]) for series in stores] + [("plain axum (1.0)", None)]
+    legend_at, x, row = [], left, 0
+    for label, _ in legend:
+        advance = 30 + 8 * len(label) + 20
+        if x + advance > width and x > left:
+            x, row = left, row + 1
+        legend_at.append((x, row))
+        x += advance
+    height = top_pad + panel_h + 100 + 22 * row
     esc = lambda s: s.replace("&", "&amp;").replace("<", "&lt;")  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
@@ -1460,14 +1476,16 @@ def chart_svg(aggs, rounds):
         for g, scenario in enumerate(scenarios):
             gx = x0 + g * group_w
             start = gx + (group_w - bar_w * len(stores)) / 2
-            for b, store in enumerate(stores):
-                match = [a for a in data if (a["store"], a["scenario"], a["conc"]) == (store, scenario, conc)]
+            for b, series in enumerate(stores):
+                store = cell_name(*series)
+                match = [a for a in data
+                         if (a["store"], a["server"], a["scenario"], a["conc"]) == series + (scenario, conc)]
                 if not match:
                     continue
                 a = match[0]
                 bx = start + b * bar_w
                 out.append(f'<rect x="{bx + 2:.1f}" y="{y(a["ratio"]):.1f}" width="{bar_w - 4:.1f}" '
-                           f'height="{y(0) - y(a["ratio"]):.1f}" fill="{SVG_COLORS.get(store, "#999")}">'
+                           f'height="{y(0) - y(a["ratio"]):.1f}" fill="{colors[series]}">'
                            f'<title>{esc(store)} {scenario} {conc}: {a["ratio"]:.2f} × plain</title></rect>')
                 cx = bx + bar_w / 2
                 if a["rounds"] > 1:
@@ -1483,15 +1501,15 @@ def chart_svg(aggs, rounds):
                f'text-anchor="middle">req/s × plain</text>')
     out.append(f'<text x="{left + (width - left) / 2}" y="{y(0) + 40:.1f}" text-anchor="middle" '
                f'fill="#333">scenario</text>')
-    lx = left
-    ly = y(0) + 66
-    for store in stores:
-        out.append(f'<rect x="{lx}" y="{ly - 10:.1f}" width="12" height="12" fill="{SVG_COLORS.get(store, "#999")}"/>')
-        out.append(f'<text x="{lx + 18}" y="{ly:.1f}">{esc(store)}</text>')
-        lx += 30 + 8 * len(store) + 20
-    out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="{ly - 4:.1f}" y2="{ly - 4:.1f}" stroke="#333" '
-               f'stroke-dasharray="5,4"/>')
-    out.append(f'<text x="{lx + 30}" y="{ly:.1f}">plain axum (1.0)</text>')
+    for (label, color), (lx, row) in zip(legend, legend_at):
+        ly = y(0) + 66 + 22 * row
+        if color is None:
+            out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="{ly - 4:.1f}" y2="{ly - 4:.1f}" stroke="#333" '
+                       f'stroke-dasharray="5,4"/>')
+            out.append(f'<text x="{lx + 30}" y="{ly:.1f}">{esc(label)}</text>')
+        else:
+            out.append(f'<rect x="{lx}" y="{ly - 10:.1f}" width="12" height="12" fill="{color}"/>')
+            out.append(f'<text x="{lx + 18}" y="{ly:.1f}">{esc(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
