@@ -419,17 +419,31 @@ SCRIPT_ONLY = {"getrange", "setrange", "append", "del"}
 SCRIPT_ALSO = {"spublish": ("append", "del"), "pexpire": ("setrange",)}
 
 
-def sent_commands(delta, store, inner):
-    """Commands the client sent, from one cell's `INFO commandstats` delta ({name: calls})."""
+def sent_by_client(delta, store, inner):
+    """Of each command's calls in one cell's `INFO commandstats` delta ({name: calls}), how many
+    the client sent: {name: calls}."""
     if store in PEER_SCRIPT_CALLS:
         # The peers' own scripts: a command their scripts call counts as called in the script.
         skip = inner | PEER_SCRIPT_CALLS[store] | NOT_THE_CLIENTS
-        return sum(calls for name, calls in delta.items() if name not in skip)
+        return {name: calls for name, calls in delta.items() if name not in skip}
     in_scripts = {name: delta.get(name, 0) for name in SCRIPT_ONLY}
     for name, witnesses in SCRIPT_ALSO.items():
         in_scripts[name] = min(delta.get(name, 0), sum(delta.get(w, 0) for w in witnesses))
-    return sum(calls - in_scripts.get(name, 0) for name, calls in delta.items()
-               if name not in NOT_THE_CLIENTS)
+    return {name: calls - in_scripts.get(name, 0) for name, calls in delta.items()
+            if name not in NOT_THE_CLIENTS}
+
+
+def sent_commands(delta, store, inner):
+    """Commands the client sent, from one cell's `INFO commandstats` delta ({name: calls})."""
+    return sum(sent_by_client(delta, store, inner).values())
+
+
+def command_usec(delta, usec, store, inner):
+    """Microseconds Redis spent running the commands the client sent (`INFO commandstats` usec;
+    a script's own commands are inside its EVALSHA's time, so theirs are left out): Redis's CPU
+    without reading, parsing and answering, and without its event loop."""
+    sent = sent_by_client(delta, store, inner)
+    return sum(usec.get(name, 0) * calls / delta[name] for name, calls in sent.items() if delta[name])
 
 
 def server_capabilities(client):
@@ -731,13 +745,14 @@ def inner_commands():
 
 
 def redis_snapshot(redis):
-    calls = {}
+    calls, usec = {}, {}
     for name, value in redis.info("commandstats").items():
         if name.startswith("cmdstat_"):
             fields = dict(item.split("=", 1) for item in value.split(","))
             calls[name[len("cmdstat_"):]] = int(fields["calls"])
+            usec[name[len("cmdstat_"):]] = int(fields["usec"])
     total = int(redis.info("stats")["total_commands_processed"])
-    return {"calls": calls, "total": total}
+    return {"calls": calls, "usec": usec, "total": total}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1117,8 +1132,11 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         own_info, replica_acks = delta.get("info", 0), delta.get("replconf", 0)
         sent = sent_commands(delta, store, inner)
         executed = after_stats["total"] - before_stats["total"] - own_info - replica_acks
+        usec = {name: after_stats["usec"].get(name, 0) - before_stats["usec"].get(name, 0)
+                for name in delta}
         row.update({
             "redis_cpu_us_per_req": (after_redis - before_redis) * tick_us / requests,
+            "redis_command_us_per_req": command_usec(delta, usec, store, inner) / requests,
             "redis_sent_per_req": sent / requests,
             "redis_executed_per_req": executed / requests,
             "redis_command_calls": delta,
@@ -1224,6 +1242,7 @@ def aggregate(runs, cells):
             "redis_cpu_us_per_req": med("redis_cpu_us_per_req"),
             "redis_cpu_us_per_req_min": least("redis_cpu_us_per_req"),
             "redis_cpu_us_per_req_max": most("redis_cpu_us_per_req"),
+            "redis_command_us_per_req": med("redis_command_us_per_req"),
             "redis_sent_per_req": med("redis_sent_per_req"),
             "redis_executed_per_req": med("redis_executed_per_req"),
             "pg_cpu_us_per_req": med("pg_cpu_us_per_req"),
@@ -1320,10 +1339,14 @@ def shard_lines(aggs):
                              servers.index(a["server"])))
     lines = ["What a Redis core can serve (Redis CPU from /proc, median over rounds, min–max; "
              "the ceiling is 10⁶ ÷ that: the requests per second that would keep one Redis core "
-             "busy at this load):", "",
+             "busy at this load; a busier Redis reads more commands per wake-up, so the ceiling is "
+             "a floor. *Running commands* is the time `INFO commandstats` counts in the commands the "
+             "client sent, scripts included: Redis's CPU without reading, parsing and answering and "
+             "without its event loop):", "",
              "| store | scenario | conc | body | Redis server | Redis CPU µs/req | req/s per Redis core "
-             "| req/s here | server CPU µs/req | Redis cmds/req sent / executed |",
-             "|" + "---|" * 10]
+             "| of which running commands µs/req | req/s here | server CPU µs/req "
+             "| Redis cmds/req sent / executed |",
+             "|" + "---|" * 11]
     for a in rows:
         cpu, low, high = (a["redis_cpu_us_per_req"], a["redis_cpu_us_per_req_min"],
                           a["redis_cpu_us_per_req_max"])
@@ -1334,7 +1357,8 @@ def shard_lines(aggs):
         cmds = "–" if a["redis_sent_per_req"] is None else \
             f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
         lines.append(f"| {a['store']} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
-                     f"| {a['server']} | {cpu:.1f}{spread} | {ceiling} | {a['rps']:,.0f} "
+                     f"| {a['server']} | {cpu:.1f}{spread} | {ceiling} "
+                     f"| {fmt_num(a.get('redis_command_us_per_req'))} | {a['rps']:,.0f} "
                      f"| {fmt_num(a['server_cpu_us_per_req'])} | {cmds} |")
     # CPU per request moves with the machine's speed (a shared or throttled host): plain axum's
     # own is the yardstick to compare runs by.
