@@ -37,7 +37,8 @@
 # per server named in --redis-servers, those runs one after another in every round, and its rows
 # carry the server's name (`redis [redis-8.6]`). The list is NAME=LAUNCHER pairs, bare launchers
 # (named from their --version: redis-7.0, valkey-9.1), or `all`: the system's redis-server and
-# every launcher scripts/newer-servers.sh prints (Redis 8.0 and 8.6, Valkey 8.1 and 9.1), e.g.
+# every launcher scripts/newer-servers.sh prints (Redis 8.0 and 8.6, Valkey 8.1 and 9.1; it fetches
+# them the first time), e.g.
 #
 #   scripts/bench.sh --stores plain,redis --scenarios fresh,replay,inflight --conc c32 \
 #     --bodies 100 --redis-servers all --out /tmp/bench-servers
@@ -47,6 +48,8 @@
 # one Redis core busy, beside the server's CPU and the commands sent per request; and, after the
 # redis store's fresh-key cells, Redis memory per completed record (MEMORY USAGE and STRLEN of a
 # sample of records, used_memory's growth per key) and where a record's bytes go.
+# BENCH_REDIS_SERVERS stands for --redis-servers; BENCH_NEWER_SERVERS names the copy of
+# scripts/newer-servers.sh that `all` runs (CARGO_TARGET_DIR is passed on to it).
 #
 # Before/after a change, in one run: `--baseline BIN` (BIN: bench_server built from the commit
 # before, e.g. in a `git worktree`) runs every store's cell on BIN too, right before the build
