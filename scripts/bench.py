@@ -13,6 +13,10 @@ server (`cargo build --release --example bench_server`, benches/http_server.rs) 
     scripts/bench.sh --baseline BIN ...   A/B: every cell also on another build (BIN), right
                                           before the build under test in every round; prints
                                           each cell's throughput x base (per-round pairs)
+    scripts/bench.sh --redis-servers all  every Redis cell once per server (the system's and
+                                          scripts/newer-servers.sh's); prints Redis CPU per
+                                          request, the requests/s one Redis core serves, and
+                                          Redis memory per record, per server
 
 A cell is (store, scenario, concurrency, body size). Every round runs every cell once, in the
 same order (interleaved, so drift hits all cells alike); each cell gets a fresh server process
@@ -88,6 +92,7 @@ PEER_SCRIPT_CALLS = {
     "peer-axum-idempotent": {"exists", "hdel", "hexpire", "hset", "rename"},
 }
 PG_STORES = {"postgres"}
+RECORD_PREFIX = "idempotency"  # RedisStore's default prefix (DEFAULT_PREFIX, src/store/redis/store.rs)
 PG_TABLE = "idempotency_records"  # PostgresStore's default table
 LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
 CONCURRENCY = {"c32": (2, 32), "c1": (1, 1)}  # name -> (wrk threads, connections)
@@ -231,7 +236,8 @@ def tool_version(cmd):
 
 
 class Redis:
-    """A minimal RESP2 client: enough for PING, FLUSHALL and INFO."""
+    """A minimal RESP2 client: enough for PING, FLUSHALL, INFO and a look at records. Arguments
+    may be bytes; `cmd_raw` hands bulk replies back as bytes (records are binary)."""
 
     def __init__(self, port):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -242,14 +248,21 @@ class Redis:
         self.sock.close()
 
     def cmd(self, *args):
-        parts = [f"*{len(args)}\r\n".encode()]
-        for arg in args:
-            data = str(arg).encode()
-            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        self.sock.sendall(b"".join(parts))
+        self._send(args)
         return self._read()
 
-    def _read(self):
+    def cmd_raw(self, *args):
+        self._send(args)
+        return self._read(raw=True)
+
+    def _send(self, args):
+        parts = [f"*{len(args)}\r\n".encode()]
+        for arg in args:
+            data = arg if isinstance(arg, bytes) else str(arg).encode()
+            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        self.sock.sendall(b"".join(parts))
+
+    def _read(self, raw=False):
         line = self.reader.readline()
         if not line:
             raise BenchError("redis-server closed the connection")
@@ -262,10 +275,13 @@ class Redis:
             return int(rest)
         if kind == b"$":
             size = int(rest)
-            return None if size < 0 else self.reader.read(size + 2)[:-2].decode()
+            if size < 0:
+                return None
+            data = self.reader.read(size + 2)[:-2]
+            return data if raw else data.decode()
         if kind == b"*":
             size = int(rest)
-            return None if size < 0 else [self._read() for _ in range(size)]
+            return None if size < 0 else [self._read(raw) for _ in range(size)]
         raise BenchError(f"unexpected reply from redis-server: {line!r}")
 
     def info(self, section):
@@ -278,11 +294,12 @@ class Redis:
 
 
 class RedisServer:
-    def __init__(self, tmp, maxmemory=None, name="redis", replicaof=None):
+    def __init__(self, tmp, maxmemory=None, name="redis", replicaof=None, binary=None):
         self.port = free_port()
         self.dir = Path(tmp) / name
         self.dir.mkdir()
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+        self.binary = binary or REDIS_SERVER
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
         if maxmemory:
@@ -310,9 +327,10 @@ class ReplicatedRedis(RedisServer):
     replica, so that the other stores' Redis does not pay for replication. The replica's CPU is
     not counted."""
 
-    def __init__(self, tmp):
-        super().__init__(tmp, name="redis-acks")
-        self.replica = RedisServer(tmp, name="redis-acks-replica", replicaof=self.port)
+    def __init__(self, tmp, binary=None, label="redis"):
+        super().__init__(tmp, name=f"redis-acks-{label}", binary=binary)
+        self.replica = RedisServer(tmp, name=f"redis-acks-replica-{label}", replicaof=self.port,
+                                   binary=binary)
         # Online, and acknowledging at once (a freshly synced replica's first ACK can be late).
         deadline = time.monotonic() + 20
         while True:
@@ -326,6 +344,295 @@ class ReplicatedRedis(RedisServer):
     def stop(self):
         self.replica.stop()
         super().stop()
+def server_label(binary):
+    """A short name for a server build from its `--version` line: "redis-7.0", "valkey-9.1"."""
+    text = tool_version([binary, "--version"])
+    match = re.match(r"(\w+) server v=(\d+)\.(\d+)\.(\d+)", text)
+    if not match:
+        raise BenchError(f"{binary} --version printed {text!r}, not a Redis or Valkey server's version")
+    return f"{match.group(1).lower()}-{match.group(2)}.{match.group(3)}", text
+
+
+def newer_servers():
+    """The launchers scripts/newer-servers.sh prints (one per line), fetching them if need be.
+    BENCH_NEWER_SERVERS runs another copy of the script (e.g. a checkout whose build tree has
+    them already; CARGO_TARGET_DIR is passed on as it is)."""
+    script = os.environ.get("BENCH_NEWER_SERVERS") or str(ROOT / "scripts" / "newer-servers.sh")
+    out = subprocess.run([script], stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise BenchError(f"{script} failed with status {out.returncode}")
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+def redis_servers(spec):
+    """The servers every Redis cell runs against, as [(label, binary, version line)]: from
+    --redis-servers (NAME=LAUNCHER, a bare LAUNCHER labelled by its --version, or `all`: the
+    system's redis-server and every launcher scripts/newer-servers.sh prints), else
+    BENCH_REDIS_SERVER alone."""
+    wanted = []
+    for item in (spec or REDIS_SERVER).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item == "all":
+            wanted += [(None, "redis-server")] + [(None, launcher) for launcher in newer_servers()]
+        elif "=" in item:
+            name, binary = item.split("=", 1)
+            wanted.append((name.strip(), binary.strip()))
+        else:
+            wanted.append((None, item))
+    servers, seen = [], set()
+    for name, binary in wanted:
+        if shutil.which(binary) is None:
+            raise BenchError(f"--redis-servers: {binary} is not an executable")
+        label, version = server_label(binary)
+        label = name or label
+        if label in seen:
+            if name:
+                raise BenchError(f"--redis-servers: the name {label} is given twice")
+            label = f"{label}.{version.split('v=', 1)[1].split('.', 2)[2].split()[0]}"
+            if label in seen:
+                continue  # the same build twice (`all` and a launcher named as well)
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", label):
+            raise BenchError(f"--redis-servers: the name {label!r} may hold letters, digits, '.', '_' and '-'")
+        seen.add(label)
+        servers.append((label, binary, version))
+    return servers
+
+
+# Commands the driver sends itself between two snapshots, and a replica's acknowledgements.
+NOT_THE_CLIENTS = {"info", "replconf", "client|list"}
+# `INFO commandstats` counts a command a script calls like one a client sends. What the store's
+# scripts call, run by run (scripts/*.lua):
+#   complete.lua completing a record:              GETRANGE SETRANGE APPEND PEXPIRE SPUBLISH
+#   complete.lua on a record this owner completed: GETRANGE SETRANGE PEXPIRE
+#   release.lua releasing:                         GETRANGE DEL SPUBLISH
+#   renew.lua renewing:                            GETRANGE SETRANGE PEXPIRE
+#   any of them on a record the owner lost:        GETRANGE
+# The client never sends GETRANGE, SETRANGE, APPEND or DEL itself (its native transitions are
+# SET … IFEQ, DELEX, DELIFEQ), so all of their calls are the scripts'; and the scripts' SPUBLISH
+# calls are as many as their APPEND and DEL calls, their PEXPIRE calls as many as their SETRANGE
+# calls. The rest of SPUBLISH and PEXPIRE, and every other command, the client sent.
+# check_counting() proves this on every server at the start of a run, running each branch of
+# the scripts and the native commands.
+SCRIPT_ONLY = {"getrange", "setrange", "append", "del"}
+SCRIPT_ALSO = {"spublish": ("append", "del"), "pexpire": ("setrange",)}
+
+
+def sent_by_client(delta, store, inner):
+    """Of each command's calls in one cell's `INFO commandstats` delta ({name: calls}), how many
+    the client sent: {name: calls}."""
+    if store in PEER_SCRIPT_CALLS:
+        # The peers' own scripts: a command their scripts call counts as called in the script.
+        skip = inner | PEER_SCRIPT_CALLS[store] | NOT_THE_CLIENTS
+        return {name: calls for name, calls in delta.items() if name not in skip}
+    in_scripts = {name: delta.get(name, 0) for name in SCRIPT_ONLY}
+    for name, witnesses in SCRIPT_ALSO.items():
+        in_scripts[name] = min(delta.get(name, 0), sum(delta.get(w, 0) for w in witnesses))
+    return {name: calls - in_scripts.get(name, 0) for name, calls in delta.items()
+            if name not in NOT_THE_CLIENTS}
+
+
+def sent_commands(delta, store, inner):
+    """Commands the client sent, from one cell's `INFO commandstats` delta ({name: calls})."""
+    return sum(sent_by_client(delta, store, inner).values())
+
+
+def command_usec(delta, usec, store, inner):
+    """Microseconds Redis spent running the commands the client sent (`INFO commandstats` usec;
+    a script's own commands are inside its EVALSHA's time, so theirs are left out): Redis's CPU
+    without reading, parsing and answering, and without its event loop."""
+    sent = sent_by_client(delta, store, inner)
+    return sum(usec.get(name, 0) * calls / delta[name] for name, calls in sent.items() if delta[name])
+
+
+def server_capabilities(client):
+    """Which compare-and-set commands a server has: {"ifeq", "delex", "delifeq"}."""
+    found = set()
+    probes = {"ifeq": ("SET", "bench:probe", "b", "IFEQ", "a"),
+              "delex": ("DELEX", "bench:probe", "IFEQ", "a"),
+              "delifeq": ("DELIFEQ", "bench:probe", "a")}
+    client.cmd("SET", "bench:probe", "a")
+    for name, probe in probes.items():
+        try:
+            client.cmd(*probe)
+            found.add(name)
+        except BenchError:
+            pass
+    client.cmd("DEL", "bench:probe")
+    return found
+
+
+def check_counting(redis, inner, capabilities):
+    """Proves sent_commands() on this server: runs the transitions both ways, by the Lua scripts
+    in scripts/ (each of their branches) and by native commands where the server has them, and
+    checks the count against the commands sent. Raises BenchError if they disagree."""
+    client = redis.client
+    head = b"TIR\x01\x00\x0bbench-owner"
+    deadline = (int(time.time() * 1000) + 60_000).to_bytes(8, "big")
+    in_flight = head + b"F" + deadline + bytes(32)
+    completed = head + b"C" + deadline + bytes(32) + b"payload"
+    lua = {name: (ROOT / "scripts" / f"{name}.lua").read_text() for name in ("complete", "release", "renew")}
+    sent = 0
+
+    def send(*args):
+        nonlocal sent
+        sent += 1
+        return client.cmd_raw(*args)
+
+    before = redis_snapshot(client)
+    for key in ("bench:check:a", "bench:check:b", "bench:check:c"):
+        send("SET", key, in_flight, "NX", "PX", 60_000, "GET")
+    done = b"C" + deadline
+    send("EVAL", lua["complete"], 1, "bench:check:a", head, done, b"payload", 60_000)  # completes
+    send("EVAL", lua["complete"], 1, "bench:check:a", head, done, b"payload", 60_000)  # again
+    send("EVAL", lua["complete"], 1, "bench:check:a", b"TIR\x01\x00\x01x", done, b"p", 60_000)  # lost
+    send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", head, done, b"p", 60_000,
+         head, done, b"p", 60_000)  # two records in one call
+    send("EVAL", lua["renew"], 1, "bench:check:c", head, b"F" + deadline, 60_000)
+    send("EVAL", lua["release"], 1, "bench:check:c", head)
+    if "ifeq" in capabilities:
+        send("SET", "bench:check:d", in_flight)
+        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000)
+        send("SPUBLISH", "bench:check:d:settled", "")
+        send("PEXPIRE", "bench:check:d", 60_000)
+    for command in ("delex", "delifeq"):
+        if command in capabilities:
+            send("SET", "bench:check:e", in_flight)
+            send(*(("DELEX", "bench:check:e", "IFEQ", in_flight) if command == "delex"
+                   else ("DELIFEQ", "bench:check:e", in_flight)))
+            send("SPUBLISH", "bench:check:e:settled", "")
+    after = redis_snapshot(client)
+    delta = {name: calls - before["calls"].get(name, 0) for name, calls in after["calls"].items()}
+    counted = sent_commands({name: calls for name, calls in delta.items() if calls}, "redis", inner)
+    client.cmd("FLUSHALL", "SYNC")
+    if counted != sent:
+        raise BenchError(f"counting commands sent on {redis.label}: {counted} counted, {sent} sent "
+                         f"(commandstats delta {delta}); fix sent_commands()")
+    return sent
+
+
+def record_head(client, key):
+    """(state byte, owner length) of the record at `key`, or None if it is not a record."""
+    start = client.cmd_raw("GETRANGE", key, 0, 5)
+    if not start or len(start) < 6 or start[:3] != b"TIR":
+        return None
+    owner_len = int.from_bytes(start[4:6], "big")
+    state = client.cmd_raw("GETRANGE", key, 6 + owner_len, 6 + owner_len)
+    return (state[:1] if state else b""), owner_len
+
+
+def record_layout(record):
+    """Where a completed record's bytes go (src/store/redis/record.rs, src/http/stored.rs):
+    {part: bytes}, and the stored header names."""
+    owner_len = int.from_bytes(record[4:6], "big")
+    at = 6 + owner_len + 9 + 32
+    payload = record[at:]
+    parts = {"record head (magic, version, owner length, state, deadline)": 6 + 9,
+             "owner token": owner_len, "fingerprint": 32}
+    names = []
+    if payload[:3] == b"TIR" and payload[3] == 2 and payload[4:5] == b"R":
+        pos = 5 + 2
+        count = int.from_bytes(payload[pos:pos + 4], "big")
+        pos += 4
+        header_bytes = 0
+        for _ in range(count):
+            name_len = int.from_bytes(payload[pos:pos + 4], "big")
+            name = payload[pos + 4:pos + 4 + name_len]
+            pos += 4 + name_len
+            value_len = int.from_bytes(payload[pos:pos + 4], "big")
+            value = payload[pos + 4:pos + 4 + value_len]
+            pos += 4 + value_len
+            header_bytes += name_len + value_len
+            names.append(f"{name.decode(errors='replace')}: {value.decode(errors='replace')}")
+        body_len = int.from_bytes(payload[pos:pos + 8], "big")
+        parts["payload framing (magic, version, kind, status, counts, lengths)"] = \
+            5 + 2 + 4 + 8 * count + 8 + 4
+        parts["stored header names and values"] = header_bytes
+        parts["response body"] = body_len
+    else:
+        parts["payload (not a stored response)"] = len(payload)
+    return parts, names
+
+
+def with_body(record, body):
+    """A completed record like `record` (a stored response) with another response body."""
+    owner_len = int.from_bytes(record[4:6], "big")
+    at = 6 + owner_len + 9 + 32
+    pos = at + 5 + 2
+    count = int.from_bytes(record[pos:pos + 4], "big")
+    pos += 4
+    for _ in range(2 * count):
+        pos += 4 + int.from_bytes(record[pos:pos + 4], "big")
+    body_len = int.from_bytes(record[pos:pos + 8], "big")
+    return record[:pos] + len(body).to_bytes(8, "big") + body + record[pos + 8 + body_len:]
+
+
+# Response bodies the write-path step weighs records with, besides the bench's own (45 B: the
+# body of the 863 B per record measured before issue 26).
+WEIGHED_BODIES = (45, 100, 1000)
+
+
+def weigh_write_paths(client, record, prefix):
+    """MEMORY USAGE of `record`, and of it with WEIGHED_BODIES-byte response bodies, written the
+    two ways a completion writes: complete.lua on an in-flight record (SETRANGE, then APPEND of
+    the payload: APPEND leaves the string room to grow, up to its length again) and one SET of the
+    whole record (the native `SET … IFEQ`). Probe keys are named like records, in another slot."""
+    owner_len = int.from_bytes(record[4:6], "big")
+    head, at = record[:6 + owner_len], 6 + owner_len + 9 + 32
+    in_flight = head + b"F" + record[6 + owner_len + 1:at]
+    lua = (ROOT / "scripts" / "complete.lua").read_text()
+    probe = f"{prefix}:{{{'x' * 64}}}"  # 'x' is no hex digit: never a record's key
+    out = []
+    for body in [None] + list(WEIGHED_BODIES):
+        full = record if body is None else with_body(record, b"b" * body)
+        client.cmd_raw("SET", probe, in_flight, "PX", 60_000)
+        client.cmd_raw("EVAL", lua, 1, probe, head, b"C" + record[7 + owner_len:at - 32],
+                       full[at:], 60_000)
+        if client.cmd_raw("GET", probe) != full:
+            raise BenchError("complete.lua wrote another record than expected: is scripts/complete.lua "
+                             "the build's?")
+        appended = int(client.cmd("MEMORY", "USAGE", probe, "SAMPLES", "0"))
+        client.cmd_raw("SET", probe, full, "PX", 60_000)
+        one_set = int(client.cmd("MEMORY", "USAGE", probe, "SAMPLES", "0"))
+        client.cmd("DEL", probe)
+        out.append({"body": len(full) - len(with_body(full, b"")), "strlen": len(full),
+                    "complete_lua": appended, "one_set": one_set})
+    return out
+
+
+def record_memory(client, prefix, used_before, sample=200):
+    """Redis memory per completed record, read after a fresh-key cell: MEMORY USAGE and STRLEN
+    of up to `sample` completed records, and used_memory's growth over the cell ÷ keys."""
+    keys = int(client.cmd("DBSIZE"))
+    used_after = int(client.info("memory")["used_memory"])
+    usages, lengths, key_lengths = [], [], []
+    cursor, layout_key = "0", None
+    while len(usages) < sample:
+        cursor, batch = client.cmd("SCAN", cursor, "MATCH", f"{prefix}:{{*", "COUNT", 1000)
+        for key in batch:
+            head = record_head(client, key)
+            if head is None or head[0] != b"C" or len(usages) >= sample:
+                continue  # still in flight when wrk stopped
+            usages.append(int(client.cmd("MEMORY", "USAGE", key, "SAMPLES", "0")))
+            lengths.append(int(client.cmd("STRLEN", key)))
+            key_lengths.append(len(key))
+            layout_key = layout_key or key
+        if cursor == "0":
+            break
+    if not usages:
+        return None
+    record = client.cmd_raw("GET", layout_key)
+    layout, headers = record_layout(record)
+    return {"write_paths": weigh_write_paths(client, record, prefix),"keys": keys, "sampled": len(usages),
+            "memory_usage": statistics.median(usages), "memory_usage_min": min(usages),
+            "memory_usage_max": max(usages), "strlen": statistics.median(lengths),
+            "key_len": statistics.median(key_lengths),
+            "used_memory_per_key": (used_after - used_before) / keys if keys else None,
+            "layout": layout, "stored_headers": headers}
+
+
+
 # ---------------------------------------------------------------------------------------------
 # postgres
 
@@ -438,13 +745,14 @@ def inner_commands():
 
 
 def redis_snapshot(redis):
-    calls = {}
+    calls, usec = {}, {}
     for name, value in redis.info("commandstats").items():
         if name.startswith("cmdstat_"):
             fields = dict(item.split("=", 1) for item in value.split(","))
             calls[name[len("cmdstat_"):]] = int(fields["calls"])
+            usec[name[len("cmdstat_"):]] = int(fields["usec"])
     total = int(redis.info("stats")["total_commands_processed"])
-    return {"calls": calls, "total": total}
+    return {"calls": calls, "usec": usec, "total": total}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,14 +1040,18 @@ class Server:
 
 
 def run_cell(cfg, cell, tmp, redis, inner, pg=None):
-    name, scenario, conc, body_name = cell
+    name, scenario, conc, body_name, server_name = cell
     store = mode_of(name)
     body = cfg.bodies_bytes[body_name]
     duration = cfg.duration_for(body_name)
     script = write_wrk_script(tmp, scenario, body)
     run_id = "%08x" % random.getrandbits(32)
+    # After a fresh-key cell of the redis store, what its records take in Redis.
+    weigh_records = store == "redis" and scenario == "fresh"
+    used_before = None
     if redis is not None and store in REDIS_STORES:
-        redis.client.cmd("FLUSHALL")
+        redis.client.cmd("FLUSHALL", "SYNC")  # SYNC: servers that flush lazily free memory later
+        used_before = int(redis.client.info("memory")["used_memory"])
     if pg is not None and store in PG_STORES:
         pg.empty()
     server = Server(tmp, name, redis if store in REDIS_STORES else None,
@@ -799,7 +1111,7 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
     requests = max(wrk["requests"], 1)
     tick_us = 1e6 / CLK_TCK
     row = {
-        "store": name, "scenario": scenario, "conc": conc, "body": body_name,
+        "store": name, "scenario": scenario, "conc": conc, "body": body_name, "server": server_name,
         "body_bytes": len(body), "duration_s": wrk["duration_s"],
         "rps": wrk["rps"], "requests": wrk["requests"],
         "p50_us": wrk["p50_us"], "p99_us": wrk["p99_us"],
@@ -818,16 +1130,19 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
         delta = {name: calls for name, calls in delta.items() if calls}
         # Not the client's: the driver's INFO, and a replica's REPLCONF ACKs (redis-acks).
         own_info, replica_acks = delta.get("info", 0), delta.get("replconf", 0)
-        sent = sum(calls for name, calls in delta.items()
-                   if name not in inner | PEER_SCRIPT_CALLS.get(store, set())
-                   and name not in ("info", "replconf"))
+        sent = sent_commands(delta, store, inner)
         executed = after_stats["total"] - before_stats["total"] - own_info - replica_acks
+        usec = {name: after_stats["usec"].get(name, 0) - before_stats["usec"].get(name, 0)
+                for name in delta}
         row.update({
             "redis_cpu_us_per_req": (after_redis - before_redis) * tick_us / requests,
+            "redis_command_us_per_req": command_usec(delta, usec, store, inner) / requests,
             "redis_sent_per_req": sent / requests,
             "redis_executed_per_req": executed / requests,
             "redis_command_calls": delta,
         })
+    if weigh_records:
+        row["record_memory"] = record_memory(redis.client, RECORD_PREFIX, used_before)
     if after_pg is not None:
         row.update({
             "pg_cpu_us_per_req": (after_pg[0] - before_pg[0]) * tick_us / requests,
@@ -870,7 +1185,7 @@ def baseline_lines(runs, cells):
 
         this_rows, base_rows = [p[0] for p in pairs], [p[1] for p in pairs]
         store_cpu = "pg_cpu_us_per_req" if cell[0] in PG_STORES else "redis_cpu_us_per_req"
-        lines.append(f"| {cell[0]} {cell[1]} {cell[2]} {BODY_LABEL[cell[3]]} "
+        lines.append(f"| {cell_name(cell[0], cell[4])} {cell[1]} {cell[2]} {BODY_LABEL[cell[3]]} "
                      f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) "
                      f"| {med(base_rows, 'server_cpu_us_per_req')} → {med(this_rows, 'server_cpu_us_per_req')} "
                      f"| {med(base_rows, store_cpu)} → {med(this_rows, store_cpu)} |")
@@ -878,7 +1193,12 @@ def baseline_lines(runs, cells):
 
 
 def cell_key(row):
-    return (row["store"], row["scenario"], row["conc"], row["body"])
+    return (row["store"], row["scenario"], row["conc"], row["body"], row.get("server"))
+
+
+def cell_name(store, server):
+    """A cell's store as the tables show it: with the Redis server it ran against, if any."""
+    return f"{store} [{server}]" if server else store
 
 
 def aggregate(runs, cells):
@@ -895,13 +1215,20 @@ def aggregate(runs, cells):
                 ratios.append(r["rps"] / base["rps"])
                 p50_ratios.append(r["p50_us"] / base["p50_us"])
 
-        def med(name):
+        def med(name, pick=statistics.median):
             values = [r[name] for r in rows if r.get(name) is not None]
-            return statistics.median(values) if values else None
+            return pick(values) if values else None
 
+        def least(name):
+            return med(name, min)
+
+        def most(name):
+            return med(name, max)
+
+        memory = [r["record_memory"] for r in rows if r.get("record_memory")]
         out.append({
             "store": cell[0], "scenario": cell[1], "conc": cell[2], "body": cell[3],
-            "rounds": len(rows),
+            "server": cell[4], "rounds": len(rows),
             "rps": med("rps"), "rps_min": min(r["rps"] for r in rows),
             "rps_max": max(r["rps"] for r in rows),
             "ratio": statistics.median(ratios) if ratios else None,
@@ -913,6 +1240,9 @@ def aggregate(runs, cells):
             "wrk_cpu_us_per_req": med("wrk_cpu_us_per_req"),
             "machine_busy": med("machine_busy"),
             "redis_cpu_us_per_req": med("redis_cpu_us_per_req"),
+            "redis_cpu_us_per_req_min": least("redis_cpu_us_per_req"),
+            "redis_cpu_us_per_req_max": most("redis_cpu_us_per_req"),
+            "redis_command_us_per_req": med("redis_command_us_per_req"),
             "redis_sent_per_req": med("redis_sent_per_req"),
             "redis_executed_per_req": med("redis_executed_per_req"),
             "pg_cpu_us_per_req": med("pg_cpu_us_per_req"),
@@ -923,6 +1253,7 @@ def aggregate(runs, cells):
             "notes": sorted({re.sub(r"logged \d+ warnings", "logged warnings", n)
                              for r in rows for n in r["notes"]}),
             "warnings_per_round": [r["server_warnings"] for r in rows],
+            "record_memory": memory or None,
         })
     return out
 
@@ -962,7 +1293,8 @@ def table(aggs):
               "| wrk CPU µs/req | machine busy |")
     lines = [header, "|" + "---|" * 15]
     for a in aggs:
-        store = a["store"] + (" ⚠" if a["problems"] else "") + (" †" if a["notes"] else "")
+        store = cell_name(a["store"], a["server"]) + (" ⚠" if a["problems"] else "") + \
+            (" †" if a["notes"] else "")
         cmds = "–" if a["redis_sent_per_req"] is None else \
             f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
         store_cpu = a["redis_cpu_us_per_req"]
@@ -982,13 +1314,105 @@ def table(aggs):
 def warning_lines(aggs):
     lines = []
     for a in aggs:
-        name = f"{a['store']} {a['scenario']} {a['conc']} {BODY_LABEL[a['body']]}"
+        name = f"{cell_name(a['store'], a['server'])} {a['scenario']} {a['conc']} {BODY_LABEL[a['body']]}"
         if a["problems"]:
             lines.append(f"⚠ {name}: wrong answers in {a['flagged_rounds']}/{a['rounds']} rounds: "
                          + "; ".join(a["problems"]))
         if a["notes"]:
             counts = ", ".join(str(w) for w in a["warnings_per_round"])
             lines.append(f"† {name}: {'; '.join(a['notes'])} (per round: {counts})")
+    return lines
+
+
+def shard_lines(aggs):
+    """What one Redis core can serve: every Redis cell's Redis CPU per request (median over
+    rounds, min-max) and its inverse, the requests per second that keep one core busy, by
+    server; with the app server's CPU and the commands per request beside them."""
+    rows = [a for a in aggs if a["redis_cpu_us_per_req"] is not None]
+    if not rows:
+        return []
+    order = {name: i for i, name in enumerate(STORES)}
+    servers = list(dict.fromkeys(a["server"] for a in rows))
+    rows.sort(key=lambda a: (a["body"] != "100", list(BODIES).index(a["body"]),
+                             list(CONCURRENCY).index(a["conc"]), order.get(mode_of(a["store"]), 99),
+                             a["store"], LAYERED_SCENARIOS.index(a["scenario"]),
+                             servers.index(a["server"])))
+    lines = ["What a Redis core can serve (Redis CPU from /proc, median over rounds, min–max; "
+             "the ceiling is 10⁶ ÷ that: the requests per second that would keep one Redis core "
+             "busy at this load; a busier Redis reads more commands per wake-up, so the ceiling is "
+             "a floor. *Running commands* is the time `INFO commandstats` counts in the commands the "
+             "client sent, scripts included: Redis's CPU without reading, parsing and answering and "
+             "without its event loop):", "",
+             "| store | scenario | conc | body | Redis server | Redis CPU µs/req | req/s per Redis core "
+             "| of which running commands µs/req | req/s here | server CPU µs/req "
+             "| Redis cmds/req sent / executed |",
+             "|" + "---|" * 11]
+    for a in rows:
+        cpu, low, high = (a["redis_cpu_us_per_req"], a["redis_cpu_us_per_req_min"],
+                          a["redis_cpu_us_per_req_max"])
+        spread = f" ({low:.1f}–{high:.1f})" if a["rounds"] > 1 else ""
+        ceiling = "–" if not cpu else f"{1e6 / cpu:,.0f}"
+        if cpu and a["rounds"] > 1 and low and high:
+            ceiling += f" ({1e6 / high:,.0f}–{1e6 / low:,.0f})"
+        cmds = "–" if a["redis_sent_per_req"] is None else \
+            f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
+        lines.append(f"| {a['store']} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
+                     f"| {a['server']} | {cpu:.1f}{spread} | {ceiling} "
+                     f"| {fmt_num(a.get('redis_command_us_per_req'))} | {a['rps']:,.0f} "
+                     f"| {fmt_num(a['server_cpu_us_per_req'])} | {cmds} |")
+    # CPU per request moves with the machine's speed (a shared or throttled host): plain axum's
+    # own is the yardstick to compare runs by.
+    plain = [f"{a['conc']} {fmt_num(a['server_cpu_us_per_req'])} µs" for a in aggs
+             if a["store"] == "plain" and a["body"] == "100"]
+    if plain:
+        lines += ["", f"Plain axum's server CPU per request in this run (100 B bodies): {', '.join(plain)}; "
+                  "CPU figures scale with the machine's speed, so compare runs whose plain rows agree."]
+    return lines
+
+
+def memory_lines(aggs):
+    """Redis memory per completed record, from the redis store's fresh-key cells."""
+    rows = [a for a in aggs if a.get("record_memory")]
+    if not rows:
+        return []
+    lines = ["Redis memory per completed record (after the redis store's fresh-key cells: "
+             "`MEMORY USAGE` and `STRLEN` of up to 200 completed records, median; used_memory's "
+             "growth over the cell ÷ keys; medians over rounds):", "",
+             "| store | Redis server | conc | request body | keys | MEMORY USAGE B (min–max) | STRLEN B "
+             "| Redis's own B (USAGE − STRLEN) | used_memory Δ ÷ keys B | key name B |",
+             "|" + "---|" * 10]
+    layouts = {}
+    for a in rows:
+        runs = a["record_memory"]
+
+        def med(name):
+            values = [m[name] for m in runs if m.get(name) is not None]
+            return statistics.median(values) if values else None
+
+        usage, strlen = med("memory_usage"), med("strlen")
+        low = min(m["memory_usage_min"] for m in runs)
+        high = max(m["memory_usage_max"] for m in runs)
+        lines.append(f"| {a['store']} | {a['server']} | {a['conc']} | {BODY_LABEL[a['body']]} | {med('keys'):,.0f} "
+                     f"| {usage:.0f} ({low}–{high}) | {strlen:.0f} | {usage - strlen:.0f} "
+                     f"| {fmt_num(med('used_memory_per_key'), 0)} | {med('key_len'):.0f} |")
+        layouts.setdefault(a["body"], runs[-1])
+    paths = {}
+    for a in rows:
+        paths.setdefault(a["server"], a["record_memory"][-1]["write_paths"])
+    lines += ["", "The same records written the two ways a completion writes (`MEMORY USAGE`, B): by "
+              "complete.lua onto the in-flight record (`SETRANGE`, then `APPEND` of the payload, which "
+              "leaves the string room to grow) and by one `SET` of the whole record (the native `SET … "
+              "IFEQ`); the bench's response body and longer ones:", "",
+              "| Redis server | response body B | record (STRLEN) B | complete.lua | one SET |",
+              "|---|---|---|---|---|"]
+    for server, weighed in paths.items():
+        for w in weighed:
+            lines.append(f"| {server} | {w['body']} | {w['strlen']} | {w['complete_lua']} | {w['one_set']} |")
+    for body, sample in layouts.items():
+        parts = "; ".join(f"{part} {size}" for part, size in sample["layout"].items())
+        lines += ["", f"Where a record's {sum(sample['layout'].values())} bytes go "
+                  f"({BODY_LABEL[body]} request bodies): {parts}. Stored headers: "
+                  f"{', '.join('`' + h + '`' for h in sample['stored_headers']) or 'none'}."]
     return lines
 
 
@@ -1022,7 +1446,14 @@ def chart_svg(aggs, rounds):
     grouped by scenario, one bar per store, whiskers for the min-max over rounds."""
     data = [a for a in aggs if a["body"] == "100" and a["store"] != "plain" and a["ratio"] is not None]
     concs = [c for c in CONCURRENCY if any(a["conc"] == c for a in data)]
-    stores = [s for s in STORES if any(a["store"] == s for a in data)]
+    # One bar per store and Redis server (--redis-servers), in the order the cells ran.
+    stores = list(dict.fromkeys((a["store"], a["server"]) for a in data
+                                if mode_of(a["store"]) in STORES))
+    palette = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2", "#eeca3b",
+               "#ff9da6", "#9d755d", "#bab0ac"]
+    several = len({server for _, server in stores}) > 1
+    colors = {series: (palette[i % len(palette)] if several else SVG_COLORS.get(series[0], "#999"))
+              for i, series in enumerate(stores)}
     scenarios = [s for s in LAYERED_SCENARIOS if any(a["scenario"] == s for a in data)]
     if not data:
         return None
@@ -1031,7 +1462,16 @@ def chart_svg(aggs, rounds):
     y_max = math.ceil(top * 1.08 / step) * step
     panel_w, panel_h, left, top_pad, gap = 380, 260, 60, 84, 40
     width = left + len(concs) * panel_w + (len(concs) - 1) * gap + 20
-    height = top_pad + panel_h + 100
+    # The legend: one entry per bar series, then plain's line, wrapped into rows that fit.
+    legend = [(cell_name(*series), colors[series]) for series in stores] + [("plain axum (1.0)", None)]
+    legend_at, x, row = [], left, 0
+    for label, _ in legend:
+        advance = 30 + 8 * len(label) + 20
+        if x + advance > width and x > left:
+            x, row = left, row + 1
+        legend_at.append((x, row))
+        x += advance
+    height = top_pad + panel_h + 100 + 22 * row
     esc = lambda s: s.replace("&", "&amp;").replace("<", "&lt;")  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="12">',
@@ -1060,14 +1500,16 @@ def chart_svg(aggs, rounds):
         for g, scenario in enumerate(scenarios):
             gx = x0 + g * group_w
             start = gx + (group_w - bar_w * len(stores)) / 2
-            for b, store in enumerate(stores):
-                match = [a for a in data if (a["store"], a["scenario"], a["conc"]) == (store, scenario, conc)]
+            for b, series in enumerate(stores):
+                store = cell_name(*series)
+                match = [a for a in data
+                         if (a["store"], a["server"], a["scenario"], a["conc"]) == series + (scenario, conc)]
                 if not match:
                     continue
                 a = match[0]
                 bx = start + b * bar_w
                 out.append(f'<rect x="{bx + 2:.1f}" y="{y(a["ratio"]):.1f}" width="{bar_w - 4:.1f}" '
-                           f'height="{y(0) - y(a["ratio"]):.1f}" fill="{SVG_COLORS.get(store, "#999")}">'
+                           f'height="{y(0) - y(a["ratio"]):.1f}" fill="{colors[series]}">'
                            f'<title>{esc(store)} {scenario} {conc}: {a["ratio"]:.2f} × plain</title></rect>')
                 cx = bx + bar_w / 2
                 if a["rounds"] > 1:
@@ -1083,20 +1525,21 @@ def chart_svg(aggs, rounds):
                f'text-anchor="middle">req/s × plain</text>')
     out.append(f'<text x="{left + (width - left) / 2}" y="{y(0) + 40:.1f}" text-anchor="middle" '
                f'fill="#333">scenario</text>')
-    lx = left
-    ly = y(0) + 66
-    for store in stores:
-        out.append(f'<rect x="{lx}" y="{ly - 10:.1f}" width="12" height="12" fill="{SVG_COLORS.get(store, "#999")}"/>')
-        out.append(f'<text x="{lx + 18}" y="{ly:.1f}">{esc(store)}</text>')
-        lx += 30 + 8 * len(store) + 20
-    out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="{ly - 4:.1f}" y2="{ly - 4:.1f}" stroke="#333" '
-               f'stroke-dasharray="5,4"/>')
-    out.append(f'<text x="{lx + 30}" y="{ly:.1f}">plain axum (1.0)</text>')
+    for (label, color), (lx, row) in zip(legend, legend_at):
+        ly = y(0) + 66 + 22 * row
+        if color is None:
+            out.append(f'<line x1="{lx}" x2="{lx + 24}" y1="{ly - 4:.1f}" y2="{ly - 4:.1f}" stroke="#333" '
+                       f'stroke-dasharray="5,4"/>')
+            out.append(f'<text x="{lx + 30}" y="{ly:.1f}">{esc(label)}</text>')
+        else:
+            out.append(f'<rect x="{lx}" y="{ly - 10:.1f}" width="12" height="12" fill="{color}"/>')
+            out.append(f'<text x="{lx + 18}" y="{ly:.1f}">{esc(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def environment(redis_started, pg=None):
+def environment(servers, pg=None):
+    """The machine and the tools; `servers` as redis_servers() gives them."""
     cpu = "unknown"
     try:
         for line in open("/proc/cpuinfo"):
@@ -1111,7 +1554,8 @@ def environment(redis_started, pg=None):
         "cpu": cpu,
         "kernel": os.uname().release,
         "wrk": tool_version(["wrk", "-v"]),
-        "redis": tool_version([REDIS_SERVER, "--version"]) if redis_started else None,
+        "redis": "; ".join(f"{label}: {version}" if len(servers) > 1 else version
+                           for label, _, version in servers) or None,
         "postgres": pg.version() if pg is not None else None,
         "rustc": tool_version(["rustc", "-V"]),
     }
@@ -1168,15 +1612,18 @@ class Config:
             return [s for s in self.scenarios if s in ("fresh", "replay")]
         return self.scenarios
 
-    def cells(self):
+    def cells(self, servers):
+        """(store, scenario, concurrency, body, Redis server label or None), in the order every
+        round runs them: a Redis store's cells once per server in `servers`, one after another."""
         cells = []
         for body in self.bodies:
             for conc in self.concs:
                 for store in self.stores:
-                    for scenario in self.scenarios_of(store):
-                        if BASELINE_BIN is not None and store != "plain":
-                            cells.append((store + BASELINE_SUFFIX, scenario, conc, body))
-                        cells.append((store, scenario, conc, body))
+                    for server in (servers if store in REDIS_STORES else [None]):
+                        for scenario in self.scenarios_of(store):
+                            if BASELINE_BIN is not None and store != "plain":
+                                cells.append((store + BASELINE_SUFFIX, scenario, conc, body, server))
+                            cells.append((store, scenario, conc, body, server))
         return cells
 
 
@@ -1221,42 +1668,58 @@ def run_matrix(args):
     needs_pg = any(store in PG_STORES for store in cfg.stores)
     out_dir = Path(args.out) if args.out else ROOT / "bench"
     name = "results" if cfg.full else "quick"
+    servers = redis_servers(args.redis_servers or os.environ.get("BENCH_REDIS_SERVERS")) \
+        if needs_redis else []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        redis = RedisServer(tmp) if needs_redis else None
-        acks_redis = None
+        # One redis-server (and, for redis-acks, one with a replica) per server build, each
+        # started once; a Redis cell gets its server's, flushed.
+        redises, acks_redises = {}, {}
+        redis = None  # the first server's: the store probe, and --soak
         pg = None
         try:
-            acks_redis = ReplicatedRedis(tmp) if needs_replica else None
+            for label, binary, _ in servers:
+                redises[label] = RedisServer(tmp, name=f"redis-{label}", binary=binary)
+                redises[label].label = label
+                if needs_replica:
+                    acks_redises[label] = ReplicatedRedis(tmp, binary=binary, label=label)
+                    acks_redises[label].label = label
+            redis = redises[servers[0][0]] if servers else None
             pg = PgServer(tmp) if needs_pg else None
             inner, inner_source = inner_commands()
+            for label, server in redises.items():
+                capabilities = server_capabilities(server.client)
+                server.capabilities = sorted(capabilities)
+                check_counting(server, inner, capabilities)
             probe_stores(cfg, tmp, redis, pg)
-            cells = cfg.cells()
+            cells = cfg.cells([label for label, _, _ in servers])
             print(f"{'full' if cfg.full else 'quick'} mode: {len(cells)} cells × {cfg.rounds} rounds, "
                   f"{cfg.duration:g} s per cell ({cfg.duration_1m:g} s for 1 MiB bodies), "
                   f"warm-up {cfg.warmup:g} s; {os.cpu_count()} CPUs")
+            for label, binary, version in servers:
+                caps = ", ".join(redises[label].capabilities) or "no compare-and-set"
+                print(f"Redis server {label} on port {redises[label].port}: {binary} ({version}; {caps})")
             if redis:
-                print(f"redis-server on port {redis.port}; commands run inside the scripts "
-                      f"(from {inner_source}): {', '.join(sorted(inner))}")
+                print(f"commands run inside the scripts (from {inner_source}): {', '.join(sorted(inner))}; "
+                      f"counting of commands sent checked on every server")
             runs = []
             for rnd in range(1, cfg.rounds + 1):
                 for index, cell in enumerate(cells, 1):
-                    cell_redis = acks_redis if mode_of(cell[0]) == "redis-acks" else redis
-                    row = run_cell(cfg, cell, tmp, cell_redis, inner, pg)
+                    pool = acks_redises if mode_of(cell[0]) == "redis-acks" else redises
+                    row = run_cell(cfg, cell, tmp, pool.get(cell[4]), inner, pg)
                     row["round"] = rnd
                     runs.append(row)
                     flag = "  ⚠ " + "; ".join(row["problems"]) if row["problems"] else ""
                     print(f"round {rnd}/{cfg.rounds} cell {index:>2}/{len(cells)} "
-                          f"{cell[0]:>11} {cell[1]:>8} {cell[2]:>3} {BODY_LABEL[cell[3]]:>6}: "
-                          f"{row['rps']:>8.0f} req/s  p50 {fmt_us(row['p50_us']):>8}{flag}", flush=True)
-            floor = ping_floor(redis) if redis else {}
+                          f"{cell_name(cell[0], cell[4]):>24} {cell[1]:>8} {cell[2]:>3} "
+                          f"{BODY_LABEL[cell[3]]:>6}: {row['rps']:>8.0f} req/s  "
+                          f"p50 {fmt_us(row['p50_us']):>8}{flag}", flush=True)
+            floors = {label: ping_floor(server) for label, server in redises.items()}
             if pg:
                 print(f"PostgreSQL on port {pg.port}: {pg.version()}")
-            env = environment(redis is not None, pg)
+            env = environment(servers, pg)
         finally:
-            if redis:
-                redis.stop()
-            if acks_redis:
-                acks_redis.stop()
+            for server in list(redises.values()) + list(acks_redises.values()):
+                server.stop()
             if pg:
                 pg.stop()
             PROCS.stop_all()
@@ -1265,22 +1728,34 @@ def run_matrix(args):
     elapsed = time.monotonic() - started
     text = table(aggs)
     warnings = warning_lines(aggs)
+    floor_lines = [(f"{label}: " if len(floors) > 1 else "") + floor_text(floor)
+                   for label, floor in floors.items()]
+    shard = shard_lines(aggs)
+    memory = memory_lines(aggs)
     print()
     print(text)
     print()
-    print(floor_text(floor) if redis else "no Redis store in this run")
+    for line in floor_lines or ["no Redis store in this run"]:
+        print(line)
     for line in warnings:
         print(line)
     comparison = baseline_lines(runs, cells)
     for line in comparison:
         print(line)
+    for block in (shard, memory):
+        if block:
+            print()
+            print("\n".join(block))
     print(f"\n{len(cells)} cells × {cfg.rounds} rounds in {elapsed / 60:.1f} min")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"command": command_line(), "mode": "full" if cfg.full else "quick", "rounds": cfg.rounds,
             "duration_s": cfg.duration, "duration_1m_s": cfg.duration_1m, "warmup_s": cfg.warmup,
             "elapsed_s": round(elapsed, 1), "inner_commands": sorted(inner),
-            "inner_commands_from": inner_source, **env}
+            "inner_commands_from": inner_source,
+            "redis_servers": [{"label": label, "binary": binary, "version": version,
+                               "capabilities": getattr(redises.get(label), "capabilities", [])}
+                              for label, binary, version in servers], **env}
     md = [f"# HTTP benchmark: axum with and without tower-idempotency ({meta['mode']} mode)", "",
           f"- command: `{meta['command']}`",
           f"- date: {env['date']}; elapsed {elapsed / 60:.1f} min",
@@ -1291,18 +1766,24 @@ def run_matrix(args):
           f"({cfg.duration_1m:g} s for 1 MiB bodies) after a {cfg.warmup:g} s warm-up; "
           f"a fresh server per cell; medians over rounds",
           "", text, ""]
-    md += ["- " + floor_text(floor)] if redis else []
+    md += ["- " + line for line in floor_lines]
     md += ["- " + line for line in warnings]
     md += comparison
+    for block in (shard, memory):
+        if block:
+            md += [""] + block
     md += ["", "Columns: *× plain* is req/s over the plain cell of the same concurrency and body "
            "size in the same round, median (min–max) over rounds; *p50 × plain* likewise for the "
            "median latency. CPU µs/req is utime+stime of the process over the measured run ÷ "
-           "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, EVAL, …): "
-           "every command in `INFO commandstats` but the driver's INFO, a replica's REPLCONF (redis-acks: "
-           "its replica answers each WAIT) and those the Lua scripts "
-           f"call ({', '.join(sorted(inner)) if redis else '–'}, read from "
-           f"{inner_source if redis else '–'}); a command both sent directly and called in a "
-           "script counts as called in the script. *executed* is the `total_commands_processed` "
+           "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, SET … IFEQ, "
+           "DELEX, …): every command in `INFO commandstats` but the driver's INFO and CLIENT LIST, a "
+           "replica's REPLCONF (redis-acks: its replica answers each WAIT) and those the store's Lua "
+           "scripts call: all GETRANGE, SETRANGE, APPEND and DEL calls (the client sends none), as "
+           "many SPUBLISH as APPEND and DEL calls and as many PEXPIRE as SETRANGE calls (what the "
+           "scripts call together), the rest of SPUBLISH and PEXPIRE being the native path's; checked "
+           "at the start of the run on every server against each branch of scripts/*.lua and the "
+           "native commands. For the peers, every command their scripts call counts as called in a "
+           "script. *executed* is the `total_commands_processed` "
            "delta, which also counts the commands run inside the scripts. Both include the "
            "requests still in flight when wrk stops (up to 32 per cell). Peak RSS is the server's "
            "VmHWM. *wrk CPU* is the load generator's own CPU per request. *machine busy* is the share "
@@ -1324,7 +1805,7 @@ def run_matrix(args):
             md += ["", "![× plain throughput, 100 B bodies](chart.svg)"]
     (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     (out_dir / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "ping_floor": floor, "cells": aggs, "runs": runs}, indent=1) + "\n")
+        {"meta": meta, "ping_floor": floors, "cells": aggs, "runs": runs}, indent=1) + "\n")
     print(f"wrote {out_dir / (name + '.md')}, {out_dir / (name + '.json')}"
           + (f", {out_dir / 'chart.svg'}" if cfg.full else ""))
     return 0
@@ -1354,8 +1835,10 @@ def run_soak(args):
     # ~0.7 GiB a minute. Cap Redis so a long soak cannot exhaust the machine's memory; at the cap it
     # evicts the records nearest their expiry (volatile-ttl).
     cap = min(4 << 30, int(proc_meminfo_kib("MemAvailable") * 1024 * 0.4))
+    servers = redis_servers(args.redis_servers or os.environ.get("BENCH_REDIS_SERVERS"))[:1] \
+        if store == "redis" else []
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-        redis = RedisServer(tmp, maxmemory=cap) if store == "redis" else None
+        redis = RedisServer(tmp, maxmemory=cap, binary=servers[0][1]) if store == "redis" else None
         try:
             server = Server(tmp, store, redis)
             script = write_wrk_script(tmp, "fresh", body)
@@ -1396,7 +1879,7 @@ def run_soak(args):
             peak = proc_status_kib(server.proc.pid, "VmHWM") / 1024
             evicted = int(redis.client.info("stats")["evicted_keys"]) if redis else 0
             warnings = server.stop()
-            env = environment(redis is not None)
+            env = environment(servers if redis else [])
         finally:
             if redis:
                 redis.stop()
@@ -1457,7 +1940,9 @@ def main():
         epilog="environment: BENCH_ROUNDS (3), BENCH_DURATION (5 s per cell), BENCH_DURATION_1M "
                "(min(duration, 3) s for 1 MiB cells), BENCH_WARMUP (1 s), "
                "BENCH_SOAK_INTERVAL (10 s), BENCH_SERVER (another build of bench_server, for a "
-               "before/after comparison), BENCH_BASELINE (as --baseline)")
+               "before/after comparison), BENCH_BASELINE (as --baseline), BENCH_REDIS_SERVERS (as "
+               "--redis-servers), BENCH_REDIS_SERVER (the one redis-server otherwise), "
+               "BENCH_NEWER_SERVERS (the scripts/newer-servers.sh that `all` runs)")
     parser.add_argument("--full", action="store_true", help="the whole matrix; writes results.md, "
                         "results.json and chart.svg")
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
@@ -1473,6 +1958,13 @@ def main():
     parser.add_argument("--rounds", type=int, help="overrides BENCH_ROUNDS")
     parser.add_argument("--duration", type=float, help="seconds per cell; overrides BENCH_DURATION")
     parser.add_argument("--out", help="output directory (default: bench/)")
+    parser.add_argument("--redis-servers", metavar="SERVERS",
+                        help="the Redis servers every Redis cell runs against, one after another in "
+                             "each round: comma-separated NAME=LAUNCHER (a redis-server binary or a "
+                             "launcher of scripts/newer-servers.sh), a bare LAUNCHER (named by its "
+                             "--version, e.g. redis-8.6), or `all` (the system's redis-server and "
+                             "every launcher scripts/newer-servers.sh prints); default "
+                             "BENCH_REDIS_SERVERS, else BENCH_REDIS_SERVER (redis-server)")
     parser.add_argument("--baseline", metavar="BIN",
                         help="another build of bench_server (e.g. of the commit before a change), "
                              "measured in the same run: each store's cell runs on it too, right "

@@ -33,6 +33,24 @@
 # server binary built elsewhere, e.g. from an earlier commit, for a before/after comparison; a
 # store that build does not know is skipped). `--help` lists them all.
 #
+# Redis servers: every Redis cell (redis, redis-cache, redis-acks, floor-redis, the peers) runs once
+# per server named in --redis-servers, those runs one after another in every round, and its rows
+# carry the server's name (`redis [redis-8.6]`). The list is NAME=LAUNCHER pairs, bare launchers
+# (named from their --version: redis-7.0, valkey-9.1), or `all`: the system's redis-server and
+# every launcher scripts/newer-servers.sh prints (Redis 8.0 and 8.6, Valkey 8.1 and 9.1; it fetches
+# them the first time), e.g.
+#
+#   scripts/bench.sh --stores plain,redis --scenarios fresh,replay,inflight --conc c32 \
+#     --bodies 100 --redis-servers all --out /tmp/bench-servers
+#
+# Each run also prints, per server, what one Redis core can serve: Redis CPU per request (from
+# /proc, median and range over rounds) and 10^6 over it, the requests per second that would keep
+# one Redis core busy, beside the server's CPU and the commands sent per request; and, after the
+# redis store's fresh-key cells, Redis memory per completed record (MEMORY USAGE and STRLEN of a
+# sample of records, used_memory's growth per key) and where a record's bytes go.
+# BENCH_REDIS_SERVERS stands for --redis-servers; BENCH_NEWER_SERVERS names the copy of
+# scripts/newer-servers.sh that `all` runs (CARGO_TARGET_DIR is passed on to it).
+#
 # Before/after a change, in one run: `--baseline BIN` (BIN: bench_server built from the commit
 # before, e.g. in a `git worktree`) runs every store's cell on BIN too, right before the build
 # under test in each round, and adds a table of each cell's req/s × base (the per-round pairs)
