@@ -34,8 +34,11 @@ pub(super) const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// The claim, the one call every request makes, is a native command (`SET key <record> NX PX
 /// <lease> GET`): it creates the in-flight record or hands back what is there, with no script to
-/// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts (EVALSHA,
-/// reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or `SCRIPT FLUSH`).
+/// run or reload. The owner-checked transitions (complete, release, renew) are native
+/// compare-and-set commands on servers that have them (`SET … IFEQ`, `DELEX`, `DELIFEQ`: Redis
+/// 8.4+, Valkey 8.1+; see [`with_native_transitions`](Self::with_native_transitions)), and Lua
+/// scripts elsewhere (EVALSHA, reloaded by EVAL when the server answers NOSCRIPT after a restart,
+/// a failover or `SCRIPT FLUSH`).
 /// Calls made while others are outstanding (concurrent requests) are handed to fred together, so
 /// they share socket writes, and completions made together are one script call (not on a
 /// Cluster); a lone call is sent at once.
