@@ -238,8 +238,13 @@ async fn keep_detecting(native: Weak<Native>, redetect: Arc<Notify>, client: Opt
                 redetect.notified().await;
                 pause = Duration::from_millis(100);
             }
+            Err(error) if error.details().starts_with("NOPERM") => {
+                // An ACL that denies COMMAND: the scripts, and no more asking until a reconnect.
+                tracing::debug!(%error, "may not ask the Redis server for its commands; using the Lua scripts");
+                redetect.notified().await;
+            }
             Err(error) => {
-                // Not connected yet, or the commands are refused (an ACL): the scripts meanwhile.
+                // Not connected yet: the scripts meanwhile.
                 tracing::debug!(%error, "could not ask the Redis server for its commands; asking again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
