@@ -223,6 +223,12 @@ impl RedisServer {
         self.binary = binary.into();
         self.restart();
     }
+
+    /// [`restart_as`](Self::restart_as), with `extra` arguments in place of those it had.
+    pub fn restart_as_with<S: AsRef<str>>(&mut self, binary: impl Into<PathBuf>, extra: &[S]) {
+        self.extra = extra.iter().map(|s| s.as_ref().to_owned()).collect();
+        self.restart_as(binary);
+    }
 }
 
 impl Drop for RedisServer {
@@ -340,6 +346,14 @@ pub async fn round_trips(client: &Client) -> u64 {
         total += command_calls(client, command).await;
     }
     total
+}
+
+/// Whether the server behind `client` has compare-and-set (`SET … IFEQ`: Redis 8.4+, Valkey
+/// 8.1+), asked by trying it on a key of its own (a `set` call in `INFO commandstats`).
+pub async fn has_compare_and_set(client: &Client) -> bool {
+    let command = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
+    let args = ["compare-and-set-probe", "1", "IFEQ", "1"].map(Value::from).to_vec();
+    client.custom::<Value, _>(command, args).await.is_ok()
 }
 
 use std::sync::Arc;
