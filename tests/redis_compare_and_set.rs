@@ -553,6 +553,9 @@ async fn the_durability_option_counts_the_native_write(server: &'static str) {
     assert_eq!(answer.status, StatusCode::CREATED);
     let on_replica = raw(&replica_stats, &store, &key("durable")).await.map(|r| Raw::parse(&r));
     assert_eq!(on_replica.map(|r| r.state), Some(b'C'), "{server}: the replica has the completion");
+    // A completion the WAIT did not count would be answered all the same, and made again in
+    // the background (by the script: the store no longer remembers the claim's record).
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let spent = calls(&stats).await;
     assert_eq!((spent.set, spent.evalsha), (2, 0), "{server}: the claim, then SET … IFEQ");
     assert_eq!(command_calls(&stats, "wait").await, 2, "{server}: one WAIT for each");
@@ -620,6 +623,47 @@ async fn a_server_replaced_by_an_older_one_turns_the_store_to_the_scripts() {
             assert_eq!(failed_calls(&stats, "set").await, 0, "{case}: no SET … IFEQ after it");
         }
         assert_eq!(runs.get(), 6, "{case}");
+    }
+}
+
+/// A server replaced by another on the same address (an upgrade, or a failover onto a node of
+/// another version): once the store has reconnected, it asks the new server what it has and
+/// takes its path. Redis 7.0 replaced by 8.6: from the scripts to `SET … IFEQ` and `DELEX`.
+/// Valkey 9.1 replaced by 8.1: `SET … IFEQ` still, but releases by the script (8.1 has no
+/// `DELIFEQ`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_replaced_by_another_is_asked_again_what_it_has() {
+    for (from, to, deletes_natively) in [("redis-7.0", "redis-8.6", true), ("valkey-9.1", "valkey-8.1", false)] {
+        let mut redis = RedisServer::start_binary(newer_server(from));
+        let store = store(&redis.url(), true).await;
+        store.load_scripts().await.unwrap();
+        let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+        assert_eq!(send(&app, payment("before", "{}")).await.status, StatusCode::CREATED);
+        redis.restart_as(newer_server(to));
+        let stats = client(&redis.url()).await;
+        common::until_async("the store asks the new server what it has", || async {
+            command_calls(&stats, "command|docs").await > 0
+        })
+        .await;
+        // Its answer reaches the store a moment after the server counted the command.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        store.load_scripts().await.unwrap();
+        reset_stats(&stats).await;
+        for i in 0..2 {
+            let answer = send(&app, payment(&format!("after-{i}"), "{}")).await;
+            assert_eq!(answer.status, StatusCode::CREATED, "{from} → {to}");
+        }
+        let released = send(&app, payment_with("released", &[("x-status", "500")])).await;
+        assert_eq!(released.status, StatusCode::INTERNAL_SERVER_ERROR);
+        let spent = calls(&stats).await;
+        let deletes = spent.delex + spent.delifeq;
+        let expected = if deletes_natively { (5, 0, 1) } else { (5, 1, 0) };
+        assert_eq!(
+            (spent.set, spent.evalsha, deletes),
+            expected,
+            "{from} → {to}: two claims and completions by SET … IFEQ, a claim and a release ({spent:?})"
+        );
+        assert_eq!(runs.get(), 4);
     }
 }
 
