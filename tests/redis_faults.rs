@@ -129,7 +129,11 @@ async fn a_failed_completion_is_retried() {
     // IFEQ`): once, then the attempt after it finds this owner's completed record (another
     // deadline than its own) and writes it again with its retention restarted, as the script
     // does in one call (tests/redis_compare_and_set.rs).
-    let (completions, calls) = if native { (3, "set … ifeq") } else { (2, "evalsha") };
+    let (completions, calls) = if native {
+        (3, "set … ifeq")
+    } else {
+        (2, "evalsha")
+    };
     assert_eq!(
         round_trips(&stats).await - 1,
         completions,

@@ -352,7 +352,9 @@ pub async fn round_trips(client: &Client) -> u64 {
 /// 8.1+), asked by trying it on a key of its own (a `set` call in `INFO commandstats`).
 pub async fn has_compare_and_set(client: &Client) -> bool {
     let command = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
-    let args = ["compare-and-set-probe", "1", "IFEQ", "1"].map(Value::from).to_vec();
+    let args = ["compare-and-set-probe", "1", "IFEQ", "1"]
+        .map(Value::from)
+        .to_vec();
     client.custom::<Value, _>(command, args).await.is_ok()
 }
 
