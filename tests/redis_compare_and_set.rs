@@ -853,7 +853,44 @@ async fn valkey_9_1_replaced_by_8_1_is_asked_again_what_it_has() {
     replaced("valkey-9.1", "valkey-8.1", false).await;
 }
 
+/// Each native transition is one round trip: the notice for waiters (`SPUBLISH`) goes behind
+/// the completion's or release's command without waiting for its answer. Counted at a proxy
+/// that delivers answers 50 ms late (a command sent only once the one before it is answered
+/// takes a turn more).
+async fn each_native_transition_is_one_round_trip(server: &'static str) {
+    let redis = RedisServer::start_binary(newer_server(server));
+    let stats = client(&redis.url()).await;
+    let proxy = FaultProxy::start(redis.addr()).await;
+    // The heartbeat's pings would be turns of their own.
+    let store = store(&proxy.url(), true).await.with_heartbeat(None);
+    for transition in ["complete", "renew", "release"] {
+        let (key, owner) = (key(transition), OwnerToken::generate());
+        assert_eq!(
+            store.claim(&key, &body(), &owner, LEASE).await.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        reset_stats(&stats).await;
+        proxy.set_latency(Duration::from_millis(50));
+        let before = proxy.turns();
+        let done = match transition {
+            "complete" => {
+                store
+                    .complete(&key, &owner, Bytes::from_static(b"done"), RETENTION)
+                    .await
+            }
+            "renew" => store.renew(&key, &owner, LEASE).await,
+            _ => store.release(&key, &owner).await,
+        };
+        let turns = proxy.turns() - before;
+        proxy.set_latency(Duration::ZERO);
+        assert!(done.unwrap(), "{server}: {transition}");
+        assert_eq!(turns, 1, "{server}: {transition} in one round trip");
+        assert_eq!(calls(&stats).await.evalsha, 0, "{server}: {transition} natively");
+    }
+}
+
 on_the_newest_servers!(
+    each_native_transition_is_one_round_trip,
     a_mixed_fleet_shares_one_server,
     a_completion_resent_after_a_dropped_connection_succeeds,
     a_lost_claim_is_never_overwritten,
