@@ -226,11 +226,12 @@ mod detection {
         let [complete, renew, release] = expected(path);
 
         reset_stats(&stats).await;
-        assert_eq!(
-            send(&app, payment("fresh", "{}")).await.status,
-            StatusCode::CREATED
-        );
+        let created = send(&app, payment("fresh", "{}")).await;
+        assert_eq!(created.status, StatusCode::CREATED);
         assert_eq!(calls(&stats).await, complete, "{server_name}: a fresh request");
+        let (first, replay) = (created.body, send(&app, payment("fresh", "{}")).await);
+        assert!(replay.is_replay(), "{server_name}: stored");
+        assert_eq!(replay.body, first, "{server_name}: stored as answered");
 
         let (key, owner) = (key("renewed"), OwnerToken::generate());
         let claimed = store.claim(&key, &body(), &owner, LEASE).await.unwrap();
@@ -238,6 +239,14 @@ mod detection {
         reset_stats(&stats).await;
         assert!(store.renew(&key, &owner, LEASE).await.unwrap(), "renewed");
         assert_eq!(calls(&stats).await, renew, "{server_name}: a renewal");
+        let renewed = Raw::parse(&raw(&stats, &store, &key).await.unwrap());
+        assert_eq!(renewed.state, b'F', "{server_name}");
+        assert!(
+            renewed.deadline.abs_diff(now_ms() + 30_000) < 5_000,
+            "{server_name}"
+        );
+        let done = store.complete(&key, &owner, Bytes::from_static(b"after"), RETENTION);
+        assert!(done.await.unwrap(), "{server_name}: completed after its renewal");
 
         reset_stats(&stats).await;
         let answer = send(&app, payment_with("released", &[("x-status", "500")])).await;
