@@ -898,7 +898,43 @@ async fn each_native_transition_is_one_round_trip(server: &'static str) {
     }
 }
 
+/// A server that has a conditional delete its ACL does not let the store run (a user given the
+/// commands the store needed before: `-delex`, `-delifeq`): releases fall back to the script, so
+/// a key is free again at once, not only once its lease runs out.
+async fn a_conditional_delete_the_acl_refuses_falls_back_to_the_script(server: &'static str) {
+    let delete = if server.starts_with("redis") {
+        "-delex"
+    } else {
+        "-delifeq"
+    };
+    let acl = ["--user", "default", "on", "nopass", "~*", "&*", "+@all", delete];
+    let redis = RedisServer::start_binary_with(newer_server(server), &acl);
+    let stats = client(&redis.url()).await;
+    let store = store(&redis.url(), true).await;
+    store.load_scripts().await.unwrap();
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    for attempt in 0..2 {
+        let released = send(&app, payment_with("refused-delete", &[("x-status", "500")])).await;
+        assert_eq!(
+            released.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{server}: attempt {attempt}"
+        );
+        assert_eq!(
+            raw(&stats, &store, &key("refused-delete")).await,
+            None,
+            "{server}: released"
+        );
+    }
+    assert_eq!(
+        runs.get(),
+        2,
+        "{server}: the retry ran at once, not answered in flight"
+    );
+}
+
 on_the_newest_servers!(
+    a_conditional_delete_the_acl_refuses_falls_back_to_the_script,
     each_native_transition_is_one_round_trip,
     a_mixed_fleet_shares_one_server,
     a_completion_resent_after_a_dropped_connection_succeeds,
