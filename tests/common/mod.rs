@@ -27,10 +27,39 @@ pub struct RedisServer {
     child: Option<Child>,
     dir: PathBuf,
     extra: Vec<String>,
+    /// The server's binary: `REDIS_SERVER_BIN`, `redis-server`, or one given ([`RedisServer::start_binary`]).
+    binary: PathBuf,
 }
 
-fn redis_server_binary() -> String {
-    std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into())
+fn redis_server_binary() -> PathBuf {
+    std::env::var_os("REDIS_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "redis-server".into())
+}
+
+/// The launcher of a newer server that `scripts/newer-servers.sh` fetches into the build tree
+/// (`redis-8.0`, `valkey-8.1`, `redis-8.6`, `valkey-9.1`): `${CARGO_TARGET_DIR:-target}/servers/<name>/redis-server`.
+/// `"redis-7.0"` names the system's `redis-server`. Panics if it is missing: a test that needs a
+/// server's capability fails without it, never skips.
+pub fn newer_server(name: &str) -> PathBuf {
+    if name == "redis-7.0" {
+        return "redis-server".into();
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let target = if target.is_relative() {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(target)
+    } else {
+        target
+    };
+    let launcher = target.join("servers").join(name).join("redis-server");
+    assert!(
+        launcher.exists(),
+        "{} is missing: run scripts/newer-servers.sh (it fetches {name} into the build tree)",
+        launcher.display()
+    );
+    launcher
 }
 
 fn free_port() -> u16 {
@@ -66,16 +95,31 @@ impl RedisServer {
 
     /// Starts a server with extra arguments (later arguments override the defaults).
     pub fn start_with<S: AsRef<str>>(extra: &[S]) -> Self {
+        Self::start_binary_with(redis_server_binary(), extra)
+    }
+
+    /// Starts the server `binary` (a launcher from [`newer_server`], say) whatever
+    /// `REDIS_SERVER_BIN` says.
+    pub fn start_binary(binary: impl Into<PathBuf>) -> Self {
+        Self::start_binary_with::<&str>(binary, &[])
+    }
+
+    /// [`start_binary`](Self::start_binary) with extra arguments.
+    pub fn start_binary_with<S: AsRef<str>>(binary: impl Into<PathBuf>, extra: &[S]) -> Self {
+        let binary = binary.into();
         for _ in 0..5 {
             let port = free_port();
-            if let Some(server) = Self::start_on(port, extra) {
+            if let Some(server) = Self::start_on(&binary, port, extra) {
                 return server;
             }
         }
-        panic!("could not start redis-server on a free port after 5 tries");
+        panic!(
+            "could not start {} on a free port after 5 tries",
+            binary.display()
+        );
     }
 
-    fn start_on<S: AsRef<str>>(port: u16, extra: &[S]) -> Option<Self> {
+    fn start_on<S: AsRef<str>>(binary: &std::path::Path, port: u16, extra: &[S]) -> Option<Self> {
         assert_ne!(port, 6379, "tests never use the default Redis port");
         let dir = server_dir("redis", port);
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
@@ -85,6 +129,7 @@ impl RedisServer {
             child: None,
             dir,
             extra,
+            binary: binary.to_owned(),
         };
         server.spawn().then_some(server)
     }
@@ -93,7 +138,7 @@ impl RedisServer {
         let pidfile = self.dir.join("redis.pid");
         // A server killed with SIGKILL leaves its pid file behind.
         let _ = std::fs::remove_file(&pidfile);
-        let child = Command::new(redis_server_binary())
+        let child = Command::new(&self.binary)
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
             .arg("--dir")
@@ -109,7 +154,7 @@ impl RedisServer {
                 panic!(
                     "cannot run `{}` ({error}). Install it (apt-get install redis-server) or run scripts/test.sh, \
                      which does.",
-                    redis_server_binary()
+                    self.binary.display()
                 )
             });
         self.child = Some(child);
@@ -170,6 +215,19 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(50));
         }
         panic!("could not restart redis-server on port {}", self.port);
+    }
+
+    /// Starts the server again on the same port, empty, as `binary`: an upgrade or a downgrade,
+    /// or a failover onto a server of another version.
+    pub fn restart_as(&mut self, binary: impl Into<PathBuf>) {
+        self.binary = binary.into();
+        self.restart();
+    }
+
+    /// [`restart_as`](Self::restart_as), with `extra` arguments in place of those it had.
+    pub fn restart_as_with<S: AsRef<str>>(&mut self, binary: impl Into<PathBuf>, extra: &[S]) {
+        self.extra = extra.iter().map(|s| s.as_ref().to_owned()).collect();
+        self.restart_as(binary);
     }
 }
 
@@ -276,12 +334,28 @@ pub async fn command_calls(client: &Client, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The round trips the store made: its claims (`SET … NX GET`, a command no script calls) plus
-/// its EVALSHA and EVAL calls (the commands scripts run inside are not counted).
+/// The round trips the store made, on either path of the owner-checked transitions: its claims
+/// (`SET … NX GET`), its scripts' calls (EVALSHA, EVAL; the commands a script runs inside are
+/// not counted) and its native compare-and-set commands (a completion or a renewal is one
+/// `SET … IFEQ`, a release one `DELEX` or `DELIFEQ`). A native completion or release also sends
+/// `SPUBLISH` (the waiters' notice), in the same pipeline, so in the same round trip: it is not
+/// counted, as the scripts' own `SPUBLISH` is not.
 pub async fn round_trips(client: &Client) -> u64 {
-    command_calls(client, "set").await
-        + command_calls(client, "evalsha").await
-        + command_calls(client, "eval").await
+    let mut total = 0;
+    for command in ["set", "evalsha", "eval", "delex", "delifeq"] {
+        total += command_calls(client, command).await;
+    }
+    total
+}
+
+/// Whether the server behind `client` has compare-and-set (`SET … IFEQ`: Redis 8.4+, Valkey
+/// 8.1+), asked by trying it on a key of its own (a `set` call in `INFO commandstats`).
+pub async fn has_compare_and_set(client: &Client) -> bool {
+    let command = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
+    let args = ["compare-and-set-probe", "1", "IFEQ", "1"]
+        .map(Value::from)
+        .to_vec();
+    client.custom::<Value, _>(command, args).await.is_ok()
 }
 
 use std::sync::Arc;

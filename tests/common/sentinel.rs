@@ -78,7 +78,7 @@ impl SentinelProcess {
                 panic!(
                     "cannot run `{} <conf> --sentinel` ({error}). Install redis-server (apt-get install \
                      redis-server) or run scripts/test.sh, which does.",
-                    super::redis_server_binary()
+                    super::redis_server_binary().display()
                 )
             });
         let mut sentinel = Self {

@@ -20,9 +20,9 @@
 //!
 //! What the server can do is asked once the store starts (`COMMAND INFO`, `COMMAND DOCS`), and
 //! again after every reconnect (a failover can land on an older replica). A native command
-//! refused as unknown (a node not yet upgraded) turns the store back to the scripts until the
-//! next reconnect, and that call is made again with its script: the refused command wrote
-//! nothing.
+//! refused as unknown (a node not yet upgraded) or as not allowed (an ACL written for the
+//! scripts' commands) turns the store back to the scripts until the next reconnect, and that
+//! call is made again with its script: the refused command wrote nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -103,10 +103,14 @@ impl Native {
         }
     }
 
-    /// A native command was refused as unknown: the scripts, until the next reconnect.
+    /// A native command was refused as unknown, or as not allowed to this user (an ACL that
+    /// lists the commands the store needed before, without `DELEX` or `DELIFEQ`): the scripts,
+    /// until the next reconnect.
     pub(super) fn refused(&self, error: &fred::error::Error) -> bool {
         let details = error.details();
-        let refused = details.starts_with("ERR syntax error") || details.starts_with("ERR unknown command");
+        let refused = details.starts_with("ERR syntax error")
+            || details.starts_with("ERR unknown command")
+            || details.starts_with("NOPERM");
         if refused && self.commands.swap(0, Ordering::Relaxed) != 0 {
             tracing::warn!(
                 %error,
