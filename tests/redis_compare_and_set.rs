@@ -933,7 +933,90 @@ async fn a_conditional_delete_the_acl_refuses_falls_back_to_the_script(server: &
     );
 }
 
+/// With the durability option, a native completion whose answer was lost with its connection,
+/// and which the client then sends again on a new one, finds the record it wrote already. The
+/// `WAIT` behind it must still count that write: a `WAIT` on a connection that wrote nothing
+/// answers at once with every replica, and a completion the replica never received would be
+/// taken for durable. Two things make the new connection write before its `WAIT`: the record
+/// written again (as complete.lua writes it again) and the waiters' notice (`SPUBLISH` goes to
+/// the replicas like a write); the replication stream is one sequence, so a replica that has
+/// either has the first write too. Here the replica is paused from before the completion until
+/// after the store gave up on it: the store must report the completion unreplicated. (Checked:
+/// this fails with neither, and passes with either alone.)
+async fn a_resent_completion_is_counted_by_its_own_wait(server: &'static str) {
+    let binary = newer_server(server);
+    let master = RedisServer::start_binary_with(&binary, &["--repl-diskless-sync-delay", "0"]);
+    let port = master.port().to_string();
+    let replica = RedisServer::start_binary_with(&binary, &["--replicaof", "127.0.0.1", &port]);
+    let stats = client(&master.url()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        admin(&stats, &["SET", "probe", "1"]).await;
+        if admin(&stats, &["WAIT", "1", "100"]).await.as_i64() == Some(1) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{server}: the replica never acknowledged a write"
+        );
+    }
+    let proxy = Arc::new(FaultProxy::start(master.addr()).await);
+    let acks = ReplicaAcks::new(1)
+        .timeout(Duration::from_millis(300))
+        .retry_completions_for(Duration::from_secs(1));
+    let store = store(&proxy.url(), true)
+        .await
+        .with_heartbeat(None)
+        .with_replica_acks(acks)
+        .await
+        .expect("the durability option's connections");
+    let (layer, events) = reconciled(IdempotencyLayer::new(store));
+    let replica_pid = replica.pid().expect("the replica runs").to_string();
+    let handler = {
+        let (proxy, replica_pid) = (proxy.clone(), replica_pid.clone());
+        move || {
+            let (proxy, replica_pid) = (proxy.clone(), replica_pid.clone());
+            async move {
+                // The claim was acknowledged; from here the replica acknowledges nothing.
+                let paused = std::process::Command::new("kill")
+                    .args(["-STOP", &replica_pid])
+                    .status();
+                assert!(paused.is_ok_and(|status| status.success()), "pause the replica");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                proxy.set(common::proxy::Fault::DropNextReply);
+                (StatusCode::CREATED, "ran once")
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/payments", axum::routing::post(handler))
+        .layer(layer);
+    let answer = send(&app, payment("resent-durable", "{}")).await;
+    // Answered with its result either way: an unacknowledged completion is completed again in
+    // the background, and reported when that gives up.
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(
+        proxy.dropped_replies(),
+        1,
+        "{server}: the completion's reply was dropped"
+    );
+    let reported = Instant::now() + Duration::from_secs(10);
+    while events.lock().unwrap().is_empty() && Instant::now() < reported {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resumed = std::process::Command::new("kill")
+        .args(["-CONT", &replica_pid])
+        .status();
+    assert!(resumed.is_ok_and(|status| status.success()), "resume the replica");
+    let events = events.lock().unwrap().clone();
+    assert!(
+        events.iter().any(|event| event.contains("ReplicationAbandoned")),
+        "{server}: a completion the paused replica never had was taken for durable: {events:?}"
+    );
+}
+
 on_the_newest_servers!(
+    a_resent_completion_is_counted_by_its_own_wait,
     a_conditional_delete_the_acl_refuses_falls_back_to_the_script,
     each_native_transition_is_one_round_trip,
     a_mixed_fleet_shares_one_server,

@@ -321,7 +321,11 @@ impl RedisStore {
                     expected = current;
                     continue;
                 }
-                Found::OursCompleted(current) => {
+                Found::AlreadyWritten | Found::OursCompleted(_) => {
+                    // Completed by this owner before, over another connection or by an attempt
+                    // whose answer was lost: written again here (its retention restarted), so
+                    // that the WAIT counts a write of this connection, as complete.lua does.
+                    let current = found.unwrap_or_default();
                     let again = native::restarted(&current, head.len(), &call.state);
                     let after = vec![waiter.wait_command(&redis_key)];
                     let answer = self

@@ -501,7 +501,7 @@ impl RedisStore {
                 return Ok(None);
             };
             match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
-                Found::Written => {}
+                Found::Written | Found::AlreadyWritten => {}
                 Found::OursInFlight(current) => {
                     expected = current;
                     continue;
@@ -555,7 +555,7 @@ impl RedisStore {
                 return Ok(None);
             };
             match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
-                Found::Written => {
+                Found::Written | Found::AlreadyWritten => {
                     self.native.hold(written, lease);
                     return Ok(Some(true));
                 }

@@ -248,7 +248,8 @@ async fn keep_detecting(native: Weak<Native>, redetect: Arc<Notify>, client: Opt
                 redetect.notified().await;
             }
             Err(error) => {
-                // Not connected yet: the scripts meanwhile.
+                // Not connected yet: what was found before meanwhile (a command the server lacks is
+                // refused, and the store turns to the scripts).
                 tracing::debug!(%error, "could not ask the Redis server for its commands; asking again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
@@ -374,9 +375,12 @@ pub(super) fn publish_settled(channel: &str) -> (CustomCommand, Vec<Value>) {
 /// What a `SET … IFEQ <expected> GET` that wrote `written` for the owner of `head` found.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Found {
-    /// The expected record (now replaced), or the one written (a command re-sent after a
-    /// dropped connection, whose first copy was applied).
+    /// The expected record, now replaced by the one written.
     Written,
+    /// The record already is the one written: a command re-sent after a dropped connection,
+    /// whose first copy was applied. This command wrote nothing, which matters to a `WAIT`
+    /// behind it (it counts its own connection's writes).
+    AlreadyWritten,
     /// This owner's record in flight, not the one remembered: compare again with it.
     OursInFlight(Bytes),
     /// This owner's record, completed already (with another deadline than this write's).
@@ -389,8 +393,11 @@ pub(super) fn found(answer: Option<&Bytes>, head: &[u8], expected: &[u8], writte
     let Some(current) = answer else {
         return Found::Lost;
     };
-    if current[..] == *expected || current[..] == *written {
+    if current[..] == *expected {
         return Found::Written;
+    }
+    if current[..] == *written {
+        return Found::AlreadyWritten;
     }
     match current.strip_prefix(head).and_then(|rest| rest.first()) {
         Some(&record::IN_FLIGHT) => Found::OursInFlight(current.clone()),
@@ -459,7 +466,10 @@ mod tests {
         let done = record::state_until(record::COMPLETED, Duration::from_secs(60));
         let written = rewritten(&expected, head.len(), &done, b"p");
         assert_eq!(found(Some(&expected), &head, &expected, &written), Found::Written);
-        assert_eq!(found(Some(&written), &head, &expected, &written), Found::Written);
+        assert_eq!(
+            found(Some(&written), &head, &expected, &written),
+            Found::AlreadyWritten
+        );
         assert_eq!(found(None, &head, &expected, &written), Found::Lost);
         assert_eq!(
             found(Some(&renewed), &head, &expected, &written),
