@@ -259,39 +259,26 @@ mod detection {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_7_0_runs_the_scripts() {
-        transitions_take("redis-7.0", true, Path::Scripts).await;
+    /// One test per line: its name, the server, whether native transitions are on, the path.
+    macro_rules! transitions {
+        ($($test:ident: $server:literal, $native:literal, $path:expr;)*) => {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    transitions_take($server, $native, $path).await;
+                }
+            )*
+        };
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_8_0_runs_the_scripts() {
-        transitions_take("redis-8.0", true, Path::Scripts).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn valkey_8_1_sets_natively_and_releases_by_script() {
-        transitions_take("valkey-8.1", true, Path::SetIfEq).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_8_6_sets_and_deletes_natively() {
-        transitions_take("redis-8.6", true, Path::Delex).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn valkey_9_1_sets_and_deletes_natively() {
-        transitions_take("valkey-9.1", true, Path::DelIfEq).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_8_6_runs_the_scripts_when_told_to() {
-        transitions_take("redis-8.6", false, Path::Scripts).await;
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn valkey_9_1_runs_the_scripts_when_told_to() {
-        transitions_take("valkey-9.1", false, Path::Scripts).await;
+    transitions! {
+        redis_7_0_runs_the_scripts: "redis-7.0", true, Path::Scripts;
+        redis_8_0_runs_the_scripts: "redis-8.0", true, Path::Scripts;
+        valkey_8_1_sets_natively_and_releases_by_script: "valkey-8.1", true, Path::SetIfEq;
+        redis_8_6_sets_and_deletes_natively: "redis-8.6", true, Path::Delex;
+        valkey_9_1_sets_and_deletes_natively: "valkey-9.1", true, Path::DelIfEq;
+        redis_8_6_runs_the_scripts_when_told_to: "redis-8.6", false, Path::Scripts;
+        valkey_9_1_runs_the_scripts_when_told_to: "valkey-9.1", false, Path::Scripts;
     }
 }
 
