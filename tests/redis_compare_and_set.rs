@@ -643,15 +643,14 @@ async fn a_renewal_whose_answer_was_lost_does_not_lose_the_claim(server: &'stati
     }
 }
 
-/// With the durability option, the native completion and its `WAIT` go in one round trip, and
-/// the `WAIT` counts the completion's write: the replica has it when the client has the answer,
-/// and nothing is completed again.
-async fn the_durability_option_counts_the_native_write(server: &'static str) {
+/// A master and its replica of `server`, and a client of the master, once the replica
+/// acknowledges writes.
+async fn master_and_replica(server: &str) -> (RedisServer, RedisServer, Client) {
     let binary = newer_server(server);
     let master = RedisServer::start_binary_with(&binary, &["--repl-diskless-sync-delay", "0"]);
     let port = master.port().to_string();
     let replica = RedisServer::start_binary_with(&binary, &["--replicaof", "127.0.0.1", &port]);
-    let (stats, replica_stats) = (client(&master.url()).await, client(&replica.url()).await);
+    let stats = client(&master.url()).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         admin(&stats, &["SET", "probe", "1"]).await;
@@ -663,6 +662,15 @@ async fn the_durability_option_counts_the_native_write(server: &'static str) {
             "{server}: the replica never acknowledged a write"
         );
     }
+    (master, replica, stats)
+}
+
+/// With the durability option, the native completion and its `WAIT` go in one round trip, and
+/// the `WAIT` counts the completion's write: the replica has it when the client has the answer,
+/// and nothing is completed again.
+async fn the_durability_option_counts_the_native_write(server: &'static str) {
+    let (master, replica, stats) = master_and_replica(server).await;
+    let replica_stats = client(&replica.url()).await;
     let store = store(&master.url(), true)
         .await
         .with_replica_acks(ReplicaAcks::new(1).timeout(Duration::from_secs(2)))
@@ -931,22 +939,7 @@ async fn a_conditional_delete_the_acl_refuses_falls_back_to_the_script(server: &
 /// after the store gave up on it: the store must report the completion unreplicated. (Checked:
 /// this fails with neither, and passes with either alone.)
 async fn a_resent_completion_is_counted_by_its_own_wait(server: &'static str) {
-    let binary = newer_server(server);
-    let master = RedisServer::start_binary_with(&binary, &["--repl-diskless-sync-delay", "0"]);
-    let port = master.port().to_string();
-    let replica = RedisServer::start_binary_with(&binary, &["--replicaof", "127.0.0.1", &port]);
-    let stats = client(&master.url()).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        admin(&stats, &["SET", "probe", "1"]).await;
-        if admin(&stats, &["WAIT", "1", "100"]).await.as_i64() == Some(1) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{server}: the replica never acknowledged a write"
-        );
-    }
+    let (master, replica, _) = master_and_replica(server).await;
     let proxy = Arc::new(FaultProxy::start(master.addr()).await);
     let acks = ReplicaAcks::new(1)
         .timeout(Duration::from_millis(300))
