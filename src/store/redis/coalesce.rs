@@ -326,9 +326,7 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
     let mut sends = Vec::with_capacity(batch.len());
     let mut merged: Vec<Merged> = Vec::new();
     // Compare-and-sets after the commands fred feeds, which their writes then carry.
-    let (native, batch): (Vec<Job>, Vec<Job>) =
-        (batch.into_iter()).partition(|job| matches!(job.command, Command::Native { .. }));
-    let native = native.into_iter().map(Send::One);
+    let mut native = Vec::new();
     for job in batch {
         let Job {
             client,
@@ -338,7 +336,10 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             queued_at,
         } = job
         else {
-            sends.push(Send::One(job));
+            match job.command {
+                Command::Native { .. } => native.push(Send::One(job)),
+                _ => sends.push(Send::One(job)),
+            }
             continue;
         };
         if !call.mergeable {
