@@ -80,8 +80,12 @@ run_lanes() {
 # The newer servers first: tests/redis_compare_and_set.rs runs on them in the first lanes too.
 # An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
 # loop over a failed substitution would run zero times and pass.
+# Each phase is named with the seconds since the start, so the log tells where the time goes.
+started=$(date +%s)
+phase() { echo "== test.sh: $* (at $(($(date +%s) - started)) s)"; }
 newer=$(scripts/newer-servers.sh)
 [ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
+phase "building the test binaries"
 mapfile -t binaries < <(test_binaries)
 expected=$(($(ls tests/*.rs | wc -l) + 2)) # every tests/*.rs, the library's and the admin tool's unit tests
 [ "${#binaries[@]}" -eq "$expected" ] || {
@@ -103,8 +107,11 @@ for entry in "${binaries[@]}"; do
   esac
 done
 other_lane+="doctests"$'\n'
+phase "the Redis lane and the other lane"
 run_lanes "$redis_lane" "$other_lane"
+phase "the failover storms"
 run_lanes "$storms"
+phase "the TLS refusal without TLS"
 
 # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be refused
 # (never a plain-text connection).
@@ -132,4 +139,6 @@ for server in $newer; do
   # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.
   lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"$lane")
 done
+phase "the newer servers' lanes"
 run_lanes "${lanes[@]}"
+phase "done"
