@@ -404,19 +404,25 @@ def redis_servers(spec):
 NOT_THE_CLIENTS = {"info", "replconf", "client|list"}
 # `INFO commandstats` counts a command a script calls like one a client sends. What the store's
 # scripts call, run by run (scripts/*.lua):
-#   complete.lua completing a record:              GETRANGE SETRANGE APPEND PEXPIRE SPUBLISH
+#   complete.lua completing a record:              GETRANGE SET SPUBLISH
+#     (builds before the one-SET completion:       GETRANGE SETRANGE APPEND PEXPIRE SPUBLISH)
 #   complete.lua on a record this owner completed: GETRANGE SETRANGE PEXPIRE
 #   release.lua releasing:                         GETRANGE DEL SPUBLISH
 #   renew.lua renewing:                            GETRANGE SETRANGE PEXPIRE
 #   any of them on a record the owner lost:        GETRANGE
 # The client never sends GETRANGE, SETRANGE, APPEND or DEL itself (its native transitions are
-# SET … IFEQ, DELEX, DELIFEQ), so all of their calls are the scripts'; and the scripts' SPUBLISH
-# calls are as many as their APPEND and DEL calls, their PEXPIRE calls as many as their SETRANGE
-# calls. The rest of SPUBLISH and PEXPIRE, and every other command, the client sent.
-# check_counting() proves this on every server at the start of a run, running each branch of
-# the scripts and the native commands.
+# SET … IFEQ, DELEX, DELIFEQ, each but a renewal with its SPUBLISH), so all of their calls are
+# the scripts'; the scripts' PEXPIRE calls are as many as their SETRANGE calls.
+# Every run of a script reads its record with one GETRANGE, and every run but a completion by
+# one SET (and a lost claim) also calls SETRANGE or DEL: so the scripts' SET calls are their
+# GETRANGE calls less their SETRANGE and DEL calls, counting lost claims too, and no more than
+# the SPUBLISH calls that no APPEND, DEL, DELEX or DELIFEQ accounts for, counting the native
+# completions' too. The two bounds differ only in a window with both lost claims and native
+# completions: not a bench cell (a claim lost there is a wrong answer, and the cell is flagged).
+# The scripts' SPUBLISH calls are their APPEND, DEL and SET calls. The rest of SET and SPUBLISH,
+# and every other command, the client sent. check_counting() proves this on every server at the
+# start of a run, running each branch of the scripts and then the native commands.
 SCRIPT_ONLY = {"getrange", "setrange", "append", "del"}
-SCRIPT_ALSO = {"spublish": ("append", "del"), "pexpire": ("setrange",)}
 
 
 def sent_by_client(delta, store, inner):
@@ -426,10 +432,14 @@ def sent_by_client(delta, store, inner):
         # The peers' own scripts: a command their scripts call counts as called in the script.
         skip = inner | PEER_SCRIPT_CALLS[store] | NOT_THE_CLIENTS
         return {name: calls for name, calls in delta.items() if name not in skip}
-    in_scripts = {name: delta.get(name, 0) for name in SCRIPT_ONLY}
-    for name, witnesses in SCRIPT_ALSO.items():
-        in_scripts[name] = min(delta.get(name, 0), sum(delta.get(w, 0) for w in witnesses))
-    return {name: calls - in_scripts.get(name, 0) for name, calls in delta.items()
+    calls = lambda name: delta.get(name, 0)  # noqa: E731
+    in_scripts = {name: calls(name) for name in SCRIPT_ONLY}
+    in_scripts["pexpire"] = min(calls("pexpire"), calls("setrange"))
+    unpaired = calls("spublish") - calls("append") - calls("del") - calls("delex") - calls("delifeq")
+    in_scripts["set"] = max(0, min(calls("set"), calls("getrange") - calls("setrange") - calls("del"),
+                                   unpaired))
+    in_scripts["spublish"] = min(calls("spublish"), calls("append") + calls("del") + in_scripts["set"])
+    return {name: n - in_scripts.get(name, 0) for name, n in delta.items()
             if name not in NOT_THE_CLIENTS}
 
 
@@ -480,6 +490,16 @@ def check_counting(redis, inner, capabilities):
         sent += 1
         return client.cmd_raw(*args)
 
+    def check(what):
+        nonlocal before, sent
+        after = redis_snapshot(client)
+        delta = {name: calls - before["calls"].get(name, 0) for name, calls in after["calls"].items()}
+        counted = sent_commands({name: calls for name, calls in delta.items() if calls}, "redis", inner)
+        if counted != sent:
+            raise BenchError(f"counting commands sent on {redis.label} ({what}): {counted} counted, "
+                             f"{sent} sent (commandstats delta {delta}); fix sent_commands()")
+        before, sent = redis_snapshot(client), 0
+
     before = redis_snapshot(client)
     for key in ("bench:check:a", "bench:check:b", "bench:check:c"):
         send("SET", key, in_flight, "NX", "PX", 60_000, "GET")
@@ -491,25 +511,21 @@ def check_counting(redis, inner, capabilities):
          head, done, b"p", 60_000)  # two records in one call
     send("EVAL", lua["renew"], 1, "bench:check:c", head, b"F" + deadline, 60_000)
     send("EVAL", lua["release"], 1, "bench:check:c", head)
+    send("EVAL", lua["release"], 1, "bench:check:c", head)  # lost
+    check("the scripts")
     if "ifeq" in capabilities:
         send("SET", "bench:check:d", in_flight)
-        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000)
+        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000, "GET")
         send("SPUBLISH", "bench:check:d:settled", "")
-        send("PEXPIRE", "bench:check:d", 60_000)
+        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000, "GET")  # lost
     for command in ("delex", "delifeq"):
         if command in capabilities:
             send("SET", "bench:check:e", in_flight)
             send(*(("DELEX", "bench:check:e", "IFEQ", in_flight) if command == "delex"
                    else ("DELIFEQ", "bench:check:e", in_flight)))
             send("SPUBLISH", "bench:check:e:settled", "")
-    after = redis_snapshot(client)
-    delta = {name: calls - before["calls"].get(name, 0) for name, calls in after["calls"].items()}
-    counted = sent_commands({name: calls for name, calls in delta.items() if calls}, "redis", inner)
+    check("the native commands")
     client.cmd("FLUSHALL", "SYNC")
-    if counted != sent:
-        raise BenchError(f"counting commands sent on {redis.label}: {counted} counted, {sent} sent "
-                         f"(commandstats delta {delta}); fix sent_commands()")
-    return sent
 
 
 def record_head(client, key):
@@ -575,9 +591,10 @@ WEIGHED_BODIES = (45, 100, 1000)
 
 def weigh_write_paths(client, record, prefix):
     """MEMORY USAGE of `record`, and of it with WEIGHED_BODIES-byte response bodies, written the
-    two ways a completion writes: complete.lua on an in-flight record (SETRANGE, then APPEND of
-    the payload: APPEND leaves the string room to grow, up to its length again) and one SET of the
-    whole record (the native `SET … IFEQ`). Probe keys are named like records, in another slot."""
+    two ways a completion writes: the work tree's complete.lua on an in-flight record (one SET of
+    the whole record since issue 26; before, SETRANGE then APPEND of the payload, and APPEND left
+    the string room to grow, up to its length again) and one SET of the whole record (the native
+    `SET … IFEQ`). Probe keys are named like records, in another slot."""
     owner_len = int.from_bytes(record[4:6], "big")
     head, at = record[:6 + owner_len], 6 + owner_len + 9 + 32
     in_flight = head + b"F" + record[6 + owner_len + 1:at]
@@ -1400,9 +1417,10 @@ def memory_lines(aggs):
     for a in rows:
         paths.setdefault(a["server"], a["record_memory"][-1]["write_paths"])
     lines += ["", "The same records written the two ways a completion writes (`MEMORY USAGE`, B): by "
-              "complete.lua onto the in-flight record (`SETRANGE`, then `APPEND` of the payload, which "
-              "leaves the string room to grow) and by one `SET` of the whole record (the native `SET … "
-              "IFEQ`); the bench's response body and longer ones:", "",
+              "the work tree's complete.lua onto the in-flight record (one `SET` of the whole record; "
+              "before issue 26's last change, `SETRANGE` then `APPEND` of the payload, which left the "
+              "string room to grow) and by one `SET` of the whole record (the native `SET … IFEQ`); "
+              "the bench's response body and longer ones:", "",
               "| Redis server | response body B | record (STRLEN) B | complete.lua | one SET |",
               "|---|---|---|---|---|"]
     for server, weighed in paths.items():
@@ -1778,11 +1796,13 @@ def run_matrix(args):
            "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, SET … IFEQ, "
            "DELEX, …): every command in `INFO commandstats` but the driver's INFO and CLIENT LIST, a "
            "replica's REPLCONF (redis-acks: its replica answers each WAIT) and those the store's Lua "
-           "scripts call: all GETRANGE, SETRANGE, APPEND and DEL calls (the client sends none), as "
-           "many SPUBLISH as APPEND and DEL calls and as many PEXPIRE as SETRANGE calls (what the "
-           "scripts call together), the rest of SPUBLISH and PEXPIRE being the native path's; checked "
-           "at the start of the run on every server against each branch of scripts/*.lua and the "
-           "native commands. For the peers, every command their scripts call counts as called in a "
+           "scripts call: all GETRANGE, SETRANGE, APPEND and DEL calls (the client sends none); as "
+           "many PEXPIRE as SETRANGE calls; as SET calls, the GETRANGE calls less the SETRANGE and DEL calls (complete.lua "
+           "writes a completed record with one SET; every other branch but a lost claim calls "
+           "SETRANGE or DEL), at most the SPUBLISH calls no APPEND, DEL, DELEX or DELIFEQ accounts "
+           "for; as SPUBLISH calls, the APPEND, DEL and those SET calls; the rest of SET and SPUBLISH "
+           "being the client's; checked at the start of the run on every server against each branch "
+           "of scripts/*.lua and the native commands. For the peers, every command their scripts call counts as called in a "
            "script. *executed* is the `total_commands_processed` "
            "delta, which also counts the commands run inside the scripts. Both include the "
            "requests still in flight when wrk stops (up to 32 per cell). Peak RSS is the server's "

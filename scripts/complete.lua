@@ -1,19 +1,19 @@
 -- complete.lua: store the result of a claimed record, if the caller still owns it.
 --
--- A record is one string (layout in src/store/redis.rs): a head of magic, layout version and
+-- A record is one string (layout in src/store/redis/record.rs): a head of magic, layout version and
 -- owner; a state byte ('F' in flight, 'C' completed) and a deadline (the lease's end in flight,
 -- the retention's end once completed); the fingerprint; and, once completed, the stored payload.
 -- The claim itself is not a script: it is `SET key <in-flight record> NX PX <lease> GET`.
 --
 -- KEYS[i]    a record; one or many (completions sent together are one call: see
---            src/store/redis_coalesce.rs). For record i, from j = 4 * (i - 1):
+--            src/store/redis/coalesce.rs). For record i, from j = 4 * (i - 1):
 -- ARGV[j+1]  the caller's head (magic, version, owner)
 -- ARGV[j+2]  'C' and the retention deadline (9 bytes)
 -- ARGV[j+3]  payload
 -- ARGV[j+4]  retention (ms)
 --
 -- Publishes (SPUBLISH, an empty message) on KEYS[i] .. ':settled' when it completes the record, for
--- requests waiting for it (src/store/redis_notices.rs): a shard channel in the record's slot.
+-- requests waiting for it (src/store/redis/notices.rs): a shard channel in the record's slot.
 --
 -- Answers, per record, 1 when the record is completed by this owner (also when it already was, so
 -- a completion re-sent after a dropped connection succeeds; the payload is then left as it was),
@@ -21,11 +21,14 @@
 -- the newer owner's record is never overwritten. One record: that flag; several: an array of them,
 -- in the order of KEYS. Each record is decided on its own: one lost claim fails no other.
 local function complete(key, head, state, payload, retention)
-  local ok, found = pcall(redis.call, 'GETRANGE', key, 0, #head)
+  -- An in-flight record is exactly the head, 9 bytes of state and deadline, and the 32-byte
+  -- fingerprint: read no more than that, so a large record of another owner is not copied.
+  local ok, found = pcall(redis.call, 'GETRANGE', key, 0, #head + 40)
   if not ok then
     return 0
   end
-  if found == head .. 'C' then
+  local current = string.sub(found, 1, #head + 1)
+  if current == head .. 'C' then
     -- Completed already, by this owner: the retention restarts. Writing again also matters to a
     -- WAIT sent after this script on the same connection (RedisStore::with_replica_acks): it
     -- counts the connection's own writes, and the first completion may have gone over another one.
@@ -33,12 +36,13 @@ local function complete(key, head, state, payload, retention)
     redis.call('PEXPIRE', key, retention)
     return 1
   end
-  if found ~= head .. 'F' then
+  if current ~= head .. 'F' or #found ~= #head + 41 then
     return 0
   end
-  redis.call('SETRANGE', key, #head, state)
-  redis.call('APPEND', key, payload)
-  redis.call('PEXPIRE', key, retention)
+  -- One SET of the whole completed record, the bytes the native path (SET … IFEQ) writes: a
+  -- string written once takes the allocation its length needs, where APPEND onto the in-flight
+  -- record left room for as many bytes again (docs/performance.md, memory per record).
+  redis.call('SET', key, head .. state .. string.sub(found, #head + 10) .. payload, 'PX', retention)
   redis.call('SPUBLISH', key .. ':settled', '')
   return 1
 end

@@ -4,7 +4,7 @@
 -- ARGV[1]  the caller's head (magic, version, owner; see complete.lua)
 --
 -- Publishes (SPUBLISH, an empty message) on KEYS[1] .. ':settled' when it deletes the record, so a
--- request waiting for it claims the key (src/store/redis_notices.rs).
+-- request waiting for it claims the key (src/store/redis/notices.rs).
 --
 -- Returns 1 when the record was deleted, 0 when the caller does not own an in-flight record.
 local ok, head = pcall(redis.call, 'GETRANGE', KEYS[1], 0, #ARGV[1])

@@ -21,6 +21,7 @@ use common::proxy::FaultProxy;
 use common::{admin, client, client_with_attempts, command_calls, newer_server, RedisServer};
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::Expiration;
 use http::StatusCode;
 use tower_idempotency::{
     ClaimOutcome, Fingerprint, IdempotencyKey, IdempotencyLayer, OwnerToken, RecordKey, RedisStore,
@@ -54,6 +55,7 @@ async fn store(url: &str, native: bool) -> RedisStore {
 /// The commands the transitions may take, as `INFO commandstats` counts them.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 struct Calls {
+    /// Claims, native `SET … IFEQ`, and the one `SET` complete.lua writes a completion with.
     set: u64,
     evalsha: u64,
     delex: u64,
@@ -201,7 +203,7 @@ mod detection {
         let complete = if native_sets {
             calls(2, 0, 0, 0, 1) // the claim, then SET … IFEQ beside SPUBLISH
         } else {
-            calls(1, 1, 0, 0, 1) // the claim, then complete.lua (which publishes)
+            calls(2, 1, 0, 0, 1) // the claim, then complete.lua (which writes with one SET, publishes)
         };
         let renew = if native_sets {
             calls(1, 0, 0, 0, 0)
@@ -766,8 +768,9 @@ async fn a_server_replaced_by_an_older_one_turns_the_store_to_the_scripts() {
         }
         assert_eq!(
             (ran[0], ran[1] + ran[2]),
-            (4, 4),
-            "{case}: the claims, and a script for each transition"
+            (7, 4),
+            "{case}: the claims and complete.lua's SET for each completion, and a script for \
+             each transition"
         );
         let again = send(&app, payment_with("released-on-7.0", &[])).await;
         assert_eq!(
@@ -993,6 +996,85 @@ async fn a_resent_completion_is_counted_by_its_own_wait(server: &'static str) {
         events.iter().any(|event| event.contains("ReplicationAbandoned")),
         "{server}: a completion the paused replica never had was taken for durable: {events:?}"
     );
+}
+
+/// A completed record takes the memory one `SET` of its bytes takes, on each path: the native
+/// `SET … IFEQ`, and complete.lua, which writes the whole record with one `SET` too (it once
+/// appended the payload, and `APPEND` left the string room for as many bytes again: 2.7 KB
+/// against 1.4 KB for a 1 KiB answer). Read with `MEMORY USAGE`, against a probe key of the
+/// same length written with one `SET`.
+async fn a_completed_record_takes_the_memory_of_one_set(server: &'static str, native: bool) {
+    let redis = RedisServer::start_binary(newer_server(server));
+    let stats = client(&redis.url()).await;
+    let store = store(&redis.url(), native).await;
+    let memory = |key: String| {
+        let stats = stats.clone();
+        async move {
+            let usage = admin(&stats, &["MEMORY", "USAGE", &key, "SAMPLES", "0"]).await;
+            usage
+                .as_u64()
+                .unwrap_or_else(|| panic!("MEMORY USAGE {key}: {usage:?}"))
+        }
+    };
+    for size in [0, 100, 1000, 20_000] {
+        let (key, owner) = (key(&format!("weighed-{size:05}")), OwnerToken::generate());
+        let claimed = store.claim(&key, &body(), &owner, LEASE).await.unwrap();
+        assert_eq!(claimed, ClaimOutcome::Claimed);
+        let payload = Bytes::from(vec![b'p'; size]);
+        assert!(store
+            .complete(&key, &owner, payload.clone(), RETENTION)
+            .await
+            .unwrap());
+        let record = raw(&stats, &store, &key).await.expect("completed");
+        let parsed = Raw::parse(&record);
+        assert_eq!(parsed.state, b'C', "{server}");
+        assert_eq!(
+            parsed.rest.slice(32..),
+            payload,
+            "{server}: the payload after the fingerprint"
+        );
+
+        let name = store.redis_key(&key);
+        let probe = format!("{}x", &name[..name.len() - 1]);
+        let _: () = stats
+            .set(
+                probe.as_str(),
+                record.clone(),
+                Some(Expiration::PX(60_000)),
+                None,
+                false,
+            )
+            .await
+            .expect("SET the probe");
+        let (completed, one_set) = (memory(name.clone()).await, memory(probe).await);
+        assert_eq!(
+            completed,
+            one_set,
+            "{server} (native {native}), a {size} B payload: the completed record takes {completed} B, \
+             one SET of its {} B {one_set} B",
+            record.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_completed_by_script_on_redis_7_0_takes_the_memory_of_one_set() {
+    a_completed_record_takes_the_memory_of_one_set("redis-7.0", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_completed_by_script_on_redis_8_6_takes_the_memory_of_one_set() {
+    a_completed_record_takes_the_memory_of_one_set("redis-8.6", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_completed_natively_on_redis_8_6_takes_the_memory_of_one_set() {
+    a_completed_record_takes_the_memory_of_one_set("redis-8.6", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_completed_natively_on_valkey_9_1_takes_the_memory_of_one_set() {
+    a_completed_record_takes_the_memory_of_one_set("valkey-9.1", true).await;
 }
 
 on_the_newest_servers!(

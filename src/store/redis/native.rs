@@ -447,9 +447,11 @@ mod tests {
         let (head, in_flight) = claim(&owner, Duration::from_secs(30));
         let state = record::state_until(record::COMPLETED, Duration::from_secs(60));
         let written = rewritten(&in_flight, head.len(), &state, b"payload");
-        // complete.lua: SETRANGE the state and deadline after the head, APPEND the payload.
-        let mut scripted = in_flight.to_vec();
-        scripted[head.len()..head.len() + 9].copy_from_slice(&state);
+        // complete.lua: the head, the new state and deadline, the in-flight record's
+        // fingerprint (from `head + 10` in Lua's 1-based strings), the payload, in one SET.
+        let mut scripted = in_flight[..head.len()].to_vec();
+        scripted.extend_from_slice(&state);
+        scripted.extend_from_slice(&in_flight[head.len() + 9..]);
         scripted.extend_from_slice(b"payload");
         assert_eq!(written[..], scripted[..]);
         let parsed = record::parse(&written).expect("it reads");

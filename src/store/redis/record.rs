@@ -286,7 +286,7 @@ mod tests {
     }
 
     /// A completed record as the completion script leaves it: the in-flight record with its
-    /// state and deadline rewritten after the head (`SETRANGE`), the payload appended.
+    /// state and deadline rewritten after the head, the payload after the fingerprint.
     fn completed_until(
         owner: &OwnerToken,
         fingerprint: &Fingerprint,
