@@ -77,14 +77,14 @@ def binary_of(store):
         return PEERS_BIN
     return BASELINE_BIN if store.endswith(BASELINE_SUFFIX) else SERVER_BIN
 
-STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres",
+STORES = ["plain", "memory", "redis", "redis-native", "redis-cache", "redis-acks", "postgres",
           "peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"]  # every store the driver knows
 # Never part of the default selections: named with --stores, built on demand (bench/peers).
 # floor-memory and floor-redis are no library: the least an in-process layer, and a layer over
 # Redis with fred, does per request, yardsticks for the memory store's and the Redis store's cells
 # (bench/peers/src/floor.rs, floor_redis.rs).
 PEER_STORES = {"peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"}
-REDIS_STORES = {"redis", "redis-cache", "redis-acks"} | (PEER_STORES - {"floor-memory"})
+REDIS_STORES = {"redis", "redis-native", "redis-cache", "redis-acks"} | (PEER_STORES - {"floor-memory"})
 # What the peers' own Lua scripts call, so that "sent" counts their client's commands only
 # (read from idempotent 2.0's valkey/*.lua and ruts 0.13's Redis store).
 PEER_SCRIPT_CALLS = {
@@ -1064,7 +1064,7 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
     script = write_wrk_script(tmp, scenario, body)
     run_id = "%08x" % random.getrandbits(32)
     # After a fresh-key cell of the redis store, what its records take in Redis.
-    weigh_records = store == "redis" and scenario == "fresh"
+    weigh_records = store in ("redis", "redis-native") and scenario == "fresh"
     used_before = None
     if redis is not None and store in REDIS_STORES:
         redis.client.cmd("FLUSHALL", "SYNC")  # SYNC: servers that flush lazily free memory later
@@ -1455,7 +1455,7 @@ def floor_text(floor):
             + "; ".join(parts))
 
 
-SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b",
+SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-native": "#72b7b2", "redis-cache": "#54a24b",
               "redis-acks": "#e45756", "postgres": "#b279a2"}
 
 
@@ -1968,7 +1968,7 @@ def main():
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
                         help="one server under load for MINUTES (default 10); writes soak.md")
     parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
-    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always "
+    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-native,redis-cache,redis-acks (plain is always "
                         "run); peer-idempotent,peer-axum-idempotent are the other layers of bench/peers, "
                         "floor-memory and floor-redis the least an in-process layer and a layer over Redis do "
                         "(bench/peers/src/floor.rs, floor_redis.rs)")

@@ -119,9 +119,12 @@ cargo test --no-default-features --features redis,postgres --lib -- tls
 
 # The Redis tests once more on newer Redis and Valkey servers from Debian's registry (fetched into
 # target/servers, nothing installed; scripts/newer-servers.sh): Redis 8.0 and Valkey 8.1 (trixie),
-# Redis 8.6 (experimental) and Valkey 9.1 (sid). On 8.6 and 9.1 the owner-checked transitions take
-# the native compare-and-set path, on Valkey 8.1 partly, elsewhere the Lua scripts; the script
-# path on the newest two is tested by tests/redis_compare_and_set.rs (which runs them itself).
+# Redis 8.6 (experimental) and Valkey 9.1 (sid). Their lanes build every store with native
+# transitions on (NATIVE_TRANSITIONS=1, tests/common: RedisStore::with_native_transitions(true),
+# off by default), so on 8.6 and 9.1 the owner-checked transitions take the native
+# compare-and-set path, on Valkey 8.1 partly, on 8.0 the Lua scripts; the default, the scripts,
+# runs on 7.0 above, and on every server in tests/redis_compare_and_set.rs (which starts them
+# itself).
 # One lane per server: the store, layer and waiting suites on standalone, Sentinel and Cluster,
 # the model's traces on the Redis store, and the Redis-only tests but the failover storms
 # (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above.
@@ -137,7 +140,7 @@ for server in $newer; do
     esac
   done
   # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.
-  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"$lane")
+  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"NATIVE_TRANSITIONS=1"$'\n'"$lane")
 done
 phase "the newer servers' lanes"
 run_lanes "${lanes[@]}"

@@ -14,7 +14,7 @@ use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore,
 async fn setup() -> (RedisServer, Client, RedisStore) {
     let server = RedisServer::start();
     let client = client(&server.url()).await;
-    let store = RedisStore::new(client.clone());
+    let store = common::redis_store(client.clone());
     (server, client, store)
 }
 
@@ -369,12 +369,12 @@ async fn a_pool_and_connect_work_like_a_client() {
     }
     assert_eq!(runs.get(), 1);
 
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = common::connect(&server.url()).await.unwrap();
     let (app, runs) = router(IdempotencyLayer::new(store));
     send(&app, payment("connected", "{}")).await;
     assert!(send(&app, payment("connected", "{}")).await.is_replay());
     assert_eq!(runs.get(), 1);
-    assert!(RedisStore::connect("not a url").await.is_err());
+    assert!(common::connect("not a url").await.is_err());
 }
 
 // The replay cache: repeats answered from memory, bounded by the record's retention, and a purge
@@ -384,7 +384,7 @@ async fn a_replay_cache_answers_repeats_without_redis_and_every_node_honours_a_p
     let server = RedisServer::start();
     let stats = client(&server.url()).await;
     let cached_store = || async {
-        RedisStore::new(client(&server.url()).await)
+        common::redis_store(client(&server.url()).await)
             .with_replay_cache(1 << 20)
             .await
             .unwrap()
@@ -482,7 +482,7 @@ async fn a_replay_cache_answers_repeats_without_redis_and_every_node_honours_a_p
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_copy_never_outlives_the_record_retention() {
     let server = RedisServer::start();
-    let store = RedisStore::new(client(&server.url()).await)
+    let store = common::redis_store(client(&server.url()).await)
         .with_replay_cache(1 << 20)
         .await
         .unwrap();
@@ -508,7 +508,7 @@ async fn a_cached_copy_never_outlives_the_record_retention() {
 async fn a_cached_copy_lives_by_the_records_ttl_not_the_writers_clock() {
     let server = RedisServer::start();
     let admin_client = client(&server.url()).await;
-    let store = RedisStore::new(client(&server.url()).await)
+    let store = common::redis_store(client(&server.url()).await)
         .with_replay_cache(1 << 20)
         .await
         .unwrap();
@@ -537,7 +537,7 @@ async fn a_cached_copy_lives_by_the_records_ttl_not_the_writers_clock() {
 #[should_panic(expected = "with_prefix after with_replay_cache")]
 async fn a_prefix_set_after_the_replay_cache_is_refused() {
     let server = RedisServer::start();
-    let store = RedisStore::new(client(&server.url()).await)
+    let store = common::redis_store(client(&server.url()).await)
         .with_prefix("tenant-a")
         .with_replay_cache(1 << 20)
         .await
@@ -551,7 +551,7 @@ async fn a_prefix_set_after_the_replay_cache_is_refused() {
 async fn a_cached_replay_is_answered_at_the_in_flight_bound() {
     use tower_idempotency::{Begin, Coordinator, Error, Fingerprint};
     let server = RedisServer::start();
-    let store = RedisStore::new(client(&server.url()).await)
+    let store = common::redis_store(client(&server.url()).await)
         .with_replay_cache(1 << 20)
         .await
         .unwrap();
@@ -615,7 +615,7 @@ async fn warnings_logged_by<F: std::future::Future>(run: F) -> (F::Output, Vec<S
 #[tokio::test(flavor = "current_thread")]
 async fn connecting_warns_when_redis_may_evict_records() {
     let evicting = RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
-    let (store, warnings) = warnings_logged_by(RedisStore::connect(&evicting.url())).await;
+    let (store, warnings) = warnings_logged_by(common::connect(&evicting.url())).await;
     store.unwrap();
     assert!(
         warnings
@@ -624,12 +624,12 @@ async fn connecting_warns_when_redis_may_evict_records() {
         "{warnings:?}"
     );
     let safe = RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"]);
-    let (store, warnings) = warnings_logged_by(RedisStore::connect(&safe.url())).await;
+    let (store, warnings) = warnings_logged_by(common::connect(&safe.url())).await;
     let store = store.unwrap();
     assert!(warnings.is_empty(), "{warnings:?}");
     // A store built on a client of its own is checked when it loads its scripts.
     let (loaded, warnings) =
-        warnings_logged_by(RedisStore::new(client(&evicting.url()).await).load_scripts()).await;
+        warnings_logged_by(common::redis_store(client(&evicting.url()).await).load_scripts()).await;
     loaded.unwrap();
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     drop(store);
@@ -641,7 +641,7 @@ async fn a_completion_refused_for_memory_says_so() {
     use tower_idempotency::{Begin, Coordinator, Error, Fingerprint};
     let server = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
     let admin_client = client(&server.url()).await;
-    let coordinator = Coordinator::new(RedisStore::new(client(&server.url()).await));
+    let coordinator = Coordinator::new(common::redis_store(client(&server.url()).await));
     let key = RecordKey::new(None, IdempotencyKey::parse("oom").unwrap());
     let Begin::Claimed(claim) = coordinator
         .begin(&key, &Fingerprint::new([b"body".as_slice()]))
@@ -741,7 +741,7 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     client.init().await.unwrap();
     let stats = client.clone();
     // The heartbeat's pings are writes of their own: this counts the claims' alone.
-    let store = RedisStore::new(client)
+    let store = common::redis_store(client)
         .with_heartbeat(None)
         .with_native_transitions(false);
     store.load_scripts().await.unwrap();
@@ -924,7 +924,7 @@ async fn merged_completions_fall_back_to_eval_after_a_script_flush() {
 async fn dropping_a_connected_store_closes_the_connections_it_opened() {
     let (server, client, _) = setup().await;
     let before = connected_clients(&client).await;
-    let store = RedisStore::connect(&server.url())
+    let store = common::connect(&server.url())
         .await
         .unwrap()
         .with_replay_cache(1 << 20)

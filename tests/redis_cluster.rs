@@ -8,12 +8,12 @@ use common::app::{payment, router, send};
 use common::cluster::Cluster;
 use common::{admin, client, round_trips};
 use http::StatusCode;
-use tower_idempotency::{IdempotencyLayer, RedisStore};
+use tower_idempotency::IdempotencyLayer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_keeps_every_promise_across_slots() {
     let cluster = Cluster::start(2000);
-    let store = RedisStore::connect(&cluster.url())
+    let store = common::connect(&cluster.url())
         .await
         .expect("connect to the cluster");
     store.load_scripts().await.unwrap();

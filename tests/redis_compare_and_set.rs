@@ -40,15 +40,16 @@ fn body() -> Fingerprint {
 }
 
 /// A store connected with `RedisStore::connect` (which asks the server what it has before it
-/// answers), on the native path unless `native` is false.
+/// answers), on the native path when `native` is true (`with_native_transitions(true)`, which
+/// keeps what `connect` found), else on the default, the scripts.
 async fn store(url: &str, native: bool) -> RedisStore {
     let store = RedisStore::connect(url)
         .await
         .unwrap_or_else(|error| panic!("connect to {url}: {error}"));
     if native {
-        store
+        store.with_native_transitions(true)
     } else {
-        store.with_native_transitions(false)
+        store
     }
 }
 
@@ -181,7 +182,7 @@ mod detection {
     /// What a server is expected to do for each transition.
     #[derive(Clone, Copy)]
     enum Path {
-        /// Redis 7.0, 8.0, or any server with `with_native_transitions(false)`.
+        /// Redis 7.0, 8.0, or any server without `with_native_transitions(true)` (the default).
         Scripts,
         /// Valkey 8.1: `SET … IFEQ`, but release by the script.
         SetIfEq,
@@ -279,8 +280,8 @@ mod detection {
         valkey_8_1_sets_natively_and_releases_by_script: "valkey-8.1", true, Path::SetIfEq;
         redis_8_6_sets_and_deletes_natively: "redis-8.6", true, Path::Delex;
         valkey_9_1_sets_and_deletes_natively: "valkey-9.1", true, Path::DelIfEq;
-        redis_8_6_runs_the_scripts_when_told_to: "redis-8.6", false, Path::Scripts;
-        valkey_9_1_runs_the_scripts_when_told_to: "valkey-9.1", false, Path::Scripts;
+        redis_8_6_runs_the_scripts_by_default: "redis-8.6", false, Path::Scripts;
+        valkey_9_1_runs_the_scripts_by_default: "valkey-9.1", false, Path::Scripts;
     }
 }
 
@@ -462,7 +463,8 @@ async fn a_completion_resent_after_a_dropped_connection_succeeds(server: &'stati
             "by-the-client" => store(&proxy.url(), true).await,
             _ => {
                 reset_stats(&stats).await;
-                let store = RedisStore::new(client_with_attempts(&proxy.url(), 1).await);
+                let store = RedisStore::new(client_with_attempts(&proxy.url(), 1).await)
+                    .with_native_transitions(true);
                 // Built from a client, the store asks the server what it has in the background.
                 until_native(&store, &stats).await;
                 store

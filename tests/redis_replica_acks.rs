@@ -97,7 +97,7 @@ async fn state_on(server: &Client, store: &RedisStore, key: &str) -> Option<u8> 
 }
 
 async fn durable_store(url: &str, acks: ReplicaAcks) -> RedisStore {
-    RedisStore::connect(url)
+    common::connect(url)
         .await
         .expect("connect")
         .with_replica_acks(acks)
@@ -280,7 +280,7 @@ async fn a_slow_acknowledgement_runs_one_background_completion_and_reports_the_r
         ("store-first", Duration::from_secs(2)),
         ("coordinator-first", Duration::from_secs(5)),
     ] {
-        let store = RedisStore::connect(&pair.master.url())
+        let store = common::connect(&pair.master.url())
             .await
             .expect("connect")
             .with_command_timeout(command_timeout)
@@ -434,7 +434,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
             .timeout(Duration::from_millis(timeout_ms))
     };
     let connect = |url: String, acks: ReplicaAcks| async move {
-        let store = RedisStore::connect(&url).await.expect("connect");
+        let store = common::connect(&url).await.expect("connect");
         store.with_replica_acks(acks).await
     };
 
@@ -541,7 +541,7 @@ async fn fsync_waits_for_the_append_only_files_where_the_server_has_waitaof() {
 async fn frozen_connections_of_the_durability_option_are_replaced() {
     let pair = Pair::start().await;
     let proxy = FaultProxy::start(pair.master.addr()).await;
-    let store = RedisStore::connect(&proxy.url())
+    let store = common::connect(&proxy.url())
         .await
         .unwrap()
         .with_replica_acks(ReplicaAcks::new(1).connections(4))

@@ -316,7 +316,7 @@ mod redis_only {
     use common::{admin, client, RedisServer};
     use fred::clients::Client;
     use http::StatusCode;
-    use tower_idempotency::{IdempotencyLayer, RedisStore};
+    use tower_idempotency::IdempotencyLayer;
 
     use crate::{applied, common, start_first};
 
@@ -344,7 +344,7 @@ mod redis_only {
     async fn requests_that_do_not_wait_subscribe_to_nothing_and_waiters_share_one_connection() {
         let server = RedisServer::start();
         let admin_client = client(&server.url()).await;
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = common::connect(&server.url()).await.unwrap();
         let layer = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
         let coordinator = layer.coordinator().clone();
         let (app, runs) = router(layer);
@@ -407,7 +407,7 @@ mod redis_only {
     async fn a_waiter_survives_its_subscriber_connection_being_cut() {
         let server = RedisServer::start();
         let admin_client = client(&server.url()).await;
-        let store = RedisStore::connect(&server.url()).await.unwrap();
+        let store = common::connect(&server.url()).await.unwrap();
         let layer = IdempotencyLayer::new(store).with_max_wait(Duration::from_secs(10));
         let coordinator = layer.coordinator().clone();
         let (app, runs) = router(layer);
@@ -467,7 +467,7 @@ mod two_nodes {
     use http::{Request, StatusCode};
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::TokioIo;
-    use tower_idempotency::{IdempotencyLayer, RedisStore};
+    use tower_idempotency::IdempotencyLayer;
 
     use crate::common::cluster::Cluster;
     use crate::common::RedisServer;
@@ -558,7 +558,7 @@ mod two_nodes {
         let mut layers = Vec::new();
         let mut addrs = Vec::new();
         for name in ["node-a", "node-b"] {
-            let store = RedisStore::connect(url)
+            let store = crate::common::connect(url)
                 .await
                 .expect("connect a node's store")
                 .with_prefix(prefix);

@@ -389,7 +389,7 @@ impl super::Backend {
     /// `redis-cluster://` URL, its keys under a prefix of `test`'s own.
     pub async fn cluster(test: &str) -> Self {
         let cluster = Cluster::shared();
-        let store = tower_idempotency::RedisStore::connect(&cluster.url())
+        let store = super::connect(&cluster.url())
             .await
             .expect("connect to the shared cluster with a redis-cluster:// URL")
             .with_prefix(format!("suite:{test}"));

@@ -357,6 +357,25 @@ pub async fn round_trips(client: &Client) -> u64 {
     total - read.saturating_sub(other_branches)
 }
 
+/// Whether the Redis stores the suites build take the native compare-and-set path
+/// (`RedisStore::with_native_transitions(true)`): with `NATIVE_TRANSITIONS=1`, which
+/// scripts/test.sh sets for the newer servers' lanes; else the default, the Lua scripts.
+pub fn native_transitions() -> bool {
+    std::env::var_os("NATIVE_TRANSITIONS").is_some_and(|value| value == "1")
+}
+
+/// `RedisStore::new(client)`, on the path [`native_transitions`] names.
+pub fn redis_store(client: Client) -> RedisStore {
+    RedisStore::new(client).with_native_transitions(native_transitions())
+}
+
+/// `RedisStore::connect(url)`, on the path [`native_transitions`] names.
+pub async fn connect(url: &str) -> Result<RedisStore, tower_idempotency::StoreError> {
+    Ok(RedisStore::connect(url)
+        .await?
+        .with_native_transitions(native_transitions()))
+}
+
 /// Whether the server behind `client` has compare-and-set (`SET … IFEQ`: Redis 8.4+, Valkey
 /// 8.1+), asked by trying it on a key of its own (a `set` call in `INFO commandstats`).
 pub async fn has_compare_and_set(client: &Client) -> bool {
@@ -393,7 +412,7 @@ impl Backend {
     pub async fn redis() -> Self {
         let server = RedisServer::start();
         let client = client(&server.url()).await;
-        let store = RedisStore::new(client.clone());
+        let store = redis_store(client.clone());
         Self {
             name: "redis",
             store: Arc::new(store),
@@ -408,7 +427,7 @@ impl Backend {
         let url = tokio::task::spawn_blocking(|| sentinel::shared().url())
             .await
             .expect("start the shared sentinel topology");
-        let store = RedisStore::connect(&url)
+        let store = connect(&url)
             .await
             .unwrap_or_else(|error| panic!("connect to {url}: {error}"))
             .with_prefix(sentinel::unique_prefix());

@@ -49,7 +49,8 @@ const DELIFEQ: u8 = 4;
 /// Which compare-and-set commands the store uses, and the records of the claims it holds.
 /// Shared by every clone of a store.
 pub(super) struct Native {
-    /// Off: always the scripts ([`RedisStore::with_native_transitions`](super::RedisStore::with_native_transitions)).
+    /// On: the native commands the server has; off (the default): always the scripts
+    /// ([`RedisStore::with_native_transitions`](super::RedisStore::with_native_transitions)).
     enabled: bool,
     /// What the server was found to have ([`SET_IFEQ`], [`DELEX`], [`DELIFEQ`]); 0 until known.
     commands: AtomicU8,
@@ -86,13 +87,27 @@ impl Native {
         }
     }
 
+    /// The same store's choice turned on or off, with what the server was found to have kept,
+    /// so that turning it on after [`RedisStore::connect`](super::RedisStore::connect) (which
+    /// asks either way) takes effect with the first call.
+    pub(super) fn turned(&self, enabled: bool) -> Self {
+        let native = Self::new(enabled);
+        native
+            .commands
+            .store(self.commands.load(Ordering::Relaxed), Ordering::Relaxed);
+        native
+    }
+
     /// Whether completions and renewals go as `SET … IFEQ`.
     pub(super) fn sets(&self) -> bool {
-        self.commands.load(Ordering::Relaxed) & SET_IFEQ != 0
+        self.enabled && self.commands.load(Ordering::Relaxed) & SET_IFEQ != 0
     }
 
     /// The command that deletes a record if it equals a value, if the server has one.
     pub(super) fn deleter(&self) -> Option<Deleter> {
+        if !self.enabled {
+            return None;
+        }
         let commands = self.commands.load(Ordering::Relaxed);
         if commands & DELEX != 0 {
             Some(Deleter::Delex)
@@ -167,12 +182,10 @@ impl Native {
         held.records.remove(head);
     }
 
-    /// Asks the server what it has, once, before the store's first call ([`RedisStore::connect`](super::RedisStore::connect)).
-    /// A failure leaves the scripts in use until the background task has an answer.
+    /// Asks the server what it has, once, before the store's first call ([`RedisStore::connect`](super::RedisStore::connect)),
+    /// on or off: two `COMMAND` calls, so that turning native transitions on afterwards needs no
+    /// wait. A failure leaves the scripts in use until the background task has an answer.
     pub(super) async fn detect_now(&self, client: &Client) {
-        if !self.enabled {
-            return;
-        }
         match detect(client).await {
             Ok(commands) => self.commands.store(commands, Ordering::Relaxed),
             Err(error) => tracing::debug!(%error, "could not ask the Redis server for its commands"),

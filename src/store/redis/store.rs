@@ -34,11 +34,11 @@ pub(super) const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// The claim, the one call every request makes, is a native command (`SET key <record> NX PX
 /// <lease> GET`): it creates the in-flight record or hands back what is there, with no script to
-/// run or reload. The owner-checked transitions (complete, release, renew) are native
-/// compare-and-set commands on servers that have them (`SET … IFEQ`, `DELEX`, `DELIFEQ`: Redis
-/// 8.4+, Valkey 8.1+; see [`with_native_transitions`](Self::with_native_transitions)), and Lua
-/// scripts elsewhere (EVALSHA, reloaded by EVAL when the server answers NOSCRIPT after a restart,
-/// a failover or `SCRIPT FLUSH`).
+/// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts
+/// (EVALSHA, reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or
+/// `SCRIPT FLUSH`), or, turned on with [`with_native_transitions`](Self::with_native_transitions),
+/// native compare-and-set commands on servers that have them (`SET … IFEQ`, `DELEX`, `DELIFEQ`:
+/// Redis 8.4+, Valkey 8.1+).
 /// Calls made while others are outstanding (concurrent requests) are handed to fred together, so
 /// they share socket writes, and completions made together are one script call (not on a
 /// Cluster); a lone call is sent at once.
@@ -177,7 +177,7 @@ impl RedisStore {
             coalescer: Arc::default(),
             heartbeat: Arc::default(),
             pace,
-            native: Arc::new(Native::new(true)),
+            native: Arc::new(Native::new(false)),
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             store.keep_alive();
@@ -438,25 +438,34 @@ impl RedisStore {
     }
 
     /// Whether the owner-checked transitions (complete, release, renew) use the server's
-    /// compare-and-set commands where it has them (default: `true`), or always the Lua scripts.
+    /// compare-and-set commands where it has them, or always the Lua scripts (default: `false`,
+    /// the scripts).
     ///
     /// Redis 8.4 and later (`SET … IFEQ`, `DELEX … IFEQ`) and Valkey 8.1 and later (`SET … IFEQ`;
     /// `DELIFEQ` from 9.0) can make them as native commands, which cost Redis about a quarter of
-    /// the completion script's time; the store asks the server which it has when it starts and
-    /// again after every reconnect (a failover can land on an older server), and uses the
-    /// scripts on servers without them (Redis 7.0–8.2, Valkey before 8.1) and for whatever one
-    /// lacks (Valkey 8.1 releases with the script). Both paths write the same records, so
-    /// instances on either share one Redis. Turn it off to keep every instance on the scripts,
-    /// say to compare the two.
+    /// the completion script's own time. Turned on, the store asks the server which it has when
+    /// it starts and again after every reconnect (a failover can land on an older server), and
+    /// uses the scripts on servers without them (Redis 7.0–8.2, Valkey before 8.1) and for
+    /// whatever one lacks (Valkey 8.1 releases with the script). Both paths write the same
+    /// records, so instances on either share one Redis.
+    ///
+    /// Off by default because, with fred 10.1, a fresh key costs more this way as a whole:
+    /// fred writes every custom command in a socket write of its own, so native completions
+    /// cannot share writes and calls the way merged script calls do. Measured (c32, 100 B
+    /// bodies, docs/performance.md): Redis's CPU per fresh key 3 % lower on Redis 8.6 and 10 % on
+    /// Valkey 9.1, the app server's 23–43 % higher, throughput 12–19 % lower. Turn it on where
+    /// one Redis shard's CPU is the limit and the app servers have room; records cost the same
+    /// memory either way.
     ///
     /// ```no_run
     /// # use tower_idempotency::RedisStore;
-    /// # async fn run(client: fred::clients::Client) {
-    /// let store = RedisStore::new(client).with_native_transitions(false);
+    /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?.with_native_transitions(true);
+    /// # Ok(())
     /// # }
     /// ```
     pub fn with_native_transitions(mut self, enabled: bool) -> Self {
-        self.native = Arc::new(Native::new(enabled));
+        self.native = Arc::new(self.native.turned(enabled));
         if tokio::runtime::Handle::try_current().is_ok() {
             self.native.start(self.connection.clients());
         }
