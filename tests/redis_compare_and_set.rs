@@ -1059,24 +1059,23 @@ async fn a_completed_record_takes_the_memory_of_one_set(server: &'static str, na
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_completed_by_script_on_redis_7_0_takes_the_memory_of_one_set() {
-    a_completed_record_takes_the_memory_of_one_set("redis-7.0", true).await;
+/// One test per line: its name, the server, whether native transitions are on.
+macro_rules! weighed {
+    ($($test:ident: $server:literal, $native:literal;)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                a_completed_record_takes_the_memory_of_one_set($server, $native).await;
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_completed_by_script_on_redis_8_6_takes_the_memory_of_one_set() {
-    a_completed_record_takes_the_memory_of_one_set("redis-8.6", false).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_completed_natively_on_redis_8_6_takes_the_memory_of_one_set() {
-    a_completed_record_takes_the_memory_of_one_set("redis-8.6", true).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_completed_natively_on_valkey_9_1_takes_the_memory_of_one_set() {
-    a_completed_record_takes_the_memory_of_one_set("valkey-9.1", true).await;
+weighed! {
+    a_record_completed_by_script_on_redis_7_0_takes_the_memory_of_one_set: "redis-7.0", false;
+    a_record_completed_by_script_on_redis_8_6_takes_the_memory_of_one_set: "redis-8.6", false;
+    a_record_completed_natively_on_redis_8_6_takes_the_memory_of_one_set: "redis-8.6", true;
+    a_record_completed_natively_on_valkey_9_1_takes_the_memory_of_one_set: "valkey-9.1", true;
 }
 
 on_the_newest_servers!(

@@ -449,13 +449,13 @@ impl RedisStore {
     /// whatever one lacks (Valkey 8.1 releases with the script). Both paths write the same
     /// records, so instances on either share one Redis.
     ///
-    /// Off by default because, with fred 10.1, a fresh key costs more this way as a whole:
-    /// fred writes every custom command in a socket write of its own, so native completions
-    /// cannot share writes and calls the way merged script calls do. Measured (c32, 100 B
-    /// bodies, docs/performance.md): Redis's CPU per fresh key 3 % lower on Redis 8.6 and 10 % on
-    /// Valkey 9.1, the app server's 23–43 % higher, throughput 12–19 % lower. Turn it on where
-    /// one Redis shard's CPU is the limit and the app servers have room; records cost the same
-    /// memory either way.
+    /// Off by default because, with fred 10.1, a fresh key costs more this way: fred writes
+    /// every custom command in a socket write of its own, so native completions cannot share
+    /// writes and calls the way merged script calls do. Measured side by side (c32, 100 B
+    /// bodies, docs/performance.md): Redis's CPU per fresh key 6 % higher on Redis 8.6 and
+    /// Valkey 9.1 (the same on Valkey 8.1), the app server's 13–58 % higher; records cost the
+    /// same memory either way. It is kept, tested on every server, for a fred that can feed a
+    /// custom command without a flush (a patched fred cut Redis's CPU per fresh key by 31 %).
     ///
     /// ```no_run
     /// # use tower_idempotency::RedisStore;
