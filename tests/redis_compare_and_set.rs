@@ -946,9 +946,11 @@ async fn a_conditional_delete_the_acl_refuses_falls_back_to_the_script(server: &
 async fn a_resent_completion_is_counted_by_its_own_wait(server: &'static str) {
     let (master, replica, _) = master_and_replica(server).await;
     let proxy = Arc::new(FaultProxy::start(master.addr()).await);
+    // A second of WAIT: the claim's, before the replica is paused, must not time out on a
+    // loaded machine (at 300 ms it did, a 503, with other suites running beside it).
     let acks = ReplicaAcks::new(1)
-        .timeout(Duration::from_millis(300))
-        .retry_completions_for(Duration::from_secs(1));
+        .timeout(Duration::from_secs(1))
+        .retry_completions_for(Duration::from_secs(2));
     let store = store(&proxy.url(), true)
         .await
         .with_heartbeat(None)

@@ -224,10 +224,13 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     return;
                 }
                 pause(&faults).await;
+                // Before the write: a client that answers at once could otherwise send its next
+                // command before this task marks the answer delivered, and that round trip
+                // would not be counted (CI once counted a completion as 0 round trips).
+                answered.store(true, Ordering::SeqCst);
                 if client_write.write_all(&buffer[..n]).await.is_err() {
                     return;
                 }
-                answered.store(true, Ordering::SeqCst);
             }
         }
     };

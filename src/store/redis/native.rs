@@ -25,7 +25,7 @@
 //! call is made again with its script: the refused command wrote nothing.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -54,6 +54,8 @@ pub(super) struct Native {
     enabled: bool,
     /// What the server was found to have ([`SET_IFEQ`], [`DELEX`], [`DELIFEQ`]); 0 until known.
     commands: AtomicU8,
+    /// The server has answered what it has (`commands` is its answer, not the 0 of not knowing).
+    detected: AtomicBool,
     /// The record each claim this process holds was last written with, by head.
     held: Mutex<Held>,
     /// Wakes the detecting task after a reconnect.
@@ -78,6 +80,7 @@ impl Native {
         Self {
             enabled,
             commands: AtomicU8::new(0),
+            detected: AtomicBool::new(false),
             held: Mutex::new(Held {
                 records: HashMap::new(),
                 sweep_at: FIRST_SWEEP,
@@ -95,6 +98,9 @@ impl Native {
         native
             .commands
             .store(self.commands.load(Ordering::Relaxed), Ordering::Relaxed);
+        native
+            .detected
+            .store(self.detected.load(Ordering::Relaxed), Ordering::Relaxed);
         native
     }
 
@@ -187,7 +193,10 @@ impl Native {
     /// wait. A failure leaves the scripts in use until the background task has an answer.
     pub(super) async fn detect_now(&self, client: &Client) {
         match detect(client).await {
-            Ok(commands) => self.commands.store(commands, Ordering::Relaxed),
+            Ok(commands) => {
+                self.commands.store(commands, Ordering::Relaxed);
+                self.detected.store(true, Ordering::Relaxed);
+            }
             Err(error) => tracing::debug!(%error, "could not ask the Redis server for its commands"),
         }
     }
@@ -237,12 +246,21 @@ impl Drop for Native {
 /// Asks the server what it has, then again after each reconnect, until the store is dropped.
 async fn keep_detecting(native: Weak<Native>, redetect: Arc<Notify>, client: Option<Client>) {
     let Some(client) = client else { return };
+    // Asked already (by `connect`, before the store was turned on): not again until a reconnect,
+    // nor alongside the store's first calls.
+    if native
+        .upgrade()
+        .is_some_and(|native| native.detected.load(Ordering::Relaxed))
+    {
+        redetect.notified().await;
+    }
     let mut pause = Duration::from_millis(100);
     loop {
         match detect(&client).await {
             Ok(commands) => {
                 let Some(native) = native.upgrade() else { return };
                 let before = native.commands.swap(commands, Ordering::Relaxed);
+                native.detected.store(true, Ordering::Relaxed);
                 if before != commands {
                     tracing::debug!(
                         set_ifeq = commands & SET_IFEQ != 0,
