@@ -201,10 +201,12 @@ mod detection {
             spublish,
         };
         let native_sets = !matches!(path, Path::Scripts);
+        // Nobody waits for these records: no notice (`SPUBLISH`) goes with any transition
+        // (the_notice_goes_only_for_a_record_someone_waits_for).
         let complete = if native_sets {
-            calls(2, 0, 0, 0, 1) // the claim, then SET … IFEQ beside SPUBLISH
+            calls(2, 0, 0, 0, 0) // the claim, then SET … IFEQ
         } else {
-            calls(2, 1, 0, 0, 1) // the claim, then complete.lua (which writes with one SET, publishes)
+            calls(2, 1, 0, 0, 0) // the claim, then complete.lua (which writes with one SET)
         };
         let renew = if native_sets {
             calls(1, 0, 0, 0, 0)
@@ -212,9 +214,9 @@ mod detection {
             calls(0, 1, 0, 0, 0)
         };
         let release = match path {
-            Path::Scripts | Path::SetIfEq => calls(1, 1, 0, 0, 1),
-            Path::Delex => calls(1, 0, 1, 0, 1),
-            Path::DelIfEq => calls(1, 0, 0, 1, 1),
+            Path::Scripts | Path::SetIfEq => calls(1, 1, 0, 0, 0),
+            Path::Delex => calls(1, 0, 1, 0, 0),
+            Path::DelIfEq => calls(1, 0, 0, 1, 0),
         };
         [complete, renew, release]
     }
@@ -1059,6 +1061,127 @@ async fn a_completed_record_takes_the_memory_of_one_set(server: &'static str, na
             record.len()
         );
     }
+}
+
+/// The waiters' notice (`SPUBLISH <record key>:settled`) goes only for a record someone waits
+/// for: a completion or release of a record nobody waits for publishes nothing, one a waiter has
+/// read (`Store::claim_waiting`, which marks it: the in-flight deadline's lowest bit, which
+/// owners write even) publishes once and wakes the waiter's watch, and a renewal keeps the
+/// mark; on either path.
+async fn the_notice_goes_only_for_a_record_someone_waits_for(server: &'static str, native: bool) {
+    let redis = RedisServer::start_binary(newer_server(server));
+    let stats = client(&redis.url()).await;
+    let store = store(&redis.url(), native).await;
+    let path = if native { "native" } else { "scripts" };
+    let deadline = |record: Option<Bytes>| Raw::parse(&record.expect("a record")).deadline;
+    for settle in ["complete", "release"] {
+        for watched in [false, true] {
+            let (key, owner) = (key(&format!("{settle}-{watched}")), OwnerToken::generate());
+            let what = format!("{server} {path}: {settle}, watched {watched}");
+            assert_eq!(
+                store.claim(&key, &body(), &owner, LEASE).await.unwrap(),
+                ClaimOutcome::Claimed
+            );
+            assert_eq!(
+                deadline(raw(&stats, &store, &key).await) % 2,
+                0,
+                "{what}: an owner writes its deadline even"
+            );
+            let mut watch = None;
+            if watched {
+                watch = Some(store.watch(&key).await.unwrap().expect("Redis notifies"));
+                let read = store
+                    .claim_waiting(&key, &body(), &OwnerToken::generate(), LEASE)
+                    .await
+                    .unwrap();
+                assert!(matches!(read, ClaimOutcome::InFlight { .. }), "{what}");
+            } else {
+                // A plain claim that finds it in flight (a retry answered 409) marks nothing.
+                let read = store
+                    .claim(&key, &body(), &OwnerToken::generate(), LEASE)
+                    .await
+                    .unwrap();
+                assert!(matches!(read, ClaimOutcome::InFlight { .. }), "{what}");
+            }
+            let marked = deadline(raw(&stats, &store, &key).await) % 2 == 1;
+            assert_eq!(marked, watched, "{what}: marked");
+            assert!(store.renew(&key, &owner, LEASE).await.unwrap(), "{what}");
+            let renewed = deadline(raw(&stats, &store, &key).await);
+            assert_eq!(renewed % 2 == 1, watched, "{what}: the renewal keeps the mark");
+            reset_stats(&stats).await;
+            let settled = match settle {
+                "complete" => store.complete(&key, &owner, Bytes::from_static(b"done"), RETENTION),
+                _ => store.release(&key, &owner),
+            };
+            assert!(settled.await.unwrap(), "{what}");
+            assert_eq!(
+                calls(&stats).await.spublish,
+                u64::from(watched),
+                "{what}: notices sent"
+            );
+            if let Some(watch) = watch.as_mut() {
+                let woken = tokio::time::timeout(Duration::from_secs(2), watch.changed()).await;
+                assert_eq!(woken.ok(), Some(true), "{what}: the watcher is woken");
+            }
+        }
+    }
+    // A waiter's read answers what a claim answers, and marks only another owner's record in
+    // flight: a completed record is replayed as it is, a free key is claimed (unmarked).
+    let (done, owner) = (key("completed-then-read"), OwnerToken::generate());
+    store.claim(&done, &body(), &owner, LEASE).await.unwrap();
+    store
+        .complete(&done, &owner, Bytes::from_static(b"kept"), RETENTION)
+        .await
+        .unwrap();
+    let before = raw(&stats, &store, &done).await;
+    let read = store
+        .claim_waiting(&done, &body(), &OwnerToken::generate(), LEASE)
+        .await
+        .unwrap();
+    assert!(
+        matches!(read, ClaimOutcome::Completed(payload) if payload == "kept"),
+        "{server} {path}"
+    );
+    assert_eq!(raw(&stats, &store, &done).await, before, "{server} {path}");
+    let other = Fingerprint::new([b"other".as_slice()]);
+    let read = store
+        .claim_waiting(&done, &other, &OwnerToken::generate(), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(read, ClaimOutcome::Mismatch, "{server} {path}");
+    let (free, waiter) = (key("free-when-read"), OwnerToken::generate());
+    let read = store.claim_waiting(&free, &body(), &waiter, LEASE).await.unwrap();
+    assert_eq!(read, ClaimOutcome::Claimed, "{server} {path}");
+    assert_eq!(
+        deadline(raw(&stats, &store, &free).await) % 2,
+        0,
+        "{server} {path}"
+    );
+    assert!(store
+        .complete(&free, &waiter, Bytes::from_static(b"the waiter's"), RETENTION)
+        .await
+        .unwrap());
+}
+
+/// One test per line: its name, the server, whether native transitions are on.
+macro_rules! noticed {
+    ($($test:ident: $server:literal, $native:literal;)*) => {
+        mod the_notice_goes_only_for_a_record_someone_waits_for {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::the_notice_goes_only_for_a_record_someone_waits_for($server, $native).await;
+                }
+            )*
+        }
+    };
+}
+
+noticed! {
+    redis_7_0_scripts: "redis-7.0", false;
+    redis_8_6_scripts: "redis-8.6", false;
+    redis_8_6_native: "redis-8.6", true;
+    valkey_9_1_native: "valkey-9.1", true;
 }
 
 /// One test per line: its name, the server, whether native transitions are on.

@@ -96,6 +96,46 @@ async fn a_released_key_lets_the_waiter_run_the_handler(backend: Backend) {
     assert_eq!(again.body, retry.body);
 }
 
+/// Two requests wait on a key that is released: one claims it and runs the handler, the other
+/// waits on for that new run and gets its replay as soon as it completes. On Redis the new run's
+/// record is a fresh one, which the losing waiter marks with the read that finds it
+/// (`Store::claim_waiting`); unmarked, its completion would tell nobody, and the second waiter
+/// would wait for the lease's end or the end of its wait.
+async fn a_waiter_that_loses_the_released_key_waits_for_the_new_run(backend: Backend) {
+    let (app, runs) = router(waiting_layer(&backend));
+    let first = start_first(&app, &runs, "wait-rerun", 300, 503).await;
+    let waiter = || {
+        let app = app.clone();
+        let request = payment_with("wait-rerun", &[("prefer", "wait=8"), ("x-delay-ms", "500")]);
+        tokio::spawn(async move {
+            let answer = send(&app, request).await;
+            (answer, Instant::now())
+        })
+    };
+    let (one, two) = (waiter(), waiter());
+    let (first, _) = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    let (one, two) = (one.await.unwrap(), two.await.unwrap());
+    let ((ran, ran_at), (replayed, replayed_at)) = if one.0.is_replay() { (two, one) } else { (one, two) };
+    assert_eq!(ran.status, StatusCode::CREATED, "{}", backend.name);
+    assert!(
+        !ran.is_replay() && ran.body.starts_with(b"run 2"),
+        "{:?}",
+        ran.body
+    );
+    assert!(replayed.is_replay(), "{}: {}", backend.name, replayed.status);
+    assert_eq!(replayed.body, ran.body, "byte-exact");
+    assert_eq!(runs.get(), 2);
+    // The new run took 500 ms; the lease (30 s) and the wait (8 s) are far off: only a notice
+    // of the new run's completion answers the second waiter this soon after the first.
+    let after = replayed_at.saturating_duration_since(ran_at);
+    assert!(
+        after < Duration::from_secs(1),
+        "{}: {after:?} after the new run",
+        backend.name
+    );
+}
+
 async fn a_wait_that_runs_out_gets_the_usual_409(backend: Backend) {
     let (app, runs) = router(waiting_layer(&backend));
     let first = start_first(&app, &runs, "wait-out", 2500, 201).await;
@@ -301,6 +341,7 @@ fn channel_of(channels: &fred::types::Value) -> String {
 on_both_stores!(
     a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
     a_released_key_lets_the_waiter_run_the_handler,
+    a_waiter_that_loses_the_released_key_waits_for_the_new_run,
     a_wait_that_runs_out_gets_the_usual_409,
     the_maximum_caps_the_wait_asked_for,
     prefer_values_that_are_not_waits_are_ignored_and_defaults_apply,
@@ -434,6 +475,7 @@ mod redis_only {
 on_cluster!(
     a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes,
     a_released_key_lets_the_waiter_run_the_handler,
+    a_waiter_that_loses_the_released_key_waits_for_the_new_run,
 );
 
 /// The same two on the Sentinel topology shared by the binary (a store made by

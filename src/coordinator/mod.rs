@@ -30,7 +30,9 @@ use self::running::{Tracker, MAX_DURATION};
 use self::settings::{
     Settings, DEFAULT_LEASE, DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETENTION, DEFAULT_STORE_TIMEOUT,
 };
-use self::waiting::{WaiterPlace, Waiters, DEFAULT_MAX_WAITERS, LEASE_END_SLACK, POLL_FIRST, POLL_MAX};
+use self::waiting::{
+    Reader, WaiterPlace, Waiters, DEFAULT_MAX_WAITERS, LEASE_END_SLACK, POLL_FIRST, POLL_MAX,
+};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 use crate::reconciliation::{Reconciler, ReconciliationEvent};
@@ -346,7 +348,9 @@ impl Coordinator {
 
     /// Claims `key` for a new operation, or reports what is there. One store round trip.
     pub async fn begin(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Result<Begin, Error> {
-        let begun = self.claim(key, fingerprint, Renewal::Background).await;
+        let begun = self
+            .claim(key, fingerprint, Renewal::Background, Reader::Caller)
+            .await;
         telemetry::outcome(Begin::outcome(&begun), self.named());
         begun
     }
@@ -393,7 +397,10 @@ impl Coordinator {
         fingerprint: &Fingerprint,
         wait: Duration,
     ) -> Result<Begin, Error> {
-        match self.claim(key, fingerprint, Renewal::Background).await? {
+        match self
+            .claim(key, fingerprint, Renewal::Background, Reader::Caller)
+            .await?
+        {
             Begin::InFlight { lease_left } if !wait.is_zero() => {
                 let (begun, _waited) = self
                     .wait_in_flight(key, fingerprint, wait, lease_left, Renewal::Background)
@@ -423,7 +430,8 @@ impl Coordinator {
     /// first, then reads it again (claiming it if it was released), so a completion between the
     /// caller's first read and the subscription is not missed, and again on every notice, at the
     /// lease's end (an owner that died notifies nobody) and, on a store that cannot notify, at
-    /// growing intervals.
+    /// growing intervals. Each of those reads is a [`Store::claim_waiting`]: a store whose
+    /// completions tell only the waiters they know of (Redis) learns of this one with the read.
     async fn wait_in_flight(
         &self,
         key: &RecordKey,
@@ -454,7 +462,7 @@ impl Coordinator {
         };
         let mut poll_every = POLL_FIRST;
         loop {
-            match self.claim(key, fingerprint, renewal).await {
+            match self.claim(key, fingerprint, renewal, Reader::Waiter).await {
                 Ok(Begin::InFlight { lease_left: left }) => lease_left = left,
                 settled => return (settled, true),
             }
@@ -492,7 +500,8 @@ impl Coordinator {
         key: &RecordKey,
         fingerprint: &Fingerprint,
     ) -> Result<Begin, Error> {
-        self.claim(key, fingerprint, Renewal::Driven).await
+        self.claim(key, fingerprint, Renewal::Driven, Reader::Caller)
+            .await
     }
 
     async fn claim(
@@ -500,6 +509,7 @@ impl Coordinator {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         renewal: Renewal,
+        reader: Reader,
     ) -> Result<Begin, Error> {
         // A copy held in this process answers before anything a claim needs (a slot, an owner
         // token, a store call): a replay is not new work, so neither the bound nor shutdown stops it.
@@ -526,15 +536,14 @@ impl Coordinator {
             owner: &owner,
             armed: true,
         };
-        let outcome = self
-            .settings
-            .bounded(
-                StoreOp::Claim,
-                self.settings
-                    .store
-                    .claim(key, fingerprint, &owner, self.settings.lease),
-            )
-            .await;
+        let store = &self.settings.store;
+        let lease = self.settings.lease;
+        let claiming = match reader {
+            Reader::Caller => store.claim(key, fingerprint, &owner, lease),
+            // A waiter's every read tells the store of it (`Store::claim_waiting`).
+            Reader::Waiter => store.claim_waiting(key, fingerprint, &owner, lease),
+        };
+        let outcome = self.settings.bounded(StoreOp::Claim, claiming).await;
         pending.armed = matches!(&outcome, Err(error) if !matches!(error, StoreError::Corrupt(_)));
         drop(pending);
         match outcome? {

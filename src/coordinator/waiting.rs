@@ -45,3 +45,11 @@ impl Drop for WaiterPlace {
         self.waiters.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
+
+/// Who reads a key with a claim: a caller, or a caller waiting for the key to settle, whose
+/// every read is a [`Store::claim_waiting`](crate::Store::claim_waiting).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Reader {
+    Caller,
+    Waiter,
+}

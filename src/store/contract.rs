@@ -62,6 +62,44 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome>;
 
+    /// [`claim`](Store::claim), made by a caller that waits for `key` to settle (after a
+    /// [`watch`](Store::watch)): the same answers, and a store whose completions tell only the
+    /// waiters they know of learns of this one in the same step. The default is `claim`.
+    ///
+    /// [`RedisStore`](crate::RedisStore) marks another owner's in-flight record it finds as
+    /// waited for (the claim and the mark in one script), and publishes the settled notice only
+    /// when it completes or releases a marked record: so a completion nobody waits for sends
+    /// no notice, and one a waiter has read cannot slip between that read and a separate mark.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{ClaimOutcome, Fingerprint, IdempotencyKey, MemoryStore, OwnerToken, RecordKey, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), tower_idempotency::StoreError> {
+    /// let store = MemoryStore::new();
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("k").unwrap());
+    /// let body = Fingerprint::new([b"body".as_slice()]);
+    /// let lease = Duration::from_secs(30);
+    /// let first = OwnerToken::generate();
+    /// assert_eq!(store.claim(&key, &body, &first, lease).await?, ClaimOutcome::Claimed);
+    /// let mut watch = store.watch(&key).await?.expect("the memory store notifies");
+    /// let read = store.claim_waiting(&key, &body, &OwnerToken::generate(), lease).await?;
+    /// assert!(matches!(read, ClaimOutcome::InFlight { .. }));
+    /// store.complete(&key, &first, "result".into(), Duration::from_secs(60)).await?;
+    /// assert!(watch.changed().await, "woken by the completion");
+    /// # Ok(()) }
+    /// ```
+    fn claim_waiting<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        self.claim(key, fingerprint, owner, lease)
+    }
+
     /// Answers a claim from a copy this process already holds, with no round trip:
     /// `Some(`[`ClaimOutcome::Completed`]`)` or `Some(`[`ClaimOutcome::Mismatch`]`)` for a
     /// completed record held in a local cache, `None` to ask the store with
@@ -152,9 +190,11 @@ pub trait Store: Send + Sync + 'static {
     /// Semantics, for implementers:
     ///
     /// - once the future answers `Some(watch)`, every completion, release or purge of `key`
-    ///   made afterwards wakes [`KeyWatch::changed`] at least once. The caller reads the record
-    ///   *after* subscribing, so a change between its first read and the subscription is not
-    ///   missed;
+    ///   made afterwards wakes [`KeyWatch::changed`] at least once, of a record that the
+    ///   watching caller has read since with [`claim_waiting`](Store::claim_waiting). The caller
+    ///   reads the record *after* subscribing, and after every wake-up, with `claim_waiting`, so
+    ///   a change between its first read and the subscription is not missed, and a record
+    ///   claimed afresh (after a release) is read before the caller waits on it;
     /// - wake-ups may be spurious (the caller reads the record again and waits on if it is still
     ///   in flight): a store that loses its notification channel for a while should wake every
     ///   watch once it is back;
@@ -268,6 +308,16 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         (**self).claim(key, fingerprint, owner, lease)
+    }
+
+    fn claim_waiting<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        (**self).claim_waiting(key, fingerprint, owner, lease)
     }
 
     fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {

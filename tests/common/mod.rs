@@ -337,9 +337,12 @@ pub async fn command_calls(client: &Client, command: &str) -> u64 {
 /// The round trips the store made, on either path of the owner-checked transitions: its claims
 /// (`SET … NX GET`), its scripts' calls (EVALSHA, EVAL; the commands a script runs inside are
 /// not counted) and its native compare-and-set commands (a completion or a renewal is one
-/// `SET … IFEQ`, a release one `DELEX` or `DELIFEQ`). A native completion or release also sends
-/// `SPUBLISH` (the waiters' notice), in the same pipeline, so in the same round trip: it is not
-/// counted, as the scripts' own `SPUBLISH` is not.
+/// `SET … IFEQ`, a release one `DELEX` or `DELIFEQ`). A native completion or release of a record
+/// a request waits for also sends `SPUBLISH` (the waiters' notice), in the same pipeline, so in
+/// the same round trip: it is not counted, as the scripts' own `SPUBLISH` is not.
+///
+/// A waiter's reads (`wait.lua`: `SET … NX GET`, and `SETRANGE` when it marks) are not counted
+/// right here: no test that counts has a waiter.
 ///
 /// complete.lua writes a completed record with one `SET`, which `INFO commandstats` counts with
 /// the client's: those are left out. Every script run reads its record with one `GETRANGE`, and

@@ -151,7 +151,7 @@ impl Node {
     /// over): the newer owner's record is never overwritten.
     ///
     /// Redis: scripts/complete.lua (`GETRANGE` of the in-flight record, compare, one `SET … PX`
-    /// of the completed record, `SPUBLISH`), or `SET … IFEQ` on Redis 8.4+ and Valkey 8.1+, run by `Store::complete` for `RedisStore`; PostgreSQL: the
+    /// of the completed record, `SPUBLISH` if a request waits for it), or `SET … IFEQ` on Redis 8.4+ and Valkey 8.1+, run by `Store::complete` for `RedisStore`; PostgreSQL: the
     /// `complete` statement (`UPDATE … WHERE key = $1 AND owner = $2 AND state = 'F' AND
     /// expires_at > statement_timestamp()`, and the `seen` sub-select for a completion sent
     /// twice); memory: `Store::complete` for `MemoryStore`.

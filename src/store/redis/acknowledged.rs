@@ -11,7 +11,7 @@ use fred::types::config::Options;
 use fred::types::{CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
-use super::commands::{CompletionCall, COMPARE_AGAIN};
+use super::commands::{Claimant, CompletionCall, COMPARE_AGAIN};
 use super::connection::{unavailable, worth_retrying};
 use super::native::{self, Found};
 use super::notices::settled_channel;
@@ -33,6 +33,7 @@ impl RedisStore {
     pub(super) async fn claim_acknowledged(
         &self,
         waiter: &Waiter,
+        claimant: Claimant,
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
@@ -41,7 +42,9 @@ impl RedisStore {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
-        let answer = self.set_if_absent(&client, key, fresh.clone(), lease).await?;
+        let answer = self
+            .set_if_absent(&client, claimant, key, fresh.clone(), lease)
+            .await?;
         if answer != Value::Null {
             let existing = into_bytes(answer)
                 .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?;
@@ -270,8 +273,8 @@ impl RedisStore {
         }
     }
 
-    /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` and the
-    /// WAIT, in one round trip; `None` where the script is to do it (see `native`). A record
+    /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` (when a
+    /// request waits for the record: see `record::is_waited`) and the WAIT, in one round trip; `None` where the script is to do it (see `native`). A record
     /// this owner completed already (an attempt whose answer was lost, or that went over
     /// another connection) is written again with its retention restarted, as complete.lua
     /// writes it again: WAIT counts this connection's writes only.
@@ -295,10 +298,11 @@ impl RedisStore {
         };
         for _ in 0..=COMPARE_AGAIN {
             let written = native::rewritten(&expected, head.len(), &call.state, &call.payload);
-            let after = vec![
-                native::publish_settled(&settled_channel(&redis_key)),
-                waiter.wait_command(&redis_key),
-            ];
+            let mut after = Vec::with_capacity(2);
+            if record::is_waited(&expected, head.len()) {
+                after.push(native::publish_settled(&settled_channel(&redis_key)));
+            }
+            after.push(waiter.wait_command(&redis_key));
             let answer = self
                 .compare_and_set_then_wait(
                     client,

@@ -44,9 +44,9 @@ pub(crate) enum Command {
     Get { key: Key },
     /// A call of one of the crate's scripts on one record.
     Script(ScriptCall),
-    /// A compare-and-set on one record (`SET … IFEQ`, `DELEX`, `DELIFEQ`; see `native`), and
-    /// behind it, on the same connection, `SPUBLISH <notice> ""` for the requests waiting for
-    /// the record. fred writes the first at once (a custom command) and feeds the notice, its
+    /// A compare-and-set on one record (`SET … IFEQ`, `DELEX`, `DELIFEQ`; see `native`), and,
+    /// when a request waits for the record, behind it on the same connection,
+    /// `SPUBLISH <notice> ""` for the requests waiting for it. fred writes the first at once (a custom command) and feeds the notice, its
     /// own `SPUBLISH`, without a flush: the next write carries it, the next compare-and-set of
     /// the batch, or its own if none follows. Its answer is the compare-and-set's.
     Native {

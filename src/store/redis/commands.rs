@@ -18,6 +18,7 @@ use super::notices::{settled_channel, Notices};
 use super::record::{self, digest_from_hex};
 use super::scripts::{
     as_flag, into_bytes, lease_millis, millis, unexpected, Script, COMPLETE, INSPECT, PURGE, RELEASE, RENEW,
+    WAIT,
 };
 use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
 use crate::fingerprint::Fingerprint;
@@ -90,13 +91,63 @@ impl RedisStore {
         });
     }
 
+    /// [`Store::claim`] and [`Store::claim_waiting`].
+    async fn claim_as(
+        &self,
+        claimant: Claimant,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<ClaimOutcome, StoreError> {
+        self.keep_alive();
+        self.refuse_claims_during_failover()?;
+        if let Some(waiter) = &self.acks {
+            // Boxed, like the other rare paths: inline, its state would size every claim.
+            let acknowledged = self.claim_acknowledged(waiter, claimant, key, fingerprint, owner, lease);
+            return Box::pin(acknowledged).await;
+        }
+        let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+        let fresh = record::in_flight(owner, fingerprint, lease)?;
+        let client = self.connection.client();
+        let existing = match self
+            .set_if_absent(client, claimant, key, fresh.clone(), lease)
+            .await?
+        {
+            Value::Null => {
+                self.native.hold(fresh, lease);
+                return Ok(ClaimOutcome::Claimed);
+            }
+            value => into_bytes(value)
+                .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
+        };
+        let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
+        if outcome == ClaimOutcome::Claimed {
+            // This claim, re-sent: the record is the one the first copy wrote.
+            self.native.hold(existing, lease);
+        }
+        Ok(outcome)
+    }
+
+    /// The claim's write: `SET key <record> NX PX <lease> GET`, or for a waiter `wait.lua`, which
+    /// also marks another owner's in-flight record it finds. Answers `nil` (claimed) or the
+    /// record found.
     pub(super) async fn set_if_absent(
         &self,
         client: &Client,
+        claimant: Claimant,
         key: &RecordKey,
         record: Bytes,
         lease: Duration,
     ) -> Result<Value, StoreError> {
+        if claimant == Claimant::Waiter {
+            let args = [
+                Value::Bytes(record),
+                millis(lease),
+                Value::Bytes(record::layout_prefix()),
+            ];
+            return self.run_on(client, &WAIT, key, &args).await;
+        }
         let set = Command::SetIfAbsent {
             key: self.redis_key(key).into(),
             value: record,
@@ -172,32 +223,20 @@ impl Store for RedisStore {
         owner: &'a OwnerToken,
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
-        Box::pin(async move {
-            self.keep_alive();
-            self.refuse_claims_during_failover()?;
-            if let Some(waiter) = &self.acks {
-                // Boxed, like the other rare paths: inline, its state would size every claim.
-                let acknowledged = self.claim_acknowledged(waiter, key, fingerprint, owner, lease);
-                return Box::pin(acknowledged).await;
-            }
-            let epoch = self.cache.as_deref().map(ReplayCache::epoch);
-            let fresh = record::in_flight(owner, fingerprint, lease)?;
-            let client = self.connection.client();
-            let existing = match self.set_if_absent(client, key, fresh.clone(), lease).await? {
-                Value::Null => {
-                    self.native.hold(fresh, lease);
-                    return Ok(ClaimOutcome::Claimed);
-                }
-                value => into_bytes(value)
-                    .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
-            };
-            let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
-            if outcome == ClaimOutcome::Claimed {
-                // This claim, re-sent: the record is the one the first copy wrote.
-                self.native.hold(existing, lease);
-            }
-            Ok(outcome)
-        })
+        Box::pin(self.claim_as(Claimant::Caller, key, fingerprint, owner, lease))
+    }
+
+    /// `wait.lua`: the claim, and the mark on another owner's in-flight record it finds, in one
+    /// step (the lowest bit of its in-flight deadline), so that record's completion or release
+    /// tells the waiters.
+    fn claim_waiting<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a OwnerToken,
+        lease: Duration,
+    ) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(self.claim_as(Claimant::Waiter, key, fingerprint, owner, lease))
     }
 
     fn peek<'a>(
@@ -341,8 +380,10 @@ impl Store for RedisStore {
     }
 
     /// Subscribes to the record's shard channel (`SSUBSCRIBE <record key>:settled`), on the
-    /// store's subscriber connection, opened with the first waiter; the completion, release and
-    /// purge scripts publish on it (`SPUBLISH`). Waiters on one key share one subscription.
+    /// store's subscriber connection, opened with the first waiter. A completion or release
+    /// publishes on it (`SPUBLISH`) only for a record marked as waited for, which a waiter's
+    /// every read marks ([`claim_waiting`](Store::claim_waiting), `wait.lua`); a purge always
+    /// publishes. Waiters on one key share one subscription.
     fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
         Box::pin(async move {
             let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
@@ -421,6 +462,14 @@ impl Store for RedisStore {
     }
 }
 
+/// Who claims: a caller (`SET … NX GET`), or a request waiting for the key (`wait.lua`, which
+/// marks the in-flight record it finds as waited for).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Claimant {
+    Caller,
+    Waiter,
+}
+
 /// A completion's parts: what the script takes as arguments, and what a native completion
 /// builds its record from.
 pub(super) struct CompletionCall {
@@ -471,9 +520,11 @@ impl RedisStore {
         }
     }
 
-    /// `complete.lua` as `SET … IFEQ` and `SPUBLISH` (the waiters' notice) in one round trip.
-    /// The notice goes whether or not the record was written: a waiter woken for nothing looks
-    /// again and waits again.
+    /// `complete.lua` as `SET … IFEQ`, with `SPUBLISH` (the waiters' notice) behind it in the
+    /// same round trip when the record compared against is marked as waited for (a record
+    /// marked since this process remembered it fails the comparison, and is compared again
+    /// with the notice). The notice goes whether or not the record was written: a waiter woken
+    /// for nothing looks again and waits again.
     async fn complete_natively(
         &self,
         key: &RecordKey,
@@ -493,7 +544,7 @@ impl RedisStore {
                 expected: expected.clone(),
                 ms,
             };
-            let notice = Some(settled_channel(&redis_key));
+            let notice = record::is_waited(&expected, head.len()).then(|| settled_channel(&redis_key));
             let Some(answer) = self
                 .compare_and_set(client, swap.command(redis_key.as_str().into()), notice)
                 .await?
@@ -542,7 +593,9 @@ impl RedisStore {
         let client = self.connection.client();
         let redis_key = self.redis_key(key);
         for _ in 0..=COMPARE_AGAIN {
-            let written = native::rewritten(&expected, head.len(), state, b"");
+            // A record a request waits for keeps its mark, as renew.lua keeps it.
+            let state = record::keeping_mark(state, &expected, head.len());
+            let written = native::rewritten(&expected, head.len(), &state, b"");
             let swap = native::Swap {
                 written: written.clone(),
                 expected: expected.clone(),
@@ -579,8 +632,8 @@ impl RedisStore {
         };
         let client = self.connection.client();
         let redis_key = self.redis_key(key);
+        let notice = record::is_waited(&expected, head.len()).then(|| settled_channel(&redis_key));
         let delete = deleter.command(Value::from(redis_key.as_str()), expected);
-        let notice = Some(settled_channel(&redis_key));
         match self.compare_and_set(client, delete, notice).await? {
             Some(deleted) if deleted.as_i64() == Some(1) => {
                 self.native.forget(head);

@@ -164,10 +164,16 @@ impl Native {
     }
 
     /// After `renew.lua`: the record remembered follows the renewal (`state`, a state byte and
-    /// the new deadline), or is forgotten when the claim was lost (`None`).
+    /// the new deadline, with the remembered record's waited mark), or is forgotten when the
+    /// claim was lost (`None`). A mark set since it was remembered is not known here: the next
+    /// compare-and-set finds the record different and compares again with what it found.
     pub(super) fn renewed(&self, head: &Bytes, state: Option<&Bytes>, lease: Duration) {
         match (state, self.held(head)) {
-            (Some(state), Some(record)) => self.hold(rewritten(&record, head.len(), state, b""), lease),
+            (Some(state), Some(record)) => {
+                // renew.lua kept the mark of a record a request waits for.
+                let state = record::keeping_mark(state, &record, head.len());
+                self.hold(rewritten(&record, head.len(), &state, b""), lease)
+            }
             (None, _) => self.forget(head),
             (Some(_), None) => {}
         }

@@ -4,7 +4,10 @@
 //! The scripts that complete, release and purge a record publish an empty message on the
 //! record's own shard channel, `<record key>:settled` (`SPUBLISH`: on a Cluster the message
 //! stays on the shard of the record's slot instead of being broadcast to every node; the
-//! channel carries the record's hash tag, so it is in that slot). A store subscribes
+//! channel carries the record's hash tag, so it is in that slot): a purge always, a completion
+//! or release only when a waiter has marked the record (each of a waiter's reads marks it, in
+//! one step: `Store::claim_waiting`, `wait.lua`; the mark is in `record`), so a record nobody
+//! waits for costs no notice. A store subscribes
 //! (`SSUBSCRIBE`) to the channels of the keys its waiters wait on, on one connection of its own
 //! opened with the first waiter: waiting never blocks the connection other requests share, and
 //! a thousand waiters cost one connection and, per key, one subscription.

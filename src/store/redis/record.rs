@@ -9,6 +9,15 @@
 //! check ownership. The deadline is the lease's end in flight and the retention's end once
 //! completed; the state and the deadline are rewritten together. The payload is appended on
 //! completion, so a replay is a slice of the bytes `SET … GET` hands back.
+//!
+//! An in-flight deadline's lowest bit is the *waited* mark: an owner writes its deadline even
+//! (the lease's end rounded down to an even millisecond), and a request that waits for the
+//! record sets the bit with each of its reads (`wait.lua`, [`Store::claim_waiting`]), so that
+//! the record's completion or release tells the waiting requests (`SPUBLISH`, see `notices`)
+//! and no other completion pays for the notice. A renewal keeps the mark. A reader of any
+//! release sees a marked lease end 1 ms later.
+//!
+//! [`Store::claim_waiting`]: crate::Store::claim_waiting
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -40,13 +49,48 @@ pub(super) fn state_until(state: u8, from_now: Duration) -> Bytes {
     state_at(state, SystemTime::now() + from_now)
 }
 
-/// A state byte and the deadline `at`, in milliseconds since the Unix epoch.
+/// A state byte and the deadline `at`, in milliseconds since the Unix epoch; in flight, even
+/// (without the [`WAITED`] mark).
 fn state_at(state: u8, at: SystemTime) -> Bytes {
     let millis = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let mut millis = u64::try_from(millis).unwrap_or(u64::MAX);
+    if state == IN_FLIGHT {
+        millis &= !u64::from(WAITED);
+    }
     let mut bytes = BytesMut::with_capacity(9);
     bytes.put_u8(state);
-    bytes.put_u64(u64::try_from(millis).unwrap_or(u64::MAX));
+    bytes.put_u64(millis);
     bytes.freeze()
+}
+
+/// The waited mark: the lowest bit of an in-flight record's deadline (its last byte).
+pub(super) const WAITED: u8 = 1;
+
+/// Whether `record`, whose head is `head_len` bytes long, is in flight and marked as waited
+/// for: its completion or release is to tell the waiting requests.
+pub(super) fn is_waited(record: &[u8], head_len: usize) -> bool {
+    record.get(head_len) == Some(&IN_FLIGHT)
+        && record.get(head_len + 8).is_some_and(|last| last & WAITED != 0)
+}
+
+/// `state` (a state byte and a deadline, [`state_until`]) with the waited mark of `record` (in
+/// flight, its head `head_len` bytes long) carried over: a renewal keeps the mark.
+pub(super) fn keeping_mark(state: &Bytes, record: &[u8], head_len: usize) -> Bytes {
+    if !is_waited(record, head_len) || state.len() != 9 {
+        return state.clone();
+    }
+    let mut marked = BytesMut::from(&state[..]);
+    marked[8] |= WAITED;
+    marked.freeze()
+}
+
+/// The layout's magic and version, the first 4 bytes of every record this release writes:
+/// what `wait.lua` checks before it reads a record's owner length.
+pub(super) fn layout_prefix() -> Bytes {
+    let mut prefix = BytesMut::with_capacity(4);
+    prefix.put_slice(MAGIC);
+    prefix.put_u8(RECORD_VERSION as u8);
+    prefix.freeze()
 }
 
 /// A new in-flight record.
@@ -285,6 +329,37 @@ mod tests {
         UNIX_EPOCH + Duration::from_millis(millis)
     }
 
+    #[test]
+    fn an_owner_writes_its_deadline_even_and_a_renewal_keeps_a_waiters_mark() {
+        let owner = OwnerToken::generate();
+        let fingerprint = Fingerprint::new([b"body".as_slice()]);
+        let head_len = head(&owner).unwrap().len();
+        for millis in [1_764_115_200_000, 1_764_115_200_001] {
+            let record = in_flight_until(&owner, &fingerprint, at(millis)).unwrap();
+            assert_eq!(record[head_len + 8] & WAITED, 0, "{millis}: even");
+            assert!(!is_waited(&record, head_len));
+            let read = parse_at(&record, at(millis - 10)).unwrap();
+            assert!(read.time_left <= Duration::from_millis(10));
+            // Marked as wait.lua marks it: a reader sees the lease end 1 ms later.
+            let mut marked = record.to_vec();
+            marked[head_len + 8] |= WAITED;
+            assert!(is_waited(&marked, head_len));
+            let read = parse_at(&Bytes::from(marked.clone()), at(millis - 10)).unwrap();
+            assert_eq!(read.state, IN_FLIGHT);
+            // A renewal's new state keeps the mark of a marked record, and only of one.
+            let renewal = state_at(IN_FLIGHT, at(millis + 30_000));
+            assert_eq!(renewal[8] & WAITED, 0);
+            assert_eq!(keeping_mark(&renewal, &marked, head_len)[8] & WAITED, WAITED);
+            assert_eq!(keeping_mark(&renewal, &record, head_len), renewal);
+        }
+        // A completed record's deadline is what it is, and a completed record is never waited.
+        let done = state_at(COMPLETED, at(1_764_115_200_001));
+        assert_eq!(done[8] & WAITED, WAITED);
+        let mut completed = head(&owner).unwrap().to_vec();
+        completed.extend_from_slice(&done);
+        assert!(!is_waited(&completed, head_len));
+    }
+
     /// A completed record as the completion script leaves it: the in-flight record with its
     /// state and deadline rewritten after the head, the payload after the fingerprint.
     fn completed_until(
@@ -395,7 +470,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
-        /// Encode then read gives back every field, the deadline to the millisecond; the
+        /// Encode then read gives back every field, the deadline to the millisecond (in flight,
+        /// rounded down to an even one); the
         /// record is exactly its fields' bytes, and reads the same from its head alone.
         #[test]
         fn records_round_trip(
@@ -415,7 +491,9 @@ mod tests {
             prop_assert_eq!(read.state, if completed { COMPLETED } else { IN_FLIGHT });
             prop_assert_eq!(&read.owner[..], owner.as_str().as_bytes());
             prop_assert_eq!(&read.fingerprint, fingerprint.as_bytes());
-            prop_assert_eq!(read.time_left, Duration::from_millis(deadline));
+            // In flight, the owner's deadline is even (the lowest bit is the waiters' mark).
+            let written = if completed { deadline } else { deadline & !u64::from(WAITED) };
+            prop_assert_eq!(read.time_left, Duration::from_millis(written));
             let expected: &[u8] = if completed { &payload } else { &[] };
             prop_assert_eq!(&read.payload[..], expected);
             prop_assert_eq!(super::owner(&record), Some(owner.as_str().as_bytes()));

@@ -1,5 +1,5 @@
-//! The Lua scripts of the owner-checked transitions (complete, release, renew) and the
-//! operators' calls (purge, inspect), each named once (sources in `scripts/*.lua`), and the
+//! The Lua scripts of the owner-checked transitions (complete, release, renew), a waiter's
+//! claim (wait), and the operators' calls (purge, inspect), each named once (sources in `scripts/*.lua`), and the
 //! arguments and answers they share with the native commands.
 
 use std::sync::LazyLock;
@@ -46,6 +46,8 @@ pub(super) static RELEASE: LazyLock<Script> =
     LazyLock::new(|| Script::new("release", include_str!("../../../scripts/release.lua")));
 pub(super) static RENEW: LazyLock<Script> =
     LazyLock::new(|| Script::new("renew", include_str!("../../../scripts/renew.lua")));
+pub(super) static WAIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new("wait", include_str!("../../../scripts/wait.lua")));
 pub(super) static PURGE: LazyLock<Script> =
     LazyLock::new(|| Script::new("purge", include_str!("../../../scripts/purge.lua")));
 pub(super) static INSPECT: LazyLock<Script> =
