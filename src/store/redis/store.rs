@@ -629,6 +629,33 @@ mod tests {
         RedisStore::new(Builder::default_centralized().build().expect("a client"))
     }
 
+    /// The store's claim futures, a caller's and a waiter's, hold no fred future inline (each
+    /// is about 6.8 KB; see `coalesce`'s `no_fred_future_is_held_inline`), so a claim's future
+    /// stays small to box and to move: every request makes one.
+    #[test]
+    fn a_claims_future_holds_no_fred_future_inline() {
+        use crate::store::{OwnerToken, Store};
+        use fred::interfaces::KeysInterface;
+        let store = unconnected();
+        let key = RecordKey::new(None, crate::IdempotencyKey::parse("k").expect("a key"));
+        let fingerprint = crate::Fingerprint::new([b"body".as_slice()]);
+        let owner = OwnerToken::generate();
+        let client = store.connection.client().clone();
+        let fred_call = std::mem::size_of_val(&client.get::<fred::types::Value, _>("k"));
+        let lease = Duration::from_secs(30);
+        let claim = store.claim(&key, &fingerprint, &owner, lease);
+        let waiting = store.claim_waiting(&key, &fingerprint, &owner, lease);
+        for (what, size) in [
+            ("claim", std::mem::size_of_val(&*claim)),
+            ("claim_waiting", std::mem::size_of_val(&*waiting)),
+        ] {
+            assert!(
+                size < fred_call / 2,
+                "{what}'s future: {size} B (a fred call: {fred_call} B)"
+            );
+        }
+    }
+
     #[test]
     #[should_panic(expected = "contains a brace")]
     fn a_prefix_with_a_brace_is_refused() {
