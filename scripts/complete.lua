@@ -28,7 +28,7 @@ local function complete(key, head, state, payload, retention)
   -- fingerprint: read no more than that, so a large record of another owner is not copied.
   local ok, found = pcall(redis.call, 'GETRANGE', key, 0, n + 40)
   -- Compared in place (a plain find from the first byte, the state as a number): building
-  -- head .. 'F' and head .. 'C' for the comparison was a sixth of this function's time.
+  -- head .. 'F' and head .. 'C' to compare cost 5 % of a completion's instructions in Redis.
   if not ok or string.find(found, head, 1, true) ~= 1 then
     return 0
   end
