@@ -144,7 +144,7 @@ impl RedisStore {
             let args = [
                 Value::Bytes(record),
                 millis(lease),
-                Value::Bytes(record::layout_prefix()),
+                Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
             ];
             return self.run_on(client, &WAIT, key, &args).await;
         }

@@ -86,12 +86,7 @@ pub(super) fn keeping_mark(state: &Bytes, record: &[u8], head_len: usize) -> Byt
 
 /// The layout's magic and version, the first 4 bytes of every record this release writes:
 /// what `wait.lua` checks before it reads a record's owner length.
-pub(super) fn layout_prefix() -> Bytes {
-    let mut prefix = BytesMut::with_capacity(4);
-    prefix.put_slice(MAGIC);
-    prefix.put_u8(RECORD_VERSION as u8);
-    prefix.freeze()
-}
+pub(super) const LAYOUT_PREFIX: [u8; 4] = [MAGIC[0], MAGIC[1], MAGIC[2], RECORD_VERSION as u8];
 
 /// A new in-flight record.
 pub(super) fn in_flight(
