@@ -15,8 +15,11 @@ server (`cargo build --release --example bench_server`, benches/http_server.rs) 
                                           each cell's throughput x base (per-round pairs)
     scripts/bench.sh --redis-servers all  every Redis cell once per server (the system's and
                                           scripts/newer-servers.sh's); prints Redis CPU per
-                                          request, the requests/s one Redis core serves, and
-                                          Redis memory per record, per server
+                                          request, the requests/s one Redis core serves,
+                                          Redis's socket reads per request and what a read
+                                          costs it, and Redis memory per record, per server
+    scripts/bench.sh --conc c128 ...      128 connections (not in any default matrix): a
+                                          busier Redis, more commands per read
 
 A cell is (store, scenario, concurrency, body size). Every round runs every cell once, in the
 same order (interleaved, so drift hits all cells alike); each cell gets a fresh server process
@@ -95,7 +98,8 @@ PG_STORES = {"postgres"}
 RECORD_PREFIX = "idempotency"  # RedisStore's default prefix (DEFAULT_PREFIX, src/store/redis/store.rs)
 PG_TABLE = "idempotency_records"  # PostgresStore's default table
 LAYERED_SCENARIOS = ["fresh", "replay", "inflight"]
-CONCURRENCY = {"c32": (2, 32), "c1": (1, 1)}  # name -> (wrk threads, connections)
+# name -> (wrk threads, connections); c128 only when asked for (--conc), to see Redis busier
+CONCURRENCY = {"c32": (2, 32), "c1": (1, 1), "c128": (2, 128)}
 BODIES = {"100": 100, "16k": 16 * 1024, "1m": 1_000_000}  # the layer's limit is 1 MiB = 1048576
 BODY_LABEL = {"100": "100 B", "16k": "16 KiB", "1m": "1 MiB"}
 EXPECTED_STATUS = {"plain": 201, "fresh": 201, "replay": 201, "inflight": 409}
@@ -773,8 +777,13 @@ def redis_snapshot(redis):
             fields = dict(item.split("=", 1) for item in value.split(","))
             calls[name[len("cmdstat_"):]] = int(fields["calls"])
             usec[name[len("cmdstat_"):]] = int(fields["usec"])
-    total = int(redis.info("stats")["total_commands_processed"])
-    return {"calls": calls, "usec": usec, "total": total}
+    stats = redis.info("stats")
+    total = int(stats["total_commands_processed"])
+    # Socket reads and writes Redis made (every server here has them, Redis 6.0 on): the
+    # commands a read carries is how well the client shares its writes.
+    reads = int(stats["total_reads_processed"])
+    writes = int(stats["total_writes_processed"])
+    return {"calls": calls, "usec": usec, "total": total, "reads": reads, "writes": writes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1161,6 +1170,15 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
             "redis_command_us_per_req": command_usec(delta, usec, store, inner) / requests,
             "redis_sent_per_req": sent / requests,
             "redis_executed_per_req": executed / requests,
+            "redis_reads_per_req": (after_stats["reads"] - before_stats["reads"]) / requests,
+            "redis_writes_per_req": (after_stats["writes"] - before_stats["writes"]) / requests,
+        })
+        reads = after_stats["reads"] - before_stats["reads"]
+        # What Redis spent beyond the commands' own time, per socket read: reading, parsing,
+        # answering, and waking for it; what a read costs whatever it carries.
+        outside = row["redis_cpu_us_per_req"] - row["redis_command_us_per_req"]
+        row.update({
+            "redis_outside_us_per_read": outside * requests / reads if reads else None,
             "redis_command_calls": delta,
         })
     if weigh_records:
@@ -1265,6 +1283,8 @@ def aggregate(runs, cells):
             "redis_cpu_us_per_req_min": least("redis_cpu_us_per_req"),
             "redis_cpu_us_per_req_max": most("redis_cpu_us_per_req"),
             "redis_command_us_per_req": med("redis_command_us_per_req"),
+            "redis_reads_per_req": med("redis_reads_per_req"),
+            "redis_outside_us_per_read": med("redis_outside_us_per_read"),
             "redis_sent_per_req": med("redis_sent_per_req"),
             "redis_executed_per_req": med("redis_executed_per_req"),
             "pg_cpu_us_per_req": med("pg_cpu_us_per_req"),
@@ -1364,11 +1384,14 @@ def shard_lines(aggs):
              "busy at this load; a busier Redis reads more commands per wake-up, so the ceiling is "
              "a floor. *Running commands* is the time `INFO commandstats` counts in the commands the "
              "client sent, scripts included: Redis's CPU without reading, parsing and answering and "
-             "without its event loop):", "",
+             "without its event loop. *Reads/req* are Redis's socket reads (`INFO stats` "
+             "total_reads_processed) per request: how many commands share a write; *outside µs per "
+             "read* is Redis's CPU beyond running commands, per read: reading, parsing, answering "
+             "and waking up, which fewer, fuller reads cut and faster commands do not):", "",
              "| store | scenario | conc | body | Redis server | Redis CPU µs/req | req/s per Redis core "
-             "| of which running commands µs/req | req/s here | server CPU µs/req "
-             "| Redis cmds/req sent / executed |",
-             "|" + "---|" * 11]
+             "| of which running commands µs/req | Redis reads/req | outside µs per read "
+             "| req/s here | server CPU µs/req | Redis cmds/req sent / executed |",
+             "|" + "---|" * 13]
     for a in rows:
         cpu, low, high = (a["redis_cpu_us_per_req"], a["redis_cpu_us_per_req_min"],
                           a["redis_cpu_us_per_req_max"])
@@ -1380,7 +1403,9 @@ def shard_lines(aggs):
             f"{a['redis_sent_per_req']:.2f} / {a['redis_executed_per_req']:.2f}"
         lines.append(f"| {a['store']} | {a['scenario']} | {a['conc']} | {BODY_LABEL[a['body']]} "
                      f"| {a['server']} | {cpu:.1f}{spread} | {ceiling} "
-                     f"| {fmt_num(a.get('redis_command_us_per_req'))} | {a['rps']:,.0f} "
+                     f"| {fmt_num(a.get('redis_command_us_per_req'))} "
+                     f"| {fmt_num(a.get('redis_reads_per_req'), 3)} "
+                     f"| {fmt_num(a.get('redis_outside_us_per_read'), 0)} | {a['rps']:,.0f} "
                      f"| {fmt_num(a['server_cpu_us_per_req'])} | {cmds} |")
     # CPU per request moves with the machine's speed (a shared or throttled host): plain axum's
     # own is the yardstick to compare runs by.
@@ -1978,7 +2003,7 @@ def main():
                         "floor-memory and floor-redis the least an in-process layer and a layer over Redis do "
                         "(bench/peers/src/floor.rs, floor_redis.rs)")
     parser.add_argument("--scenarios", help="e.g. fresh,replay,inflight")
-    parser.add_argument("--conc", help="c32,c1")
+    parser.add_argument("--conc", help="c32,c1 (c128 only when named)")
     parser.add_argument("--bodies", help="100,16k,1m")
     parser.add_argument("--rounds", type=int, help="overrides BENCH_ROUNDS")
     parser.add_argument("--duration", type=float, help="seconds per cell; overrides BENCH_DURATION")
