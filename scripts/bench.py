@@ -513,17 +513,25 @@ def check_counting(redis, inner, capabilities):
     # A record a request waits for (its deadline's lowest bit set, as wait.lua marks it).
     marked = head + b"F" + deadline[:7] + bytes([deadline[7] | 1]) + bytes(32)
     send("SET", "bench:check:m", marked, "NX", "PX", 60_000, "GET")
+    send("SET", "bench:check:n", in_flight, "NX", "PX", 60_000, "GET")
     done = b"C" + deadline
-    send("EVAL", lua["complete"], 1, "bench:check:a", head, done, b"payload", 60_000)  # completes
-    send("EVAL", lua["complete"], 1, "bench:check:a", head, done, b"payload", 60_000)  # again
-    send("EVAL", lua["complete"], 1, "bench:check:a", b"TIR\x01\x00\x01x", done, b"p", 60_000)  # lost
-    send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", head, done, b"p", 60_000,
-         head, done, b"p", 60_000)  # two records in one call
+    # complete.lua's arguments: the in-flight record the owner remembers and the completed
+    # record it built; or '' and the head, state and payload.
+    complete = ("EVAL", lua["complete"], 1)
+    send(*complete, "bench:check:a", in_flight, completed, 60_000)  # completes
+    send(*complete, "bench:check:a", in_flight, completed, 60_000)  # again
+    send(*complete, "bench:check:a", b"", b"TIR\x01\x00\x01x" + done + b"p", 60_000)  # lost
+    send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", in_flight, completed, 60_000,
+         in_flight, completed, 60_000)  # two records in one call
+    send(*complete, "bench:check:n", b"", head + done + b"payload", 60_000)  # not remembered
     send("EVAL", lua["renew"], 1, "bench:check:c", head, b"F" + deadline, 60_000)
     send("EVAL", lua["release"], 1, "bench:check:c", head)
     send("EVAL", lua["release"], 1, "bench:check:c", head)  # lost
-    send("EVAL", lua["complete"], 1, "bench:check:m", head, done, b"payload", 60_000)  # publishes
+    send(*complete, "bench:check:m", in_flight, completed, 60_000)  # marked: publishes
     check("the scripts", lost=2)
+    if client.cmd_raw("GET", "bench:check:n") != completed:
+        raise BenchError(f"complete.lua on {redis.label} built another record than the native path writes")
+    before = redis_snapshot(client)
     if "ifeq" in capabilities:
         send("SET", "bench:check:d", in_flight)
         send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000, "GET")
@@ -602,8 +610,8 @@ def weigh_write_paths(client, record, prefix):
     """MEMORY USAGE of `record`, and of it with WEIGHED_BODIES-byte response bodies, written the
     two ways a completion writes: the work tree's complete.lua on an in-flight record (one SET of
     the whole record since issue 26; before, SETRANGE then APPEND of the payload, and APPEND left
-    the string room to grow, up to its length again) and one SET of the whole record (the native
-    `SET … IFEQ`). Probe keys are named like records, in another slot."""
+    the string room to grow, up to its length again), given the record as the store remembers it,
+    and one SET of the whole record (the native `SET … IFEQ`). Probe keys are named like records, in another slot."""
     owner_len = int.from_bytes(record[4:6], "big")
     head, at = record[:6 + owner_len], 6 + owner_len + 9 + 32
     in_flight = head + b"F" + record[6 + owner_len + 1:at]
@@ -613,8 +621,7 @@ def weigh_write_paths(client, record, prefix):
     for body in [None] + list(WEIGHED_BODIES):
         full = record if body is None else with_body(record, b"b" * body)
         client.cmd_raw("SET", probe, in_flight, "PX", 60_000)
-        client.cmd_raw("EVAL", lua, 1, probe, head, b"C" + record[7 + owner_len:at - 32],
-                       full[at:], 60_000)
+        client.cmd_raw("EVAL", lua, 1, probe, in_flight, full, 60_000)
         if client.cmd_raw("GET", probe) != full:
             raise BenchError("complete.lua wrote another record than expected: is scripts/complete.lua "
                              "the build's?")

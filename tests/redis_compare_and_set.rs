@@ -649,6 +649,177 @@ async fn a_renewal_whose_answer_was_lost_does_not_lose_the_claim(server: &'stati
     }
 }
 
+/// `bytes` as RESP writes a bulk string: how a command carries each argument.
+fn bulk(bytes: &[u8]) -> Vec<u8> {
+    let mut out = format!("${}\r\n", bytes.len()).into_bytes();
+    out.extend_from_slice(bytes);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|window| window == needle)
+}
+
+/// complete.lua, the default path, is given the in-flight record the store remembers (its
+/// claim's, or its last renewal's) and the completed record the store built from it: Redis
+/// compares two strings and writes one. Every other case still decides as before: a record
+/// renewed or marked behind the store's back, one this owner completed already, one the owner
+/// lost, and a claim the completing store does not remember (another instance's).
+async fn complete_lua_is_given_the_record_the_store_remembers(server: &'static str) {
+    let redis = RedisServer::start_binary(newer_server(server));
+    let stats = client(&redis.url()).await;
+    let proxy = FaultProxy::start(redis.addr()).await;
+    let store = store(&proxy.url(), false).await;
+    store.load_scripts().await.unwrap();
+    // Another instance: it remembers none of `store`'s claims.
+    let elsewhere = self::store(&redis.url(), false).await;
+    let payload = Bytes::from_static(b"the stored answer");
+    let claim = |name: &str| {
+        let (key, owner) = (key(name), OwnerToken::generate());
+        let store = store.clone();
+        async move {
+            let claimed = store.claim(&key, &body(), &owner, LEASE).await.unwrap();
+            assert_eq!(claimed, ClaimOutcome::Claimed);
+            (key, owner)
+        }
+    };
+    // Completed, with the payload after the in-flight record's fingerprint.
+    let assert_completed = |completed: &Bytes, in_flight: &Bytes, owner: &OwnerToken, payload: &[u8]| {
+        let (completed, in_flight) = (Raw::parse(completed), Raw::parse(in_flight));
+        assert_eq!(completed.state, b'C', "{server}");
+        assert_eq!(
+            completed.owner,
+            Bytes::from(owner.as_str().to_owned()),
+            "{server}"
+        );
+        assert!(
+            completed.deadline.abs_diff(now_ms() + 3_600_000) < 60_000,
+            "{server}"
+        );
+        assert_eq!(
+            completed.rest[..32],
+            in_flight.rest[..],
+            "{server}: the claim's fingerprint"
+        );
+        assert_eq!(&completed.rest[32..], payload, "{server}");
+    };
+
+    // Remembered and untouched since: both records go with the call.
+    let (remembered, owner) = claim("remembered").await;
+    let in_flight = raw(&stats, &store, &remembered).await.unwrap();
+    proxy.keep_sent();
+    reset_stats(&stats).await;
+    let done = store.complete(&remembered, &owner, payload.clone(), RETENTION);
+    assert!(done.await.unwrap(), "{server}");
+    let completed = raw(&stats, &store, &remembered).await.unwrap();
+    assert_completed(&completed, &in_flight, &owner, &payload);
+    let sent = proxy.sent();
+    assert!(
+        contains(&sent, &bulk(&in_flight)) && contains(&sent, &bulk(&completed)),
+        "{server}: the script is given the claim's record and the completed one: {}",
+        String::from_utf8_lossy(&sent)
+    );
+    let spent = calls(&stats).await;
+    assert_eq!(
+        (spent.evalsha, spent.set, spent.spublish),
+        (1, 1, 0),
+        "{server}: one script call, its one SET, no notice: {spent:?}"
+    );
+
+    // Re-sent once completed: done, the payload as the first completion left it.
+    let again = store.complete(&remembered, &owner, Bytes::from_static(b"another"), RETENTION);
+    assert!(again.await.unwrap(), "{server}: a completion made again succeeds");
+    let kept = Raw::parse(&raw(&stats, &store, &remembered).await.unwrap());
+    assert_eq!(
+        kept.rest,
+        Raw::parse(&completed).rest,
+        "{server}: the payload kept"
+    );
+
+    // The store's own renewal: it follows it, so the renewed record goes with the call.
+    let (renewed, owner) = claim("renewed").await;
+    assert!(store.renew(&renewed, &owner, LEASE * 2).await.unwrap());
+    let in_flight = raw(&stats, &store, &renewed).await.unwrap();
+    proxy.keep_sent();
+    assert!(store
+        .complete(&renewed, &owner, payload.clone(), RETENTION)
+        .await
+        .unwrap());
+    assert!(
+        contains(&proxy.sent(), &bulk(&in_flight)),
+        "{server}: the renewed record goes with the completion"
+    );
+    let completed = raw(&stats, &store, &renewed).await.unwrap();
+    assert_completed(&completed, &in_flight, &owner, &payload);
+
+    // Changed behind the store's back: a renewal whose answer was lost (a later deadline), and
+    // a waiter's mark (the deadline's lowest bit, which asks for the notice). The record is
+    // still this owner's: completed all the same.
+    for (name, notices) in [("renewed-unseen", 0), ("marked", 1)] {
+        let (key, owner) = claim(name).await;
+        let record = raw(&stats, &store, &key).await.unwrap();
+        let at = Raw::deadline_at(&record);
+        let deadline = Raw::parse(&record).deadline;
+        let changed = if notices == 0 {
+            deadline + 5_000
+        } else {
+            deadline | 1
+        };
+        let _: i64 = stats
+            .setrange(store.redis_key(&key), at as u32, changed.to_be_bytes().to_vec())
+            .await
+            .unwrap();
+        reset_stats(&stats).await;
+        assert!(
+            store
+                .complete(&key, &owner, payload.clone(), RETENTION)
+                .await
+                .unwrap(),
+            "{server}: {name}"
+        );
+        let completed = raw(&stats, &store, &key).await.unwrap();
+        assert_completed(&completed, &record, &owner, &payload);
+        assert_eq!(calls(&stats).await.spublish, notices, "{server}: {name}");
+    }
+
+    // Not remembered by the store that completes it: the script builds the record itself.
+    let (unknown, owner) = claim("not-remembered").await;
+    let in_flight = raw(&stats, &store, &unknown).await.unwrap();
+    let done = elsewhere.complete(&unknown, &owner, payload.clone(), RETENTION);
+    assert!(done.await.unwrap(), "{server}: completed by another instance");
+    let completed = raw(&stats, &store, &unknown).await.unwrap();
+    assert_completed(&completed, &in_flight, &owner, &payload);
+
+    // Lost (purged, then claimed by another owner): refused, the newer record left as it was.
+    let (lost, owner) = claim("lost").await;
+    assert!(store.purge(&lost).await.unwrap());
+    let newer = OwnerToken::generate();
+    let claimed = elsewhere.claim(&lost, &body(), &newer, LEASE).await.unwrap();
+    assert_eq!(claimed, ClaimOutcome::Claimed);
+    let before = raw(&stats, &store, &lost).await;
+    let late = store.complete(&lost, &owner, payload.clone(), RETENTION);
+    assert!(
+        !late.await.unwrap(),
+        "{server}: the lost claim's completion is refused"
+    );
+    assert_eq!(
+        raw(&stats, &store, &lost).await,
+        before,
+        "{server}: left as it was"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_lua_on_redis_7_0_is_given_the_record_the_store_remembers() {
+    complete_lua_is_given_the_record_the_store_remembers("redis-7.0").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_lua_on_redis_8_6_is_given_the_record_the_store_remembers() {
+    complete_lua_is_given_the_record_the_store_remembers("redis-8.6").await;
+}
+
 /// A master and its replica of `server`, and a client of the master, once the replica
 /// acknowledges writes.
 async fn master_and_replica(server: &str) -> (RedisServer, RedisServer, Client) {

@@ -1,6 +1,6 @@
 //! A TCP fault proxy between a client and a server (Redis, PostgreSQL): pass traffic through,
 //! add latency, drop every connection, or black-hole (accept and forward nothing) all of them or
-//! only those open now. It counts what the client sends.
+//! only those open now. It counts what the client sends, and keeps its bytes when asked to.
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -47,6 +47,8 @@ struct Counts {
     turns: AtomicU64,
     /// Replies dropped by `Fault::DropNextReply`.
     dropped_replies: AtomicU64,
+    /// What the clients sent since [`FaultProxy::keep_sent`], while it keeps it.
+    sent: Mutex<Option<Vec<u8>>>,
 }
 
 impl FaultProxy {
@@ -110,6 +112,17 @@ impl FaultProxy {
     /// reach it before it has sent them all.
     pub fn turns(&self) -> u64 {
         self.counts.turns.load(Ordering::SeqCst)
+    }
+
+    /// Keeps every byte the clients send from now on (all connections, in the order read),
+    /// dropping what was kept before.
+    pub fn keep_sent(&self) {
+        *self.counts.sent.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// The bytes kept since [`keep_sent`](Self::keep_sent).
+    pub fn sent(&self) -> Vec<u8> {
+        self.counts.sent.lock().unwrap().clone().unwrap_or_default()
     }
 
     /// Replies dropped so far by [`Fault::DropNextReply`] (each one's request reached the server).
@@ -195,6 +208,9 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     Ok(n) => n,
                 };
                 faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
+                if let Some(sent) = faults.counts.sent.lock().unwrap().as_mut() {
+                    sent.extend_from_slice(&buffer[..n]);
+                }
                 if answered.swap(false, Ordering::SeqCst) {
                     faults.counts.turns.fetch_add(1, Ordering::SeqCst);
                 }

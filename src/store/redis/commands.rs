@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
@@ -283,8 +283,10 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
+            let head = record::head(owner)?;
             let completion = CompletionCall {
-                head: record::head(owner)?,
+                in_flight: self.native.remembered(&head),
+                head,
                 state: record::state_until(record::COMPLETED, retention),
                 payload,
                 retention,
@@ -475,6 +477,9 @@ pub(super) enum Claimant {
 pub(super) struct CompletionCall {
     /// The owner's head (magic, version, owner).
     pub(super) head: Bytes,
+    /// The in-flight record this owner wrote last, if this process remembers it
+    /// ([`Native::remembered`](super::native::Native::remembered)).
+    pub(super) in_flight: Option<Bytes>,
     /// `'C'` and the retention's deadline.
     pub(super) state: Bytes,
     pub(super) payload: Bytes,
@@ -482,12 +487,28 @@ pub(super) struct CompletionCall {
 }
 
 impl CompletionCall {
-    /// complete.lua's arguments for this record.
-    pub(super) fn script_args(&self) -> [Value; 4] {
+    /// complete.lua's arguments for this record: the in-flight record remembered and the
+    /// completed record built from it, which Redis writes if the record is still that one (one
+    /// comparison, one `SET`); or, remembering none, an empty record, and the head, state and
+    /// payload, from which the script builds the completed record with the fingerprint it finds.
+    pub(super) fn script_args(&self) -> [Value; 3] {
+        let (claimed, written) = match &self.in_flight {
+            Some(in_flight) => (
+                in_flight.clone(),
+                native::rewritten(in_flight, self.head.len(), &self.state, &self.payload),
+            ),
+            None => {
+                let parts = [&self.head, &self.state, &self.payload];
+                let mut written = BytesMut::with_capacity(parts.iter().map(|part| part.len()).sum());
+                for part in parts {
+                    written.put_slice(part);
+                }
+                (Bytes::new(), written.freeze())
+            }
+        };
         [
-            Value::Bytes(self.head.clone()),
-            Value::Bytes(self.state.clone()),
-            Value::Bytes(self.payload.clone()),
+            Value::Bytes(claimed),
+            Value::Bytes(written),
             millis(self.retention),
         ]
     }

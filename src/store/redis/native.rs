@@ -18,6 +18,10 @@
 //! process does not remember (made before a restart of the store, or before the server's
 //! capabilities were known) takes the script, as does any transition on a server without them.
 //!
+//! The scripts' path remembers the same records ([`Native::remembered`]): complete.lua takes
+//! the in-flight record this owner wrote last and the completed record built here, so that Redis
+//! compares two strings and writes one, and builds a record only when they differ.
+//!
 //! What the server can do is asked once the store starts (`COMMAND INFO`, `COMMAND DOCS`), and
 //! again after every reconnect (a failover can land on an older replica). A native command
 //! refused as unknown (a node not yet upgraded) or as not allowed (an ACL written for the
@@ -141,12 +145,10 @@ impl Native {
         refused
     }
 
-    /// Remembers the record a claim was written with (or renewed to), while native commands
-    /// are in use.
+    /// Remembers the record a claim was written with (or renewed to), on either path: the
+    /// native commands compare with it, and complete.lua takes it with the completed record
+    /// built here, so that Redis compares two strings and writes one instead of building it.
     pub(super) fn hold(&self, written: Bytes, lease: Duration) {
-        if !self.sets() {
-            return;
-        }
         let Some(head_len) = record::head_len(&written).map(|len| len - 9) else {
             return;
         };
@@ -168,7 +170,7 @@ impl Native {
     /// claim was lost (`None`). A mark set since it was remembered is not known here: the next
     /// compare-and-set finds the record different and compares again with what it found.
     pub(super) fn renewed(&self, head: &Bytes, state: Option<&Bytes>, lease: Duration) {
-        match (state, self.held(head)) {
+        match (state, self.remembered(head)) {
             (Some(state), Some(record)) => {
                 // renew.lua kept the mark of a record a request waits for.
                 let state = record::keeping_mark(state, &record, head.len());
@@ -179,22 +181,25 @@ impl Native {
         }
     }
 
-    /// The record the claim of `head` was last written with, if this process remembers it.
+    /// The record the claim of `head` was last written with, if this process remembers it and
+    /// native commands are in use: `None` is the native path's cue to leave the call to the
+    /// script.
     pub(super) fn held(&self, head: &Bytes) -> Option<Bytes> {
         if !self.sets() {
             return None;
         }
+        self.remembered(head)
+    }
+
+    /// The record the claim of `head` was last written with, if this process remembers it,
+    /// whichever path is in use (complete.lua's expected record).
+    pub(super) fn remembered(&self, head: &Bytes) -> Option<Bytes> {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.records.get(head).map(|(record, _)| record.clone())
     }
 
-    /// The claim of `head` is over (completed, released or lost). Off, nothing was ever held
-    /// ([`hold`](Self::hold) needs it on), so the scripts' completions and releases, the default
-    /// path, take no lock here.
+    /// The claim of `head` is over (completed, released or lost).
     pub(super) fn forget(&self, head: &Bytes) {
-        if !self.enabled {
-            return;
-        }
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.records.remove(head);
     }
@@ -554,11 +559,18 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_held_while_the_server_has_no_compare_and_set() {
-        let native = Native::new(true);
-        let (head, record) = claim(&OwnerToken::generate(), Duration::from_secs(30));
-        native.hold(record, Duration::from_secs(30));
-        assert_eq!(native.held(&head), None);
-        assert!(native.deleter().is_none());
+    fn a_claims_record_is_remembered_on_either_path_and_compared_natively_only_where_the_server_can() {
+        for enabled in [true, false] {
+            // Until the server is known to have compare-and-set (never, here), the scripts.
+            let native = Native::new(enabled);
+            let (head, record) = claim(&OwnerToken::generate(), Duration::from_secs(30));
+            native.hold(record.clone(), Duration::from_secs(30));
+            assert_eq!(native.held(&head), None);
+            assert!(native.deleter().is_none());
+            // complete.lua takes it either way.
+            assert_eq!(native.remembered(&head), Some(record));
+            native.forget(&head);
+            assert_eq!(native.remembered(&head), None);
+        }
     }
 }
