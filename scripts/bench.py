@@ -611,7 +611,8 @@ def weigh_write_paths(client, record, prefix):
     two ways a completion writes: the work tree's complete.lua on an in-flight record (one SET of
     the whole record since issue 26; before, SETRANGE then APPEND of the payload, and APPEND left
     the string room to grow, up to its length again), given the record as the store remembers it,
-    and one SET of the whole record (the native `SET … IFEQ`). Probe keys are named like records, in another slot."""
+    and one SET of the whole record (the native `SET … IFEQ`). Probe keys are named like records,
+    in another slot."""
     owner_len = int.from_bytes(record[4:6], "big")
     head, at = record[:6 + owner_len], 6 + owner_len + 9 + 32
     in_flight = head + b"F" + record[6 + owner_len + 1:at]
