@@ -579,3 +579,206 @@ async fn frozen_connections_of_the_durability_option_are_replaced() {
     );
     assert!(runs.get() >= 16);
 }
+
+/// `WAIT` in RESP, as the store sends it (`WAITAOF` does not match: `$7`).
+const WAIT_SENT: &[u8] = b"$4\r\nWAIT\r\n";
+/// The claim's `SET … NX …` in RESP.
+const CLAIM_SENT: &[u8] = b"$2\r\nNX\r\n";
+
+/// A pair whose replica is stopped, and a store with the durability option connected to the
+/// master through a fault proxy, with a `WAIT` long enough to cut in the middle of.
+async fn stopped_replica_behind_a_proxy() -> (Pair, FaultProxy, RedisStore) {
+    let pair = Pair::start().await;
+    let proxy = FaultProxy::start(pair.master.addr()).await;
+    let acks = ReplicaAcks::new(1).timeout(Duration::from_millis(1000));
+    let store = durable_store(&proxy.url(), acks).await;
+    signal(&pair.replica, "-STOP");
+    (pair, proxy, store)
+}
+
+/// The issue's reproduction: the only replica stopped, and the claim's connection closed 100 ms
+/// after its `WAIT` went out. fred sends an unanswered command again after a reconnect; on a new
+/// connection `WAIT` counts nothing written there, and Redis 7.2 and later (Valkey too) answer it
+/// at once with every online replica, so the claim read as acknowledged and the handler ran
+/// (201) on a claim no replica had. (On Redis 7.0 the re-sent `WAIT` waited for the master's
+/// offset and timed out: it passed there by luck.) Now a `WAIT` is sent once, and a claim whose
+/// `WAIT` failed is released and answered 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cut_off_is_never_sent_again_and_its_claim_is_refused() {
+    let (pair, proxy, store) = stopped_replica_behind_a_proxy().await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    proxy.cut_after_sending(WAIT_SENT, Duration::from_millis(100), 1);
+    let refused = send(&app, payment("cut-wait", "{}")).await;
+    assert_eq!(
+        proxy.cuts(),
+        1,
+        "the claim's WAIT was never cut: the fault did not happen"
+    );
+    signal(&pair.replica, "-CONT");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a claim whose WAIT was cut off was answered {} (the handler ran {} times)",
+        refused.status,
+        runs.get()
+    );
+    assert_eq!(runs.get(), 0, "the handler ran on a claim no replica has");
+
+    // The key is free (released) and runs once the replica is back.
+    let created = send(&app, payment("cut-wait", "{}")).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+/// A reconnect between the claim's write and its `WAIT` (the claim's answer delivered, then the
+/// connection closed): the `WAIT` goes out, for the first time, on a new connection, where it
+/// counts nothing. The name the store gives the connection with each write, read back behind
+/// the `WAIT`, shows it ran elsewhere: not acknowledged, released, 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_between_a_claim_and_its_wait_counts_as_not_acknowledged() {
+    let (pair, proxy, store) = stopped_replica_behind_a_proxy().await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    proxy.cut_after_answering(CLAIM_SENT, 1);
+    let refused = send(&app, payment("cut-between", "{}")).await;
+    assert_eq!(
+        proxy.cuts(),
+        1,
+        "the claim's connection was never cut: the fault did not happen"
+    );
+    signal(&pair.replica, "-CONT");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a claim whose WAIT ran on another connection was answered {}",
+        refused.status
+    );
+    assert_eq!(runs.get(), 0, "the handler ran on a claim no replica has");
+    let created = send(&app, payment("cut-between", "{}")).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 1);
+}
+
+/// A storm of claims while every `WAIT`'s connection is cut 20 ms after it goes out, the only
+/// replica stopped: no claim is acknowledged, none runs. Then, the replica back and the cuts
+/// over, every key runs exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_reconnects_during_waits_acknowledges_nothing_no_replica_has() {
+    const KEYS: usize = 40;
+    let (pair, proxy, store) = stopped_replica_behind_a_proxy().await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    proxy.cut_after_sending(WAIT_SENT, Duration::from_millis(20), u64::MAX);
+    let storm: Vec<_> = (0..KEYS)
+        .map(|i| spawn_send(&app, payment(&format!("storm-{i}"), "{}")))
+        .collect();
+    let mut statuses = Vec::new();
+    for answer in storm {
+        statuses.push(answer.await.expect("a request task").status);
+    }
+    let cuts = proxy.cuts();
+    proxy.cut_after_sending(WAIT_SENT, Duration::ZERO, 0);
+    signal(&pair.replica, "-CONT");
+    assert!(cuts >= 1, "no WAIT was cut: the storm did not happen");
+    let run = statuses.iter().filter(|s| s.is_success()).count();
+    assert_eq!(
+        (run, runs.get()),
+        (0, 0),
+        "{run} of {KEYS} claims no replica had were answered as run ({cuts} WAITs cut): {statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+
+    for i in 0..KEYS {
+        let key = format!("storm-{i}");
+        let created = send(&app, payment(&key, "{}")).await;
+        assert_eq!(created.status, StatusCode::CREATED, "{key} after the storm");
+        assert_eq!(runs.of(&key), 1, "{key} ran more than once");
+    }
+}
+
+/// A completion whose `WAIT` is cut off (the replica stopped after the claim was acknowledged)
+/// is not reported durable: it is completed again in the background, and once that gives up the
+/// reconciliation hook is told the replicas never acknowledged it. Before, the `WAIT` sent again
+/// on the new connection answered at once with the stopped replica counted (Redis 7.2 and later),
+/// and the completion was reported durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_wait_is_cut_off_is_not_reported_durable() {
+    let pair = Pair::start().await;
+    let proxy = FaultProxy::start(pair.master.addr()).await;
+    let acks = ReplicaAcks::new(1)
+        .timeout(Duration::from_millis(1000))
+        .retry_completions_for(Duration::from_millis(1500));
+    let store = durable_store(&proxy.url(), acks).await;
+    let (layer, events) = common::app::reconciled(IdempotencyLayer::new(store.clone()));
+    let (app, runs) = router(layer);
+    // Warm up: the completion script loaded, so the completion is one pipeline.
+    assert_eq!(
+        send(&app, payment("warm", "{}")).await.status,
+        StatusCode::CREATED
+    );
+
+    let slow = spawn_send(&app, payment_with("cut-completion", &[("x-delay-ms", "500")]));
+    // The claim is acknowledged; stop the replica while the handler runs.
+    common::until("the handler started", || runs.get() == 2).await;
+    signal(&pair.replica, "-STOP");
+    proxy.cut_after_sending(WAIT_SENT, Duration::from_millis(100), 1);
+    let answered = slow.await.expect("the request task");
+    assert_eq!(
+        answered.status,
+        StatusCode::CREATED,
+        "the client has the handler's answer"
+    );
+    assert_eq!(proxy.cuts(), 1, "the completion's WAIT was never cut");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !events
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|e| e.contains("ReplicationAbandoned"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "a completion whose WAIT was cut off was taken as durable: no background retry gave \
+             up (events: {:?})",
+            events.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal(&pair.replica, "-CONT");
+}
+
+/// A purge checks no owner, so it is sent once: its answer lost with its connection, it is not
+/// sent again on the next (where, late, it could delete a claim made after it), and the operator
+/// is told it failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_whose_answer_is_lost_is_not_sent_again() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = common::connect(&proxy.url()).await.expect("connect");
+    let direct = client(&server.url()).await;
+    let layer = IdempotencyLayer::new(store.clone());
+    let (app, _runs) = router(layer.clone());
+    assert_eq!(
+        send(&app, payment("purged", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    // Load the purge script, so the purge is one EVALSHA.
+    assert_eq!(
+        send(&app, payment("warm", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(layer.purge(None, "warm").await.expect("purge"));
+
+    let calls_before = command_calls(&direct, "evalsha").await;
+    // The purge names the channel it publishes on (`<prefix>:purged`).
+    proxy.cut_instead_of_answering(b":purged\r\n", 1);
+    let purged = layer.purge(None, "purged").await;
+    assert_eq!(proxy.cuts(), 1, "the purge's answer was never dropped");
+    let calls = command_calls(&direct, "evalsha").await - calls_before;
+    assert_eq!(calls, 1, "the purge was sent {calls} times");
+    assert!(
+        purged.is_err(),
+        "a purge whose answer was lost reported {purged:?}"
+    );
+}

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -49,6 +49,36 @@ struct Counts {
     dropped_replies: AtomicU64,
     /// What the clients sent since [`FaultProxy::keep_sent`], while it keeps it.
     sent: Mutex<Option<Vec<u8>>>,
+    /// The armed cut of [`FaultProxy::cut_after_sending`] or [`FaultProxy::cut_after_answering`].
+    cut: Mutex<Option<Cut>>,
+    /// Connections cut by it so far.
+    cuts: AtomicU64,
+}
+
+/// A cut armed on the connections whose client sends `pattern`.
+#[derive(Clone)]
+struct Cut {
+    pattern: Vec<u8>,
+    /// When to cut: this long after forwarding the read, or (`None`) at the next answer on that
+    /// connection: once it is delivered, or instead of delivering it (`drop_answer`).
+    after: Option<Duration>,
+    drop_answer: bool,
+    /// How many more connections to cut.
+    times: u64,
+}
+
+impl Counts {
+    /// Whether `read` arms a cut (it holds the pattern, and cuts are left): the cut if so.
+    fn cut_for(&self, read: &[u8]) -> Option<Cut> {
+        let mut armed = self.cut.lock().unwrap();
+        let cut = armed.as_mut()?;
+        if cut.times == 0 || !read.windows(cut.pattern.len()).any(|w| w == cut.pattern) {
+            return None;
+        }
+        cut.times -= 1;
+        self.cuts.fetch_add(1, Ordering::SeqCst);
+        Some(cut.clone())
+    }
 }
 
 impl FaultProxy {
@@ -153,6 +183,48 @@ impl FaultProxy {
         self.epoch.send_modify(|e| *e += 1);
     }
 
+    /// Closes a connection `after` this long once it forwarded a read from the client holding
+    /// `pattern` (say `$4\r\nWAIT\r\n`, a `WAIT` in RESP), at most `times` connections; the
+    /// answer to that read, if later, is never delivered.
+    pub fn cut_after_sending(&self, pattern: &[u8], after: Duration, times: u64) {
+        *self.counts.cut.lock().unwrap() = Some(Cut {
+            pattern: pattern.to_vec(),
+            after: Some(after),
+            drop_answer: false,
+            times,
+        });
+    }
+
+    /// Closes a connection right after delivering the next answer behind a read from the client
+    /// holding `pattern`, at most `times` connections: the client has that answer, and whatever
+    /// it sends next needs a new connection.
+    pub fn cut_after_answering(&self, pattern: &[u8], times: u64) {
+        *self.counts.cut.lock().unwrap() = Some(Cut {
+            pattern: pattern.to_vec(),
+            after: None,
+            drop_answer: false,
+            times,
+        });
+    }
+
+    /// Closes a connection instead of delivering the next answer behind a read from the client
+    /// holding `pattern` (the command reached the server; its answer is lost), at most `times`
+    /// connections.
+    pub fn cut_instead_of_answering(&self, pattern: &[u8], times: u64) {
+        *self.counts.cut.lock().unwrap() = Some(Cut {
+            pattern: pattern.to_vec(),
+            after: None,
+            drop_answer: true,
+            times,
+        });
+    }
+
+    /// Connections cut by [`cut_after_sending`](Self::cut_after_sending) or
+    /// [`cut_after_answering`](Self::cut_after_answering) so far.
+    pub fn cuts(&self) -> u64 {
+        self.counts.cuts.load(Ordering::SeqCst)
+    }
+
     pub fn set_latency(&self, latency: Duration) {
         self.latency_ms
             .store(latency.as_millis() as u64, Ordering::SeqCst);
@@ -198,8 +270,14 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
     epoch.mark_unchanged();
     // An answer was delivered since the client last sent something (or it has sent nothing).
     let answered = Arc::new(AtomicBool::new(true));
+    // A cut armed by the client's reads: now, or after the next answer.
+    let cut = Arc::new(Notify::new());
+    let cut_after_answer = Arc::new(AtomicBool::new(false));
+    let cut_instead_of_answer = Arc::new(AtomicBool::new(false));
     let up = {
         let (faults, answered) = (faults.clone(), answered.clone());
+        let (cut, cut_after_answer) = (cut.clone(), cut_after_answer.clone());
+        let cut_instead_of_answer = cut_instead_of_answer.clone();
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
             loop {
@@ -214,9 +292,29 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                 if answered.swap(false, Ordering::SeqCst) {
                     faults.counts.turns.fetch_add(1, Ordering::SeqCst);
                 }
+                let armed = faults.counts.cut_for(&buffer[..n]);
+                match &armed {
+                    Some(Cut {
+                        after: None,
+                        drop_answer: true,
+                        ..
+                    }) => cut_instead_of_answer.store(true, Ordering::SeqCst),
+                    Some(Cut { after: None, .. }) => cut_after_answer.store(true, Ordering::SeqCst),
+                    _ => {}
+                }
                 pause(&faults).await;
                 if server_write.write_all(&buffer[..n]).await.is_err() {
                     return;
+                }
+                if let Some(Cut {
+                    after: Some(after), ..
+                }) = armed
+                {
+                    let cut = cut.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(after).await;
+                        cut.notify_one();
+                    });
                 }
             }
         }
@@ -239,12 +337,18 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     faults.counts.dropped_replies.fetch_add(1, Ordering::SeqCst);
                     return;
                 }
+                if cut_instead_of_answer.load(Ordering::SeqCst) {
+                    return;
+                }
                 pause(&faults).await;
                 // Before the write: a client that answers at once could otherwise send its next
                 // command before this task marks the answer delivered, and that round trip
                 // would not be counted (CI once counted a completion as 0 round trips).
                 answered.store(true, Ordering::SeqCst);
                 if client_write.write_all(&buffer[..n]).await.is_err() {
+                    return;
+                }
+                if cut_after_answer.swap(false, Ordering::SeqCst) {
                     return;
                 }
             }
@@ -254,6 +358,7 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
         _ = up => {}
         _ = down => {}
         _ = epoch.changed() => {}
+        _ = cut.notified() => {}
     }
 }
 

@@ -7,17 +7,16 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::ClientLike;
-use fred::types::config::Options;
-use fred::types::{CustomCommand, Value};
+use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
 use super::commands::{Claimant, CompletionCall, COMPARE_AGAIN};
-use super::connection::{unavailable, worth_retrying};
+use super::connection::worth_retrying;
 use super::native::{self, Found};
 use super::notices::settled_channel;
 use super::record;
-use super::replica_acks::{keep_completing, Acked, Completion, GaveUp, Waiter};
-use super::scripts::{as_flag, into_bytes, lease_millis, millis, COMPLETE, RELEASE, RENEW};
+use super::replica_acks::{keep_completing, name_check, Acked, Completion, GaveUp, Marker, Waiter};
+use super::scripts::{as_flag, into_bytes, lease_millis, millis, COMPLETE, RELEASE, RENEW, WAIT};
 use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
@@ -25,6 +24,9 @@ use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
 use crate::store::error::{StoreError, Unacknowledged};
 use crate::store::record::{ClaimOutcome, OwnerToken};
+
+/// The answers of the writes sent with a WAIT behind them, and what the WAIT said.
+type WrittenThenWaited = (Vec<Result<Value, fred::error::Error>>, Result<Acked, StoreError>);
 
 /// The durability option's claim and completion ([`RedisStore::with_replica_acks`]).
 impl RedisStore {
@@ -42,8 +44,9 @@ impl RedisStore {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
+        let marker = waiter.marker();
         let answer = self
-            .set_if_absent(&client, claimant, key, fresh.clone(), lease)
+            .claim_marked(&client, &marker, claimant, key, fresh.clone(), lease)
             .await?;
         if answer != Value::Null {
             let existing = into_bytes(answer)
@@ -71,7 +74,9 @@ impl RedisStore {
         } else {
             self.native.hold(fresh, lease);
         }
-        let error = match waiter.wait(&client, &self.redis_key(key)).await {
+        // A reconnect between the claim and here, or during the WAIT, fails the check behind
+        // the WAIT: the claim counts as not acknowledged, and is released below.
+        let error = match waiter.wait(&client, &self.redis_key(key), &marker).await {
             Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
             Ok(acked) => acked.into_error(),
             Err(error) => StoreError::Unavailable(Box::new(Unacknowledged(error))),
@@ -85,6 +90,107 @@ impl RedisStore {
         }
         tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
         Err(error)
+    }
+
+    /// The claim's write (`SET key <record> NX PX <lease> GET`, or for a waiter `wait.lua`: see
+    /// [`set_if_absent`](Self::set_if_absent)) on `client`'s connection, behind `CLIENT SETNAME
+    /// <marker>` in the same round trip, so that the WAIT after it can tell that it runs on the
+    /// claim's connection (see `replica_acks`). Answers `nil` (claimed) or the record found.
+    async fn claim_marked(
+        &self,
+        client: &Client,
+        marker: &Marker,
+        claimant: Claimant,
+        key: &RecordKey,
+        record: Bytes,
+        lease: Duration,
+    ) -> Result<Value, StoreError> {
+        let redis_key = self.redis_key(key);
+        let write = |text| match claimant {
+            Claimant::Waiter => {
+                let args = [
+                    Value::Bytes(record.clone()),
+                    millis(lease),
+                    Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
+                ];
+                ScriptCall::new(text, Value::from(redis_key.clone()), &args, false).into_parts()
+            }
+            Claimant::Caller => (
+                CustomCommand::new_static("SET", ClusterHash::FirstKey, false),
+                vec![
+                    Value::from(redis_key.clone()),
+                    Value::Bytes(record.clone()),
+                    Value::from_static_str("NX"),
+                    Value::from_static_str("PX"),
+                    millis(lease),
+                    Value::from_static_str("GET"),
+                ],
+            ),
+        };
+        let answer = match self
+            .marked(
+                client,
+                marker,
+                &redis_key,
+                vec![write(ScriptText::Sha1(WAIT.sha1))],
+                &self.options,
+            )
+            .await
+            .pop()
+        {
+            Some(Err(error)) if error.details().starts_with("NOSCRIPT") => self
+                .marked(
+                    client,
+                    marker,
+                    &redis_key,
+                    vec![write(ScriptText::Source(WAIT.source))],
+                    &self.options,
+                )
+                .await
+                .pop(),
+            answer => answer,
+        };
+        match answer {
+            Some(Ok(answer)) => Ok(answer),
+            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => Err(StoreError::Corrupt(
+                "the key holds something other than a record".into(),
+            )),
+            Some(Err(error)) => Err(self.failed(error)),
+            None => Err(StoreError::Corrupt("no answer to the claim".into())),
+        }
+    }
+
+    /// `CLIENT SETNAME <marker>`, then `commands`, in one pipeline on `client`'s connection (to
+    /// the node holding `redis_key`; fred writes them in that order without waiting for an
+    /// answer), with `options`. Answers each command's answer, in order (a failed `SETNAME`
+    /// fails the WAIT's check later, not these).
+    async fn marked(
+        &self,
+        client: &Client,
+        marker: &Marker,
+        redis_key: &str,
+        commands: Vec<(CustomCommand, Vec<Value>)>,
+        options: &fred::types::config::Options,
+    ) -> Vec<Result<Value, fred::error::Error>> {
+        let pipeline = client.pipeline();
+        let count = commands.len();
+        for (command, args) in std::iter::once(marker.command(redis_key)).chain(commands) {
+            // Queued in memory: these answer at once.
+            let queued: Result<(), _> = pipeline.with_options(options).custom(command, args).await;
+            if let Err(error) = queued {
+                return vec![Err(error); count];
+            }
+        }
+        let mut answers = pipeline.try_all::<Value>().await;
+        if answers.len() == count + 1 {
+            return answers.split_off(1);
+        }
+        // fred answers a pipeline that failed as a whole with one error.
+        let error = match answers.pop() {
+            Some(Err(error)) => error,
+            _ => fred::error::Error::new(fred::error::ErrorKind::Unknown, "no answer to the pipeline"),
+        };
+        vec![Err(error); count]
     }
 
     /// Completes, and waits until the replicas have the completion. If they do not in time, or
@@ -235,42 +341,41 @@ impl RedisStore {
         args: &[Value],
     ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
         let redis_key = self.redis_key(key);
-        let script = ScriptCall::new(
-            ScriptText::Sha1(COMPLETE.sha1),
-            Value::from(redis_key.clone()),
-            args,
-            false,
-        );
-        let (script, script_args) = script.into_parts();
-        let (wait, wait_args) = waiter.wait_command(&redis_key);
-        let pipeline = client.pipeline();
-        // Queued in memory: these answer at once.
-        let queued: Result<(), _> = (pipeline.with_options(waiter.wait_options()))
-            .custom(script, script_args)
-            .await;
-        queued.map_err(|e| self.failed(e))?;
-        let queued: Result<(), _> = pipeline.custom(wait, wait_args).await;
-        queued.map_err(|e| self.failed(e))?;
-        let mut answers = pipeline.try_all::<Value>().await.into_iter();
-        let (completed, waited) = match (answers.next(), answers.next()) {
-            (Some(completed), Some(waited)) => (completed, waited),
-            (Some(Err(error)), None) => return Err(self.failed(error)),
-            _ => return Err(StoreError::Corrupt("unexpected answer to the completion".into())),
-        };
-        match completed {
-            Err(error) if error.details().starts_with("NOSCRIPT") => {
-                // The server lost its scripts (a failover, a flush): load it, then wait.
-                let completed = self.run_on(client, &COMPLETE, key, args).await?;
-                Ok((completed, waiter.wait(client, &redis_key).await))
-            }
-            Err(error) => Err(self.failed(error)),
-            Ok(completed) => {
-                let acked = waited
-                    .map_err(unavailable)
-                    .and_then(|answer| waiter.acked(answer));
-                Ok((completed, acked))
-            }
+        let call = |text| ScriptCall::new(text, Value::from(redis_key.clone()), args, false);
+        let by_sha1 = vec![call(ScriptText::Sha1(COMPLETE.sha1)).into_parts()];
+        let (mut written, mut acked) = self.write_then_wait(waiter, client, &redis_key, by_sha1).await?;
+        if matches!(written.first(), Some(Err(error)) if error.details().starts_with("NOSCRIPT")) {
+            // The server lost its scripts (a failover, a flush): the same, by source.
+            let by_source = vec![call(ScriptText::Source(COMPLETE.source)).into_parts()];
+            (written, acked) = self
+                .write_then_wait(waiter, client, &redis_key, by_source)
+                .await?;
         }
+        match written.pop() {
+            Some(Ok(completed)) => Ok((completed, acked)),
+            Some(Err(error)) => Err(self.failed(error)),
+            None => Err(StoreError::Corrupt("unexpected answer to the completion".into())),
+        }
+    }
+
+    /// `CLIENT SETNAME <marker>`, `writes`, the WAIT and `CLIENT GETNAME`, in one round trip on
+    /// `client`'s connection ([`marked`](Self::marked)), so the WAIT counts the writes, and the
+    /// name read behind it says whether it ran on their connection (see `replica_acks`). Sent
+    /// with the wait's options, once: none is sent again after a reconnect. Answers the answers
+    /// of `writes`, and what the WAIT said (an error if it ran on another connection than theirs).
+    async fn write_then_wait(
+        &self,
+        waiter: &Waiter,
+        client: &Client,
+        redis_key: &str,
+        mut writes: Vec<(CustomCommand, Vec<Value>)>,
+    ) -> Result<WrittenThenWaited, StoreError> {
+        let marker = waiter.marker();
+        writes.extend([waiter.wait_command(redis_key), name_check(redis_key)]);
+        let options = waiter.wait_options();
+        let mut answers = self.marked(client, &marker, redis_key, writes, options).await;
+        let (named, waited) = (answers.pop(), answers.pop());
+        Ok((answers, waiter.checked(&marker, waited, named)))
     }
 
     /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` (when a
@@ -289,38 +394,24 @@ impl RedisStore {
             return Ok(None);
         };
         let redis_key = self.redis_key(key);
-        let (head, ms, options) = (&call.head, lease_millis(call.retention), waiter.wait_options());
-        let acked = |waited: Option<Result<Value, fred::error::Error>>| match waited {
-            Some(waited) => waited
-                .map_err(unavailable)
-                .and_then(|answer| waiter.acked(answer)),
-            None => Err(StoreError::Corrupt("no answer to WAIT".into())),
-        };
+        let (head, ms) = (&call.head, lease_millis(call.retention));
         for _ in 0..=COMPARE_AGAIN {
             let written = native::rewritten(&expected, head.len(), &call.state, &call.payload);
-            let mut after = Vec::with_capacity(2);
-            if record::is_waited(&expected, head.len()) {
-                after.push(native::publish_settled(&settled_channel(&redis_key)));
-            }
-            after.push(waiter.wait_command(&redis_key));
+            let notice = record::is_waited(&expected, head.len())
+                .then(|| native::publish_settled(&settled_channel(&redis_key)));
+            let swap = native::Swap {
+                written: written.clone(),
+                expected: expected.clone(),
+                ms,
+            };
             let answer = self
-                .compare_and_set_then_wait(
-                    client,
-                    options,
-                    &redis_key,
-                    native::Swap {
-                        written: written.clone(),
-                        expected: expected.clone(),
-                        ms,
-                    },
-                    after,
-                )
+                .compare_and_set_then_wait(waiter, client, &redis_key, swap, notice)
                 .await?;
-            let Some((found, mut answers)) = answer else {
+            let Some((found, acked)) = answer else {
                 return Ok(None);
             };
             let outcome = match native::found(found.as_ref(), head, &expected, &written) {
-                Found::Written => (Value::Integer(1), acked(answers.pop())),
+                Found::Written => (Value::Integer(1), acked),
                 Found::OursInFlight(current) => {
                     expected = current;
                     continue;
@@ -331,26 +422,20 @@ impl RedisStore {
                     // that the WAIT counts a write of this connection, as complete.lua does.
                     let current = found.unwrap_or_default();
                     let again = native::restarted(&current, head.len(), &call.state);
-                    let after = vec![waiter.wait_command(&redis_key)];
+                    let swap = native::Swap {
+                        written: again,
+                        expected: current,
+                        ms,
+                    };
                     let answer = self
-                        .compare_and_set_then_wait(
-                            client,
-                            options,
-                            &redis_key,
-                            native::Swap {
-                                written: again,
-                                expected: current,
-                                ms,
-                            },
-                            after,
-                        )
+                        .compare_and_set_then_wait(waiter, client, &redis_key, swap, None)
                         .await?;
-                    let Some((_, mut answers)) = answer else {
+                    let Some((_, acked)) = answer else {
                         return Ok(None);
                     };
-                    (Value::Integer(1), acked(answers.pop()))
+                    (Value::Integer(1), acked)
                 }
-                Found::Lost => (Value::Integer(0), acked(answers.pop())),
+                Found::Lost => (Value::Integer(0), acked),
             };
             self.native.forget(head);
             return Ok(Some(outcome));
@@ -358,35 +443,88 @@ impl RedisStore {
         Ok(None)
     }
 
-    /// `SET key <written> IFEQ <expected> PX <ms> GET`, and `after` (the notice, the WAIT) in
-    /// the same round trip, on `client`'s connection (a pipeline). Answers what the `SET`
-    /// found and the answers of `after`; `None` if the server refused the command (it wrote
-    /// nothing). A key holding something other than a string is a lost claim, as the scripts
-    /// answer it.
+    /// `SET key <written> IFEQ <expected> PX <ms> GET`, the `notice` if any, and the WAIT behind
+    /// them, in one round trip on `client`'s connection ([`write_then_wait`](Self::write_then_wait)).
+    /// Answers what the `SET` found and what the WAIT said; `None` if the server refused the
+    /// command (it wrote nothing). A key holding something other than a string is a lost claim,
+    /// as the scripts answer it.
     async fn compare_and_set_then_wait(
         &self,
+        waiter: &Waiter,
         client: &Client,
-        options: &Options,
         redis_key: &str,
         swap: native::Swap,
-        after: Vec<(CustomCommand, Vec<Value>)>,
-    ) -> Result<Option<(Option<Bytes>, Vec<Result<Value, fred::error::Error>>)>, StoreError> {
-        let (set, args) = swap.command(Value::from(redis_key));
-        let pipeline = client.pipeline();
-        let queued: Result<(), _> = pipeline.with_options(options).custom(set, args).await;
-        queued.map_err(|e| self.failed(e))?;
-        for (command, args) in after {
-            let queued: Result<(), _> = pipeline.custom(command, args).await;
-            queued.map_err(|e| self.failed(e))?;
-        }
-        let mut answers = pipeline.try_all::<Value>().await.into_iter();
-        let found = match answers.next() {
+        notice: Option<(CustomCommand, Vec<Value>)>,
+    ) -> Result<Option<(Option<Bytes>, Result<Acked, StoreError>)>, StoreError> {
+        let writes = std::iter::once(swap.command(Value::from(redis_key)))
+            .chain(notice)
+            .collect();
+        let (written, acked) = self.write_then_wait(waiter, client, redis_key, writes).await?;
+        let found = match written.into_iter().next() {
             Some(Ok(answer)) => native::swapped(answer)?,
             Some(Err(error)) if self.native.refused(&error) => return Ok(None),
             Some(Err(error)) if error.details().starts_with("WRONGTYPE") => None,
             Some(Err(error)) => return Err(self.failed(error)),
             None => return Err(StoreError::Corrupt("no answer to SET IFEQ".into())),
         };
-        Ok(Some((found, answers.collect())))
+        Ok(Some((found, acked)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use fred::interfaces::ClientLike;
+
+    use super::super::commands::Claimant;
+    use super::super::fence_tests::Server;
+    use super::super::{record, RedisStore, ReplicaAcks};
+    use crate::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, StoreError};
+
+    /// The check behind every `WAIT`: a claim written on one connection, then the connection
+    /// replaced (as the heartbeat or a Sentinel switch replaces one, or fred after a drop) before
+    /// the `WAIT` is sent. The `WAIT` runs on the new connection, where it counts nothing (with
+    /// no replica required it answers at once, as Redis 7.2 and later answer a new connection's
+    /// `WAIT` with every online replica), and the name read behind it says so: not acknowledged.
+    /// Without the replacement the same `WAIT` counts. Fails if the name is not checked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wait_on_a_connection_replaced_since_its_write_is_not_acknowledged() {
+        let server = Server::start();
+        let store = RedisStore::connect(&server.url())
+            .await
+            .expect("connect")
+            .with_replica_acks(ReplicaAcks::new(0))
+            .await
+            .expect("the waiting connections");
+        let waiter = store.acks.clone().expect("the durability option");
+        let lease = Duration::from_secs(30);
+        let fingerprint = Fingerprint::new([b"{}".as_slice()]);
+        for replaced in [false, true] {
+            let key = RecordKey::new(
+                None,
+                IdempotencyKey::parse(&format!("replaced-{replaced}")).expect("a key"),
+            );
+            let owner = OwnerToken::generate();
+            let claim = record::in_flight(&owner, &fingerprint, lease).expect("a record");
+            let client = waiter.acquire().await;
+            let marker = waiter.marker();
+            let claimed = store
+                .claim_marked(&client, &marker, Claimant::Caller, &key, claim, lease)
+                .await
+                .expect("the claim");
+            assert_eq!(claimed, fred::types::Value::Null, "a new key is claimed");
+            if replaced {
+                client.force_reconnection().await.expect("a new connection");
+            }
+            let acked = waiter.wait(&client, &store.redis_key(&key), &marker).await;
+            match (replaced, acked) {
+                (false, Ok(acked)) => assert!(acked.enough(), "no replica is required"),
+                (true, Err(StoreError::Unavailable(error))) => {
+                    assert!(error.to_string().contains("replaced"), "{error}")
+                }
+                (replaced, acked) => panic!("replaced: {replaced}, WAIT answered {acked:?}"),
+            }
+        }
     }
 }

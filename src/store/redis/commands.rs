@@ -9,10 +9,11 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
+use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{Command, ScriptCall, ScriptText};
-use super::connection::store_reconnect_policy;
+use super::connection::{sent_once, store_reconnect_policy};
 use super::native::{self, Found};
 use super::notices::{settled_channel, Notices};
 use super::record::{self, digest_from_hex};
@@ -182,13 +183,25 @@ impl RedisStore {
         key: &RecordKey,
         args: &[Value],
     ) -> Result<Value, StoreError> {
+        self.run_with(client, script, key, args, &self.options).await
+    }
+
+    /// [`run_on`](Self::run_on) with `options`.
+    async fn run_with(
+        &self,
+        client: &Client,
+        script: &Script,
+        key: &RecordKey,
+        args: &[Value],
+        options: &Options,
+    ) -> Result<Value, StoreError> {
         let redis_key = Value::from(self.redis_key(key));
         // The durability option's completions each have a connection of their own, where nothing
         // could be merged with them: a trip through the coalescing task would buy nothing.
         let mergeable = script.per_record && self.acks.is_none();
         let call = |text| ScriptCall::new(text, redis_key.clone(), args, mergeable);
         let evalsha = Command::Script(call(ScriptText::Sha1(script.sha1)));
-        let sent = self.coalescer.send(client, &self.options, evalsha);
+        let sent = self.coalescer.send(client, options, evalsha);
         match sent.await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
                 tracing::debug!(
@@ -197,7 +210,7 @@ impl RedisStore {
                 );
                 let eval = Command::Script(call(ScriptText::Source(script.source)));
                 self.coalescer
-                    .send(client, &self.options, eval)
+                    .send(client, options, eval)
                     .await
                     .map_err(|e| self.failed(e))
             }
@@ -412,7 +425,10 @@ impl Store for RedisStore {
                 cache.invalidate(key.digest());
             }
             let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
-            as_flag("purge", self.run(&PURGE, key, &args).await?)
+            // Sent once: a purge checks no owner, so one sent again after a reconnect could
+            // delete a claim made after it (see `sent_once`).
+            let (client, once) = (self.connection.client(), sent_once(&self.options));
+            as_flag("purge", self.run_with(client, &PURGE, key, &args, &once).await?)
         })
     }
 

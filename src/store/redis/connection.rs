@@ -89,6 +89,26 @@ pub(super) async fn revive(clients: Vec<Client>, reviving: Arc<AtomicBool>) {
     reviving.store(false, Ordering::Release);
 }
 
+/// `options` for a command sent at most once: fred sends an unanswered command again after a
+/// reconnect (up to its attempts), which is harmless for most of this store's commands (every
+/// transition but the claim checks the owner token, and a claim re-sent finds its own record),
+/// but not for these, each sent with these options:
+///
+/// - `WAIT` and `WAITAOF` (`replica_acks.rs`), and the `CLIENT GETNAME` behind each: on a new
+///   connection a `WAIT` counts nothing written there and answers at once, so an unreplicated
+///   write would read as acknowledged;
+/// - the purge (`purge.lua`, `commands.rs`), which checks no owner: sent again late, it could
+///   delete the claim of an owner that came after it.
+///
+/// Such a command whose connection drops before its answer fails; what it did is unknown, and
+/// its caller decides (a `WAIT`: not acknowledged; a purge: the operator is told to look again).
+pub(super) fn sent_once(options: &Options) -> Options {
+    Options {
+        max_attempts: Some(1),
+        ..options.clone()
+    }
+}
+
 pub(super) fn unavailable(error: impl std::error::Error + Send + Sync + 'static) -> StoreError {
     StoreError::Unavailable(Box::new(error))
 }

@@ -18,14 +18,15 @@ use crate::{
 const STORE_CALL_BOUND: Duration = Duration::from_millis(2100);
 const COMPLETE_ATTEMPTS: u32 = 3;
 
-/// A `redis-server` of the test's own on a free loopback port, killed when dropped.
-struct Server {
+/// A `redis-server` of the test's own on a free loopback port, killed when dropped (the crate's
+/// tests against real servers use it: `acknowledged.rs` too).
+pub(super) struct Server {
     port: u16,
     child: Child,
 }
 
 impl Server {
-    fn start() -> Self {
+    pub(super) fn start() -> Self {
         for _ in 0..5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|listener| listener.local_addr())
@@ -56,7 +57,7 @@ impl Server {
         panic!("could not start redis-server on a free port after 5 tries");
     }
 
-    fn url(&self) -> String {
+    pub(super) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 }

@@ -16,11 +16,24 @@
 //!   goes back to the client, and a background task keeps completing the record (on whichever
 //!   node is master by then) and waiting until the replicas have it.
 //!
+//! A `WAIT` is only as good as the connection it runs on. fred sends an unanswered command again
+//! after a reconnect, and a reconnect can also fall between a write and the `WAIT` behind it (the
+//! store forces some itself: a Sentinel switch, the heartbeat replacing a silent connection). On a
+//! new connection `WAIT` counts nothing written there, and Redis 7.2 and later (Valkey too) answer
+//! it at once with every online replica: an unreplicated write would read as acknowledged. So a
+//! `WAIT` here is sent at most once (never again after a reconnect), and every write a `WAIT`
+//! stands for is sent behind `CLIENT SETNAME <marker>`, a name new for each write; the `WAIT` goes
+//! out in one pipeline with `CLIENT GETNAME` behind it. Commands of a connection run in order and
+//! a connection that closed never comes back, so the name read after the `WAIT` is the marker only
+//! if the write, the `WAIT` and the name check all ran on the connection the marker named. Any
+//! other answer (another name, none, an error) counts as *not* acknowledged.
+//!
 //! With [`ReplicaAcks::fsync`] the wait is `WAITAOF 1 n timeout` (Redis and Valkey 7.2 and
 //! later) instead: the master and `n` replicas must have written the writes to their
 //! append-only files, so that a restart of every node loses nothing either.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -152,7 +165,7 @@ pub(super) struct Waiter {
     /// Pings each connection when free, replacing one that went silent.
     _heartbeat: Heartbeat,
     pub(super) acks: ReplicaAcks,
-    /// The options of a `WAIT`: the store's command timeout plus the wait itself.
+    /// The options of a `WAIT`: the store's command timeout plus the wait itself, sent once.
     wait_options: Options,
     /// The claims whose completion a background task owns now: one task per claim.
     completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
@@ -205,10 +218,23 @@ impl Waiter {
             }
         }
         let command_timeout = command_options.timeout.unwrap_or(Duration::from_secs(2));
-        let wait_options = Options {
+        // Never sent again after a reconnect: see the module's docs.
+        let wait_options = super::connection::sent_once(&Options {
             timeout: Some(command_timeout + acks.timeout),
             ..command_options.clone()
-        };
+        });
+        let client = pool.acquire().await;
+        if let Err(error) = names_connections(&client, &wait_options).await {
+            return Err(StoreError::Unavailable(
+                format!(
+                    "RedisStore::with_replica_acks needs CLIENT SETNAME and CLIENT GETNAME (it names \
+                     each connection it waits on, to tell that a WAIT runs on its write's \
+                     connection); allow them to this user: {error}"
+                )
+                .into(),
+            ));
+        }
+        drop(client);
         let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()), pace);
         Ok(Arc::new(Self {
             _heartbeat: heartbeat,
@@ -235,27 +261,63 @@ impl Waiter {
     }
 
     /// Waits until the replicas have every write `client` sent to the node holding `redis_key`
-    /// (and, with `fsync`, until they and the master have it on disk), or the timeout passes.
-    /// Answers whether that happened, and how many replicas acknowledged.
-    pub(super) async fn wait(&self, client: &Client, redis_key: &str) -> Result<Acked, StoreError> {
-        let (command, args) = self.wait_command(redis_key);
-        let answer = (client.with_options(&self.wait_options))
-            .custom::<Value, Value>(command, args)
-            .await
-            .map_err(unavailable)?;
-        self.acked(answer)
+    /// since it named its connection `marker` (and, with `fsync`, until they and the master have
+    /// it on disk), or the timeout passes. Answers whether that happened, and how many replicas
+    /// acknowledged; a connection that is no longer the one `marker` named is an error (its
+    /// `WAIT` counted another connection's writes).
+    pub(super) async fn wait(
+        &self,
+        client: &Client,
+        redis_key: &str,
+        marker: &Marker,
+    ) -> Result<Acked, StoreError> {
+        let pipeline = client.pipeline();
+        let options = &self.wait_options;
+        for (command, args) in [self.wait_command(redis_key), name_check(redis_key)] {
+            let queued: Result<(), _> = pipeline.with_options(options).custom(command, args).await;
+            queued.map_err(unavailable)?;
+        }
+        let mut answers = pipeline.try_all::<Value>().await.into_iter();
+        self.checked(marker, answers.next(), answers.next())
     }
 
-    /// The options of a call that ends with a wait: the command timeout plus the wait's.
+    /// The options of a call that ends with a wait: the command timeout plus the wait's, sent
+    /// once.
     pub(super) fn wait_options(&self) -> &Options {
         &self.wait_options
     }
 
-    /// The `WAIT` (or `WAITAOF`) for the writes to the node holding `redis_key`.
+    /// A name for a connection, new for this write: see [`Marker`].
+    pub(super) fn marker(&self) -> Marker {
+        Marker::new()
+    }
+
+    /// What a `WAIT` and the [`name_check`] behind it answered: the replicas' count, if the
+    /// connection still bore `marker`.
+    pub(super) fn checked(
+        &self,
+        marker: &Marker,
+        waited: Option<Result<Value, fred::error::Error>>,
+        named: Option<Result<Value, fred::error::Error>>,
+    ) -> Result<Acked, StoreError> {
+        let (waited, named) = match (waited, named) {
+            (Some(waited), Some(named)) => (waited, named),
+            _ => return Err(StoreError::Corrupt("no answer to WAIT".into())),
+        };
+        let acked = self.acked(waited.map_err(unavailable)?)?;
+        match named.map_err(unavailable)? {
+            Value::String(name) if name.as_bytes() == marker.0.as_bytes() => Ok(acked),
+            Value::Bytes(name) if name == marker.0.as_bytes() => Ok(acked),
+            other => Err(StoreError::Unavailable(Box::new(ConnectionReplaced {
+                found: format!("{other:?}"),
+            }))),
+        }
+    }
+
+    /// The `WAIT` (or `WAITAOF`) for the writes to the node holding `redis_key`. Send it with
+    /// [`wait_options`](Self::wait_options) (never again after a reconnect), and
+    /// [`name_check`] behind it.
     pub(super) fn wait_command(&self, redis_key: &str) -> (CustomCommand, Vec<Value>) {
-        // On a Cluster, to the node of the record's slot: the node the write went to. A standalone
-        // or Sentinel client ignores the slot.
-        let slot = fred::util::redis_keyslot(redis_key.as_bytes());
         let timeout_ms = i64::try_from(self.acks.timeout.as_millis()).unwrap_or(i64::MAX);
         let replicas = Value::from(i64::from(self.acks.replicas));
         let (name, args) = if self.acks.fsync {
@@ -264,7 +326,7 @@ impl Waiter {
             ("WAIT", vec![replicas, Value::from(timeout_ms)])
         };
         (
-            CustomCommand::new_static(name, ClusterHash::Custom(slot), false),
+            CustomCommand::new_static(name, on_node_of(redis_key), false),
             args,
         )
     }
@@ -290,6 +352,73 @@ impl Waiter {
             on_master: master >= 1,
         })
     }
+}
+
+/// A name for one connection, new for each write a `WAIT` must count: `CLIENT SETNAME <marker>`
+/// goes out just before the write, `CLIENT GETNAME` just after the `WAIT`, and the `WAIT` counts
+/// the write only if the name read is the marker (see the module's docs). Unique in this process,
+/// and no connection of this process is ever named the same twice: a new connection, which
+/// carries no name or fred's, never passes for the old one.
+pub(super) struct Marker(String);
+
+impl Marker {
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self(format!(
+            "tower-idempotency-acked-{}",
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    /// `CLIENT SETNAME <marker>` on the connection to the node holding `redis_key`.
+    pub(super) fn command(&self, redis_key: &str) -> (CustomCommand, Vec<Value>) {
+        (
+            CustomCommand::new_static("CLIENT", on_node_of(redis_key), false),
+            vec![Value::from_static_str("SETNAME"), Value::from(self.0.as_str())],
+        )
+    }
+}
+
+/// `CLIENT GETNAME` on the connection to the node holding `redis_key`.
+pub(super) fn name_check(redis_key: &str) -> (CustomCommand, Vec<Value>) {
+    (
+        CustomCommand::new_static("CLIENT", on_node_of(redis_key), false),
+        vec![Value::from_static_str("GETNAME")],
+    )
+}
+
+/// On a Cluster, the node of the record's slot: the node its write went to. A standalone or
+/// Sentinel client ignores the slot.
+fn on_node_of(redis_key: &str) -> ClusterHash {
+    ClusterHash::Custom(fred::util::redis_keyslot(redis_key.as_bytes()))
+}
+
+/// Checks, when the store connects, that this user may name its connections (an ACL can deny
+/// `CLIENT`): without it no `WAIT` could be told from one on another connection.
+async fn names_connections(client: &Client, options: &Options) -> Result<(), fred::error::Error> {
+    let marker = Marker::new();
+    let pipeline = client.pipeline();
+    for (command, args) in [marker.command(""), name_check("")] {
+        pipeline
+            .with_options(options)
+            .custom::<(), _>(command, args)
+            .await?;
+    }
+    let answers = pipeline.try_all::<Value>().await;
+    for answer in answers {
+        answer?;
+    }
+    Ok(())
+}
+
+/// A `WAIT` ran on a connection other than its write's: a reconnect came between them.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the connection was replaced between a write and its WAIT (the name read after the WAIT was \
+     {found}), so the WAIT did not count the write: not acknowledged"
+)]
+pub(super) struct ConnectionReplaced {
+    found: String,
 }
 
 impl Waiter {
