@@ -7,11 +7,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::ClientLike;
+use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
 use super::commands::{Claimant, CompletionCall, COMPARE_AGAIN};
-use super::connection::worth_retrying;
+use super::connection::{self, worth_retrying};
 use super::native::{self, Found};
 use super::notices::settled_channel;
 use super::record;
@@ -133,6 +134,7 @@ impl RedisStore {
                 marker,
                 &redis_key,
                 vec![write(ScriptText::Sha1(WAIT.sha1))],
+                Vec::new(),
                 &self.options,
             )
             .await
@@ -144,6 +146,7 @@ impl RedisStore {
                     marker,
                     &redis_key,
                     vec![write(ScriptText::Source(WAIT.source))],
+                    Vec::new(),
                     &self.options,
                 )
                 .await
@@ -160,21 +163,29 @@ impl RedisStore {
         }
     }
 
-    /// `CLIENT SETNAME <marker>`, then `commands`, in one pipeline on `client`'s connection (to
-    /// the node holding `redis_key`; fred writes them in that order without waiting for an
-    /// answer), with `options`. Answers each command's answer, in order (a failed `SETNAME`
-    /// fails the WAIT's check later, not these).
+    /// `CLIENT SETNAME <marker>`, then `commands`, then `sent_once`, in one pipeline on
+    /// `client`'s connection (to the node holding `redis_key`; fred writes them in that order
+    /// without waiting for an answer), with `options`. The writes may be sent again (fred after a
+    /// reconnect, or to follow a cluster's `MOVED`): harmless for them, and the name check tells;
+    /// `sent_once` never are (`connection::sent_once`). Answers each command's answer, in order
+    /// (a failed `SETNAME` fails the WAIT's check later, not these).
     async fn marked(
         &self,
         client: &Client,
         marker: &Marker,
         redis_key: &str,
         commands: Vec<(CustomCommand, Vec<Value>)>,
-        options: &fred::types::config::Options,
+        sent_once: Vec<(CustomCommand, Vec<Value>)>,
+        options: &Options,
     ) -> Vec<Result<Value, fred::error::Error>> {
         let pipeline = client.pipeline();
-        let count = commands.len();
-        for (command, args) in std::iter::once(marker.command(redis_key)).chain(commands) {
+        let count = commands.len() + sent_once.len();
+        let once = connection::sent_once(options);
+        let writes = std::iter::once(marker.command(redis_key)).chain(commands);
+        let commands = writes
+            .map(|command| (command, options))
+            .chain(sent_once.into_iter().map(|command| (command, &once)));
+        for ((command, args), options) in commands {
             // Queued in memory: these answer at once.
             let queued: Result<(), _> = pipeline.with_options(options).custom(command, args).await;
             if let Err(error) = queued {
@@ -360,20 +371,22 @@ impl RedisStore {
 
     /// `CLIENT SETNAME <marker>`, `writes`, the WAIT and `CLIENT GETNAME`, in one round trip on
     /// `client`'s connection ([`marked`](Self::marked)), so the WAIT counts the writes, and the
-    /// name read behind it says whether it ran on their connection (see `replica_acks`). Sent
-    /// with the wait's options, once: none is sent again after a reconnect. Answers the answers
+    /// name read behind it says whether it ran on their connection (see `replica_acks`), bounded
+    /// by the wait's timeout; the WAIT and the name check are sent once. Answers the answers
     /// of `writes`, and what the WAIT said (an error if it ran on another connection than theirs).
     async fn write_then_wait(
         &self,
         waiter: &Waiter,
         client: &Client,
         redis_key: &str,
-        mut writes: Vec<(CustomCommand, Vec<Value>)>,
+        writes: Vec<(CustomCommand, Vec<Value>)>,
     ) -> Result<WrittenThenWaited, StoreError> {
         let marker = waiter.marker();
-        writes.extend([waiter.wait_command(redis_key), name_check(redis_key)]);
+        let wait = vec![waiter.wait_command(redis_key), name_check(redis_key)];
         let options = waiter.wait_options();
-        let mut answers = self.marked(client, &marker, redis_key, writes, options).await;
+        let mut answers = self
+            .marked(client, &marker, redis_key, writes, wait, options)
+            .await;
         let (named, waited) = (answers.pop(), answers.pop());
         Ok((answers, waiter.checked(&marker, waited, named)))
     }

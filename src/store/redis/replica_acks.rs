@@ -165,7 +165,7 @@ pub(super) struct Waiter {
     /// Pings each connection when free, replacing one that went silent.
     _heartbeat: Heartbeat,
     pub(super) acks: ReplicaAcks,
-    /// The options of a `WAIT`: the store's command timeout plus the wait itself, sent once.
+    /// The options of a call that ends with a `WAIT`: the store's command timeout plus the wait.
     wait_options: Options,
     /// The claims whose completion a background task owns now: one task per claim.
     completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
@@ -218,11 +218,10 @@ impl Waiter {
             }
         }
         let command_timeout = command_options.timeout.unwrap_or(Duration::from_secs(2));
-        // Never sent again after a reconnect: see the module's docs.
-        let wait_options = super::connection::sent_once(&Options {
+        let wait_options = Options {
             timeout: Some(command_timeout + acks.timeout),
             ..command_options.clone()
-        });
+        };
         let client = pool.acquire().await;
         if let Err(error) = names_connections(&client, &wait_options).await {
             return Err(StoreError::Unavailable(
@@ -272,7 +271,8 @@ impl Waiter {
         marker: &Marker,
     ) -> Result<Acked, StoreError> {
         let pipeline = client.pipeline();
-        let options = &self.wait_options;
+        // Never sent again after a reconnect: see the module's docs.
+        let options = &super::connection::sent_once(&self.wait_options);
         for (command, args) in [self.wait_command(redis_key), name_check(redis_key)] {
             let queued: Result<(), _> = pipeline.with_options(options).custom(command, args).await;
             queued.map_err(unavailable)?;
@@ -281,8 +281,8 @@ impl Waiter {
         self.checked(marker, answers.next(), answers.next())
     }
 
-    /// The options of a call that ends with a wait: the command timeout plus the wait's, sent
-    /// once.
+    /// The options of a call that ends with a wait: the command timeout plus the wait's (the
+    /// wait itself is to be sent once: `connection::sent_once`).
     pub(super) fn wait_options(&self) -> &Options {
         &self.wait_options
     }
@@ -314,9 +314,8 @@ impl Waiter {
         }
     }
 
-    /// The `WAIT` (or `WAITAOF`) for the writes to the node holding `redis_key`. Send it with
-    /// [`wait_options`](Self::wait_options) (never again after a reconnect), and
-    /// [`name_check`] behind it.
+    /// The `WAIT` (or `WAITAOF`) for the writes to the node holding `redis_key`. Send it once
+    /// (`connection::sent_once`), with [`name_check`] behind it.
     pub(super) fn wait_command(&self, redis_key: &str) -> (CustomCommand, Vec<Value>) {
         let timeout_ms = i64::try_from(self.acks.timeout.as_millis()).unwrap_or(i64::MAX);
         let replicas = Value::from(i64::from(self.acks.replicas));
