@@ -343,6 +343,72 @@ async fn a_slow_acknowledgement_runs_one_background_completion_and_reports_the_r
     }
 }
 
+/// Issue 35, item 4: a completion the replica never acknowledges (stopped with SIGSTOP after it
+/// acknowledged the claim) is answered stored and retried in the background while the claim's
+/// lease lasts (renewing it where the claim is still in flight: here nowhere, as the master has
+/// the completion), and given up, reported `ReplicationAbandoned`, as that lease ends: past it,
+/// the replica, promoted, would hold no claim to complete, so no retry could save the result.
+/// Before, it was retried for `retry_completions_for` (60 s) against a 3 s lease. Nothing is
+/// lost by stopping while the master stays: the replica gets the completion from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_never_acknowledged_is_retried_while_the_lease_lasts_then_reported() {
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{Begin, Coordinator, ReconciliationKind};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    store.load_scripts().await.expect("load the scripts");
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let journal = events.clone();
+    let coordinator = Coordinator::new(store.clone())
+        .with_lease(LEASE)
+        .with_reconciliation(move |event| journal.lock().unwrap().push(event.kind.clone()));
+    let key = RecordKey::new(None, IdempotencyKey::parse("never-acked").unwrap());
+    let Ok(Begin::Claimed(claim)) = coordinator
+        .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+        .await
+    else {
+        panic!("a new key is claimed");
+    };
+    let claimed = Instant::now();
+
+    signal(&pair.replica, "-STOP");
+    let completed = claim.complete(Bytes::from_static(b"done")).await;
+    let reported = loop {
+        let reported = events.lock().unwrap().clone();
+        if !reported.is_empty() || claimed.elapsed() > LEASE + Duration::from_secs(5) {
+            break reported;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let reported_after = claimed.elapsed();
+    signal(&pair.replica, "-CONT");
+    assert!(completed.is_ok(), "answered stored: {completed:?}");
+    assert_eq!(state_on(&master, &store, "never-acked").await, Some(b'C'));
+    assert!(
+        matches!(
+            reported.as_slice(),
+            [ReconciliationKind::ReplicationAbandoned { .. }]
+        ),
+        "given up with the lease, not after 60 s: {reported:?} after {reported_after:?}"
+    );
+    assert!(
+        reported_after > LEASE - Duration::from_millis(300)
+            && reported_after < LEASE + Duration::from_secs(2),
+        "retried while the lease lasted: reported after {reported_after:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_on(&replica, &store, "never-acked").await != Some(b'C') {
+        assert!(Instant::now() < deadline, "the replica never got the completion");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requiring_more_replicas_than_there_are_refuses_every_new_key() {
     let pair = Pair::start().await;
