@@ -159,7 +159,7 @@ impl RedisStore {
                 let retry_for = waiter.acks.retry_for();
                 let attempt = || store.complete_once_acknowledged(&waiter, &record, &call);
                 // Renewed on the store's own connection, where the claim is still in flight.
-                let renew = |lease| crate::store::Store::renew(&store, &record, &owner, lease);
+                let renew = |lease| crate::store::contract::Store::renew(&store, &record, &owner, lease);
                 match keep_completing(&record, retry_for, lease_left, attempt, renew).await {
                     None => {}
                     Some(GaveUp::Lost) => tell(ReconciliationKind::LostBeforeReplicated),
