@@ -409,6 +409,76 @@ async fn a_completion_never_acknowledged_is_retried_while_the_lease_lasts_then_r
     }
 }
 
+/// Issue 35, item 4: while the background completion retries, it keeps the claim's lease alive
+/// where the claim is still in flight. Here the master refuses the completion itself (its user
+/// may no longer `SET`, which complete.lua calls; renew.lua's `SETRANGE` and `PEXPIRE` still
+/// pass), so the in-flight record stays, on the master and, replicated, on the replica: it
+/// outlives its 3 s lease on both, and once the master takes the completion again it lands,
+/// acknowledged, and nothing is reported. Before, the task renewed nothing: the record expired
+/// with its lease, and the completion then found the claim lost (`LostBeforeReplicated`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_completion_keeps_the_claims_lease_alive_where_it_is_in_flight() {
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{Begin, Coordinator};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    // The scripts' path: natively a renewal is a `SET … IFEQ`, which the refusal would stop too.
+    let store = RedisStore::connect(&pair.master.url())
+        .await
+        .expect("connect")
+        .with_native_transitions(false)
+        .with_replica_acks(ReplicaAcks::new(1).timeout(WAIT_TIMEOUT))
+        .await
+        .expect("connect the waiting connections");
+    store.load_scripts().await.expect("load the scripts");
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let journal = events.clone();
+    let coordinator = Coordinator::new(store.clone())
+        .with_lease(LEASE)
+        .with_reconciliation(move |event| journal.lock().unwrap().push(event.kind.clone()));
+    let key = RecordKey::new(None, IdempotencyKey::parse("kept-alive").unwrap());
+    let Ok(Begin::Claimed(claim)) = coordinator
+        .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+        .await
+    else {
+        panic!("a new key is claimed");
+    };
+    let claimed = Instant::now();
+
+    admin(&master, &["ACL", "SETUSER", "default", "-set"]).await;
+    let completed = claim.complete(Bytes::from_static(b"done")).await;
+    tokio::time::sleep((LEASE + Duration::from_secs(2)).saturating_sub(claimed.elapsed())).await;
+    let (on_master, on_replica) = (
+        state_on(&master, &store, "kept-alive").await,
+        state_on(&replica, &store, "kept-alive").await,
+    );
+    admin(&master, &["ACL", "SETUSER", "default", "+set"]).await;
+    assert!(completed.is_ok(), "answered stored: {completed:?}");
+    assert_eq!(
+        (on_master, on_replica),
+        (Some(b'F'), Some(b'F')),
+        "in flight on both, 2 s past the lease taken at the claim"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_on(&replica, &store, "kept-alive").await != Some(b'C') {
+        assert!(
+            Instant::now() < deadline,
+            "the completion never reached the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(state_on(&master, &store, "kept-alive").await, Some(b'C'));
+    // The task ends once the replica acknowledges: nothing to reconcile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let reported = events.lock().unwrap().clone();
+    assert!(reported.is_empty(), "nothing to reconcile: {reported:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requiring_more_replicas_than_there_are_refuses_every_new_key() {
     let pair = Pair::start().await;
