@@ -82,8 +82,10 @@ pub struct ReconciliationEvent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReconciliationKind {
-    /// The store did not take the result: every attempt failed or timed out, or the store refused
-    /// it as too large. The claim ends with its lease; a retry after that runs the operation again.
+    /// The store did not take the result: the first attempt and every retry in the background
+    /// after it failed or timed out until the claim's lease ended, or the store refused it as
+    /// too large. Raised when the retries end, not at the first failure. The claim ends with its
+    /// lease; a retry after that runs the operation again.
     CompletionFailed {
         /// The last store error.
         error: String,
@@ -100,8 +102,9 @@ pub enum ReconciliationKind {
     /// the operation again.
     ClaimLost,
     /// `RedisStore` with `ReplicaAcks`: the result was stored on the master and the client got
-    /// its answer, but the replicas did not acknowledge it within `retry_completions_for`. If the
-    /// master fails over before they have it, a retry runs the operation again.
+    /// its answer, but the replicas did not acknowledge it within `retry_completions_for`, or
+    /// before the claim's lease ended (after which a promoted replica holds no claim to
+    /// complete). If the master fails over before they have it, a retry runs the operation again.
     ReplicationAbandoned {
         /// The last error, or the replicas' shortfall.
         error: String,

@@ -108,9 +108,10 @@ async fn a_paused_or_sleeping_server_fails_closed_then_recovers() {
     assert_eq!(runs.get(), 2, "nothing ran while the server stalled");
 }
 
-// Promise 6: a completion that fails is tried again. The handler has the proxy drop the reply
-// to the completion (fred re-sends nothing: one attempt per command), so the first attempt
-// fails with its record written; the second finds its own completed record and succeeds.
+// Promise 6: a completion that fails is tried again (in the background, once the client has
+// its answer). The handler has the proxy drop the reply to the completion (fred re-sends
+// nothing: one attempt per command), so the first attempt fails with its record written; the
+// second finds its own completed record and succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_completion_is_retried() {
     let server = RedisServer::start();
@@ -135,6 +136,12 @@ async fn a_failed_completion_is_retried() {
     } else {
         (2, "evalsha")
     };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while round_trips(&stats).await - 1 < completions && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Time for a round trip too many to show.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         round_trips(&stats).await - 1,
         completions,
@@ -331,4 +338,65 @@ async fn a_client_without_a_reconnect_policy_still_rides_out_a_restart() {
     for (name, app) in &apps {
         eventually_created(app, &format!("{name}-after")).await;
     }
+}
+
+/// Issue 35, item 4: Redis killed 1 s into a 3 s handler and started again 5 s later, with its
+/// data (an append-only file, fsynced at every write, so the in-flight record survives). The
+/// client is answered as soon as the first completion attempt fails, not after more attempts;
+/// the completion goes on in the background, and since the server is back within the lease it
+/// lands there: the retry after the restart replays the answer the client got, the handler ran
+/// once, and nothing is reported to reconcile. Before, the client waited for three attempts,
+/// the result was given up (`CompletionFailed`), and once the lease ended a retry ran the
+/// handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_back_within_the_lease_still_gets_the_result_and_the_client_is_not_held() {
+    const HANDLER: Duration = Duration::from_secs(3);
+    const LEASE: Duration = Duration::from_secs(10);
+    let mut server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let store = common::connect(&server.url()).await.expect("connect");
+    let (layer, reported) = reconciled(IdempotencyLayer::new(store).with_lease(LEASE));
+    let (app, runs) = router(layer.clone());
+
+    let started = Instant::now();
+    let running = spawn_send(&app, slow("outage", HANDLER.as_millis() as u64));
+    common::until("the handler started", || runs.get() == 1).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.kill();
+    let killed = Instant::now();
+    let answered = running.await.expect("the request task");
+    let waited = started.elapsed();
+    assert_eq!(answered.status, StatusCode::CREATED, "{:?}", answered.body);
+    // One attempt, bounded by the store timeout (2 s, plus 100 ms of grace), and no more.
+    assert!(
+        waited < HANDLER + Duration::from_millis(2600),
+        "the client waited {waited:?} for a {HANDLER:?} handler"
+    );
+
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(killed.elapsed())).await;
+    server.restart();
+    // The retry after the restart: in flight until the background completion lands, then a
+    // replay. Asked until the lease has surely ended, when a claim left to it runs again.
+    let deadline = started + LEASE + Duration::from_secs(3);
+    let retry = loop {
+        let retry = send(&app, payment("outage", "{}")).await;
+        if retry.status != StatusCode::CONFLICT || Instant::now() > deadline {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        retry.is_replay(),
+        "the retry replays: {} {:?}",
+        retry.status,
+        retry.body
+    );
+    assert_eq!(retry.body, answered.body, "the answer the client got");
+    assert_eq!(runs.get(), 1, "the handler ran once");
+    let reported = reported.lock().unwrap().clone();
+    assert!(reported.is_empty(), "nothing to reconcile: {reported:?}");
+    assert!(
+        started.elapsed() < LEASE,
+        "replayed within the lease, not after it: {:?}",
+        started.elapsed()
+    );
 }

@@ -259,10 +259,11 @@ async fn blocked_clients(server: &Client) -> u64 {
 }
 
 /// A completion whose `WAIT` outlasts the coordinator's bound on a store call (2 s + 100 ms)
-/// runs in one background task, and the caller is told the result is stored (it is on the
-/// master, and reaches the replica once it answers), never `CompletionFailed`. With the store's
-/// command timeout under the coordinator's bound the store answers first; above it, the
-/// coordinator tries again and finds the completion owned by the task. Before, each attempt the
+/// runs in one background task, and the result is stored (it is on the master, and reaches the
+/// replica once it answers), never reported `CompletionFailed`. With the store's command
+/// timeout under the coordinator's bound the store answers first, and the caller is told the
+/// result is stored; above it, the caller is told the coordinator's timeout, and the
+/// coordinator tries again in the background and finds the completion owned by the task. Before, each attempt the
 /// coordinator gave up on started a task of its own (three `WAIT`s at once), and the result
 /// was reported `CompletionFailed`, then stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -306,7 +307,21 @@ async fn a_slow_acknowledgement_runs_one_background_completion_and_reports_the_r
         let completed = claim.complete(Bytes::from_static(b"done")).await;
         let waiting = blocked_clients(&master).await;
         signal(&pair.replica, "-CONT");
-        assert!(completed.is_ok(), "{name}: {completed:?}");
+        // Coordinator first: its bound on the first attempt passed, so it answers that at once
+        // and carries the completion on in the background, whose next call finds the store's
+        // task completing it and is answered stored.
+        match name {
+            "store-first" => assert!(completed.is_ok(), "{name}: {completed:?}"),
+            _ => assert!(
+                matches!(
+                    completed,
+                    Err(tower_idempotency::Error::Store(
+                        tower_idempotency::StoreError::Timeout(_)
+                    ))
+                ),
+                "{name}: {completed:?}"
+            ),
+        }
         assert!(
             waiting <= 1,
             "{name}: {waiting} completions wait for the replica at once"
@@ -326,6 +341,142 @@ async fn a_slow_acknowledgement_runs_one_background_completion_and_reports_the_r
             "{name}: nothing to reconcile, not {reported:?}"
         );
     }
+}
+
+/// Issue 35, item 4: a completion the replica never acknowledges (stopped with SIGSTOP after it
+/// acknowledged the claim) is answered stored and retried in the background while the claim's
+/// lease lasts (renewing it where the claim is still in flight: here nowhere, as the master has
+/// the completion), and given up, reported `ReplicationAbandoned`, as that lease ends: past it,
+/// the replica, promoted, would hold no claim to complete, so no retry could save the result.
+/// Before, it was retried for `retry_completions_for` (60 s) against a 3 s lease. Nothing is
+/// lost by stopping while the master stays: the replica gets the completion from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_never_acknowledged_is_retried_while_the_lease_lasts_then_reported() {
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{Begin, Coordinator, ReconciliationKind};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    let store = durable_store(&pair.master.url(), ReplicaAcks::new(1).timeout(WAIT_TIMEOUT)).await;
+    store.load_scripts().await.expect("load the scripts");
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let journal = events.clone();
+    let coordinator = Coordinator::new(store.clone())
+        .with_lease(LEASE)
+        .with_reconciliation(move |event| journal.lock().unwrap().push(event.kind.clone()));
+    let key = RecordKey::new(None, IdempotencyKey::parse("never-acked").unwrap());
+    let Ok(Begin::Claimed(claim)) = coordinator
+        .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+        .await
+    else {
+        panic!("a new key is claimed");
+    };
+    let claimed = Instant::now();
+
+    signal(&pair.replica, "-STOP");
+    let completed = claim.complete(Bytes::from_static(b"done")).await;
+    let reported = loop {
+        let reported = events.lock().unwrap().clone();
+        if !reported.is_empty() || claimed.elapsed() > LEASE + Duration::from_secs(5) {
+            break reported;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let reported_after = claimed.elapsed();
+    signal(&pair.replica, "-CONT");
+    assert!(completed.is_ok(), "answered stored: {completed:?}");
+    assert_eq!(state_on(&master, &store, "never-acked").await, Some(b'C'));
+    assert!(
+        matches!(
+            reported.as_slice(),
+            [ReconciliationKind::ReplicationAbandoned { .. }]
+        ),
+        "given up with the lease, not after 60 s: {reported:?} after {reported_after:?}"
+    );
+    assert!(
+        reported_after > LEASE - Duration::from_millis(300)
+            && reported_after < LEASE + Duration::from_secs(2),
+        "retried while the lease lasted: reported after {reported_after:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_on(&replica, &store, "never-acked").await != Some(b'C') {
+        assert!(Instant::now() < deadline, "the replica never got the completion");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 35, item 4: while the background completion retries, it keeps the claim's lease alive
+/// where the claim is still in flight. Here the master refuses the completion itself (its user
+/// may no longer `SET`, which complete.lua calls; renew.lua's `SETRANGE` and `PEXPIRE` still
+/// pass), so the in-flight record stays, on the master and, replicated, on the replica: it
+/// outlives its 3 s lease on both, and once the master takes the completion again it lands,
+/// acknowledged, and nothing is reported. Before, the task renewed nothing: the record expired
+/// with its lease, and the completion then found the claim lost (`LostBeforeReplicated`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_completion_keeps_the_claims_lease_alive_where_it_is_in_flight() {
+    use std::sync::{Arc, Mutex};
+    use tower_idempotency::{Begin, Coordinator};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    let pair = Pair::start().await;
+    let (master, replica) = (
+        client(&pair.master.url()).await,
+        client(&pair.replica.url()).await,
+    );
+    // The scripts' path: natively a renewal is a `SET … IFEQ`, which the refusal would stop too.
+    let store = RedisStore::connect(&pair.master.url())
+        .await
+        .expect("connect")
+        .with_native_transitions(false)
+        .with_replica_acks(ReplicaAcks::new(1).timeout(WAIT_TIMEOUT))
+        .await
+        .expect("connect the waiting connections");
+    store.load_scripts().await.expect("load the scripts");
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let journal = events.clone();
+    let coordinator = Coordinator::new(store.clone())
+        .with_lease(LEASE)
+        .with_reconciliation(move |event| journal.lock().unwrap().push(event.kind.clone()));
+    let key = RecordKey::new(None, IdempotencyKey::parse("kept-alive").unwrap());
+    let Ok(Begin::Claimed(claim)) = coordinator
+        .begin(&key, &Fingerprint::new([b"{}".as_slice()]))
+        .await
+    else {
+        panic!("a new key is claimed");
+    };
+    let claimed = Instant::now();
+
+    admin(&master, &["ACL", "SETUSER", "default", "-set"]).await;
+    let completed = claim.complete(Bytes::from_static(b"done")).await;
+    tokio::time::sleep((LEASE + Duration::from_secs(2)).saturating_sub(claimed.elapsed())).await;
+    let (on_master, on_replica) = (
+        state_on(&master, &store, "kept-alive").await,
+        state_on(&replica, &store, "kept-alive").await,
+    );
+    admin(&master, &["ACL", "SETUSER", "default", "+set"]).await;
+    assert!(completed.is_ok(), "answered stored: {completed:?}");
+    assert_eq!(
+        (on_master, on_replica),
+        (Some(b'F'), Some(b'F')),
+        "in flight on both, 2 s past the lease taken at the claim"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_on(&replica, &store, "kept-alive").await != Some(b'C') {
+        assert!(
+            Instant::now() < deadline,
+            "the completion never reached the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(state_on(&master, &store, "kept-alive").await, Some(b'C'));
+    // The task ends once the replica acknowledges: nothing to reconcile.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let reported = events.lock().unwrap().clone();
+    assert!(reported.is_empty(), "nothing to reconcile: {reported:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,8 +20,10 @@ use crate::reconciliation::{self, NotStored, ReconciliationKind};
 use crate::store::{ClaimFlags, ClaimTicket, OwnerToken, StoreError};
 use crate::telemetry::{Named, StoreOp};
 
-/// How many times a completion is tried in all before the claim is left to its lease.
-const COMPLETE_ATTEMPTS: u32 = 3;
+/// The pause before a completion carried on in the background tries again: doubling from the
+/// first, up to the last (a store back from an outage is found within a second).
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Ownership of one key while its operation runs. Complete it with the result, or release it.
 ///
@@ -50,7 +52,11 @@ pub struct Claim {
     flags: Arc<ClaimFlags>,
     /// The background renewal task, or `None` when the holder renews through `keep_alive`.
     renewal: Option<JoinHandle<()>>,
+    /// When the claim was taken (its answer came), the origin of `flags.leased_at_ms`.
+    started: tokio::time::Instant,
     settled: bool,
+    /// Counted under the in-flight bound, so a shutdown waits for the claim: also while its
+    /// completion is carried on in the background.
     _slot: Slot,
 }
 
@@ -86,6 +92,7 @@ impl Claim {
             owner,
             flags: Arc::default(),
             renewal: None,
+            started: tokio::time::Instant::now(),
             settled: false,
             _slot: slot,
         };
@@ -101,13 +108,14 @@ impl Claim {
         if self.renewal.is_some() {
             return;
         }
-        let (settings, key, owner, flags) = (
+        let (settings, key, owner, flags, started) = (
             self.settings.clone(),
             self.key.clone(),
             self.owner.clone(),
             self.flags.clone(),
+            self.started,
         );
-        let renewing = async move { renew_until_lost(&settings, &key, &owner, &flags).await };
+        let renewing = async move { renew_until_lost(&settings, &key, &owner, &flags, started).await };
         self.renewal = Some(tokio::spawn(renewing.instrument(tracing::Span::current())));
     }
 
@@ -174,7 +182,8 @@ impl Claim {
             &self.settings,
             &self.key,
             &self.owner,
-            &self.flags
+            &self.flags,
+            self.started,
         ));
         let mut renewing = true;
         std::future::poll_fn(|cx| {
@@ -192,22 +201,30 @@ impl Claim {
 
     /// Stores `payload` as the key's result, for the retention period.
     ///
-    /// A store error is retried (3 attempts in all, each bounded by the store timeout), except
-    /// [`StoreError::TooLarge`], which another attempt would meet again; the lease is renewed
-    /// meanwhile, until the record lands. If the claim was lost, nothing is written
-    /// ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record is never
-    /// overwritten. If every attempt fails, the claim is left to expire with its lease and an
-    /// error is logged. If this future is dropped before the outcome is known, the claim is
-    /// released in the background (a completion that landed is not undone: release only removes
-    /// in-flight records).
+    /// One attempt, bounded by the store timeout, is made here. If the claim was lost, nothing
+    /// is written ([`Error::ClaimLost`]) and a warning is logged: a newer owner's record is
+    /// never overwritten. If the attempt fails with a store error (but
+    /// [`StoreError::TooLarge`], which another attempt would meet again), this answers that
+    /// error at once, and the completion goes on in a task of its own: tried again and again
+    /// (pauses from 50 ms doubling to 1 s), the lease renewed meanwhile wherever the store
+    /// answers, until the record lands, the claim is found lost, or the lease ends: the lease
+    /// last renewed, and at most one lease after the first attempt failed. A store back within
+    /// the lease so still gets the result, and a retry then replays it (until then a retry finds
+    /// the key in flight). A result the store never takes leaves the key to its lease. That
+    /// task keeps the claim's place under the in-flight bound, so a
+    /// [shutdown](crate::ShutdownHandle::shutdown) waits for it too. If this future is dropped
+    /// before the outcome is known, the claim is released in the background (a completion that
+    /// landed is not undone: release only removes in-flight records).
     ///
     /// While the store holds its writes back on purpose (`RedisStore` during a Sentinel
     /// failover, see [`Store::writes_held`](crate::Store::writes_held)), the completion waits, outside the store timeout
     /// and for at most a lease, and goes to the store the moment it takes writes again; a wait
     /// there is not a failed attempt.
     ///
-    /// A result not stored (claim lost, every attempt failed) is reported to the
-    /// [reconciliation hook](crate::Coordinator::with_reconciliation), with the payload.
+    /// A result finally not stored (the claim lost, the store refused it, or the lease ended
+    /// before the store took it) is reported to the
+    /// [reconciliation hook](crate::Coordinator::with_reconciliation), with the payload, once:
+    /// a result the background task stores after all is not reported.
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
         if self.is_lost() {
             self.stop_renewal();
@@ -219,25 +236,33 @@ impl Claim {
         if self.renewal.is_some() {
             self.flags.completing.store(true, Ordering::Release);
         }
-        let outcome = match self.complete_once(&payload).await {
-            // A renewal task, if the claim has one, goes on until the record lands; a claim
-            // renewed by its holder is renewed here from the first failure on (the first attempt
-            // almost always lands, and needs no timer).
-            Err(error) if worth_completing_again(&error) => {
-                self.flags.completing.store(true, Ordering::Release);
-                let again = std::pin::pin!(self.complete_again(&payload, error));
-                self.keep_alive(again).await
+        let outcome = self.complete_once(&payload).await;
+        if let Err(error) = &outcome {
+            if worth_completing_again(error) {
+                tracing::warn!(
+                    key = ?self.key, %error,
+                    "could not store the result at once; answering, and completing it in the \
+                     background until the lease ends"
+                );
+                let first = error.to_string();
+                self.complete_in_background(payload, first);
+                return outcome.map(|_| ()).map_err(Error::Store);
             }
-            first => first,
-        };
+        }
         self.stop_renewal();
-        // Every outcome settles the claim: stored, fenced, or left to its lease.
+        // Every other outcome settles the claim: stored, fenced, or refused for good.
         self.settled = true;
+        self.settle(outcome, &payload)
+    }
+
+    /// What a completion's final `outcome` means for the caller, logged and, if the result is
+    /// not stored, reported.
+    fn settle(&self, outcome: Result<bool, StoreError>, payload: &Bytes) -> Result<(), Error> {
         match outcome {
             Ok(true) => Ok(()),
             Ok(false) => {
                 tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
-                self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
+                self.reconcile(ReconciliationKind::ClaimLost, Some(payload));
                 Err(Error::ClaimLost)
             }
             Err(error) => {
@@ -248,10 +273,40 @@ impl Claim {
                 let failed = ReconciliationKind::CompletionFailed {
                     error: error.to_string(),
                 };
-                self.reconcile(failed, Some(&payload));
+                self.reconcile(failed, Some(payload));
                 Err(Error::Store(error))
             }
         }
+    }
+
+    /// Carries a completion whose first attempt failed with `first` on in a task of its own,
+    /// which owns the claim (its place under the in-flight bound, its renewal) until the record
+    /// lands, the claim is found lost, or the lease ends; only then does the claim settle, and
+    /// only a result finally not stored is reported.
+    fn complete_in_background(mut self, payload: Bytes, first: String) {
+        self.flags.completing.store(true, Ordering::Release);
+        // From here the claim is never released: the operation ran, and a release would let a
+        // retry run it again at once. If the task is cut short (the runtime shuts down), the
+        // key is left to its lease, as after a completion that never lands.
+        self.settled = true;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(key = ?self.key, "no Tokio runtime to carry the completion on");
+            self.stop_renewal();
+            let _ = self.settle(Err(StoreError::Unavailable(first.into())), &payload);
+            return;
+        };
+        let finishing = async move {
+            let outcome = {
+                let again = std::pin::pin!(self.complete_until_lease_ends(&payload, first));
+                self.keep_alive(again).await
+            };
+            self.stop_renewal();
+            if let Ok(true) = outcome {
+                tracing::info!(key = ?self.key, "the result is stored after all; nothing to reconcile");
+            }
+            let _ = self.settle(outcome, &payload);
+        };
+        runtime.spawn(finishing.instrument(tracing::Span::current()));
     }
 
     /// One attempt at the completion: after the store's hold, if it holds writes back, then one
@@ -277,16 +332,40 @@ impl Claim {
         }
     }
 
-    /// The attempts after a first that failed with `error`, a pause apart.
-    async fn complete_again(&self, payload: &Bytes, mut error: StoreError) -> Result<bool, StoreError> {
-        let mut attempt = 1;
+    /// When the last lease that landed ends: the claim's, or its last renewal's, counted from
+    /// when it was sent. Past it the store has dropped the record (or soon will), unless a
+    /// renewal it took was never answered: a completion then still lands, and one after the
+    /// record is gone finds the claim lost and writes nothing.
+    fn lease_ends(&self) -> tokio::time::Instant {
+        let leased_at = Duration::from_millis(self.flags.leased_at_ms.load(Ordering::Acquire));
+        self.started + leased_at + self.settings.lease
+    }
+
+    /// The attempts after a first that failed (with the error `first`), a pause apart, until
+    /// one lands or finds the claim lost, or the lease ends. A renewal landing meanwhile moves
+    /// that end on, up to a lease from now at most: a store that takes renewals but keeps
+    /// refusing the completion must not hold the key (and this task) for ever. Answers the last
+    /// attempt's outcome.
+    async fn complete_until_lease_ends(&self, payload: &Bytes, first: String) -> Result<bool, StoreError> {
+        let at_most = tokio::time::Instant::now() + self.settings.lease;
+        let mut last = StoreError::Unavailable(first.into());
+        let mut pause = RETRY_FIRST;
+        let mut attempt = 1u32;
         loop {
-            tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
-            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+            let now = tokio::time::Instant::now();
+            let lease_ends = self.lease_ends().min(at_most);
+            if now >= lease_ends {
+                tracing::debug!(key = ?self.key, attempts = attempt, "the lease ended before the store took the result");
+                return Err(last);
+            }
+            // The last attempt goes as the lease ends, when the record may still be there.
+            tokio::time::sleep(pause.min(lease_ends - now)).await;
+            pause = (pause * 2).min(RETRY_MAX);
             attempt += 1;
             match self.complete_once(payload).await {
-                Err(failed) if attempt < COMPLETE_ATTEMPTS && worth_completing_again(&failed) => {
-                    error = failed
+                Err(error) if worth_completing_again(&error) => {
+                    tracing::debug!(key = ?self.key, %error, attempt, "completion failed; retrying");
+                    last = error;
                 }
                 outcome => return outcome,
             }
@@ -358,7 +437,13 @@ impl Drop for Claim {
 /// Renews `owner`'s lease every third of it until a renewal finds the claim lost, or completed
 /// by a transaction of the caller's (then the claim is not lost, and its completion finds it
 /// done).
-async fn renew_until_lost(settings: &Settings, key: &RecordKey, owner: &OwnerToken, flags: &ClaimFlags) {
+async fn renew_until_lost(
+    settings: &Settings,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    flags: &ClaimFlags,
+    started: tokio::time::Instant,
+) {
     let every = settings.lease / 3;
     let mut pause = every;
     loop {
@@ -368,11 +453,17 @@ async fn renew_until_lost(settings: &Settings, key: &RecordKey, owner: &OwnerTok
         // store timeout, and goes the moment it takes them again: to the new master, where the
         // lease left from the last renewal that reached it is all that keeps the claim meanwhile.
         settings.until_store_takes_writes().await;
+        let sent = tokio::time::Instant::now();
         match settings
             .bounded(StoreOp::Renew, settings.store.renew(key, owner, settings.lease))
             .await
         {
-            Ok(true) => tracing::trace!(?key, "lease renewed"),
+            Ok(true) => {
+                // Counted from when it was sent: the store's lease may have begun any time after.
+                let at = u64::try_from(sent.duration_since(started).as_millis()).unwrap_or(u64::MAX);
+                flags.leased_at_ms.fetch_max(at, Ordering::AcqRel);
+                tracing::trace!(?key, "lease renewed");
+            }
             Ok(false) if flags.completed_elsewhere.load(Ordering::Acquire) => {
                 tracing::trace!(?key, "claim completed in the caller's transaction; renewal ends");
                 return;

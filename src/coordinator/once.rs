@@ -52,9 +52,12 @@ pub enum Once<T, E> {
     /// decodes as `T`) is here too, and dead-lettered: delivering it again meets it again.
     Unavailable(Error),
     /// The operation ran, but its result could not be stored: the claim's lease ran out under
-    /// it ([`Error::ClaimLost`]), every completion attempt failed, or the result is too large or
-    /// does not encode. The effect happened, so acknowledge; a later duplicate of this message
-    /// may run it again. Also reported to the
+    /// it ([`Error::ClaimLost`]), the first completion attempt failed ([`Error::Store`]: the
+    /// completion goes on in the background until it lands or the lease ends, see
+    /// [`Claim::complete`](crate::Claim::complete)), or the result is too large or does not
+    /// encode. The effect happened, so acknowledge; a later duplicate of this message gets
+    /// [`InFlight`](Once::InFlight) meanwhile, then the result if it landed, or runs it again.
+    /// What is finally not stored is reported to the
     /// [reconciliation hook](crate::Coordinator::with_reconciliation).
     NotStored {
         /// What the operation returned.

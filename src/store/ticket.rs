@@ -1,6 +1,6 @@
 //! What a claim hands a store that completes it inside the caller's own transaction.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -100,4 +100,8 @@ pub(crate) struct ClaimFlags {
     /// The claim's completion is under way, with a renewal beside it: a renewal that finds the
     /// claim no longer in flight leaves the verdict to the completion (which may have landed).
     pub(crate) completing: AtomicBool,
+    /// When the last lease write that landed (the claim, or a renewal) was sent, in milliseconds
+    /// after the claim began: a completion carried on in the background tries until that lease
+    /// ends.
+    pub(crate) leased_at_ms: AtomicU64,
 }

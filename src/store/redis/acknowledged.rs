@@ -234,15 +234,19 @@ impl RedisStore {
         };
         let (report, first_outcome) = tokio::sync::oneshot::channel();
         let (store, waiter, record) = (self.clone(), waiter.clone(), key.clone());
-        // The owner is cloned for a hook only; the count of give-ups needs none.
-        let hook = reconciliation::in_force().map(|hook| (hook, owner.clone()));
+        let hook = reconciliation::in_force();
+        // The lease the claim has, as this process last wrote it (the claim, or its last
+        // renewal): a replica that lacks the completion, and so one a failover promotes, holds
+        // the claim by that lease. The background retries are bounded by it, and renew it.
+        let lease_left = (call.in_flight.as_ref())
+            .and_then(|in_flight| record::parse_head(in_flight).ok())
+            .map(|head| head.time_left);
+        let owner = owner.clone();
         let completing = async move {
             let _owned = owned;
             let payload = Some(call.payload.clone());
             let tell = |kind: ReconciliationKind| match &hook {
-                Some((hook, owner)) => {
-                    reconciliation::report(Some(hook), kind, &record, owner, payload.as_ref())
-                }
+                Some(hook) => reconciliation::report(Some(hook), kind, &record, &owner, payload.as_ref()),
                 None => crate::telemetry::reconciliation(kind.event_kind(), None),
             };
             let first = store.complete_once_acknowledged(&waiter, &record, &call).await;
@@ -271,7 +275,9 @@ impl RedisStore {
             if retry {
                 let retry_for = waiter.acks.retry_for();
                 let attempt = || store.complete_once_acknowledged(&waiter, &record, &call);
-                match keep_completing(&record, retry_for, attempt).await {
+                // Renewed on the store's own connection, where the claim is still in flight.
+                let renew = |lease| crate::store::contract::Store::renew(&store, &record, &owner, lease);
+                match keep_completing(&record, retry_for, lease_left, attempt, renew).await {
                     None => {}
                     Some(GaveUp::Lost) => tell(ReconciliationKind::LostBeforeReplicated),
                     Some(GaveUp::TimedOut(error)) => tell(ReconciliationKind::ReplicationAbandoned { error }),

@@ -35,7 +35,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fred::clients::{Client, ExclusivePool};
 use fred::interfaces::ClientLike;
@@ -140,10 +140,13 @@ impl ReplicaAcks {
     }
 
     /// How long a completion that the replicas did not acknowledge in time is retried in the
-    /// background (default 60 s). Make it longer than your failover takes to detect a dead
-    /// master and promote a replica (Sentinel's `down-after-milliseconds` plus the failover;
-    /// Cluster's `cluster-node-timeout` plus the election), so that a retry reaches the new
-    /// master while the claim it inherited is still held.
+    /// background (default 60 s), at most: the retries also end when the claim's lease ends (as
+    /// this process last wrote it, moved on by a renewal wherever the claim is still in flight),
+    /// since a replica promoted after that holds no claim to complete. Make it, and the lease,
+    /// longer than your failover takes to detect a dead master and promote a replica
+    /// (Sentinel's `down-after-milliseconds` plus the failover; Cluster's `cluster-node-timeout`
+    /// plus the election), so that a retry reaches the new master while the claim it inherited
+    /// is still held.
     pub fn retry_completions_for(mut self, retry_for: Duration) -> Self {
         self.retry_for = retry_for;
         self
@@ -495,27 +498,52 @@ pub(super) enum Completion {
 pub(super) enum GaveUp {
     /// The claim was found lost.
     Lost,
-    /// `retry_for` passed; the last error.
+    /// `retry_for` passed, or the claim's lease ended unrenewed; the last error.
     TimedOut(String),
 }
 
 /// Retries `attempt` with backoff (50 ms doubling to 1 s) until the completion is durable, the
-/// claim is found lost, or `retry_for` passes; logs how it ended, and answers it unless durable.
-pub(super) async fn keep_completing<F, Fut>(
+/// claim is found lost, `retry_for` passes, or the claim's lease ends; logs how it ended, and
+/// answers it unless durable.
+///
+/// `lease_left` is the lease the claim had at the start, as this process last wrote it (its
+/// claim or its last renewal), if it remembers it: all that keeps the claim on a replica that
+/// has not got the completion, and so on the replica a failover promotes. Past it such a
+/// replica holds nothing to complete (the completion there finds the claim lost), so no retry
+/// can save the result any more: what the master has, its replicas get from it or not at all.
+/// Meanwhile `renew` is called with that length every third of it, after a failed attempt:
+/// where the store answers with the claim still in flight for its owner (a completion that has
+/// not reached the node that answers), the lease, and this bound, move on. A renewal never sets
+/// a lease longer than the one left at the start, so a crash of this process blocks the key no
+/// longer than the coordinator's lease would.
+pub(super) async fn keep_completing<F, Fut, R, RFut>(
     key: &RecordKey,
     retry_for: Duration,
+    lease_left: Option<Duration>,
     mut attempt: F,
+    mut renew: R,
 ) -> Option<GaveUp>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<Completion, StoreError>>,
+    R: FnMut(Duration) -> RFut,
+    RFut: std::future::Future<Output = Result<bool, StoreError>>,
 {
-    let started = Instant::now();
+    let started = tokio::time::Instant::now();
+    let give_up_at = started + retry_for;
+    let mut lease_ends = lease_left.map(|left| started + left);
+    let mut renewed_at = started;
     let mut delay = Duration::from_millis(50);
     let mut last_error = None;
     let mut attempts = 1;
-    while started.elapsed() < retry_for {
-        tokio::time::sleep(delay).await;
+    loop {
+        let now = tokio::time::Instant::now();
+        let ends = lease_ends.map_or(give_up_at, |lease_ends| lease_ends.min(give_up_at));
+        if now >= ends {
+            break;
+        }
+        // The last attempt goes as the lease ends, when the claim may still be there.
+        tokio::time::sleep(delay.min(ends - now)).await;
         delay = (delay * 2).min(Duration::from_secs(1));
         attempts += 1;
         match attempt().await {
@@ -535,19 +563,145 @@ where
             }
             Ok(Completion::NotAcknowledged(error)) | Err(error) => last_error = Some(error),
         }
+        let Some(lease) = lease_left else { continue };
+        if tokio::time::Instant::now() < renewed_at + lease / 3 {
+            continue;
+        }
+        let sent = tokio::time::Instant::now();
+        match renew(lease).await {
+            Ok(true) => {
+                tracing::debug!(
+                    ?key,
+                    "the claim was still in flight where the store answered; lease renewed"
+                );
+                renewed_at = sent;
+                lease_ends = lease_ends.map(|ends| ends.max(sent + lease));
+            }
+            // The usual case: the master has the completion, and the claim is no longer in
+            // flight there. A renewal is tried again a third of the lease later, in case a
+            // failover puts a node that still has it in flight in its place.
+            Ok(false) => renewed_at = sent,
+            Err(error) => {
+                tracing::debug!(?key, %error, "could not renew the lease of a completion not yet acknowledged")
+            }
+        }
     }
     let last_error = last_error.map(|error| error.to_string()).unwrap_or_default();
-    tracing::error!(
-        ?key, attempts, error = %last_error,
-        "the replicas did not acknowledge the completion within {retry_for:?}: if the master fails \
-         over before they have it, a retry of this key runs the operation again"
-    );
+    if lease_ends.is_some_and(|lease_ends| lease_ends < give_up_at) {
+        tracing::error!(
+            ?key, attempts, error = %last_error,
+            "the replicas did not acknowledge the completion before the claim's lease ended, \
+             after which a promoted replica holds nothing to complete: if the master fails over \
+             before they have it, a retry of this key runs the operation again"
+        );
+    } else {
+        tracing::error!(
+            ?key, attempts, error = %last_error,
+            "the replicas did not acknowledge the completion within {retry_for:?}: if the master \
+             fails over before they have it, a retry of this key runs the operation again"
+        );
+    }
     Some(GaveUp::TimedOut(last_error))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{Acked, StoreError};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::{keep_completing, Acked, Completion, GaveUp, StoreError};
+    use crate::key::{IdempotencyKey, RecordKey};
+
+    fn not_acknowledged() -> Result<Completion, StoreError> {
+        Ok(Completion::NotAcknowledged(StoreError::NotReplicated {
+            acknowledged: 0,
+            wanted: 1,
+        }))
+    }
+
+    fn key() -> RecordKey {
+        RecordKey::new(None, IdempotencyKey::parse("unacknowledged").unwrap())
+    }
+
+    /// Replicas that never acknowledge, and renewals that find the claim no longer in flight (the
+    /// master has the completion): the retries end as the lease left at the start ends, not after
+    /// `retry_for` (60 s). Before, they went on for `retry_for` whatever the lease.
+    #[tokio::test(start_paused = true)]
+    async fn retries_end_with_the_lease_when_it_cannot_be_renewed() {
+        let started = tokio::time::Instant::now();
+        let renewals = AtomicUsize::new(0);
+        let gave_up = keep_completing(
+            &key(),
+            Duration::from_secs(60),
+            Some(Duration::from_secs(3)),
+            || async { not_acknowledged() },
+            |_| async {
+                renewals.fetch_add(1, Ordering::SeqCst);
+                Ok(false)
+            },
+        )
+        .await;
+        assert!(matches!(gave_up, Some(GaveUp::TimedOut(error)) if error.contains("acknowledged")));
+        let took = started.elapsed();
+        assert!(
+            (Duration::from_secs(3)..Duration::from_millis(3100)).contains(&took),
+            "{took:?}"
+        );
+        assert!(
+            renewals.load(Ordering::SeqCst) >= 2,
+            "renewed every third of the lease"
+        );
+    }
+
+    /// Where the store answers with the claim still in flight, each renewal moves the end on:
+    /// the retries go on past the lease left at the start, renewed with that length every third
+    /// of it, until `retry_for`.
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_lands_keeps_the_retries_going_past_the_first_lease() {
+        let started = tokio::time::Instant::now();
+        let lengths = std::sync::Mutex::new(Vec::new());
+        let gave_up = keep_completing(
+            &key(),
+            Duration::from_secs(10),
+            Some(Duration::from_secs(3)),
+            || async { Err(StoreError::Timeout(Duration::from_secs(2))) },
+            |lease| {
+                lengths.lock().unwrap().push(lease);
+                async { Ok(true) }
+            },
+        )
+        .await;
+        assert!(matches!(gave_up, Some(GaveUp::TimedOut(_))));
+        let took = started.elapsed();
+        assert!(
+            (Duration::from_secs(10)..Duration::from_millis(10100)).contains(&took),
+            "{took:?}"
+        );
+        let lengths = lengths.into_inner().unwrap();
+        assert!(lengths.len() >= 9, "{lengths:?}");
+        assert!(lengths.iter().all(|lease| *lease == Duration::from_secs(3)));
+    }
+
+    /// The completion lands once the replicas answer: no give-up, however short the lease.
+    #[tokio::test(start_paused = true)]
+    async fn a_durable_completion_ends_the_retries() {
+        let attempts = AtomicUsize::new(0);
+        let gave_up = keep_completing(
+            &key(),
+            Duration::from_secs(60),
+            Some(Duration::from_secs(3)),
+            || async {
+                match attempts.fetch_add(1, Ordering::SeqCst) {
+                    0..=2 => not_acknowledged(),
+                    _ => Ok(Completion::Durable),
+                }
+            },
+            |_| async { Ok(false) },
+        )
+        .await;
+        assert!(gave_up.is_none());
+        assert_eq!(attempts.load(Ordering::SeqCst), 4);
+    }
 
     /// A `WAITAOF` the replicas answered but the master's disk did not is not enough, and says
     /// which it lacked.
