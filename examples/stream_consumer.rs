@@ -30,7 +30,10 @@
 //!   `MAX_DELIVERIES` × `LEASE_MS` above the longest work. A store outage costs no delivery:
 //!   the message is held and tried again in hand (kept from takeovers by `XCLAIM … JUSTID`)
 //!   until the store answers;
-//! - `DATABASE_URL` (built with `--features postgres`): the store is PostgreSQL.
+//! - `DATABASE_URL` (built with `--features postgres`): the store is PostgreSQL;
+//! - `PAUSE_AFTER_EFFECT_MS`: a pause right after the effect, before its record is completed
+//!   (before the commit, with PostgreSQL), to `kill -9` the consumer there and watch what a
+//!   redelivery does (default 0; the tests set it).
 //!
 //! Each message has the fields `id` (the idempotency key) and `amount` (an integer); the record's
 //! fingerprint covers both, so the same `id` with another `amount` is dead-lettered. The effect:
@@ -88,6 +91,7 @@ struct Settings {
     work: Duration,
     lease: Duration,
     max_deliveries: u64,
+    pause_after_effect: Duration,
 }
 
 /// Where the effect goes, and so which store keeps the records.
@@ -295,6 +299,7 @@ impl Consumer {
                 tracing::debug!(msg = %entry, id = ?id, "effect");
                 let count: i64 = self.redis.hincrby(&self.ledger_key, id, 1).await?;
                 *applied.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Instant::now());
+                tokio::time::sleep(self.settings.pause_after_effect).await;
                 Ok::<_, BoxError>(Bytes::from(format!("{id} counted ({count})")))
             })
             .wait(wait)
@@ -331,6 +336,7 @@ impl Consumer {
                     .bind(amount)
                     .execute(&mut *transaction)
                     .await?;
+                tokio::time::sleep(self.settings.pause_after_effect).await;
                 let receipt = Bytes::from(format!("{id} recorded"));
                 if !store
                     .complete_in(&mut transaction, &ticket, receipt.clone())
@@ -463,6 +469,7 @@ async fn main() -> Result<(), BoxError> {
         work: Duration::from_millis(setting("WORK_MS", 0)?),
         lease: Duration::from_millis(setting("LEASE_MS", 30_000)?),
         max_deliveries: setting("MAX_DELIVERIES", 5)?,
+        pause_after_effect: Duration::from_millis(setting("PAUSE_AFTER_EFFECT_MS", 0)?),
     };
 
     // The stream's own client: XREADGROUP blocks 200 ms at most, so 5 s is a dead connection.

@@ -8,6 +8,9 @@
 # free loopback ports (never 6379, 5432, 5672 or 4369); on a machine without redis-server,
 # PostgreSQL's server binaries or rabbitmq-server this installs them with apt-get first. With
 # arguments, it runs `cargo test --all-features <arguments>` alone (one suite, say).
+# Nothing passes by running nothing: each test binary (and the doctests) must run at least one
+# test, each name filter a lane gives a binary must match at least one, and each binary a lane
+# names must be built, or the run fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,29 +46,66 @@ for line in sys.stdin:
         print(message["target"]["name"], message["executable"])'
 }
 
+# Runs a test command (`name` in the log), its output as ever, and fails when it fails or when
+# it passed having run no test: libtest's summaries, `test result: ok. N passed; …` (one per
+# test binary, one per crate of doctests), must add up to at least one. A binary whose tests
+# all moved, or whose only filter no longer matches, would otherwise pass having run nothing.
+counted() {
+  local name=$1 out status=0 passed
+  shift
+  out=$(mktemp)
+  "$@" 2>&1 | tee "$out" || status=$?
+  passed=$(sed -n 's/^test result: ok\. \([0-9][0-9]*\) passed;.*/\1/p' "$out" | awk '{ n += $1 } END { print n + 0 }')
+  rm -f "$out"
+  [ "$status" -eq 0 ] || return "$status"
+  [ "$passed" -gt 0 ] || { echo "test.sh: $name ran no test: a run of zero tests is a failure"; return 1; }
+}
+
+# Fails when one of `filters` matches no test of the binary `exe` (libtest's `--list`, which runs
+# nothing): with several filters, one left behind by a rename (a module, a test) would drop its
+# suite while the others still run, and the binary would pass.
+filters_match() {
+  local name=$1 exe=$2 filter listed
+  shift 2
+  for filter in "$@"; do
+    listed=$("$exe" --list "$filter") || return 1
+    grep -q ': test$' <<<"$listed" || {
+      echo "test.sh: $name: the filter '$filter' matches no test"
+      return 1
+    }
+  done
+}
+
 # Runs `binaries` (lines "<name> <path>") side by side in lanes, each lane's binaries one after
-# another with their output to a log of its own, then prints the logs; fails if any binary did.
-# Most tests wait on leases, timeouts and servers rather than on the CPU, so two lanes overlap
-# well on 2 cores. A lane is lines "<name> <path> [filters…]"; a line NAME=VALUE sets the
-# environment of the binaries after it; the line "doctests" runs cargo's doctests there.
+# another with their output to a log of its own, then prints the logs; fails if any binary did,
+# ran no test, or was given a filter that matches none of its tests, and if a lane ran no
+# binary. Most tests wait on leases, timeouts and servers rather than on the CPU, so two lanes
+# overlap well on 2 cores. A lane is lines "<name> <path> [filters…]"; a line NAME=VALUE sets
+# the environment of the binaries after it; the line "doctests" runs cargo's doctests there.
 run_lanes() {
   local logs failed=0 pids=() n=0
   logs=$(mktemp -d)
   for lane in "$@"; do
     (
-      lane_failed=0
+      lane_failed=0 ran=0
       while read -r name exe filters; do
         case "$name" in
           "") ;;
           *=*) export "${name?}" ;; # a lane's environment, ahead of its binaries
-          doctests) echo "== doctests" && { cargo test --all-features --doc || lane_failed=1; } ;;
+          doctests)
+            echo "== doctests"
+            counted doctests cargo test --all-features --doc || lane_failed=1
+            ran=$((ran + 1))
+            ;;
           *)
             echo "== $name"
             # shellcheck disable=SC2086 # filters are words
-            "$exe" $filters || lane_failed=1
+            { filters_match "$name" "$exe" $filters && counted "$name" "$exe" $filters; } || lane_failed=1
+            ran=$((ran + 1))
             ;;
         esac
       done <<<"$lane"
+      [ "$ran" -gt 0 ] || { echo "test.sh: a lane ran no test binary"; lane_failed=1; }
       exit "$lane_failed"
     ) >"$logs/$n.log" 2>&1 &
     pids+=("$!")
@@ -92,6 +132,28 @@ expected=$(($(ls tests/*.rs | wc -l) + 2)) # every tests/*.rs, the library's and
   echo "expected $expected test binaries, found ${#binaries[@]}: ${binaries[*]}" >&2
   exit 1
 }
+# The lane of each newer server (below), made now so that a binary it names and that is not
+# built (a renamed file) fails the run at once, rather than leave the lane; each filter must
+# match a test and each binary run one (run_lanes).
+binary() {
+  local entry
+  for entry in "${binaries[@]}"; do
+    [ "${entry%% *}" != "$1" ] || { echo "$entry"; return; }
+  done
+  echo "test.sh: the newer servers' lanes name the test binary $1, which is not built (renamed?)" >&2
+  return 1
+}
+newer_lane=""
+for name in store_suite layer_suite waiting; do
+  entry=$(binary "$name")
+  newer_lane+="$entry redis sentinel:: cluster two_nodes::"$'\n'
+done
+for name in redis redis_faults redis_replica_acks redis_cluster; do
+  entry=$(binary "$name")
+  newer_lane+="$entry"$'\n'
+done
+entry=$(binary model_conformance)
+newer_lane+="$entry redis_store"$'\n'
 # Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest and
 # then the doctests in the other (about 3 and 4 minutes of running, one after the other).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
@@ -115,7 +177,7 @@ phase "the TLS refusal without TLS"
 
 # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be refused
 # (never a plain-text connection).
-cargo test --no-default-features --features redis,postgres --lib -- tls
+counted "the TLS refusal without TLS" cargo test --no-default-features --features redis,postgres --lib -- tls
 
 # The Redis tests once more on newer Redis and Valkey servers from Debian's registry (fetched into
 # target/servers, nothing installed; scripts/newer-servers.sh): Redis 8.0 and Valkey 8.1 (trixie),
@@ -131,16 +193,8 @@ cargo test --no-default-features --features redis,postgres --lib -- tls
 lanes=()
 for server in $newer; do
   echo "the Redis tests on $("$server" --version)"
-  lane=""
-  for entry in "${binaries[@]}"; do
-    case "${entry%% *}" in
-      store_suite | layer_suite | waiting) lane+="$entry redis sentinel:: cluster two_nodes::"$'\n' ;;
-      redis | redis_faults | redis_replica_acks | redis_cluster) lane+="$entry"$'\n' ;;
-      model_conformance) lane+="$entry redis_store"$'\n' ;;
-    esac
-  done
   # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.
-  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"NATIVE_TRANSITIONS=1"$'\n'"$lane")
+  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"NATIVE_TRANSITIONS=1"$'\n'"$newer_lane")
 done
 phase "the newer servers' lanes"
 run_lanes "${lanes[@]}"

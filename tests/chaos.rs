@@ -7,6 +7,11 @@
 //! a key whose claim the layer reported lost (its lease ran out while Redis was unreachable) or
 //! whose result it reported it could not store, the documented limits of docs/guarantees.md
 //! ("Where the guarantees end").
+//!
+//! The faults must land: each kind is injected at least once (drawn from a shuffled deck, not
+//! one by one) while requests are in flight on the node it hits, and the run must show their
+//! marks (503s, replies dropped, connections made again), or it fails as a run that tested
+//! nothing.
 
 mod common;
 
@@ -25,6 +30,7 @@ use common::{admin, client, RedisServer};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use tower::ServiceExt;
 use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RecordState, RedisStore};
@@ -64,6 +70,25 @@ struct Tally {
     conflicts: AtomicUsize,
     unavailable: AtomicUsize,
     hang_ups: AtomicUsize,
+    /// Requests in flight on each node now: where a fault would land.
+    in_flight: [AtomicUsize; 2],
+}
+
+/// A request in flight on a node, counted in [`Tally::in_flight`] until dropped (answered, or
+/// abandoned by a client that hung up).
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 async fn run_client(
@@ -95,7 +120,8 @@ async fn call_until_answered(
             started.elapsed() < HARD_DEADLINE,
             "client for {key} got no answer in time"
         );
-        let node = nodes[rng.random_range(0..2)].clone();
+        let n = rng.random_range(0..2);
+        let node = nodes[n].clone();
         let request = Request::post("/payments")
             .header("idempotency-key", key)
             .header("content-type", "application/json")
@@ -103,6 +129,7 @@ async fn call_until_answered(
             .body(Body::from(format!("{{\"key\":\"{key}\"}}")))
             .unwrap();
         tally.requests.fetch_add(1, Ordering::Relaxed);
+        let in_flight = InFlight::new(&tally.in_flight[n]);
         let answer = if rng.random_bool(0.1) {
             // The client hangs up after a while.
             let patience = Duration::from_millis(rng.random_range(5..120));
@@ -116,6 +143,7 @@ async fn call_until_answered(
         } else {
             Some(node.oneshot(request).await.unwrap())
         };
+        drop(in_flight);
         if let Some(response) = answer {
             let status = response.status();
             match status {
@@ -128,21 +156,54 @@ async fn call_until_answered(
     }
 }
 
+/// A fault injected: its name, and whether requests were in flight where it hit when it began
+/// (on its node for a proxy's fault, anywhere for Redis's own).
+struct Injected {
+    name: &'static str,
+    landed: bool,
+}
+
 async fn inject_faults(
     mut server: RedisServer,
     proxies: [Arc<FaultProxy>; 2],
     seed: u64,
     done: Arc<AtomicBool>,
-) -> (RedisServer, Vec<String>) {
+    tally: Arc<Tally>,
+) -> (RedisServer, Vec<Injected>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xfa017);
     let admin_client = client(&server.url()).await;
     let started = Instant::now();
     let mut injected = Vec::new();
     let mut restarts = 0;
+    // Drawn from a deck, each kind once per round, so that every kind is injected in the
+    // first round (about 3 s): drawn one at a time, about 25 draws left some kind out of a
+    // run with a probability near 40 %.
+    let mut deck: Vec<u32> = Vec::new();
     while started.elapsed() < FAULT_WINDOW && !done.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(rng.random_range(100..400))).await;
-        let proxy = &proxies[rng.random_range(0..2)];
-        let fault = rng.random_range(0..10);
+        let node = rng.random_range(0..2);
+        let proxy = &proxies[node];
+        if deck.is_empty() {
+            deck = (0..10).collect();
+            deck.shuffle(&mut rng);
+        }
+        let fault = deck.pop().expect("a full deck");
+        // Aimed at traffic: wait (a second at most) for a request in flight where the fault
+        // hits, so that it lands on requests rather than on idle connections.
+        let proxied = matches!(fault, 0..=4);
+        let busy = || {
+            let on = |n: usize| tally.in_flight[n].load(Ordering::SeqCst) > 0;
+            if proxied {
+                on(node)
+            } else {
+                on(0) || on(1)
+            }
+        };
+        let aimed = Instant::now();
+        while !busy() && aimed.elapsed() < Duration::from_secs(1) && !done.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let landed = busy();
         let hold = Duration::from_millis(rng.random_range(100..900));
         let name = match fault {
             0 => {
@@ -195,7 +256,7 @@ async fn inject_faults(
             }
             _ => "none",
         };
-        injected.push(name.to_owned());
+        injected.push(Injected { name, landed });
     }
     for proxy in &proxies {
         proxy.set(Fault::None);
@@ -251,14 +312,16 @@ async fn run(seed: u64, logs: Logs) {
     }
     let nodes: [Router; 2] = [nodes[0].clone(), nodes[1].clone()];
     let done = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let connections_before: u64 = proxies.iter().map(|p| p.connections()).sum();
     let faults = tokio::spawn(inject_faults(
         server,
         [proxies[0].clone(), proxies[1].clone()],
         seed,
         done.clone(),
+        tally.clone(),
     ));
 
-    let tally = Arc::new(Tally::default());
     let mut clients = Vec::new();
     for k in 0..KEYS {
         for c in 0..CLIENTS_PER_KEY {
@@ -355,7 +418,8 @@ async fn run(seed: u64, logs: Logs) {
         failures.push(format!("left in flight: {in_flight:?}"));
     }
 
-    let count = |name: &str| injected.iter().filter(|n| *n == name).count();
+    let count = |name: &str| injected.iter().filter(|i| i.name == name).count();
+    let landed = |name: &str| (injected.iter()).filter(|i| i.name == name && i.landed).count();
     println!(
         "chaos: {} clients on {KEYS} keys, {} requests ({} answered 409, {} answered 503, {} hang-ups), in {:.1?}",
         KEYS * CLIENTS_PER_KEY,
@@ -376,9 +440,32 @@ async fn run(seed: u64, logs: Logs) {
         "kill -9 and restart",
     ];
     println!(
-        "faults: {}",
-        kinds.map(|k| format!("{k} x{}", count(k))).join(", ")
+        "faults (of them with requests in flight): {}",
+        kinds
+            .map(|k| format!("{k} x{} ({})", count(k), landed(k)))
+            .join(", ")
     );
+    // The faults landed: each kind at least once on requests in flight, and their marks show.
+    for kind in kinds {
+        if landed(kind) == 0 {
+            failures.push(format!(
+                "the fault \"{kind}\" never landed on requests in flight ({} injected)",
+                count(kind)
+            ));
+        }
+    }
+    if tally.unavailable.load(Ordering::Relaxed) == 0 {
+        failures.push("no request was answered 503: the faults reached no client".into());
+    }
+    let dropped: u64 = proxies.iter().map(|p| p.dropped_replies()).sum();
+    if dropped == 0 {
+        failures.push("\"drop next reply\" dropped no reply".into());
+    }
+    let reconnected = proxies.iter().map(|p| p.connections()).sum::<u64>() - connections_before;
+    if reconnected == 0 {
+        failures.push("no connection was made again after a drop or a kill -9".into());
+    }
+    println!("replies dropped: {dropped}; connections made again: {reconnected}");
     println!("double runs explained by a lost lease: {}", explained.len());
     for line in &explained {
         println!("  {line}");

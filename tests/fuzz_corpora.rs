@@ -1,7 +1,9 @@
 //! Every checked-in fuzz input (`fuzz/corpus/<target>/`: the seeds, and the input of each bug
-//! fixed, named `fixed-*`) run through its target's check on stable, so CI, which has no
-//! nightly, keeps each fixed bug fixed. The checks are the fuzz targets' own
-//! (`tower_idempotency::__fuzz`, crate feature `fuzzing`); `scripts/fuzz.sh` runs the fuzzers.
+//! fixed, named `fixed-*`) run through its target's check on stable, in every
+//! `cargo test --all-features`, so each fixed bug stays fixed without the nightly toolchain.
+//! The checks are the fuzz targets' own (`tower_idempotency::__fuzz`, crate feature
+//! `fuzzing`); `scripts/fuzz.sh` runs the fuzzers (CI: each target 25 s), and runs each file of
+//! `fuzz/fuzz_targets/`, which must be a binary of `fuzz/Cargo.toml` (checked here).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
@@ -37,6 +39,16 @@ fn every_checked_in_fuzz_input_passes_its_target() {
         .collect::<std::collections::BTreeSet<_>>();
     let named = TARGETS.iter().map(|(name, _)| name.to_string()).collect();
     assert_eq!(targets, named, "every fuzz target's corpus is run here");
+    // `scripts/fuzz.sh` runs each file of fuzz_targets/ by its binary's name: one missing from
+    // fuzz/Cargo.toml would fail there, on nightly; here it fails on stable too.
+    let manifest = std::fs::read_to_string(fuzz.join("Cargo.toml")).expect("fuzz/Cargo.toml");
+    for target in &targets {
+        let bin = format!("name = \"{target}\"\npath = \"fuzz_targets/{target}.rs\"");
+        assert!(
+            manifest.contains(&bin),
+            "fuzz/Cargo.toml has no [[bin]] {target} at fuzz_targets/{target}.rs"
+        );
+    }
     let mut failed = Vec::new();
     for (target, check) in TARGETS {
         let dir = fuzz.join("corpus").join(target);

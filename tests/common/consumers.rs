@@ -3,7 +3,9 @@
 //! ones until every message is acknowledged or dead-lettered, then read back what happened
 //! from the consumers' logs and the broker. A broker plugs in through [`Broker`]: how to
 //! publish, count the effects, tell whether all is settled, list the dead letters, and start
-//! one consumer.
+//! one consumer. The faults must land where they are meant to: a run whose kills all found a
+//! consumer idle, or missed the window between an effect and its completion, fails rather than
+//! passes having tested nothing ([`crash_test`]).
 //!
 //! The consumers' logs are the protocol (`examples/stream_consumer.rs` writes it):
 //! - stdout, one line per message handled: `<outcome> msg=<ref> id=<id> [key=value …]`, where
@@ -304,10 +306,17 @@ impl Drop for Consumer {
 pub struct Plan {
     /// Consumers running at once.
     pub consumers: usize,
-    /// `kill -9` at most this many (a run stops once all is settled), each replaced at once.
+    /// `kill -9` at most this many at random moments (a run stops once all is settled), each
+    /// replaced at once.
     pub kills: usize,
     /// The time between kills, drawn uniformly.
     pub kill_every: std::ops::Range<Duration>,
+    /// One more kill, aimed between an effect and its record's completion, where random kills
+    /// land once in hundreds (the window is a round trip): the first consumer runs with
+    /// `PAUSE_AFTER_EFFECT_MS` set to this pause, is spared the random kills, and is killed
+    /// halfway through its first pause (`effect` is logged right before the effect, so half
+    /// the pause is the margin for the effect to be applied). Its replacement pauses not.
+    pub aimed_pause: Option<Duration>,
     /// Fail if not settled by then.
     pub deadline: Duration,
 }
@@ -322,6 +331,8 @@ pub struct Kill {
     /// It had logged `effect` for its message in hand: the kill may have landed between the
     /// effect and the record's completion.
     pub after_effect: bool,
+    /// The kill aimed after an effect ([`Plan::aimed_pause`]), not a random one.
+    pub aimed: bool,
 }
 
 /// What a crash run did.
@@ -341,12 +352,21 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
     let log = Log::default();
     let started = Instant::now();
     let mut next_index = 0;
-    let mut spawn = |log: &Log| {
+    let mut spawn = |log: &Log, pause: Option<Duration>| {
         next_index += 1;
-        Consumer::start(next_index - 1, broker.consumer(), log)
+        let mut command = broker.consumer();
+        if let Some(pause) = pause {
+            command.env("PAUSE_AFTER_EFFECT_MS", pause.as_millis().to_string());
+        }
+        Consumer::start(next_index - 1, command, log)
     };
-    let mut running: Vec<Consumer> = (0..plan.consumers).map(|_| spawn(&log)).collect();
+    // The consumer the aimed kill waits for, until it is killed.
+    let mut aimed = plan.aimed_pause.map(|pause| (0, pause));
+    let mut running: Vec<Consumer> = (0..plan.consumers)
+        .map(|n| spawn(&log, plan.aimed_pause.filter(|_| n == 0)))
+        .collect();
     let mut kills = Vec::new();
+    let mut random_kills = 0;
     let between = |rng: &mut rand::rngs::ThreadRng| rng.random_range(plan.kill_every.clone());
     let mut next_kill = Instant::now() + between(&mut rand::rng());
     loop {
@@ -362,8 +382,39 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
                 log.dump()
             );
         }
-        if kills.len() < plan.kills && Instant::now() >= next_kill {
-            let victim = running.swap_remove(rand::rng().random_range(0..running.len()));
+        if let Some((index, pause)) = aimed {
+            let effect =
+                (log.events().into_iter()).rfind(|e| e.consumer == index && e.debug && e.kind == "effect");
+            if effect.is_some_and(|effect| effect.at.elapsed() >= pause / 2) {
+                let victim = running.swap_remove(position(&running, index));
+                let at = Instant::now();
+                victim.kill();
+                kills.push(Kill {
+                    at,
+                    consumer: index,
+                    in_hand: None,
+                    after_effect: false,
+                    aimed: true,
+                });
+                running.push(spawn(&log, None));
+                aimed = None;
+            }
+        }
+        let spared = aimed.map(|(index, _)| index);
+        let candidates: Vec<usize> = (0..running.len())
+            .filter(|n| Some(running[*n].index) != spared)
+            .collect();
+        if random_kills < plan.kills && Instant::now() >= next_kill && !candidates.is_empty() {
+            // At a random moment, a consumer holding a message if one does: a kill of a
+            // consumer still starting or idle tests little, and picked blindly only 2 to 4 of
+            // the 6 kills found a message in hand on RabbitMQ (its consumers are slowest to
+            // start), so about one run in 60 would have killed none there.
+            let events = log.events();
+            let holding: Vec<usize> = (candidates.iter().copied())
+                .filter(|n| in_hand(&events, running[*n].index).is_some())
+                .collect();
+            let pool = if holding.is_empty() { &candidates } else { &holding };
+            let victim = running.swap_remove(pool[rand::rng().random_range(0..pool.len())]);
             let consumer = victim.index;
             let at = Instant::now();
             victim.kill();
@@ -372,8 +423,10 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
                 consumer,
                 in_hand: None,
                 after_effect: false,
+                aimed: false,
             });
-            running.push(spawn(&log));
+            random_kills += 1;
+            running.push(spawn(&log, None));
             next_kill = Instant::now() + between(&mut rand::rng());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -383,18 +436,10 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
     let exits = running.into_iter().map(Consumer::wait).collect();
     let events = log.events();
     for kill in &mut kills {
-        // A consumer handles one message at a time: its last `received` is the one in hand
-        // unless an outcome for it follows.
-        let mine: Vec<&Event> = events.iter().filter(|e| e.consumer == kill.consumer).collect();
-        let Some(last) = mine.iter().rposition(|e| e.debug && e.kind == "received") else {
-            continue;
-        };
-        let after = &mine[last + 1..];
-        if after.iter().any(|e| e.is_outcome()) {
-            continue;
+        if let Some((msg, id, after_effect)) = in_hand(&events, kill.consumer) {
+            kill.in_hand = Some((msg, id));
+            kill.after_effect = after_effect;
         }
-        kill.in_hand = Some((mine[last].msg.clone(), mine[last].id.clone()));
-        kill.after_effect = after.iter().any(|e| e.debug && e.kind == "effect");
     }
     Run {
         log,
@@ -402,6 +447,27 @@ pub async fn crash_run<B: Broker>(broker: &B, plan: &Plan) -> Run {
         exits,
         wall,
     }
+}
+
+/// The message the consumer `index` holds as of `events`: `(msg, id, after its effect)`. A
+/// consumer handles one message at a time: its last `received` is the one in hand unless an
+/// outcome for it follows.
+fn in_hand(events: &[Event], index: usize) -> Option<(String, String, bool)> {
+    let mine: Vec<&Event> = events.iter().filter(|e| e.consumer == index).collect();
+    let last = mine.iter().rposition(|e| e.debug && e.kind == "received")?;
+    let after = &mine[last + 1..];
+    if after.iter().any(|e| e.is_outcome()) {
+        return None;
+    }
+    let after_effect = after.iter().any(|e| e.debug && e.kind == "effect");
+    Some((mine[last].msg.clone(), mine[last].id.clone(), after_effect))
+}
+
+/// Where the consumer `index` is in `running`.
+fn position(running: &[Consumer], index: usize) -> usize {
+    (running.iter())
+        .position(|c| c.index == index)
+        .unwrap_or_else(|| panic!("consumer {index} is not running"))
 }
 
 impl Run {
@@ -494,9 +560,10 @@ impl Run {
             .collect();
         let windows = self.windows_us();
         format!(
-            "{} kills ({} with a message in hand, {} after its effect); taken over: [{}]; \
+            "{} kills ({} aimed; {} with a message in hand, {} after its effect); taken over: [{}]; \
              windows (µs) p50 {} p99 {} max {} of {}; settled in {} ms",
             self.kills.len(),
+            self.kills.iter().filter(|k| k.aimed).count(),
             self.kills.iter().filter(|k| k.in_hand.is_some()).count(),
             self.kills.iter().filter(|k| k.after_effect).count(),
             delays.join(", "),
@@ -601,14 +668,24 @@ pub fn crash_env() -> Vec<(&'static str, String)> {
     ]
 }
 
+/// How long the aimed kill's consumer pauses after its effect ([`Plan::aimed_pause`]).
+pub const AIMED_PAUSE: Duration = Duration::from_millis(1500);
+
 /// The crash test every broker runs, its consumers started with [`crash_env`] and `lease`:
 /// three consumers over 39 messages (20 ids, each one to three times), six `kill -9` at random
-/// moments, each consumer replaced at once; then [`check`], no dead letters, and each message a
-/// killed consumer held done within two leases, the work and a second of the kill (its lease
-/// ends at most a lease after the kill, and the consumer that takes it over may first wait out
-/// another lease of its own; each broker's test says how its takeover gets there). When
-/// consumers holding duplicates of the same id are killed one after another, the bound counts
-/// from the last of those kills ([`Run::takeover_delays`]).
+/// moments and one aimed between an effect and its completion, each consumer replaced at once;
+/// then [`check`], no dead letters, and each message a killed consumer held done within two
+/// leases, the work and a second of the kill (its lease ends at most a lease after the kill,
+/// and the consumer that takes it over may first wait out another lease of its own; each
+/// broker's test says how its takeover gets there). When consumers holding duplicates of the
+/// same id are killed one after another, the bound counts from the last of those kills
+/// ([`Run::takeover_delays`]).
+///
+/// And the faults landed: all six random kills came before all was settled, at least one of
+/// them found its consumer with a message in hand, and the aimed one came after an effect and
+/// before its acknowledgement. On a store apart from the effect that kill applies its id's
+/// effect twice (once before the kill, once on redelivery), which the counts must show; with
+/// the effect in the record's transaction, once.
 pub async fn crash_test<B: Broker>(broker: &B, transactional: bool, lease: Duration) {
     let messages = with_duplicates("pay", 20);
     let references = broker.publish(&messages).await;
@@ -617,6 +694,7 @@ pub async fn crash_test<B: Broker>(broker: &B, transactional: bool, lease: Durat
         consumers: 3,
         kills: 6,
         kill_every: Duration::from_millis(100)..Duration::from_millis(300),
+        aimed_pause: Some(AIMED_PAUSE),
         deadline: Duration::from_secs(60),
     };
     let run = crash_run(broker, &plan).await;
@@ -641,4 +719,46 @@ pub async fn crash_test<B: Broker>(broker: &B, transactional: bool, lease: Durat
             );
         }
     }
+    faults_landed(broker, &run, &plan, transactional).await;
+}
+
+/// The faults of `plan` happened, where they were meant to (see [`crash_test`]); so a run
+/// whose kills stopped landing (consumers too fast or too slow for the schedule, a log line
+/// renamed, a pause no longer honoured) fails rather than passes having tested nothing.
+pub async fn faults_landed<B: Broker>(broker: &B, run: &Run, plan: &Plan, transactional: bool) {
+    let context = || format!("{}\n{}", run.summary(), run.log.dump());
+    let random: Vec<&Kill> = run.kills.iter().filter(|k| !k.aimed).collect();
+    assert_eq!(
+        random.len(),
+        plan.kills,
+        "all was settled before every planned kill\n{}",
+        context()
+    );
+    assert!(
+        random.iter().any(|k| k.in_hand.is_some()),
+        "no random kill found its consumer with a message in hand\n{}",
+        context()
+    );
+    if plan.aimed_pause.is_none() {
+        return;
+    }
+    let aimed: Vec<&Kill> = run.kills.iter().filter(|k| k.aimed).collect();
+    let [aimed] = aimed[..] else {
+        panic!("{} aimed kills, not one\n{}", aimed.len(), context());
+    };
+    let Some((_, id)) = aimed.in_hand.as_ref().filter(|_| aimed.after_effect) else {
+        panic!(
+            "the aimed kill did not land after an effect, before its outcome: {aimed:?}\n{}",
+            context()
+        );
+    };
+    let applied = broker.effects().await.get(id).copied().unwrap_or(0);
+    let expected = if transactional { 1 } else { 2 };
+    assert!(
+        applied >= expected,
+        "{id}, killed after its effect: applied {applied} times, expected {expected} at least \
+         (an effect before the kill is applied again on redelivery, unless it is in the \
+         record's transaction)\n{}",
+        context()
+    );
 }

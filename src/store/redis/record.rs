@@ -239,7 +239,8 @@ pub(super) fn digest_from_hex(hex: &[u8]) -> Option<[u8; 32]> {
 
 /// The fuzz target's check of one input as a record (`fuzz/fuzz_targets/redis_record.rs`, and
 /// `tests/fuzz_corpora.rs` on every checked-in input): reading never panics, a record read is
-/// exactly the bytes its fields encode to (through this file's encoders), its head alone reads
+/// exactly the bytes its fields encode to (through this file's encoders, a waiter's mark carried
+/// over as a renewal carries it: [`keeping_mark`]), its head alone reads
 /// the same, a truncated record never reads with other fields, a newer layout is never read as
 /// this one, and a digest in hex reads back to the same hex. Answers the payload of a completed
 /// record, for the caller to decode as a stored response.
@@ -257,6 +258,10 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     }
     let parsed = parsed.ok()?;
     let deadline = UNIX_EPOCH + parsed.time_left;
+    // An owner writes its deadline without the waited mark, and `wait.lua` sets it on a valid
+    // record: encoded again, the state keeps the mark the bytes carry (it was cleared here once,
+    // and the fuzzer failed on every waited-for record within seconds).
+    let state = keeping_mark(&state_at(parsed.state, deadline), data, 6 + parsed.owner.len());
     let encoded: Vec<u8> = match std::str::from_utf8(&parsed.owner) {
         Ok(owner) => {
             let owner = OwnerToken::from_string(owner);
@@ -266,7 +271,7 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
             // What the completion script makes of it: the state and deadline rewritten in
             // place, the payload appended.
             let mut record = fresh.to_vec();
-            record[head_len..head_len + 9].copy_from_slice(&state_at(parsed.state, deadline));
+            record[head_len..head_len + 9].copy_from_slice(&state);
             record.extend_from_slice(&parsed.payload);
             record
         }
@@ -277,7 +282,7 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
                 &[RECORD_VERSION as u8],
                 &owner_len.to_be_bytes(),
                 &parsed.owner,
-                &state_at(parsed.state, deadline),
+                &state,
                 &parsed.fingerprint,
                 &parsed.payload,
             ]
