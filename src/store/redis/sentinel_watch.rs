@@ -4,7 +4,11 @@
 //! During a failover the old master may stay reachable and keep acknowledging writes: after the
 //! sentinels promote a replica (`REPLICAOF NO ONE`) and until they demote the old master, seconds
 //! later, everything written there is thrown away. Claims written there let a retry run a key
-//! again. So the store listens to every sentinel:
+//! again. So the store listens to every sentinel: those of its URL, and, when the URL names
+//! fewer addresses than there are sentinels, those they know of (`SENTINEL SENTINELS`, asked
+//! every [`DISCOVER_EVERY`] seconds, at their announced addresses), since only the failover's
+//! leader announces a promotion and a URL may name one address for all of them (a Kubernetes
+//! Service in front of the sentinels):
 //!
 //! - `+failover-state-send-slaveof-noone` for its service (the leader has chosen the replica and
 //!   promotes it at its next tick, ~100 ms later) *fences* the store: claims are refused (503),
@@ -54,8 +58,9 @@ use std::time::Duration;
 
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, EventInterface, PubsubInterface};
-use fred::types::config::{Config, ReconnectPolicy, ServerConfig};
+use fred::types::config::{Config, ReconnectPolicy, Server, ServerConfig};
 use fred::types::{Builder, ClusterHash, CustomCommand, Value};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -79,6 +84,8 @@ const DEFAULT_FAILOVER_TIMEOUT: Duration = Duration::from_secs(180);
 /// the sentinels that did not lead it learn of its end from the leader's hello messages, sent
 /// every 2 s.
 const ENDED_MARGIN: Duration = Duration::from_secs(5);
+/// How often (in looks, one a second) the watch asks the sentinels which others they know.
+const DISCOVER_EVERY: u64 = 10;
 /// How often a fence that stands is logged again.
 const LONG_FENCE_REPORT: Duration = Duration::from_secs(30);
 
@@ -169,27 +176,22 @@ pub(super) async fn watch(
     else {
         return Ok(None);
     };
-    let mut subscribers = Vec::with_capacity(hosts.len());
-    let mut askers = Vec::with_capacity(hosts.len());
-    for sentinel in hosts {
-        let sentinel_config = Config {
-            server: ServerConfig::Centralized {
-                server: sentinel.clone(),
-            },
+    let factory = SentinelClients {
+        template: Config {
             username: username.clone(),
             password: password.clone(),
             #[cfg(feature = "tls")]
             tls: config.tls.clone(),
             ..Config::default()
-        };
-        let build = || {
-            Builder::from_config(sentinel_config.clone())
-                .set_connection_config(liveness::connection_config(client))
-                .set_policy(policy.clone())
-                .build()
-        };
-        subscribers.push(build()?);
-        let asker = build()?;
+        },
+        connection: liveness::connection_config(client),
+        policy,
+    };
+    let mut subscribers = Vec::with_capacity(hosts.len());
+    let mut askers = Vec::with_capacity(hosts.len());
+    for sentinel in hosts {
+        subscribers.push(factory.build(sentinel.clone())?);
+        let asker = factory.build(sentinel.clone())?;
         // Connected in the background: a sentinel that is down now is reached when it is back
         // (the reconnect policy retries forever), and is not asked meanwhile.
         let _connection_task = asker.connect();
@@ -197,6 +199,7 @@ pub(super) async fn watch(
     }
     let targets = Arc::new(Mutex::new(vec![client.clone()]));
     let fence = Arc::new(Fence::default());
+    let (events, announced) = tokio::sync::mpsc::unbounded_channel();
     let watcher = Watcher {
         targets: targets.clone(),
         fence: fence.clone(),
@@ -209,8 +212,20 @@ pub(super) async fn watch(
         heard: true,
         fenced: None,
         followed: String::new(),
+        watched: hosts
+            .iter()
+            .map(|server| (server.host.to_string(), server.port))
+            .collect(),
+        factory,
+        events,
+        listeners: Vec::new(),
+        discovered: Vec::new(),
+        heartbeat: None,
+        pace,
+        looks: 0,
+        discovered_once: false,
     };
-    let task = tokio::spawn(watcher.run(pace));
+    let task = tokio::spawn(watcher.run(announced));
     Ok(Some(SwitchWatch {
         task,
         _subscribers: subscribers.into_iter().map(Quit).collect(),
@@ -279,15 +294,7 @@ impl MasterView {
     /// Reads the field list `SENTINEL MASTER` answers (an array of names and values in RESP2, a
     /// map in RESP3); `None` if a field the watch needs is missing.
     fn parse(answer: Value, asked: Instant) -> Option<Self> {
-        let pairs: Vec<(String, String)> = match answer {
-            Value::Map(map) => (map.inner().into_iter())
-                .filter_map(|(key, value)| Some((key.as_str()?.to_owned(), value.as_string()?)))
-                .collect(),
-            Value::Array(items) => (items.chunks_exact(2))
-                .filter_map(|pair| Some((pair[0].as_string()?, pair[1].as_string()?)))
-                .collect(),
-            _ => return None,
-        };
+        let pairs = fields(answer)?;
         let field = |name: &str| {
             (pairs.iter())
                 .find(|(key, _)| key == name)
@@ -356,24 +363,68 @@ struct Watcher {
     fenced: Option<Fenced>,
     /// The last `+switch-master` followed.
     followed: String,
+    /// The sentinels subscribed to, as `host:port`: the URL's, then those they told of.
+    watched: Vec<(String, u16)>,
+    factory: SentinelClients,
+    events: UnboundedSender<Event>,
+    listeners: Vec<tokio::task::JoinHandle<()>>,
+    /// The subscribers to the sentinels the URL's told of, quit with the watch.
+    discovered: Vec<Quit>,
+    heartbeat: Option<Heartbeat>,
+    pace: Arc<Pace>,
+    /// How many times the watch has looked (once a second).
+    looks: u64,
+    /// Whether a sentinel has told which others it knows (until then, it is asked every look).
+    discovered_once: bool,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.listeners.iter().for_each(tokio::task::JoinHandle::abort);
+    }
+}
+
+/// Builds the watch's connections to sentinels: the URL's credentials for the sentinels, its
+/// TLS, the store's connection settings and reconnect policy.
+struct SentinelClients {
+    template: Config,
+    connection: fred::types::config::ConnectionConfig,
+    policy: ReconnectPolicy,
+}
+
+impl SentinelClients {
+    fn build(&self, sentinel: Server) -> Result<Client, fred::error::Error> {
+        let config = Config {
+            server: ServerConfig::Centralized { server: sentinel },
+            ..self.template.clone()
+        };
+        Builder::from_config(config)
+            .set_connection_config(self.connection.clone())
+            .set_policy(self.policy.clone())
+            .build()
+    }
 }
 
 impl Watcher {
-    async fn run(mut self, pace: Arc<Pace>) {
-        let (events, mut announced) = tokio::sync::mpsc::unbounded_channel();
-        let listeners: Vec<_> = (self.subscribers.iter().cloned())
-            .map(|subscriber| tokio::spawn(listen(subscriber, events.clone())))
-            .collect();
-        drop(events);
-        // Aborted with this task, since they hold the channel's senders.
-        struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
-        impl Drop for AbortOnDrop {
-            fn drop(&mut self) {
-                self.0.iter().for_each(tokio::task::JoinHandle::abort);
-            }
+    async fn run(mut self, mut announced: UnboundedReceiver<Event>) {
+        for subscriber in self.subscribers.clone() {
+            self.listeners
+                .push(tokio::spawn(listen(subscriber, self.events.clone())));
         }
-        let _listeners = AbortOnDrop(listeners);
-        let heartbeat = Heartbeat::start(Role::Sentinels, Watched::Shared(self.subscribers.clone()), pace);
+        self.heartbeat = Some(Heartbeat::start(
+            Role::Sentinels,
+            Watched::Shared(self.subscribers.clone()),
+            self.pace.clone(),
+        ));
+        // The sentinels the URL's know of are listened to from the start: an asker connects in
+        // milliseconds, or is down, and then the next looks try again.
+        let connected = async {
+            while !self.askers.iter().any(|asker| asker.is_connected()) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout(ASK_TIMEOUT, connected).await;
+        self.discover().await;
         let mut ticks = tokio::time::interval(liveness::DEFAULT_INTERVAL);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The subscribers connect in the listeners: give them a beat before judging.
@@ -386,7 +437,7 @@ impl Watcher {
                     Some(_) => {}
                     None => return,
                 },
-                _ = ticks.tick() => self.look(&heartbeat).await,
+                _ = ticks.tick() => self.look().await,
             }
         }
     }
@@ -445,7 +496,11 @@ impl Watcher {
 
     /// Once a second: asks the sentinels, judges whether the store is blind, follows a master
     /// named after sight came back, and tries to lower a fence that stands.
-    async fn look(&mut self, heartbeat: &Heartbeat) {
+    async fn look(&mut self) {
+        self.looks += 1;
+        if self.looks % DISCOVER_EVERY == 0 || !self.discovered_once {
+            self.discover().await;
+        }
         let views = self.ask().await;
         if !views.is_empty() {
             self.promotable_from = views.iter().map(MasterView::promotable_from).min();
@@ -455,8 +510,10 @@ impl Watcher {
         }
         // With the heartbeat off, a silent subscription goes unseen: only one that fred knows to
         // be down counts.
-        let heard = (self.subscribers.iter().enumerate())
-            .any(|(index, subscriber)| subscriber.is_connected() && !heartbeat.is_silent(index));
+        let heartbeat = self.heartbeat.as_ref();
+        let heard = (self.subscribers.iter().enumerate()).any(|(index, subscriber)| {
+            subscriber.is_connected() && !heartbeat.is_some_and(|heartbeat| heartbeat.is_silent(index))
+        });
         let now = Instant::now();
         if self.heard && !heard {
             match self.promotable_from.filter(|from| *from > now) {
@@ -502,6 +559,73 @@ impl Watcher {
                     },
                 );
             }
+        }
+    }
+
+    /// Subscribes to the sentinels that the ones it asks know of (`SENTINEL SENTINELS`), so that
+    /// the failover's leader is heard even when the URL names one address for all of them (a
+    /// Kubernetes Service in front of the sentinels): only the leader announces a promotion.
+    async fn discover(&mut self) {
+        let mut found = Vec::new();
+        // How many sentinels watch the service, as the best-informed one counts them.
+        let mut sentinels_known = 0;
+        for asker in self.askers.iter().filter(|asker| asker.is_connected()) {
+            let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
+            let question = asker.custom::<Value, _>(command, vec!["SENTINELS", self.service.as_str()]);
+            let answer = tokio::time::timeout(ASK_TIMEOUT, question).await;
+            tracing::trace!(?answer, "SENTINEL SENTINELS");
+            if let Ok(Ok(Value::Array(sentinels))) = answer {
+                self.discovered_once = true;
+                sentinels_known = sentinels_known.max(sentinels.len() + 1);
+                found.extend(sentinels.into_iter().filter_map(|sentinel| {
+                    let fields = fields(sentinel)?;
+                    let field = |name: &str| {
+                        fields
+                            .iter()
+                            .find(|(key, _)| key == name)
+                            .map(|(_, value)| value.clone())
+                    };
+                    Some((field("ip")?, field("port")?.parse::<u16>().ok()?))
+                }));
+            }
+        }
+        if sentinels_known <= self.askers.len() {
+            // The URL names as many addresses as there are sentinels: it reaches each already,
+            // perhaps through addresses of its own (a proxy, a NAT) where the ones the
+            // sentinels announce cannot be reached, or must not be.
+            return;
+        }
+        let mut added = false;
+        for (host, port) in found {
+            if self
+                .watched
+                .iter()
+                .any(|(known, known_port)| *known == host && *known_port == port)
+            {
+                continue;
+            }
+            let subscriber = match self.factory.build(Server::new(host.clone(), port)) {
+                Ok(subscriber) => subscriber,
+                Err(error) => {
+                    tracing::warn!(%error, %host, port, "cannot listen to a sentinel the others told of");
+                    continue;
+                }
+            };
+            tracing::debug!(%host, port, "listening to a sentinel the others told of");
+            self.watched.push((host, port));
+            self.listeners
+                .push(tokio::spawn(listen(subscriber.clone(), self.events.clone())));
+            self.subscribers.push(subscriber.clone());
+            self.discovered.push(Quit(subscriber));
+            added = true;
+        }
+        if added {
+            // The heartbeat watches a fixed list: one over the new list replaces it.
+            self.heartbeat = Some(Heartbeat::start(
+                Role::Sentinels,
+                Watched::Shared(self.subscribers.clone()),
+                self.pace.clone(),
+            ));
         }
     }
 
@@ -688,6 +812,24 @@ async fn listen(subscriber: Client, events: tokio::sync::mpsc::UnboundedSender<E
                 }
             }
         }
+    }
+}
+
+/// The names and values of a sentinel's description of an instance: an array of names and
+/// values in turn in RESP2, a map in RESP3.
+fn fields(answer: Value) -> Option<Vec<(String, String)>> {
+    match answer {
+        Value::Map(map) => Some(
+            (map.inner().into_iter())
+                .filter_map(|(key, value)| Some((key.as_str()?.to_owned(), value.as_string()?)))
+                .collect(),
+        ),
+        Value::Array(items) => Some(
+            (items.chunks_exact(2))
+                .filter_map(|pair| Some((pair[0].as_string()?, pair[1].as_string()?)))
+                .collect(),
+        ),
+        _ => None,
     }
 }
 
