@@ -10,7 +10,8 @@
 //! Asserted: every call is answered by the deadline with the handler's 201 (first run or replay),
 //! no key is answered with two different bodies, every key is completed at the end (none left in
 //! flight), no result is reported not stored (the reconciliation hook), and no key runs twice,
-//! with and without the durability option
+//! and a graceful failover answers 503 for at most 2 s (issue 35's goal), with and without the
+//! durability option
 //! (`RedisStore::with_replica_acks`; those storms run two replicas, one of which must
 //! acknowledge).
 
@@ -116,6 +117,21 @@ struct Report {
     left_in_flight: Vec<String>,
     /// Results the layer reported not stored (key, kind, when).
     not_stored: Vec<(String, String, Duration)>,
+    /// From the first 503 to the last (none: no 503).
+    unavailable_for: Option<Duration>,
+}
+
+/// Issue 35's goal for a planned failover (`SENTINEL FAILOVER`), with or without the durability
+/// option: clients get 503 for at most this long.
+const GRACEFUL_UNAVAILABLE_GOAL: Duration = Duration::from_secs(2);
+
+/// A graceful failover's 503s lasted no longer than the goal.
+fn assert_short(report: &Report) {
+    let unavailable_for = report.unavailable_for.unwrap_or_default();
+    assert!(
+        unavailable_for <= GRACEFUL_UNAVAILABLE_GOAL,
+        "clients got 503 for {unavailable_for:?}, over the goal of {GRACEFUL_UNAVAILABLE_GOAL:?}"
+    );
 }
 
 /// The durability option of the storms that use it: one replica must acknowledge, of the two
@@ -327,6 +343,9 @@ async fn storm_through(
         other_statuses,
         left_in_flight,
         not_stored,
+        unavailable_for: (tally.unavailable.first)
+            .zip(tally.unavailable.last)
+            .map(|(first, last)| last - first),
     }
 }
 
@@ -368,6 +387,7 @@ fn assert_answered(report: &Report, lost: usize) {
 async fn graceful_failover_under_a_retry_storm() {
     let report = storm(Failover::Graceful, None).await;
     assert_answered(&report, 0);
+    assert_short(&report);
     assert_eq!(report.duplicates, 0, "keys ran twice");
 }
 
@@ -387,6 +407,7 @@ async fn forced_failover_under_a_retry_storm() {
 async fn graceful_failover_with_replica_acks_runs_no_key_twice() {
     let report = storm(Failover::Graceful, Some(acks())).await;
     assert_answered(&report, 0);
+    assert_short(&report);
     assert_eq!(
         report.duplicates, 0,
         "keys ran twice despite the replicas' acknowledgements"
@@ -403,6 +424,7 @@ async fn graceful_failover_with_replica_acks_runs_no_key_twice() {
 async fn graceful_failover_through_one_sentinel_address_runs_no_key_twice() {
     let report = storm_through(Failover::Graceful, Some(acks()), Some(1)).await;
     assert_answered(&report, 0);
+    assert_short(&report);
     assert_eq!(report.duplicates, 0, "keys ran twice");
 }
 
