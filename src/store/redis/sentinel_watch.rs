@@ -212,7 +212,9 @@ pub(super) async fn watch(
         heard: true,
         fenced: None,
         followed: String::new(),
-        watched: hosts
+        switch_seen: String::new(),
+        url_subscribers: subscribers.clone(),
+        url_addresses: hosts
             .iter()
             .map(|server| (server.host.to_string(), server.port))
             .collect(),
@@ -361,15 +363,17 @@ struct Watcher {
     /// Whether a subscription was heard at the last look.
     heard: bool,
     fenced: Option<Fenced>,
-    /// The last `+switch-master` followed.
+    /// The last `+switch-master` followed, and the last heard.
     followed: String,
-    /// The sentinels subscribed to, as `host:port`: the URL's, then those they told of.
-    watched: Vec<(String, u16)>,
+    switch_seen: String,
+    /// The URL's sentinels, and their subscribers.
+    url_addresses: Vec<(String, u16)>,
+    url_subscribers: Vec<Client>,
     factory: SentinelClients,
     events: UnboundedSender<Event>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
-    /// The subscribers to the sentinels the URL's told of, quit with the watch.
-    discovered: Vec<Quit>,
+    /// The sentinels the URL's told of, listened to as well.
+    discovered: Vec<Discovered>,
     heartbeat: Option<Heartbeat>,
     pace: Arc<Pace>,
     /// How many times the watch has looked (once a second).
@@ -381,6 +385,19 @@ struct Watcher {
 impl Drop for Watcher {
     fn drop(&mut self) {
         self.listeners.iter().for_each(tokio::task::JoinHandle::abort);
+    }
+}
+
+/// A sentinel the URL's told of: its subscriber (quit, and its listener stopped, when dropped).
+struct Discovered {
+    address: (String, u16),
+    listener: tokio::task::JoinHandle<()>,
+    subscriber: Quit,
+}
+
+impl Drop for Discovered {
+    fn drop(&mut self) {
+        self.listener.abort();
     }
 }
 
@@ -460,11 +477,15 @@ impl Watcher {
             Event::Switched(switch) if switch != self.followed => {
                 tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
                 // The sentinels that did not lead the failover name the old master at the old
-                // epoch until they hear of the switch: never follow them back.
-                self.known_epoch = self
-                    .known_epoch
-                    .max(self.fenced.as_ref().map_or(0, |fenced| fenced.epoch))
-                    + 1;
+                // epoch until they hear of the switch: never follow them back. Once per switch:
+                // every sentinel announces it.
+                if switch != self.switch_seen {
+                    self.known_epoch = self
+                        .known_epoch
+                        .max(self.fenced.as_ref().map_or(0, |fenced| fenced.epoch))
+                        + 1;
+                    self.switch_seen.clone_from(&switch);
+                }
                 let Some(master) = announced_master(&switch) else {
                     // No address to check against: reconnect once, as the sentinels direct.
                     let clients = self.clients();
@@ -565,45 +586,52 @@ impl Watcher {
     /// Subscribes to the sentinels that the ones it asks know of (`SENTINEL SENTINELS`), so that
     /// the failover's leader is heard even when the URL names one address for all of them (a
     /// Kubernetes Service in front of the sentinels): only the leader announces a promotion.
+    /// Stops listening to a sentinel none of them knows of any more (a pod replaced under a new
+    /// address, once the sentinels are reset).
     async fn discover(&mut self) {
-        let mut found = Vec::new();
-        // How many sentinels watch the service, as the best-informed one counts them.
-        let mut sentinels_known = 0;
+        let mut found: Vec<(String, u16)> = Vec::new();
+        // How many sentinels watch the service, as the best-informed one counts them; none if
+        // no sentinel answered.
+        let mut sentinels_known = None;
         for asker in self.askers.iter().filter(|asker| asker.is_connected()) {
             let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
             let question = asker.custom::<Value, _>(command, vec!["SENTINELS", self.service.as_str()]);
-            let answer = tokio::time::timeout(ASK_TIMEOUT, question).await;
-            tracing::trace!(?answer, "SENTINEL SENTINELS");
-            if let Ok(Ok(Value::Array(sentinels))) = answer {
-                self.discovered_once = true;
-                sentinels_known = sentinels_known.max(sentinels.len() + 1);
-                found.extend(sentinels.into_iter().filter_map(|sentinel| {
-                    let fields = fields(sentinel)?;
-                    let field = |name: &str| {
-                        fields
-                            .iter()
-                            .find(|(key, _)| key == name)
-                            .map(|(_, value)| value.clone())
-                    };
-                    Some((field("ip")?, field("port")?.parse::<u16>().ok()?))
-                }));
-            }
+            let Ok(Ok(Value::Array(sentinels))) = tokio::time::timeout(ASK_TIMEOUT, question).await else {
+                continue;
+            };
+            self.discovered_once = true;
+            sentinels_known = Some(sentinels_known.unwrap_or(0).max(sentinels.len() + 1));
+            found.extend(sentinels.into_iter().filter_map(|sentinel| {
+                let fields = fields(sentinel)?;
+                let field = |name: &str| {
+                    (fields.iter())
+                        .find(|(key, _)| key == name)
+                        .map(|(_, value)| value.clone())
+                };
+                Some((field("ip")?, field("port")?.parse::<u16>().ok()?))
+            }));
         }
+        let Some(sentinels_known) = sentinels_known else {
+            return;
+        };
         if sentinels_known <= self.askers.len() {
             // The URL names as many addresses as there are sentinels: it reaches each already,
             // perhaps through addresses of its own (a proxy, a NAT) where the ones the
             // sentinels announce cannot be reached, or must not be.
-            return;
+            found.clear();
         }
-        let mut added = false;
-        for (host, port) in found {
-            if self
-                .watched
-                .iter()
-                .any(|(known, known_port)| *known == host && *known_port == port)
-            {
+        let before = self.discovered.len();
+        self.discovered
+            .retain(|sentinel| found.contains(&sentinel.address));
+        let mut changed = self.discovered.len() != before;
+        for address in found {
+            let listened = (self.url_addresses.iter())
+                .chain(self.discovered.iter().map(|sentinel| &sentinel.address))
+                .any(|known| *known == address);
+            if listened {
                 continue;
             }
+            let (host, port) = address.clone();
             let subscriber = match self.factory.build(Server::new(host.clone(), port)) {
                 Ok(subscriber) => subscriber,
                 Err(error) => {
@@ -612,14 +640,21 @@ impl Watcher {
                 }
             };
             tracing::debug!(%host, port, "listening to a sentinel the others told of");
-            self.watched.push((host, port));
-            self.listeners
-                .push(tokio::spawn(listen(subscriber.clone(), self.events.clone())));
-            self.subscribers.push(subscriber.clone());
-            self.discovered.push(Quit(subscriber));
-            added = true;
+            self.discovered.push(Discovered {
+                address,
+                listener: tokio::spawn(listen(subscriber.clone(), self.events.clone())),
+                subscriber: Quit(subscriber),
+            });
+            changed = true;
         }
-        if added {
+        if changed {
+            self.subscribers = (self.url_subscribers.iter().cloned())
+                .chain(
+                    self.discovered
+                        .iter()
+                        .map(|sentinel| sentinel.subscriber.0.clone()),
+                )
+                .collect();
             // The heartbeat watches a fixed list: one over the new list replaces it.
             self.heartbeat = Some(Heartbeat::start(
                 Role::Sentinels,
