@@ -480,10 +480,13 @@ impl Watcher {
                 // epoch until they hear of the switch: never follow them back. Once per switch:
                 // every sentinel announces it.
                 if switch != self.switch_seen {
-                    self.known_epoch = self
-                        .known_epoch
-                        .max(self.fenced.as_ref().map_or(0, |fenced| fenced.epoch))
-                        + 1;
+                    // At least one above the epoch the failover began at (the leader's answers
+                    // may have told it already).
+                    let began = self
+                        .fenced
+                        .as_ref()
+                        .map_or(self.known_epoch, |fenced| fenced.epoch);
+                    self.known_epoch = self.known_epoch.max(began + 1);
                     self.switch_seen.clone_from(&switch);
                 }
                 let Some(master) = announced_master(&switch) else {
@@ -696,8 +699,14 @@ impl Watcher {
         let Some(latest) = views.iter().max_by_key(|view| view.epoch) else {
             return;
         };
-        let switched =
-            latest.epoch > fenced.epoch || fenced.from.as_ref().is_some_and(|from| *from != latest.master);
+        // The leader bumps the master's config epoch when the replica takes the promotion, but
+        // names the old master until the switch, its replicas' reconfiguration done: a view
+        // still failing over names no new master yet.
+        let switched = !latest.in_failover
+            && match &fenced.from {
+                Some(from) => *from != latest.master,
+                None => latest.epoch > fenced.epoch,
+            };
         let failover_timeout = self.failover_timeout.unwrap_or(DEFAULT_FAILOVER_TIMEOUT);
         let given_up = !switched
             && !views.iter().any(|view| view.in_failover)
