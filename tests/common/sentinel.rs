@@ -21,6 +21,24 @@ pub const DATA_PASSWORD: &str = "data-secret";
 /// The password of the sentinels (`requirepass`, `sentinel sentinel-pass`).
 pub const SENTINEL_PASSWORD: &str = "sentinel-secret";
 
+/// How quickly the sentinels of a topology act: `down-after-milliseconds` and
+/// `failover-timeout`.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub down_after: Duration,
+    pub failover_timeout: Duration,
+}
+
+impl Default for Timing {
+    /// A node is down after 1 s without answers; a failover times out after 5 s.
+    fn default() -> Self {
+        Self {
+            down_after: Duration::from_secs(1),
+            failover_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// A `redis-server --sentinel` with a config file of its own, killed when dropped.
 pub struct SentinelProcess {
     port: u16,
@@ -29,17 +47,17 @@ pub struct SentinelProcess {
 }
 
 impl SentinelProcess {
-    fn start(master_port: u16, tls: Option<&Pki>) -> Self {
+    fn start(master_port: u16, tls: Option<&Pki>, timing: Timing) -> Self {
         for _ in 0..5 {
             let port = free_port();
-            if let Some(sentinel) = Self::start_on(port, master_port, tls) {
+            if let Some(sentinel) = Self::start_on(port, master_port, tls, timing) {
                 return sentinel;
             }
         }
         panic!("could not start a sentinel on a free port after 5 tries");
     }
 
-    fn start_on(port: u16, master_port: u16, tls: Option<&Pki>) -> Option<Self> {
+    fn start_on(port: u16, master_port: u16, tls: Option<&Pki>, timing: Timing) -> Option<Self> {
         assert_ne!(port, 26379, "tests never use the default Sentinel port");
         let dir = server_dir("sentinel", port);
         std::fs::create_dir_all(&dir).expect("create a directory for a sentinel");
@@ -61,13 +79,29 @@ impl SentinelProcess {
                  sentinel sentinel-pass {SENTINEL_PASSWORD}\n\
                  sentinel monitor {SERVICE} 127.0.0.1 {master_port} 2\n\
                  sentinel auth-pass {SERVICE} {DATA_PASSWORD}\n\
-                 sentinel down-after-milliseconds {SERVICE} 1000\n\
-                 sentinel failover-timeout {SERVICE} 5000\n",
+                 sentinel down-after-milliseconds {SERVICE} {down_after}\n\
+                 sentinel failover-timeout {SERVICE} {failover_timeout}\n",
                 dir = dir.display(),
-                pidfile = pidfile.display()
+                pidfile = pidfile.display(),
+                down_after = timing.down_after.as_millis(),
+                failover_timeout = timing.failover_timeout.as_millis(),
             ),
         )
         .expect("write a sentinel config");
+        let mut sentinel = Self {
+            port,
+            child: None,
+            dir,
+        };
+        sentinel.spawn().then_some(sentinel)
+    }
+
+    /// Runs the sentinel on its config file (as it rewrote it, if it ran before); whether it
+    /// listens within 5 s.
+    fn spawn(&mut self) -> bool {
+        let config = self.dir.join("sentinel.conf");
+        let pidfile = self.dir.join("sentinel.pid");
+        let _ = std::fs::remove_file(&pidfile);
         let child = Command::new(super::redis_server_binary())
             .arg(&config)
             .arg("--sentinel")
@@ -81,31 +115,47 @@ impl SentinelProcess {
                     super::redis_server_binary().display()
                 )
             });
-        let mut sentinel = Self {
-            port,
-            child: Some(child),
-            dir,
-        };
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            if let Some(child) = &mut sentinel.child {
+            if let Some(child) = &mut self.child {
                 if let Ok(Some(_status)) = child.try_wait() {
-                    sentinel.child = None;
-                    return None; // port taken, most likely
+                    self.child = None;
+                    return false; // port taken, most likely
                 }
                 if has_bound_its_ports(&pidfile, child)
-                    && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+                    && std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
                 {
-                    return Some(sentinel);
+                    return true;
                 }
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        None
+        false
     }
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `kill -9`: the sentinel's connections are reset; its directory stays for [`restart`].
+    ///
+    /// [`restart`]: Self::restart
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a killed sentinel again on its port, with the config it had rewritten.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart a sentinel that was killed");
+        assert!(
+            self.spawn(),
+            "the sentinel on port {} did not start again",
+            self.port
+        );
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -123,8 +173,8 @@ impl Drop for SentinelProcess {
     }
 }
 
-/// One master, one replica, three sentinels that agree on both (quorum 2, a node is down after
-/// 1 s without answers, a failover times out after 5 s).
+/// One master, one replica, three sentinels that agree on both (quorum 2; by default a node is
+/// down after 1 s without answers, a failover times out after 5 s: see [`Timing`]).
 pub struct SentinelTopology {
     /// The master and the replica as started; after a failover their roles are swapped.
     pub nodes: Vec<RedisServer>,
@@ -142,15 +192,20 @@ impl SentinelTopology {
 
     /// [`start`](Self::start) with `replicas` replicas.
     pub fn start_with_replicas(replicas: usize) -> Self {
-        Self::start_with(replicas, None)
+        Self::start_with(replicas, None, Timing::default())
+    }
+
+    /// [`start`](Self::start) with sentinels that act with `timing`.
+    pub fn start_timed(replicas: usize, timing: Timing) -> Self {
+        Self::start_with(replicas, None, timing)
     }
 
     /// [`start`](Self::start), every process listening for TLS only, with `pki`'s certificates.
     pub fn start_tls(pki: &Pki) -> Self {
-        Self::start_with(1, Some(pki))
+        Self::start_with(1, Some(pki), Timing::default())
     }
 
-    fn start_with(replicas: usize, tls: Option<&Pki>) -> Self {
+    fn start_with(replicas: usize, tls: Option<&Pki>, timing: Timing) -> Self {
         let started = Instant::now();
         // Redis waits 5 s by default before a diskless full sync (also after a failover, from
         // the promoted replica), for more replicas to join.
@@ -174,7 +229,7 @@ impl SentinelTopology {
         let mut nodes = vec![master];
         nodes.extend((0..replicas).map(|_| RedisServer::start_with(&replica_args)));
         let sentinels = (0..3)
-            .map(|_| SentinelProcess::start(nodes[0].port(), tls))
+            .map(|_| SentinelProcess::start(nodes[0].port(), tls, timing))
             .collect();
         let topology = Self {
             nodes,
@@ -267,6 +322,17 @@ impl SentinelTopology {
             "{scheme}://:{DATA_PASSWORD}@127.0.0.1:{first}?{nodes}sentinelServiceName={SERVICE}&\
              sentinelPassword={SENTINEL_PASSWORD}",
             scheme = self.scheme()
+        )
+    }
+
+    /// The URL of this topology naming only its `index`th sentinel, as a client reaching the
+    /// sentinels through one address (a Kubernetes Service in front of them) has it.
+    pub fn url_of(&self, index: usize) -> String {
+        format!(
+            "{scheme}://:{DATA_PASSWORD}@127.0.0.1:{port}?sentinelServiceName={SERVICE}&\
+             sentinelPassword={SENTINEL_PASSWORD}",
+            scheme = self.scheme(),
+            port = self.sentinels[index].port()
         )
     }
 

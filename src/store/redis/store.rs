@@ -347,9 +347,11 @@ impl RedisStore {
     /// lists the sentinels; the URL's credentials are the data nodes', and the sentinels' own go
     /// in `sentinelUsername` and `sentinelPassword` (none if absent). After a failover, a master
     /// that is still reachable keeps acknowledging writes until the sentinels demote it, seconds
-    /// later, and then throws them away. So the store listens for `+switch-master` on every
-    /// sentinel (one connection each) and reconnects to the new master as soon as one announces
-    /// it; a write refused with `READONLY` (a demoted master) also makes it reconnect.
+    /// later, and then throws them away. So the store listens to every sentinel (two connections
+    /// each; also to those the URL's know of, when it names fewer than there are), refuses
+    /// claims from the promotion until it is confirmed on the new master, and reconnects there as
+    /// soon as one announces it; a write refused with `READONLY` (a demoted master) also makes it
+    /// reconnect. See the guide's Sentinel section for what it does while no sentinel is heard.
     ///
     /// TLS URLs (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`) need the crate feature
     /// `tls` (on by default); the server certificate is verified against the platform's trust
