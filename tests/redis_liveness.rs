@@ -14,6 +14,7 @@ use common::proxy::{Fault, FaultProxy};
 use common::sentinel::SentinelTopology;
 use common::{client, RedisServer};
 use fred::prelude::*;
+use fred::types::config::Options;
 use http::StatusCode;
 use tower_idempotency::{IdempotencyLayer, RedisStore};
 
@@ -161,15 +162,20 @@ async fn keyed_requests_recover_within_10_s_of_a_freeze_twice_in_a_row() {
     println!("FREEZE RECOVERY: {figures:?}");
 }
 
-// A client the user built and handed to `RedisStore::new` is kept alive by the same heartbeat.
-// (One without a reconnect policy is also reconnected by the store when a command fails; one
-// with a policy, as here, is replaced by the heartbeat alone.)
+// A client the user built and handed to `RedisStore::new` is kept alive by the same heartbeat,
+// when it is built as `RedisStore::new` says: with one attempt per command, so that replacing its
+// connection sends none of the user's commands again. (One without a reconnect policy is also
+// reconnected by the store when a command fails; one with a policy, as here, is replaced by the
+// heartbeat alone.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_users_own_client_is_replaced_too() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.addr()).await;
     let user_client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
-        .with_connection_config(RedisStore::configure_liveness)
+        .with_connection_config(|connection| {
+            RedisStore::configure_liveness(connection);
+            connection.max_command_attempts = 1;
+        })
         .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
         .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
         .build()
@@ -185,6 +191,135 @@ async fn a_users_own_client_is_replaced_too() {
         .await;
     println!("a user's own client: answered normally again after {recovered:?}");
     assert!(recovered <= GOAL);
+}
+
+// Replacing a connection makes fred send its unanswered commands again. A client the user handed
+// to the store with fred's default of 3 attempts per command (and a reconnect policy) carries the
+// user's own commands, which must never run twice because the store took the connection for dead:
+// its silence is reported, and the store leaves the connection to the kernel and fred.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_own_client_that_re_sends_commands_is_never_replaced_by_the_store() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let user_client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
+        .with_connection_config(RedisStore::configure_liveness)
+        .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+        .build()
+        .unwrap();
+    user_client.init().await.unwrap();
+    assert_eq!(
+        user_client.connection_config().max_command_attempts,
+        3,
+        "fred's default"
+    );
+    let store = RedisStore::new(user_client.clone());
+    let (app, _runs) = router(IdempotencyLayer::new(store));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    let opened = proxy.connections();
+
+    // The user's own INCR is on its way when the connection goes silent.
+    proxy.keep_sent();
+    proxy.black_hole_open_connections();
+    let incr = tokio::spawn({
+        let client = user_client.with_options(&Options {
+            timeout: Some(Duration::from_secs(8)),
+            ..Options::default()
+        });
+        async move { client.incr::<i64, _>("user:counter").await }
+    });
+    // The heartbeat has found the connection silent by now (interval plus threshold: 4 s).
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let sent = proxy.sent();
+    let incrs = sent.windows(4).filter(|bytes| *bytes == b"INCR").count();
+    assert_eq!(incrs, 1, "the user's INCR was sent {incrs} times");
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "the store replaced the user's connection"
+    );
+    assert!(incr.await.unwrap().is_err(), "answered over a frozen connection");
+    let stats = client(&server.url()).await;
+    let counter: Option<i64> = stats.get("user:counter").await.unwrap();
+    assert_eq!(counter, None, "the frozen INCR ran");
+}
+
+// Slow is not dead: every byte between the store and Redis is late, each way, by an amount that
+// leaves the round trip below the command timeout, for several seconds. Requests are slow and
+// answered; no connection is replaced, nothing is answered 503, and the replay cache keeps its
+// copies (it serves none while its feed's pulse is older than its bound, and serves them again
+// after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_spike_below_the_command_timeout_replaces_no_connection() {
+    const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Each way: a round trip of 3 s, 2 s below the command timeout.
+    const DELAY: Duration = Duration::from_millis(1500);
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::connect(&proxy.url())
+        .await
+        .unwrap()
+        .with_command_timeout(COMMAND_TIMEOUT)
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let layer = IdempotencyLayer::new(store).with_store_timeout(COMMAND_TIMEOUT + Duration::from_secs(1));
+    let (app, runs) = router(layer);
+    assert_eq!(
+        send(&app, payment("cached", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(
+        send(&app, payment("cached", "{}")).await.is_replay(),
+        "from Redis"
+    );
+    let from_cache = || async {
+        let claims = common::command_calls(&stats, "set").await;
+        let answer = send(&app, payment("cached", "{}")).await;
+        answer.is_replay() && common::command_calls(&stats, "set").await == claims
+    };
+    assert!(from_cache().await, "the copy is served");
+    let opened = proxy.connections();
+
+    let stream = Stream::start(&app, "spike");
+    stream.until_answered_normally().await;
+    proxy.set_delay(DELAY);
+    let spike = Instant::now();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    proxy.set_delay(Duration::ZERO);
+    let sent_during = {
+        let sent = stream.sent.lock().unwrap();
+        sent.iter().filter(|s| s.at >= spike).count()
+    };
+    let stream_sent = stream.sent.clone();
+    drop(stream);
+    common::until_async("every request of the stream is answered", || async {
+        let sent = stream_sent.lock().unwrap();
+        sent.iter().all(|s| s.answered.is_some())
+    })
+    .await;
+    println!("spike: {sent_during} requests sent during it");
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "a connection was replaced during the spike"
+    );
+    let refused: Vec<StatusCode> = (stream_sent.lock().unwrap().iter())
+        .filter_map(|s| s.answered)
+        .map(|(_, status)| status)
+        .filter(|status| *status != StatusCode::CREATED)
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "answered other than 201 during the spike: {refused:?}"
+    );
+    // The feed's pulse is recent again within its bound (interval plus 1 s) after the spike.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(from_cache().await, "the replay cache lost its copy");
+    assert_eq!(runs.get(), 1 + stream_sent.lock().unwrap().len());
 }
 
 // While its purge feed is silent, a replay cache serves nothing: a purge made meanwhile on
