@@ -517,3 +517,92 @@ async fn the_heartbeat_pings_at_its_pace_and_can_be_turned_off() {
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(pings().await - before, 0, "no pings once turned off");
 }
+
+// Each connection is pinged on a beat of its own: while one connection's replacement takes
+// seconds (its proxy passes nothing, to new connections either), the other connection of the
+// pool goes on being pinged once a second. With one beat for all, every connection waited for the
+// slowest ping and replacement (2 s plus up to 5 s) before its next ping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_replacement_holds_back_no_other_connections_pings() {
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let stuck = FaultProxy::start(server.addr()).await;
+    let healthy = FaultProxy::start(server.addr()).await;
+    let mut clients = Vec::new();
+    for proxy in [&stuck, &healthy] {
+        let client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
+            .with_connection_config(|connection| {
+                RedisStore::configure_liveness(connection);
+                connection.max_command_attempts = 1; // so the store replaces it
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+            .build()
+            .unwrap();
+        client.init().await.unwrap();
+        clients.push(client);
+    }
+    let _store = RedisStore::from_pool(Pool::from_clients(clients).unwrap());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    stuck.set(Fault::BlackHole);
+    let before = common::command_calls(&stats, "ping").await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // The stuck proxy passes nothing: every ping Redis counted is the healthy connection's.
+    let pings = common::command_calls(&stats, "ping").await - before;
+    println!("the healthy connection was pinged {pings} times in 8 s");
+    assert!(
+        pings >= 6,
+        "the healthy connection was pinged {pings} times in 8 s while the other one was replaced"
+    );
+    assert!(stuck.connections() > 1, "the stuck connection was replaced");
+}
+
+/// Stalls every worker of the test's runtime (two) for `stall`: the heartbeat, fred's connection
+/// tasks and the proxy stop, as in a long pause of the process or CPU starvation.
+async fn stall_the_process(stall: Duration) {
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let stalls: Vec<_> = (0..2)
+        .map(|_| {
+            let barrier = barrier.clone();
+            // Both workers at once: each waits for the other before sleeping.
+            tokio::spawn(async move {
+                barrier.wait();
+                std::thread::sleep(stall);
+            })
+        })
+        .collect();
+    for stall in stalls {
+        stall.await.unwrap();
+    }
+}
+
+// A stall of this process is not silence of its connections: a ping in flight when the process
+// stops is answered while it cannot read, and its deadline passes meanwhile. Its connection is
+// pinged again, not replaced. (Here each ping is always in flight: a 600 ms delay each way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_of_the_process_replaces_no_connection() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::connect(&proxy.url()).await.unwrap();
+    let (app, _runs) = router(IdempotencyLayer::new(store));
+    proxy.set_delay(Duration::from_millis(600));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let opened = proxy.connections();
+    for _ in 0..2 {
+        stall_the_process(Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "a connection was replaced after a stall"
+    );
+    assert_eq!(
+        send(&app, payment("after", "{}")).await.status,
+        StatusCode::CREATED
+    );
+}
