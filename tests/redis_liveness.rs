@@ -16,7 +16,7 @@ use common::{client, RedisServer};
 use fred::prelude::*;
 use fred::types::config::Options;
 use http::StatusCode;
-use tower_idempotency::{IdempotencyLayer, RedisStore};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore};
 
 /// The goal: keyed requests are answered normally again this soon after a freeze.
 const GOAL: Duration = Duration::from_secs(10);
@@ -604,5 +604,134 @@ async fn a_stall_of_the_process_replaces_no_connection() {
     assert_eq!(
         send(&app, payment("after", "{}")).await.status,
         StatusCode::CREATED
+    );
+}
+
+/// Resumes a node stopped with `SIGSTOP` when dropped, so a failed test leaves no node stopped.
+struct Stopped(u32);
+
+impl Stopped {
+    fn stop(pid: u32) -> Self {
+        signal(pid, "STOP");
+        Self(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// The claims (`SET`) `masters` have served.
+fn claims_on(cluster: &common::cluster::Cluster, masters: &[std::net::SocketAddr]) -> u64 {
+    let calls = |master: &std::net::SocketAddr| {
+        let info = cluster.cli(master.port(), &["INFO", "commandstats"]);
+        (info.lines())
+            .find_map(|line| line.strip_prefix("cmdstat_set:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    masters.iter().map(calls).sum()
+}
+
+/// How many subscribed clients (`SUBSCRIBE`) the node at `port` has.
+fn subscribers(cluster: &common::cluster::Cluster, port: u16) -> usize {
+    let clients = cluster.cli(port, &["CLIENT", "LIST"]);
+    clients
+        .lines()
+        .filter(|client| client.contains(" sub=1 "))
+        .count()
+}
+
+// On Redis Cluster a replay cache's subscription lives on one master (fred sends `SUBSCRIBE` to
+// the master of a slot of the client's id) and a keyless `PING` goes to whichever connection
+// comes first: every connection a feed depends on must be proven on itself. Only the master that
+// carries the subscriptions of three caches is frozen (`SIGSTOP`; the node timeout is long, so no
+// failover): purges published from then on cannot reach those caches, so none may serve its copy
+// later than its pulse bound (2 s) after the freeze. A repeat answered then is a replay read from
+// Redis (its record lives on another master, which counts the claim), never the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_cache_whose_subscriptions_master_is_frozen_serves_nothing() {
+    let mut cluster = common::cluster::Cluster::start(60_000);
+    let url = cluster.url();
+    let masters = cluster.masters();
+    // Caches until three have their subscriptions on one master: the one to freeze.
+    let mut on_master: Vec<Vec<RedisStore>> = masters.iter().map(|_| Vec::new()).collect();
+    let frozen = 'found: {
+        for _ in 0..30 {
+            let before: Vec<usize> = masters.iter().map(|m| subscribers(&cluster, m.port())).collect();
+            let store = RedisStore::connect(&url)
+                .await
+                .unwrap()
+                .with_replay_cache(1 << 20)
+                .await
+                .unwrap();
+            let after: Vec<usize> = masters.iter().map(|m| subscribers(&cluster, m.port())).collect();
+            let Some(index) = (0..masters.len()).find(|&i| after[i] > before[i]) else {
+                panic!("no master gained the cache's subscription");
+            };
+            on_master[index].push(store);
+            if on_master[index].len() == 3 {
+                break 'found index;
+            }
+        }
+        panic!("no master carries three caches' subscriptions after 30 caches");
+    };
+    let frozen_master = masters[frozen];
+    let live: Vec<std::net::SocketAddr> = masters.iter().copied().filter(|m| *m != frozen_master).collect();
+    let caches = std::mem::take(&mut on_master[frozen]);
+    drop(on_master);
+    // One key per cache, each on a master that stays live.
+    let mut keys = Vec::new();
+    for n in 0.. {
+        let key = format!("cluster-cached-{n}");
+        let record = caches[0].redis_key(&RecordKey::new(None, IdempotencyKey::parse(&key).unwrap()));
+        let slot = cluster.slots_of(&[record])[0];
+        if cluster.shard_of(slot).master != frozen_master {
+            keys.push(key);
+        }
+        if keys.len() == caches.len() {
+            break;
+        }
+    }
+    let mut apps = Vec::new();
+    for (cache, key) in caches.into_iter().zip(&keys) {
+        let (app, _) = router(IdempotencyLayer::new(cache));
+        assert_eq!(send(&app, payment(key, "{}")).await.status, StatusCode::CREATED);
+        assert!(send(&app, payment(key, "{}")).await.is_replay(), "from Redis");
+        let claims = claims_on(&cluster, &live);
+        assert!(send(&app, payment(key, "{}")).await.is_replay(), "from the copy");
+        assert_eq!(
+            claims_on(&cluster, &live),
+            claims,
+            "the copy is served with no claim"
+        );
+        apps.push(app);
+    }
+
+    let pid = cluster.node_mut(frozen_master).pid().expect("the master runs");
+    let _stopped = Stopped::stop(pid);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut from_copy = Vec::new();
+    for (app, key) in apps.iter().zip(&keys) {
+        let claims = claims_on(&cluster, &live);
+        let answer = send(app, payment(key, "{}")).await;
+        // A replay with no claim on the record's (live) master came from the copy.
+        from_copy.push(answer.is_replay() && claims_on(&cluster, &live) == claims);
+    }
+    println!("served from the copy 2.5 s after the freeze: {from_copy:?}");
+    assert!(
+        from_copy.iter().all(|served| !served),
+        "a cache served its copy 2.5 s after the master of its subscription froze: {from_copy:?}"
     );
 }

@@ -371,15 +371,25 @@ impl Beat {
         match &self.watched {
             Watched::Shared(clients) | Watched::Borrowed(clients) => {
                 let sent = tokio::time::Instant::now();
-                (answers(&clients[index], threshold).await, sent)
+                (answers(&clients[index], threshold, self.every_node()).await, sent)
             }
             Watched::Exclusive(pool) => {
                 let client = pool.clients()[index].lock().await;
                 // From when it holds the connection: waiting for a call to finish is not silence.
                 let sent = tokio::time::Instant::now();
-                (answers(&client, threshold).await, sent)
+                (answers(&client, threshold, self.every_node()).await, sent)
             }
         }
+    }
+
+    /// Whether each of a Cluster client's connections is pinged: a feed's (the replay cache's
+    /// subscriber, the waiters'), whose subscriptions can be on any master, and whose pulse
+    /// must prove each of them. The command client keeps one ping: replacing a Cluster client
+    /// reconnects every master, and does not complete while one of them answers nothing, so
+    /// a master that stalls would take the keys of every other master down with it (a dead
+    /// flow to one master is closed by `TCP_USER_TIMEOUT` instead).
+    fn every_node(&self) -> bool {
+        matches!(self.connection, Connection::ReplayCache | Connection::Notices)
     }
 
     /// The `index`th connection answered no ping for `threshold`: says so, and replaces it
@@ -426,14 +436,45 @@ enum Ping {
     Unanswered,
 }
 
-async fn answers(client: &Client, threshold: Duration) -> Ping {
-    let pinging = client.with_options(&Options {
+/// Pings `client` within `threshold`. A Cluster client holds a connection to every master, and
+/// what a feed carries is spread over them (a `SUBSCRIBE` goes to the master of a slot of the
+/// client's id, an `SSUBSCRIBE` to its channel's master), while a keyless `PING` goes to
+/// whichever connection comes first: with `every_node`, every connection is pinged, and the
+/// client answers only if all do.
+async fn answers(client: &Client, threshold: Duration, every_node: bool) -> Ping {
+    let options = Options {
         timeout: Some(threshold),
         max_attempts: Some(1),
         ..Options::default()
+    };
+    let masters = match every_node && client.is_clustered() {
+        true => client.active_connections(),
+        false => Vec::new(),
+    };
+    if masters.is_empty() {
+        return ping(client, &options).await;
+    }
+    let pings = masters.into_iter().map(|master| {
+        let options = Options {
+            cluster_node: Some(master),
+            ..options.clone()
+        };
+        async move { ping(client, &options).await }
     });
+    let answers = futures_util::future::join_all(pings).await;
+    // The worst answer speaks for the client: one silent master is a silent feed.
+    if answers.iter().any(|answer| matches!(answer, Ping::Unanswered)) {
+        Ping::Unanswered
+    } else if answers.iter().any(|answer| matches!(answer, Ping::Failed)) {
+        Ping::Failed
+    } else {
+        Ping::Answered
+    }
+}
+
+async fn ping(client: &Client, options: &Options) -> Ping {
     // `Value`: on a subscribed RESP2 connection the answer is `["pong", ""]`, not `PONG`.
-    match pinging.ping::<Value>(None).await {
+    match client.with_options(options).ping::<Value>(None).await {
         Ok(_) => Ping::Answered,
         Err(error) if *error.kind() == fred::error::ErrorKind::Timeout => Ping::Unanswered,
         Err(_) => Ping::Failed,
