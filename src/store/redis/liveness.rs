@@ -35,6 +35,16 @@
 //! connection is taken for dead. A connection that answers nothing is replaced within the
 //! interval plus the threshold (4 s by default), twice the threshold if this process stalled.
 //!
+//! On Redis Cluster a client holds a connection to every master, and a keyless `PING` goes to
+//! whichever comes first, while a feed's subscriptions sit elsewhere (a `SUBSCRIBE` on the master
+//! of a slot of the client's id, an `SSUBSCRIBE` on its channel's master). So a feed's client
+//! (the replay cache's, the waiters') is pinged on every master's connection and answers only if
+//! all do: its pulse proves the connection its subscriptions are on. The command client keeps
+//! one ping: fred replaces a Cluster client whole (every master reconnected, the commands in
+//! flight on all of them sent again), so one stalled master would cost every other master's
+//! commands a reconnect at each beat while it stalls; a dead flow to one master is closed by
+//! `TCP_USER_TIMEOUT` instead.
+//!
 //! A client its owner handed to [`RedisStore::new`](crate::RedisStore::new) or
 //! [`from_pool`](crate::RedisStore::from_pool) also carries the owner's commands (an `INCR`, a
 //! `BLPOP`), which fred would send again on the new connection: such a client is replaced only
@@ -384,10 +394,10 @@ impl Beat {
 
     /// Whether each of a Cluster client's connections is pinged: a feed's (the replay cache's
     /// subscriber, the waiters'), whose subscriptions can be on any master, and whose pulse
-    /// must prove each of them. The command client keeps one ping: replacing a Cluster client
-    /// reconnects every master, and does not complete while one of them answers nothing, so
-    /// a master that stalls would take the keys of every other master down with it (a dead
-    /// flow to one master is closed by `TCP_USER_TIMEOUT` instead).
+    /// must prove each of them. The command client keeps one ping: fred replaces a Cluster
+    /// client whole, so one stalled master would cost every other master's commands a
+    /// reconnect (and their re-sending) while it stalls (a dead flow to one master is closed by
+    /// `TCP_USER_TIMEOUT` instead).
     fn every_node(&self) -> bool {
         matches!(self.connection, Connection::ReplayCache | Connection::Notices)
     }
