@@ -14,8 +14,9 @@ use common::proxy::{Fault, FaultProxy};
 use common::sentinel::SentinelTopology;
 use common::{client, RedisServer};
 use fred::prelude::*;
+use fred::types::config::Options;
 use http::StatusCode;
-use tower_idempotency::{IdempotencyLayer, RedisStore};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore};
 
 /// The goal: keyed requests are answered normally again this soon after a freeze.
 const GOAL: Duration = Duration::from_secs(10);
@@ -161,15 +162,20 @@ async fn keyed_requests_recover_within_10_s_of_a_freeze_twice_in_a_row() {
     println!("FREEZE RECOVERY: {figures:?}");
 }
 
-// A client the user built and handed to `RedisStore::new` is kept alive by the same heartbeat.
-// (One without a reconnect policy is also reconnected by the store when a command fails; one
-// with a policy, as here, is replaced by the heartbeat alone.)
+// A client the user built and handed to `RedisStore::new` is kept alive by the same heartbeat,
+// when it is built as `RedisStore::new` says: with one attempt per command, so that replacing its
+// connection sends none of the user's commands again. (One without a reconnect policy is also
+// reconnected by the store when a command fails; one with a policy, as here, is replaced by the
+// heartbeat alone.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_users_own_client_is_replaced_too() {
     let server = RedisServer::start();
     let proxy = FaultProxy::start(server.addr()).await;
     let user_client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
-        .with_connection_config(RedisStore::configure_liveness)
+        .with_connection_config(|connection| {
+            RedisStore::configure_liveness(connection);
+            connection.max_command_attempts = 1;
+        })
         .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
         .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
         .build()
@@ -185,6 +191,135 @@ async fn a_users_own_client_is_replaced_too() {
         .await;
     println!("a user's own client: answered normally again after {recovered:?}");
     assert!(recovered <= GOAL);
+}
+
+// Replacing a connection makes fred send its unanswered commands again. A client the user handed
+// to the store with fred's default of 3 attempts per command (and a reconnect policy) carries the
+// user's own commands, which must never run twice because the store took the connection for dead:
+// its silence is reported, and the store leaves the connection to the kernel and fred.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_own_client_that_re_sends_commands_is_never_replaced_by_the_store() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let user_client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
+        .with_connection_config(RedisStore::configure_liveness)
+        .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+        .build()
+        .unwrap();
+    user_client.init().await.unwrap();
+    assert_eq!(
+        user_client.connection_config().max_command_attempts,
+        3,
+        "fred's default"
+    );
+    let store = RedisStore::new(user_client.clone());
+    let (app, _runs) = router(IdempotencyLayer::new(store));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    let opened = proxy.connections();
+
+    // The user's own INCR is on its way when the connection goes silent.
+    proxy.keep_sent();
+    proxy.black_hole_open_connections();
+    let incr = tokio::spawn({
+        let client = user_client.with_options(&Options {
+            timeout: Some(Duration::from_secs(8)),
+            ..Options::default()
+        });
+        async move { client.incr::<i64, _>("user:counter").await }
+    });
+    // The heartbeat has found the connection silent by now (interval plus threshold: 4 s).
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let sent = proxy.sent();
+    let incrs = sent.windows(4).filter(|bytes| *bytes == b"INCR").count();
+    assert_eq!(incrs, 1, "the user's INCR was sent {incrs} times");
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "the store replaced the user's connection"
+    );
+    assert!(incr.await.unwrap().is_err(), "answered over a frozen connection");
+    let stats = client(&server.url()).await;
+    let counter: Option<i64> = stats.get("user:counter").await.unwrap();
+    assert_eq!(counter, None, "the frozen INCR ran");
+}
+
+// Slow is not dead: every byte between the store and Redis is late, each way, by an amount that
+// leaves the round trip below the command timeout, for several seconds. Requests are slow and
+// answered; no connection is replaced, nothing is answered 503, and the replay cache keeps its
+// copies (it serves none while its feed's pulse is older than its bound, and serves them again
+// after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latency_spike_below_the_command_timeout_replaces_no_connection() {
+    const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+    /// Each way: a round trip of 3 s, 2 s below the command timeout.
+    const DELAY: Duration = Duration::from_millis(1500);
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::connect(&proxy.url())
+        .await
+        .unwrap()
+        .with_command_timeout(COMMAND_TIMEOUT)
+        .with_replay_cache(1 << 20)
+        .await
+        .unwrap();
+    let layer = IdempotencyLayer::new(store).with_store_timeout(COMMAND_TIMEOUT + Duration::from_secs(1));
+    let (app, runs) = router(layer);
+    assert_eq!(
+        send(&app, payment("cached", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    assert!(
+        send(&app, payment("cached", "{}")).await.is_replay(),
+        "from Redis"
+    );
+    let from_cache = || async {
+        let claims = common::command_calls(&stats, "set").await;
+        let answer = send(&app, payment("cached", "{}")).await;
+        answer.is_replay() && common::command_calls(&stats, "set").await == claims
+    };
+    assert!(from_cache().await, "the copy is served");
+    let opened = proxy.connections();
+
+    let stream = Stream::start(&app, "spike");
+    stream.until_answered_normally().await;
+    proxy.set_delay(DELAY);
+    let spike = Instant::now();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    proxy.set_delay(Duration::ZERO);
+    let sent_during = {
+        let sent = stream.sent.lock().unwrap();
+        sent.iter().filter(|s| s.at >= spike).count()
+    };
+    let stream_sent = stream.sent.clone();
+    drop(stream);
+    common::until_async("every request of the stream is answered", || async {
+        let sent = stream_sent.lock().unwrap();
+        sent.iter().all(|s| s.answered.is_some())
+    })
+    .await;
+    println!("spike: {sent_during} requests sent during it");
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "a connection was replaced during the spike"
+    );
+    let refused: Vec<StatusCode> = (stream_sent.lock().unwrap().iter())
+        .filter_map(|s| s.answered)
+        .map(|(_, status)| status)
+        .filter(|status| *status != StatusCode::CREATED)
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "answered other than 201 during the spike: {refused:?}"
+    );
+    // The feed's pulse is recent again within its bound (interval plus 1 s) after the spike.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(from_cache().await, "the replay cache lost its copy");
+    assert_eq!(runs.get(), 1 + stream_sent.lock().unwrap().len());
 }
 
 // While its purge feed is silent, a replay cache serves nothing: a purge made meanwhile on
@@ -381,4 +516,222 @@ async fn the_heartbeat_pings_at_its_pace_and_can_be_turned_off() {
     let before = pings().await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(pings().await - before, 0, "no pings once turned off");
+}
+
+// Each connection is pinged on a beat of its own: while one connection's replacement takes
+// seconds (its proxy passes nothing, to new connections either), the other connection of the
+// pool goes on being pinged once a second. With one beat for all, every connection waited for the
+// slowest ping and replacement (2 s plus up to 5 s) before its next ping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_replacement_holds_back_no_other_connections_pings() {
+    let server = RedisServer::start();
+    let stats = client(&server.url()).await;
+    let stuck = FaultProxy::start(server.addr()).await;
+    let healthy = FaultProxy::start(server.addr()).await;
+    let mut clients = Vec::new();
+    for proxy in [&stuck, &healthy] {
+        let client = Builder::from_config(Config::from_url(&proxy.url()).unwrap())
+            .with_connection_config(|connection| {
+                RedisStore::configure_liveness(connection);
+                connection.max_command_attempts = 1; // so the store replaces it
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+            .build()
+            .unwrap();
+        client.init().await.unwrap();
+        clients.push(client);
+    }
+    let _store = RedisStore::from_pool(Pool::from_clients(clients).unwrap());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    stuck.set(Fault::BlackHole);
+    let before = common::command_calls(&stats, "ping").await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // The stuck proxy passes nothing: every ping Redis counted is the healthy connection's.
+    let pings = common::command_calls(&stats, "ping").await - before;
+    println!("the healthy connection was pinged {pings} times in 8 s");
+    assert!(
+        pings >= 6,
+        "the healthy connection was pinged {pings} times in 8 s while the other one was replaced"
+    );
+    assert!(stuck.connections() > 1, "the stuck connection was replaced");
+}
+
+/// Stalls every worker of the test's runtime (two) for `stall`: the heartbeat, fred's connection
+/// tasks and the proxy stop, as in a long pause of the process or CPU starvation.
+async fn stall_the_process(stall: Duration) {
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let stalls: Vec<_> = (0..2)
+        .map(|_| {
+            let barrier = barrier.clone();
+            // Both workers at once: each waits for the other before sleeping.
+            tokio::spawn(async move {
+                barrier.wait();
+                std::thread::sleep(stall);
+            })
+        })
+        .collect();
+    for stall in stalls {
+        stall.await.unwrap();
+    }
+}
+
+// A stall of this process is not silence of its connections: a ping in flight when the process
+// stops is answered while it cannot read, and its deadline passes meanwhile. Its connection is
+// pinged again, not replaced. (Here each ping is always in flight: a 600 ms delay each way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_of_the_process_replaces_no_connection() {
+    let server = RedisServer::start();
+    let proxy = FaultProxy::start(server.addr()).await;
+    let store = RedisStore::connect(&proxy.url()).await.unwrap();
+    let (app, _runs) = router(IdempotencyLayer::new(store));
+    proxy.set_delay(Duration::from_millis(600));
+    assert_eq!(
+        send(&app, payment("before", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let opened = proxy.connections();
+    for _ in 0..2 {
+        stall_the_process(Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    assert_eq!(
+        proxy.connections(),
+        opened,
+        "a connection was replaced after a stall"
+    );
+    assert_eq!(
+        send(&app, payment("after", "{}")).await.status,
+        StatusCode::CREATED
+    );
+}
+
+/// Resumes a node stopped with `SIGSTOP` when dropped, so a failed test leaves no node stopped.
+struct Stopped(u32);
+
+impl Stopped {
+    fn stop(pid: u32) -> Self {
+        signal(pid, "STOP");
+        Self(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// The claims (`SET`) `masters` have served.
+fn claims_on(cluster: &common::cluster::Cluster, masters: &[std::net::SocketAddr]) -> u64 {
+    let calls = |master: &std::net::SocketAddr| {
+        let info = cluster.cli(master.port(), &["INFO", "commandstats"]);
+        (info.lines())
+            .find_map(|line| line.strip_prefix("cmdstat_set:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    masters.iter().map(calls).sum()
+}
+
+/// How many subscribed clients (`SUBSCRIBE`) the node at `port` has.
+fn subscribers(cluster: &common::cluster::Cluster, port: u16) -> usize {
+    let clients = cluster.cli(port, &["CLIENT", "LIST"]);
+    clients
+        .lines()
+        .filter(|client| client.contains(" sub=1 "))
+        .count()
+}
+
+// On Redis Cluster a replay cache's subscription lives on one master (fred sends `SUBSCRIBE` to
+// the master of a slot of the client's id) and a keyless `PING` goes to whichever connection
+// comes first: every connection a feed depends on must be proven on itself. Only the master that
+// carries the subscriptions of three caches is frozen (`SIGSTOP`; the node timeout is long, so no
+// failover): purges published from then on cannot reach those caches, so none may serve its copy
+// later than its pulse bound (2 s) after the freeze. A repeat answered then is a replay read from
+// Redis (its record lives on another master, which counts the claim), never the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_cache_whose_subscriptions_master_is_frozen_serves_nothing() {
+    let mut cluster = common::cluster::Cluster::start(60_000);
+    let url = cluster.url();
+    let masters = cluster.masters();
+    // Caches until three have their subscriptions on one master: the one to freeze.
+    let mut on_master: Vec<Vec<RedisStore>> = masters.iter().map(|_| Vec::new()).collect();
+    let frozen = 'found: {
+        for _ in 0..30 {
+            let before: Vec<usize> = masters.iter().map(|m| subscribers(&cluster, m.port())).collect();
+            let store = RedisStore::connect(&url)
+                .await
+                .unwrap()
+                .with_replay_cache(1 << 20)
+                .await
+                .unwrap();
+            let after: Vec<usize> = masters.iter().map(|m| subscribers(&cluster, m.port())).collect();
+            let Some(index) = (0..masters.len()).find(|&i| after[i] > before[i]) else {
+                panic!("no master gained the cache's subscription");
+            };
+            on_master[index].push(store);
+            if on_master[index].len() == 3 {
+                break 'found index;
+            }
+        }
+        panic!("no master carries three caches' subscriptions after 30 caches");
+    };
+    let frozen_master = masters[frozen];
+    let live: Vec<std::net::SocketAddr> = masters.iter().copied().filter(|m| *m != frozen_master).collect();
+    let caches = std::mem::take(&mut on_master[frozen]);
+    drop(on_master);
+    // One key per cache, each on a master that stays live.
+    let mut keys = Vec::new();
+    for n in 0.. {
+        let key = format!("cluster-cached-{n}");
+        let record = caches[0].redis_key(&RecordKey::new(None, IdempotencyKey::parse(&key).unwrap()));
+        let slot = cluster.slots_of(&[record])[0];
+        if cluster.shard_of(slot).master != frozen_master {
+            keys.push(key);
+        }
+        if keys.len() == caches.len() {
+            break;
+        }
+    }
+    let mut apps = Vec::new();
+    for (cache, key) in caches.into_iter().zip(&keys) {
+        let (app, _) = router(IdempotencyLayer::new(cache));
+        assert_eq!(send(&app, payment(key, "{}")).await.status, StatusCode::CREATED);
+        assert!(send(&app, payment(key, "{}")).await.is_replay(), "from Redis");
+        let claims = claims_on(&cluster, &live);
+        assert!(send(&app, payment(key, "{}")).await.is_replay(), "from the copy");
+        assert_eq!(
+            claims_on(&cluster, &live),
+            claims,
+            "the copy is served with no claim"
+        );
+        apps.push(app);
+    }
+
+    let pid = cluster.node_mut(frozen_master).pid().expect("the master runs");
+    let _stopped = Stopped::stop(pid);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut from_copy = Vec::new();
+    for (app, key) in apps.iter().zip(&keys) {
+        let claims = claims_on(&cluster, &live);
+        let answer = send(app, payment(key, "{}")).await;
+        // A replay with no claim on the record's (live) master came from the copy.
+        from_copy.push(answer.is_replay() && claims_on(&cluster, &live) == claims);
+    }
+    println!("served from the copy 2.5 s after the freeze: {from_copy:?}");
+    assert!(
+        from_copy.iter().all(|served| !served),
+        "a cache served its copy 2.5 s after the master of its subscription froze: {from_copy:?}"
+    );
 }

@@ -1,8 +1,9 @@
 //! A TCP fault proxy between a client and a server (Redis, PostgreSQL): pass traffic through,
-//! add latency, drop every connection, or black-hole (accept and forward nothing) all of them or
-//! only those open now. It counts what the client sends, and keeps its bytes when asked to.
+//! add latency, delay every byte (a slow network: bytes keep flowing, each late), drop every
+//! connection, or black-hole (accept and forward nothing) all of them or only those open now. It counts what the client sends, and keeps its bytes when asked to.
 #![allow(dead_code)]
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +31,7 @@ pub struct FaultProxy {
     upstream: Arc<Mutex<SocketAddr>>,
     fault: Arc<AtomicU8>,
     latency_ms: Arc<AtomicU64>,
+    delay_ms: Arc<AtomicU64>,
     epoch: watch::Sender<u64>,
     counts: Arc<Counts>,
     task: tokio::task::JoinHandle<()>,
@@ -87,20 +89,23 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("proxy address");
         let fault = Arc::new(AtomicU8::new(Fault::None as u8));
         let latency_ms = Arc::new(AtomicU64::new(0));
+        let delay_ms = Arc::new(AtomicU64::new(0));
         let (epoch, _) = watch::channel(0);
         let upstream = Arc::new(Mutex::new(upstream));
         let counts = Arc::new(Counts::default());
         let task = {
             let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.clone());
-            let (upstream, counts) = (upstream.clone(), counts.clone());
+            let (upstream, counts, delay_ms) = (upstream.clone(), counts.clone(), delay_ms.clone());
             tokio::spawn(async move {
                 while let Ok((client, _)) = listener.accept().await {
                     let (fault, latency_ms, epoch) = (fault.clone(), latency_ms.clone(), epoch.subscribe());
+                    let delay_ms = delay_ms.clone();
                     let upstream = *upstream.lock().unwrap();
                     let number = counts.connections.fetch_add(1, Ordering::SeqCst);
                     let faults = Faults {
                         fault,
                         latency_ms,
+                        delay_ms,
                         counts: counts.clone(),
                         number,
                     };
@@ -113,6 +118,7 @@ impl FaultProxy {
             upstream,
             fault,
             latency_ms,
+            delay_ms,
             epoch,
             counts,
             task,
@@ -225,9 +231,18 @@ impl FaultProxy {
         self.counts.cuts.load(Ordering::SeqCst)
     }
 
+    /// Holds each read for `latency` before forwarding it, and reads no more meanwhile: later
+    /// bytes wait behind it (a slow link whose reads pile up).
     pub fn set_latency(&self, latency: Duration) {
         self.latency_ms
             .store(latency.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Delivers every byte read from now on `delay` after it was read, in both directions and
+    /// in order, while reading on meanwhile (a slow network, not a slow reader: each byte is
+    /// `delay` late, none later for those before it). `Duration::ZERO` ends it.
+    pub fn set_delay(&self, delay: Duration) {
+        self.delay_ms.store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 }
 
@@ -253,6 +268,7 @@ fn current(fault: &AtomicU8) -> Fault {
 struct Faults {
     fault: Arc<AtomicU8>,
     latency_ms: Arc<AtomicU64>,
+    delay_ms: Arc<AtomicU64>,
     counts: Arc<Counts>,
     /// This connection's number.
     number: u64,
@@ -270,7 +286,7 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
     epoch.mark_unchanged();
     // An answer was delivered since the client last sent something (or it has sent nothing).
     let answered = Arc::new(AtomicBool::new(true));
-    // A cut armed by the client's reads: now, or after the next answer.
+    // A cut armed by the client's reads: now, after the next answer, or instead of it.
     let cut = Arc::new(Notify::new());
     let cut_after_answer = Arc::new(AtomicBool::new(false));
     let cut_instead_of_answer = Arc::new(AtomicBool::new(false));
@@ -280,41 +296,46 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
         let cut_instead_of_answer = cut_instead_of_answer.clone();
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
+            let mut queue: Queue = VecDeque::new();
             loop {
-                let n = match client_read.read(&mut buffer).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => n,
-                };
-                faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
-                if let Some(sent) = faults.counts.sent.lock().unwrap().as_mut() {
-                    sent.extend_from_slice(&buffer[..n]);
+                // What is due is written before the next read: with no delay, each read is
+                // written before the next one is made, as before the delay existed.
+                if let Some(bytes) = pop_due(&mut queue) {
+                    pause(&faults).await;
+                    if server_write.write_all(&bytes).await.is_err() {
+                        return;
+                    }
+                    continue;
                 }
-                if answered.swap(false, Ordering::SeqCst) {
-                    faults.counts.turns.fetch_add(1, Ordering::SeqCst);
-                }
-                let armed = faults.counts.cut_for(&buffer[..n]);
-                match &armed {
-                    Some(Cut {
-                        after: None,
-                        drop_answer: true,
-                        ..
-                    }) => cut_instead_of_answer.store(true, Ordering::SeqCst),
-                    Some(Cut { after: None, .. }) => cut_after_answer.store(true, Ordering::SeqCst),
-                    _ => {}
-                }
-                pause(&faults).await;
-                if server_write.write_all(&buffer[..n]).await.is_err() {
-                    return;
-                }
-                if let Some(Cut {
-                    after: Some(after), ..
-                }) = armed
-                {
-                    let cut = cut.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(after).await;
-                        cut.notify_one();
-                    });
+                let due = queue.front().map(|(due, _)| *due);
+                tokio::select! {
+                    _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {}
+                    read = client_read.read(&mut buffer), if queue.len() < 4096 => {
+                        let n = match read {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
+                        if let Some(sent) = faults.counts.sent.lock().unwrap().as_mut() {
+                            sent.extend_from_slice(&buffer[..n]);
+                        }
+                        if answered.swap(false, Ordering::SeqCst) {
+                            faults.counts.turns.fetch_add(1, Ordering::SeqCst);
+                        }
+                        match faults.counts.cut_for(&buffer[..n]) {
+                            Some(Cut { after: Some(after), .. }) => {
+                                let (cut, due) = (cut.clone(), due_after(&faults) + after);
+                                tokio::spawn(async move {
+                                    tokio::time::sleep_until(due).await;
+                                    cut.notify_one();
+                                });
+                            }
+                            Some(Cut { drop_answer: true, .. }) => cut_instead_of_answer.store(true, Ordering::SeqCst),
+                            Some(_) => cut_after_answer.store(true, Ordering::SeqCst),
+                            None => {}
+                        }
+                        queue.push_back((due_after(&faults), buffer[..n].to_vec()));
+                    }
                 }
             }
         }
@@ -323,33 +344,44 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
         let faults = faults.clone();
         async move {
             let mut buffer = vec![0u8; 64 * 1024];
+            let mut queue: Queue = VecDeque::new();
             loop {
-                let n = match server_read.read(&mut buffer).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => n,
-                };
-                let once = Fault::DropNextReply as u8;
-                if faults
-                    .fault
-                    .compare_exchange(once, Fault::None as u8, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-                {
-                    faults.counts.dropped_replies.fetch_add(1, Ordering::SeqCst);
-                    return;
+                if let Some(bytes) = pop_due(&mut queue) {
+                    pause(&faults).await;
+                    // Before the write: a client that answers at once could otherwise send its
+                    // next command before this task marks the answer delivered, and that round
+                    // trip would not be counted (CI once counted a completion as 0 round trips).
+                    answered.store(true, Ordering::SeqCst);
+                    if client_write.write_all(&bytes).await.is_err() {
+                        return;
+                    }
+                    if cut_after_answer.swap(false, Ordering::SeqCst) {
+                        return;
+                    }
+                    continue;
                 }
-                if cut_instead_of_answer.load(Ordering::SeqCst) {
-                    return;
-                }
-                pause(&faults).await;
-                // Before the write: a client that answers at once could otherwise send its next
-                // command before this task marks the answer delivered, and that round trip
-                // would not be counted (CI once counted a completion as 0 round trips).
-                answered.store(true, Ordering::SeqCst);
-                if client_write.write_all(&buffer[..n]).await.is_err() {
-                    return;
-                }
-                if cut_after_answer.swap(false, Ordering::SeqCst) {
-                    return;
+                let due = queue.front().map(|(due, _)| *due);
+                tokio::select! {
+                    _ = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {}
+                    read = server_read.read(&mut buffer), if queue.len() < 4096 => {
+                        let n = match read {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if cut_instead_of_answer.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        let once = Fault::DropNextReply as u8;
+                        if faults
+                            .fault
+                            .compare_exchange(once, Fault::None as u8, Ordering::SeqCst, Ordering::SeqCst)
+                            .is_ok()
+                        {
+                            faults.counts.dropped_replies.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        queue.push_back((due_after(&faults), buffer[..n].to_vec()));
+                    }
                 }
             }
         }
@@ -360,6 +392,23 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
         _ = epoch.changed() => {}
         _ = cut.notified() => {}
     }
+}
+
+/// Bytes read from one side, each with when it is due on the other.
+type Queue = VecDeque<(tokio::time::Instant, Vec<u8>)>;
+
+/// The first bytes of `queue`, if they are due.
+fn pop_due(queue: &mut Queue) -> Option<Vec<u8>> {
+    let (due, _) = queue.front()?;
+    if *due > tokio::time::Instant::now() {
+        return None;
+    }
+    queue.pop_front().map(|(_, bytes)| bytes)
+}
+
+/// When bytes read now are due on the other side: after the delay set.
+fn due_after(faults: &Faults) -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_millis(faults.delay_ms.load(Ordering::SeqCst))
 }
 
 /// Waits out the latency, and for as long as the proxy black-holes this connection's traffic.

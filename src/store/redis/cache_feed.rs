@@ -74,7 +74,7 @@ impl PurgeFeed {
                 self.go_dark(&mut live);
                 errors = errors.resubscribe();
                 let subscribed = tokio::time::timeout(
-                    liveness::HEARTBEAT_TIMEOUT,
+                    liveness::SUBSCRIBE_TIMEOUT,
                     self.subscriber.subscribe(self.channel.clone()),
                 )
                 .await;

@@ -28,7 +28,7 @@ use crate::store::error::{FailingOver, SentinelsUnheard, StoreError};
 use crate::telemetry::Connection as Role;
 
 pub(super) const DEFAULT_PREFIX: &str = "idempotency";
-pub(super) const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+pub(super) const DEFAULT_COMMAND_TIMEOUT: Duration = liveness::DEFAULT_COMMAND_TIMEOUT;
 
 /// A [`Store`](crate::Store) in Redis: one string key per record, every transition one round trip.
 ///
@@ -83,8 +83,13 @@ pub struct RedisStore {
     /// Pings the command connection(s), replacing one that goes silent (see `liveness`);
     /// started with the store inside a runtime, else with its first claim.
     pub(super) heartbeat: Arc<OnceLock<Heartbeat>>,
-    /// How often every heartbeat of the store pings ([`with_heartbeat`](RedisStore::with_heartbeat)).
+    /// How often every heartbeat of the store pings ([`with_heartbeat`](RedisStore::with_heartbeat)),
+    /// and how long a ping may go unanswered ([`with_silence_threshold`](RedisStore::with_silence_threshold)).
     pub(super) pace: Arc<Pace>,
+    /// Whether the command client or pool is the owner's ([`new`](RedisStore::new),
+    /// [`from_pool`](RedisStore::from_pool)): then it also carries the owner's commands, and the
+    /// heartbeat replaces a silent connection of it only if fred would not send them again.
+    pub(super) borrowed: bool,
     /// The compare-and-set commands the server has, and the records of the claims held
     /// ([`with_native_transitions`](RedisStore::with_native_transitions)).
     pub(super) native: Arc<Native>,
@@ -117,10 +122,18 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// A store over a connected (or connecting) `fred` client.
     ///
-    /// The store pings the client's connection once a second and replaces it when it answers
-    /// nothing for 2 s (a flow dropped silently by the network); build the client with
-    /// [`configure_liveness`](Self::configure_liveness) to add TCP keepalive and
-    /// `TCP_USER_TIMEOUT`, which can only be set when a client is built.
+    /// The store pings the client's connection once a second. When it answers no ping for the
+    /// [silence threshold](Self::with_silence_threshold) (3 s by default) the store reports it
+    /// (a warning and `idempotency_connection_events_total{event="silent"}`) and replaces it,
+    /// but only if fred would send none of your commands again on the new connection: a client
+    /// with a reconnect policy and `max_command_attempts` above 1 (fred's default is 3) re-sends
+    /// every unanswered command after a reconnect, your own `INCR` or `LPUSH` included, so such a
+    /// client is never replaced by the store; build it with
+    /// [`configure_liveness`](Self::configure_liveness), whose `TCP_USER_TIMEOUT` has the kernel
+    /// close a connection that died without a word within about 10 s (fred then reconnects by
+    /// your policy). To have the store replace it within the heartbeat's bound instead, build
+    /// it with `max_command_attempts = 1`, as below. The store logs a warning when it gets a
+    /// client that it will not replace and that has no `TCP_USER_TIMEOUT`.
     ///
     /// A client built without a reconnect policy (fred's default) would stay disconnected after
     /// a Redis restart; the store notices the first command that times out or fails on the
@@ -133,17 +146,25 @@ impl RedisStore {
     /// use tower_idempotency::RedisStore;
     ///
     /// # async fn run() -> Result<(), fred::error::Error> {
-    /// let client = Builder::from_config(Config::from_url("redis://127.0.0.1:6379")?).build()?;
+    /// let client = Builder::from_config(Config::from_url("redis://127.0.0.1:6379")?)
+    ///     .with_connection_config(|connection| {
+    ///         RedisStore::configure_liveness(connection);
+    ///         connection.max_command_attempts = 1;
+    ///     })
+    ///     .set_policy(ReconnectPolicy::new_exponential(0, 1, 2_000, 2))
+    ///     .build()?;
     /// client.init().await?;
     /// let store = RedisStore::new(client);
     /// # let _ = store; Ok(()) }
     /// ```
     pub fn new(client: Client) -> Self {
-        Self::with_connection(Connection::Client(client), Arc::default())
+        liveness::warn_if_unreplaceable(std::slice::from_ref(&client));
+        Self::with_connection(Connection::Client(client), Arc::default(), true)
     }
 
     /// A store over a `fred` pool; each call goes to the pool's next client. Pool clients without
-    /// a reconnect policy are reconnected by the store, as for [`new`](Self::new).
+    /// a reconnect policy are reconnected by the store, and a silent one is replaced only if
+    /// fred would send none of your commands again, as for [`new`](Self::new).
     ///
     /// ```no_run
     /// use fred::prelude::*;
@@ -156,10 +177,11 @@ impl RedisStore {
     /// # let _ = store; Ok(()) }
     /// ```
     pub fn from_pool(pool: Pool) -> Self {
-        Self::with_connection(Connection::Pool(pool), Arc::default())
+        liveness::warn_if_unreplaceable(pool.clients());
+        Self::with_connection(Connection::Pool(pool), Arc::default(), true)
     }
 
-    fn with_connection(connection: Connection, pace: Arc<Pace>) -> Self {
+    fn with_connection(connection: Connection, pace: Arc<Pace>, borrowed: bool) -> Self {
         let store = Self {
             connection,
             prefix: Arc::from(DEFAULT_PREFIX),
@@ -177,6 +199,7 @@ impl RedisStore {
             coalescer: Arc::default(),
             heartbeat: Arc::default(),
             pace,
+            borrowed,
             native: Arc::new(Native::new(false)),
         };
         if tokio::runtime::Handle::try_current().is_ok() {
@@ -189,7 +212,12 @@ impl RedisStore {
     pub(super) fn keep_alive(&self) {
         self.heartbeat.get_or_init(|| {
             let clients = self.connection.clients().to_vec();
-            Heartbeat::start(Role::Commands, Watched::Shared(clients), self.pace.clone())
+            let watched = if self.borrowed {
+                Watched::Borrowed(clients)
+            } else {
+                Watched::Shared(clients)
+            };
+            Heartbeat::start(Role::Commands, watched, self.pace.clone())
         });
         self.native.start(self.connection.clients());
     }
@@ -199,9 +227,12 @@ impl RedisStore {
     /// yourself and hand to [`new`](Self::new) or [`from_pool`](Self::from_pool).
     ///
     /// The store pings every connection it uses once a second, yours included, and replaces one
-    /// that answers no ping within 2 s; that needs nothing from you. These socket options are a
-    /// second line the kernel keeps (a socket whose data goes unacknowledged for 10 s is closed;
-    /// an idle one is probed after 10 s), and they can only be set when the client is built.
+    /// that answers no ping within the [silence threshold](Self::with_silence_threshold); but
+    /// not yours if fred would send your unanswered commands again on the new connection (see
+    /// [`new`](Self::new)). These socket options are a second line the kernel keeps (a socket
+    /// whose data goes unacknowledged for 10 s is closed; an idle one is probed after 10 s), the
+    /// only one for a client the store does not replace, and they can only be set when the
+    /// client is built.
     ///
     /// ```no_run
     /// use fred::prelude::*;
@@ -399,7 +430,7 @@ impl RedisStore {
                 None
             }
         };
-        let mut store = Self::with_connection(Connection::Client(client.clone()), pace);
+        let mut store = Self::with_connection(Connection::Client(client.clone()), pace, false);
         store.native.detect_now(&client).await;
         store.switch_watch = switch_watch;
         store._own_client = Some(own_client);
@@ -477,6 +508,8 @@ impl RedisStore {
     /// Bounds every command this store sends (default: 2 s). `fred` drops a command that has not
     /// been answered by then, so it is not sent late after a reconnect. Keep it at or below the
     /// layer's store timeout (also 2 s by default), which waits a little longer before giving up.
+    /// The heartbeat's [silence threshold](Self::with_silence_threshold) follows it (the command
+    /// timeout plus 1 s, unless set), for this store, its clones and the stores made from it.
     ///
     /// ```no_run
     /// # use std::time::Duration;
@@ -487,12 +520,42 @@ impl RedisStore {
     /// ```
     pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
         self.options.timeout = Some(timeout);
+        self.pace.set_command_timeout(Some(timeout));
+        self
+    }
+
+    /// How long a heartbeat's ping may go unanswered before its connection is taken for dead
+    /// and replaced (default, and `None`: the [command timeout](Self::with_command_timeout) plus
+    /// 1 s, so 3 s with the default command timeout).
+    ///
+    /// Slow is not dead: replacing a connection makes fred send its unanswered commands again,
+    /// and empties the replay cache it feeds, so across a fleet a threshold that a latency spike
+    /// crosses is a reconnect storm. With the default, a spike that leaves commands answered
+    /// within the command timeout replaces nothing. A ping whose deadline this process noticed
+    /// late (a pause of the process, CPU starvation) is sent once more before its connection is
+    /// taken for dead. A connection that answers nothing is replaced within the
+    /// [interval](Self::with_heartbeat) plus the threshold (4 s by default), twice the threshold
+    /// when this process stalled meanwhile. A threshold below the command timeout finds a dead
+    /// connection sooner, but replaces connections that a spike only slowed.
+    ///
+    /// Applies to every connection of the store and its clones, those already open included.
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::RedisStore;
+    /// # async fn run(client: fred::clients::Client) {
+    /// let store = RedisStore::new(client).with_silence_threshold(Some(Duration::from_secs(5)));
+    /// # }
+    /// ```
+    pub fn with_silence_threshold(self, threshold: Option<Duration>) -> Self {
+        self.pace.set_threshold(threshold);
         self
     }
 
     /// How often the store pings each of its connections to find one that died without a word
-    /// (default: every second; `None`: never). A connection that answers no ping within 2 s is
-    /// replaced, so a dead one is found within the interval plus 2 s; a replay cache serves
+    /// (default: every second; `None`: never). A connection that answers no ping within the
+    /// [silence threshold](Self::with_silence_threshold) (3 s by default) is replaced, so a dead
+    /// one is found within the interval plus the threshold; a replay cache serves
     /// copies only while its listening connection answered a ping sent within the interval plus
     /// a second (with no pings it cannot tell, and serves copies until a failure is seen).
     ///
