@@ -484,7 +484,21 @@ async fn a_completion_resent_after_a_dropped_connection_succeeds(server: &'stati
             1,
             "{server} {resent_by}: the completion's reply was dropped"
         );
-        let completion = calls(&stats).await;
+        let expected_sets = match resent_by {
+            // The claim, then the same SET … IFEQ twice: the second finds the record it wrote.
+            "by-the-client" => 3,
+            // The claim; the first attempt; the second, which finds this owner's completed
+            // record (another deadline), then writes it again with its retention restarted, as
+            // complete.lua does. The client was answered after the first attempt failed: the
+            // second comes from the completion carried on in the background.
+            _ => 4,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut completion = calls(&stats).await;
+        while completion.set < expected_sets && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            completion = calls(&stats).await;
+        }
         let retry = send(&app, payment(resent_by, "{}")).await;
         assert!(
             retry.is_replay(),
@@ -497,14 +511,6 @@ async fn a_completion_resent_after_a_dropped_connection_succeeds(server: &'stati
             Vec::<String>::new(),
             "nothing reported unstored"
         );
-        let expected_sets = match resent_by {
-            // The claim, then the same SET … IFEQ twice: the second finds the record it wrote.
-            "by-the-client" => 3,
-            // The claim; the first attempt; the second, which finds this owner's completed
-            // record (another deadline), then writes it again with its retention restarted, as
-            // complete.lua does.
-            _ => 4,
-        };
         assert_eq!(
             (completion.set, completion.evalsha),
             (expected_sets, 0),

@@ -898,38 +898,3 @@ async fn a_completion_whose_wait_is_cut_off_is_not_reported_durable() {
     }
     signal(&pair.replica, "-CONT");
 }
-
-/// A purge checks no owner, so it is sent once: its answer lost with its connection, it is not
-/// sent again on the next (where, late, it could delete a claim made after it), and the operator
-/// is told it failed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_purge_whose_answer_is_lost_is_not_sent_again() {
-    let server = RedisServer::start();
-    let proxy = FaultProxy::start(server.addr()).await;
-    let store = common::connect(&proxy.url()).await.expect("connect");
-    let direct = client(&server.url()).await;
-    let layer = IdempotencyLayer::new(store.clone());
-    let (app, _runs) = router(layer.clone());
-    assert_eq!(
-        send(&app, payment("purged", "{}")).await.status,
-        StatusCode::CREATED
-    );
-    // Load the purge script, so the purge is one EVALSHA.
-    assert_eq!(
-        send(&app, payment("warm", "{}")).await.status,
-        StatusCode::CREATED
-    );
-    assert!(layer.purge(None, "warm").await.expect("purge"));
-
-    let calls_before = command_calls(&direct, "evalsha").await;
-    // The purge names the channel it publishes on (`<prefix>:purged`).
-    proxy.cut_instead_of_answering(b":purged\r\n", 1);
-    let purged = layer.purge(None, "purged").await;
-    assert_eq!(proxy.cuts(), 1, "the purge's answer was never dropped");
-    let calls = command_calls(&direct, "evalsha").await - calls_before;
-    assert_eq!(calls, 1, "the purge was sent {calls} times");
-    assert!(
-        purged.is_err(),
-        "a purge whose answer was lost reported {purged:?}"
-    );
-}

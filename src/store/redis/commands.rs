@@ -9,11 +9,10 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
-use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{Command, ScriptCall, ScriptText};
-use super::connection::{sent_once, store_reconnect_policy};
+use super::connection::store_reconnect_policy;
 use super::native::{self, Found};
 use super::notices::{settled_channel, Notices};
 use super::record::{self, digest_from_hex};
@@ -175,6 +174,46 @@ impl RedisStore {
         self.run_on(self.connection.client(), script, key, args).await
     }
 
+    /// `purge.lua`'s arguments for `key`: the channel and message of the caches' invalidation,
+    /// then what the key holds now (its first bytes, cut at the end of the owner for a record;
+    /// or that it holds another type), so that the script deletes only that. A purge checks no
+    /// owner, and fred sends an unanswered command again after a reconnect: without this, a
+    /// purge sent again late would delete a claim made after it. One more round trip, on the
+    /// operators' path only.
+    pub(super) async fn purge_args(&self, key: &RecordKey) -> Result<[Value; 4], StoreError> {
+        // A record's head is at most 6 bytes, an owner of up to 255 and its state.
+        const HEAD: i64 = 6 + 255;
+        let client = self.connection.client().with_options(&self.options);
+        let getrange = CustomCommand::new_static("GETRANGE", ClusterHash::FirstKey, false);
+        let args = vec![
+            Value::from(self.redis_key(key)),
+            Value::Integer(0),
+            Value::Integer(HEAD - 1),
+        ];
+        let (kind, held) = match client.custom::<Value, Value>(getrange, args).await {
+            Ok(value) => {
+                let start = into_bytes(value).unwrap_or_default();
+                // A record: up to the end of its owner, which a completion since leaves as it is.
+                let owner_ends = (start.starts_with(&record::LAYOUT_PREFIX))
+                    .then(|| record::head_len(&start).map(|len| len - 9))
+                    .flatten()
+                    .filter(|&end| end <= start.len());
+                (
+                    "string",
+                    owner_ends.map_or(start.clone(), |end| start.slice(..end)),
+                )
+            }
+            Err(error) if error.details().starts_with("WRONGTYPE") => ("other", Bytes::new()),
+            Err(error) => return Err(self.failed(error)),
+        };
+        Ok([
+            Value::from(self.purge_channel()),
+            Value::from(key.digest_hex()),
+            Value::from_static_str(kind),
+            Value::Bytes(held),
+        ])
+    }
+
     /// [`run`](Self::run) on `client`.
     pub(super) async fn run_on(
         &self,
@@ -183,18 +222,7 @@ impl RedisStore {
         key: &RecordKey,
         args: &[Value],
     ) -> Result<Value, StoreError> {
-        self.run_with(client, script, key, args, &self.options).await
-    }
-
-    /// [`run_on`](Self::run_on) with `options`.
-    async fn run_with(
-        &self,
-        client: &Client,
-        script: &Script,
-        key: &RecordKey,
-        args: &[Value],
-        options: &Options,
-    ) -> Result<Value, StoreError> {
+        let options = &self.options;
         let redis_key = Value::from(self.redis_key(key));
         // The durability option's completions each have a connection of their own, where nothing
         // could be merged with them: a trip through the coalescing task would buy nothing.
@@ -424,11 +452,8 @@ impl Store for RedisStore {
             if let Some(cache) = &self.cache {
                 cache.invalidate(key.digest());
             }
-            let args = [Value::from(self.purge_channel()), Value::from(key.digest_hex())];
-            // Sent once: a purge checks no owner, so one sent again after a reconnect could
-            // delete a claim made after it (see `sent_once`).
-            let (client, once) = (self.connection.client(), sent_once(&self.options));
-            as_flag("purge", self.run_with(client, &PURGE, key, &args, &once).await?)
+            let args = self.purge_args(key).await?;
+            as_flag("purge", self.run(&PURGE, key, &args).await?)
         })
     }
 
@@ -755,5 +780,59 @@ impl RedisStore {
             Err(error) if error.details().starts_with("WRONGTYPE") => Ok(None),
             Err(error) => Err(self.failed(error)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::fence_tests::Server;
+    use super::super::scripts::PURGE;
+    use super::super::RedisStore;
+    use crate::{ClaimOutcome, Fingerprint, IdempotencyKey, OwnerToken, RecordKey, Store};
+
+    /// A purge that fred sends again late (its answer lost with its connection, the command
+    /// re-sent on the next) runs after a newer claim on the key: it deletes nothing, since it
+    /// deletes only what its caller read there. Before, `purge.lua` deleted whatever was there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_purge_sent_again_late_deletes_no_newer_claim() {
+        let server = Server::start();
+        let store = RedisStore::connect(&server.url()).await.expect("connect");
+        let key = RecordKey::new(None, IdempotencyKey::parse("purged-then-claimed").expect("a key"));
+        let fingerprint = Fingerprint::new([b"{}".as_slice()]);
+        let lease = Duration::from_secs(30);
+        let claim = |owner: OwnerToken| {
+            let store = store.clone();
+            let key = key.clone();
+            async move { store.claim(&key, &fingerprint, &owner, lease).await }
+        };
+        assert_eq!(
+            claim(OwnerToken::generate()).await.expect("claim"),
+            ClaimOutcome::Claimed
+        );
+
+        let args = store.purge_args(&key).await.expect("read the key");
+        let purged = store.run(&PURGE, &key, &args).await.expect("purge");
+        assert_eq!(
+            purged,
+            fred::types::Value::Integer(1),
+            "the first purge deletes the claim"
+        );
+        let newer = OwnerToken::generate();
+        assert_eq!(claim(newer.clone()).await.expect("claim"), ClaimOutcome::Claimed);
+        // The same purge, sent again.
+        let again = store.run(&PURGE, &key, &args).await.expect("purge again");
+        assert_eq!(
+            again,
+            fred::types::Value::Integer(0),
+            "a late purge deleted a newer claim"
+        );
+        assert!(
+            matches!(claim(newer.clone()).await, Ok(ClaimOutcome::Claimed)),
+            "the newer claim is still there (its owner finds its own record)"
+        );
+        // A purge made now deletes it, and one of a key holding another type still works.
+        assert!(store.purge(&key).await.expect("purge"));
     }
 }

@@ -91,17 +91,17 @@ pub(super) async fn revive(clients: Vec<Client>, reviving: Arc<AtomicBool>) {
 
 /// `options` for a command sent at most once: fred sends an unanswered command again after a
 /// reconnect (up to its attempts), which is harmless for most of this store's commands (every
-/// transition but the claim checks the owner token, and a claim re-sent finds its own record),
-/// but not for these, each sent with these options:
+/// transition but the claim checks the owner token, a claim re-sent finds its own record, and
+/// a purge deletes only what its caller read at the key: `purge_args`), but not for these,
+/// each sent with these options:
 ///
 /// - `WAIT` and `WAITAOF` (`replica_acks.rs`), and the `CLIENT GETNAME` behind each: on a new
 ///   connection a `WAIT` counts nothing written there and answers at once, so an unreplicated
-///   write would read as acknowledged;
-/// - the purge (`purge.lua`, `commands.rs`), which checks no owner: sent again late, it could
-///   delete the claim of an owner that came after it.
+///   write would read as acknowledged.
 ///
-/// Such a command whose connection drops before its answer fails; what it did is unknown, and
-/// its caller decides (a `WAIT`: not acknowledged; a purge: the operator is told to look again).
+/// Such a command whose connection drops before its answer fails, and its caller takes the
+/// write as not acknowledged. (Not for writes: fred counts following a Cluster's `MOVED` as an
+/// attempt, so a write sent once could not follow a failover.)
 pub(super) fn sent_once(options: &Options) -> Options {
     Options {
         max_attempts: Some(1),
