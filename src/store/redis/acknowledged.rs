@@ -45,9 +45,10 @@ impl RedisStore {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
-        let marker = waiter.marker();
+        let (marker, unnamed) = waiter.marker(&client);
+        let name = unnamed.then_some(&marker);
         let answer = self
-            .claim_marked(&client, &marker, claimant, key, fresh.clone(), lease)
+            .claim_marked(&client, name, claimant, key, fresh.clone(), lease)
             .await?;
         if answer != Value::Null {
             let existing = into_bytes(answer)
@@ -95,12 +96,13 @@ impl RedisStore {
 
     /// The claim's write (`SET key <record> NX PX <lease> GET`, or for a waiter `wait.lua`: see
     /// [`set_if_absent`](Self::set_if_absent)) on `client`'s connection, behind `CLIENT SETNAME
-    /// <marker>` in the same round trip, so that the WAIT after it can tell that it runs on the
-    /// claim's connection (see `replica_acks`). Answers `nil` (claimed) or the record found.
+    /// <name>` in the same round trip if the connection is to be named, so that the WAIT after
+    /// it can tell that it runs on the claim's connection (see `replica_acks`). Answers `nil`
+    /// (claimed) or the record found.
     async fn claim_marked(
         &self,
         client: &Client,
-        marker: &Marker,
+        name: Option<&Marker>,
         claimant: Claimant,
         key: &RecordKey,
         record: Bytes,
@@ -131,7 +133,7 @@ impl RedisStore {
         let answer = match self
             .marked(
                 client,
-                marker,
+                name,
                 &redis_key,
                 vec![write(ScriptText::Sha1(WAIT.sha1))],
                 Vec::new(),
@@ -143,7 +145,7 @@ impl RedisStore {
             Some(Err(error)) if error.details().starts_with("NOSCRIPT") => self
                 .marked(
                     client,
-                    marker,
+                    name,
                     &redis_key,
                     vec![write(ScriptText::Source(WAIT.source))],
                     Vec::new(),
@@ -163,7 +165,7 @@ impl RedisStore {
         }
     }
 
-    /// `CLIENT SETNAME <marker>`, then `commands`, then `sent_once`, in one pipeline on
+    /// `CLIENT SETNAME <name>` if given, then `commands`, then `sent_once`, in one pipeline on
     /// `client`'s connection (to the node holding `redis_key`; fred writes them in that order
     /// without waiting for an answer), with `options`. The writes may be sent again (fred after a
     /// reconnect, or to follow a cluster's `MOVED`): harmless for them, and the name check tells;
@@ -172,7 +174,7 @@ impl RedisStore {
     async fn marked(
         &self,
         client: &Client,
-        marker: &Marker,
+        name: Option<&Marker>,
         redis_key: &str,
         commands: Vec<(CustomCommand, Vec<Value>)>,
         sent_once: Vec<(CustomCommand, Vec<Value>)>,
@@ -181,7 +183,9 @@ impl RedisStore {
         let pipeline = client.pipeline();
         let count = commands.len() + sent_once.len();
         let once = connection::sent_once(options);
-        let writes = std::iter::once(marker.command(redis_key)).chain(commands);
+        let naming = name.map(|name| name.command(redis_key));
+        let named = usize::from(naming.is_some());
+        let writes = naming.into_iter().chain(commands);
         let commands = writes
             .map(|command| (command, options))
             .chain(sent_once.into_iter().map(|command| (command, &once)));
@@ -193,8 +197,8 @@ impl RedisStore {
             }
         }
         let mut answers = pipeline.try_all::<Value>().await;
-        if answers.len() == count + 1 {
-            return answers.split_off(1);
+        if answers.len() == count + named {
+            return answers.split_off(named);
         }
         // fred answers a pipeline that failed as a whole with one error.
         let error = match answers.pop() {
@@ -387,14 +391,17 @@ impl RedisStore {
         redis_key: &str,
         writes: Vec<(CustomCommand, Vec<Value>)>,
     ) -> Result<WrittenThenWaited, StoreError> {
-        let marker = waiter.marker();
+        let (marker, unnamed) = waiter.marker(client);
         let wait = vec![waiter.wait_command(redis_key), name_check(redis_key)];
         let options = waiter.wait_options();
-        let mut answers = self
-            .marked(client, &marker, redis_key, writes, wait, options)
-            .await;
+        let name = unnamed.then_some(&marker);
+        let mut answers = self.marked(client, name, redis_key, writes, wait, options).await;
         let (named, waited) = (answers.pop(), answers.pop());
-        Ok((answers, waiter.checked(&marker, waited, named)))
+        let acked = waiter.checked(&marker, waited, named);
+        if acked.is_err() {
+            waiter.forget_name(client);
+        }
+        Ok((answers, acked))
     }
 
     /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` (when a
@@ -527,9 +534,16 @@ mod tests {
             let owner = OwnerToken::generate();
             let claim = record::in_flight(&owner, &fingerprint, lease).expect("a record");
             let client = waiter.acquire().await;
-            let marker = waiter.marker();
+            let (marker, unnamed) = waiter.marker(&client);
             let claimed = store
-                .claim_marked(&client, &marker, Claimant::Caller, &key, claim, lease)
+                .claim_marked(
+                    &client,
+                    unnamed.then_some(&marker),
+                    Claimant::Caller,
+                    &key,
+                    claim,
+                    lease,
+                )
                 .await
                 .expect("the claim");
             assert_eq!(claimed, fred::types::Value::Null, "a new key is claimed");

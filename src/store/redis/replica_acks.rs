@@ -21,9 +21,9 @@
 //! store forces some itself: a Sentinel switch, the heartbeat replacing a silent connection). On a
 //! new connection `WAIT` counts nothing written there, and Redis 7.2 and later (Valkey too) answer
 //! it at once with every online replica: an unreplicated write would read as acknowledged. So a
-//! `WAIT` here is sent at most once (never again after a reconnect), and every write a `WAIT`
-//! stands for is sent behind `CLIENT SETNAME <marker>`, a name new for each write; the `WAIT` goes
-//! out in one pipeline with `CLIENT GETNAME` behind it. Commands of a connection run in order and
+//! `WAIT` here is sent at most once (never again after a reconnect), each connection is named
+//! (`CLIENT SETNAME <marker>`, a name no other connection ever bears) ahead of the first write a
+//! `WAIT` must count, and the `WAIT` goes out in one pipeline with `CLIENT GETNAME` behind it. Commands of a connection run in order and
 //! a connection that closed never comes back, so the name read after the `WAIT` is the marker only
 //! if the write, the `WAIT` and the name check all ran on the connection the marker named. Any
 //! other answer (another name, none, an error) counts as *not* acknowledged.
@@ -32,7 +32,7 @@
 //! later) instead: the master and `n` replicas must have written the writes to their
 //! append-only files, so that a restart of every node loses nothing either.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -172,6 +172,10 @@ pub(super) struct Waiter {
     wait_options: Options,
     /// The claims whose completion a background task owns now: one task per claim.
     completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
+    /// The name each client's connection was given (by fred's client id), until a check finds
+    /// it gone: a connection is named once, not at every write (each `CLIENT SETNAME` is one
+    /// more socket write, and a read for Redis).
+    names: Mutex<HashMap<String, Marker>>,
 }
 
 impl Drop for Waiter {
@@ -244,6 +248,7 @@ impl Waiter {
             acks,
             wait_options,
             completing: Mutex::default(),
+            names: Mutex::default(),
         }))
     }
 
@@ -281,7 +286,11 @@ impl Waiter {
             queued.map_err(unavailable)?;
         }
         let mut answers = pipeline.try_all::<Value>().await.into_iter();
-        self.checked(marker, answers.next(), answers.next())
+        let acked = self.checked(marker, answers.next(), answers.next());
+        if acked.is_err() {
+            self.forget_name(client);
+        }
+        acked
     }
 
     /// The options of a call that ends with a wait: the command timeout plus the wait's (the
@@ -290,9 +299,26 @@ impl Waiter {
         &self.wait_options
     }
 
-    /// A name for a connection, new for this write: see [`Marker`].
-    pub(super) fn marker(&self) -> Marker {
-        Marker::new()
+    /// The name `client`'s connection bears, and whether it is yet to be given
+    /// (`CLIENT SETNAME`, ahead of the write): a new name when no check has seen the last one
+    /// since it was given. See [`Marker`].
+    pub(super) fn marker(&self, client: &Client) -> (Marker, bool) {
+        let mut names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
+        match names.get(client.id()) {
+            Some(marker) => (marker.clone(), false),
+            None => {
+                let marker = Marker::new();
+                names.insert(client.id().to_owned(), marker.clone());
+                (marker, true)
+            }
+        }
+    }
+
+    /// Forgets the name of `client`'s connection (a check did not find it, or could not look):
+    /// the next write names its connection anew.
+    pub(super) fn forget_name(&self, client: &Client) {
+        let mut names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
+        names.remove(client.id());
     }
 
     /// What a `WAIT` and the [`name_check`] behind it answered: the replicas' count, if the
@@ -356,11 +382,13 @@ impl Waiter {
     }
 }
 
-/// A name for one connection, new for each write a `WAIT` must count: `CLIENT SETNAME <marker>`
-/// goes out just before the write, `CLIENT GETNAME` just after the `WAIT`, and the `WAIT` counts
-/// the write only if the name read is the marker (see the module's docs). Unique in this process,
+/// A name for one connection: `CLIENT SETNAME <marker>` goes out ahead of the first write on it
+/// that a `WAIT` must count, `CLIENT GETNAME` just after every `WAIT`, and the `WAIT` counts the
+/// writes only if the name read is the marker (see the module's docs). Unique in this process,
 /// and no connection of this process is ever named the same twice: a new connection, which
-/// carries no name or fred's, never passes for the old one.
+/// carries no name or fred's, never passes for the old one. Once a check does not find it, the
+/// client's next write names its connection anew ([`Waiter::marker`]).
+#[derive(Clone)]
 pub(super) struct Marker(String);
 
 impl Marker {
