@@ -48,6 +48,10 @@ fn config() -> Config {
         failovers: 0,
         replica_acks: false,
         hang_ups: 2,
+        // Calls that land late or twice reach the store as the model says, in that order.
+        call_faults: 2,
+        reconnects: 0,
+        give_ups: 1,
         mutation: None,
     }
 }
@@ -64,7 +68,7 @@ fn walks(model: &System) -> Vec<Vec<Call>> {
                 actions.clear();
                 model.possible(&state, &mut actions);
                 actions.retain(|action| match action {
-                    Action::Expire { slot } => {
+                    Action::Expire { slot, .. } => {
                         expiries < EXPIRIES && expiring.is_none_or(|record| record == *slot)
                     }
                     _ => true,

@@ -106,9 +106,16 @@ pub fn short(state: &State) -> String {
             .collect::<Vec<_>>()
             .join(",")
     };
-    let mut line = format!("primary[{}]", node(&state.primary));
-    if let Some(replica) = &state.replica {
-        line += &format!(" replica[{}]", node(replica));
+    let mut line = String::new();
+    for (n, records) in state.nodes.iter().enumerate() {
+        let role = match state.follows[n] {
+            None => "master".to_string(),
+            Some(m) => format!("replica of {m}"),
+        };
+        line += &format!("n{n} {role}[{}] ", node(records));
+    }
+    if state.window.is_some() {
+        line += "(failing over) ";
     }
     for (s, server) in state.servers.iter().enumerate() {
         let phase = match server.phase {
@@ -119,9 +126,16 @@ pub fn short(state: &State) -> String {
                 format!("C{client} claimed{}", if lost { " LOST" } else { "" })
             }
             Phase::Ran { client, lost, .. } => format!("C{client} ran{}", if lost { " LOST" } else { "" }),
-            Phase::AwaitCompleteAck { client, .. } => format!("{client:?} awaits completion ack"),
+            Phase::AwaitCompleteAck { client, .. } => format!("C{client} awaits completion ack"),
+            Phase::Completing { .. } => "completing in the background".to_string(),
         };
-        line += &format!(" S{s}:{phase}");
+        let fence = if server.fenced { " fenced" } else { "" };
+        let releasing = if server.releasing.is_empty() {
+            String::new()
+        } else {
+            format!(" +{} release(s)", server.releasing.len())
+        };
+        line += &format!(" S{s}@n{}:{phase}{fence}{releasing}", server.node);
     }
     for (c, client) in state.clients.iter().enumerate() {
         let status = match client {
@@ -132,12 +146,18 @@ pub fn short(state: &State) -> String {
         };
         line += &format!(" C{c}:{status}");
     }
+    if !state.in_transit.is_empty() {
+        line += &format!(" {} call(s) on their way", state.in_transit.len());
+    }
     let runs: Vec<String> = state
         .ghosts
         .iter()
-        .map(|g| format!("{}{}", g.runs, if g.orphaned > 0 { "*" } else { "" }))
+        .map(|g| match g.last_excuse {
+            Some(why) => format!("{} (excused {}: {why:?})", g.runs, g.excuses),
+            None => g.runs.to_string(),
+        })
         .collect();
-    line + &format!(" runs[{}]", runs.join(","))
+    line + &format!(" runs[{}]", runs.join(", "))
 }
 
 /// A trace, one step a line: the action, then the state it led to.

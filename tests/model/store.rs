@@ -69,6 +69,14 @@ pub enum Mutation {
     /// Durability option: a completion the replica did not acknowledge in time is answered and
     /// then forgotten (`complete_acknowledged` without its background `keep_completing`).
     NoBackgroundCompletion,
+    /// A failover announced raises no fence: servers keep claiming and writing on the old
+    /// master after the replica is promoted, until each switches (the Sentinel watch without
+    /// `+failover-state-send-slaveof-noone`'s fence, as before issue 35).
+    NoFence,
+    /// Durability option: a `WAIT` sent on a connection that replaced the one that wrote
+    /// counts that connection's writes (none), and answers enough at once (a `WAIT` fred sent
+    /// again after a reconnect, without the name check behind it).
+    WaitOnAnotherConnection,
 }
 
 /// One node's records, by slot (a record key's digest; see `System::slot`).
