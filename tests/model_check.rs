@@ -1,13 +1,14 @@
 //! The claim protocol's model (`tests/model/`), checked exhaustively with `stateright`: every
 //! interleaving of clients that retry and hang up, two servers that claim, renew, run, complete,
-//! release and crash at any step, leases that run out, and a failover that loses what the
-//! replica lacks.
+//! release and crash at any step, leases that run out, store calls that fail, lose their answer,
+//! land late or twice, connections replaced under a `WAIT`, and a failover that takes time.
 //!
-//! - the promises hold in the bounded configuration, and with the durability option across a
-//!   failover;
-//! - README's limits are found, with their traces printed: a lease that lapses under a live
-//!   owner, an asynchronous failover, a process that dies;
-//! - protocol bugs put into the model on purpose are caught.
+//! - the promises hold in bounded configurations: with the durability option across a slow
+//!   failover, lost calls and reconnects; without it, up to what the promoted replica lacked;
+//! - every run after a key's first is excused by a limit met, counted where it happens; each
+//!   limit is found, with its shortest trace printed;
+//! - protocol and machinery bugs put into the model on purpose are caught (the fence removed, a
+//!   `WAIT` answering for another connection's writes, owner checks dropped, …).
 //!
 //! `cargo test --all-features --test model_check` checks bounded configurations (seconds);
 //! `MODEL_CHECK=long cargo test --release --all-features --test model_check -- --nocapture`
