@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod explore;
+pub mod linearize;
 pub mod store;
 pub mod system;
 
