@@ -17,8 +17,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use model::linearize::{explaining_orders, Answer, Op};
-use model::store::{Mutation, Node};
-use model::{Action, Call, Config, Outcome, Payload, System, Token};
+use model::store::{Mutation, Node, Rec, RecState};
+use model::system::Phase;
+use model::{Action, Call, Config, Outcome, Payload, State, System, Token};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
@@ -784,4 +785,448 @@ async fn redis_store_races_as_the_model() {
 async fn postgres_store_races_as_the_model() {
     let backend = common::Backend::postgres().await;
     races_as_the_model("postgres", vec![backend.store]).await;
+}
+
+// A replicated pair with `WAIT`.
+//
+// Walks of the model with the durability option (`replica_acks: true`, no failover) replayed on
+// a real master and replica through `RedisStore::with_replica_acks`: the model's replication and
+// acknowledgement steps are made real. While the replica runs, the model replicates every record
+// at once (a running replica is caught up within milliseconds), and a claim or completion is
+// acknowledged (`ClaimAcked`, `CompleteAcked`); while it is stopped (`SIGSTOP`), the model
+// replicates nothing, a claim is not acknowledged (`ClaimNotAcked`: the store releases it and
+// answers `StoreError::NotReplicated`, the layer's 503) and a completion times out
+// (`CompleteTimedOut`: answered, and completed again in the background until the replica,
+// resumed, has it). After every step the record each node holds is read (`GET`, on the master,
+// and on the replica while it runs, once caught up) and compared with the model's primary and
+// replica.
+//
+// `SIGSTOP`, rather than `CLIENT PAUSE` or `DEBUG SLEEP` on the replica: the master keeps its
+// link to the stopped replica open, so its `WAIT` waits out the timeout as it does for a replica
+// that is slow or cut off by a partition, rather than answering at once for a replica it knows
+// is gone; `CLIENT PAUSE` holds the replica's clients, not (by its documentation) the stream
+// from its master; `DEBUG SLEEP` blocks the connection that sends it for the sleep.
+//
+// No lease runs out in these walks (the model's `Expire` steps are left out: an expiry while
+// the replica is stopped happens on the master alone and reaches the replica when it resumes,
+// which the model's step of the primary alone already says, and each would cost a lease's sleep).
+
+const REPLICATED_SEED: u64 = 37;
+const REPLICATED_WALKS: usize = 12;
+const REPLICATED_DEPTH: usize = 30;
+/// Times the replica is stopped per walk, at most (each stop costs a `WAIT` timeout per claim
+/// and completion made meanwhile).
+const STOPS: usize = 2;
+/// The `WAIT` timeout of the store the steps take while the replica is stopped: small, so a
+/// claim it does not acknowledge costs little.
+const WAIT_TIMEOUT: Duration = Duration::from_millis(50);
+/// The `WAIT` timeout of the store the steps take while the replica runs: long, so that a
+/// machine busy for a moment does not make a claim the model says is acknowledged time out.
+const RUNNING_WAIT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The configuration of the replicated walks: two records in two scopes under one key, three
+/// clients (two with different payloads for one record), two servers, a crash, a handler
+/// failure, a hang-up; the durability option, no failover.
+fn replicated_config() -> Config {
+    Config {
+        records: vec![(0, 0), (1, 0)],
+        clients: vec![(0, 0), (0, 1), (1, 0)],
+        servers: 2,
+        crashes: 1,
+        failures: 1,
+        live_lapses: 0,
+        failovers: 0,
+        replica_acks: true,
+        hang_ups: 1,
+        mutation: None,
+    }
+}
+
+/// A step of a replicated walk.
+#[derive(Clone, Debug)]
+enum Step {
+    /// A store call answered as the model says, acknowledged or not (a completion the replica
+    /// did not acknowledge is answered `true` all the same).
+    Call(Call),
+    /// A claim the model says was made (`Claimed`) and then, with the replica stopped, not
+    /// acknowledged: released by the store, and answered `NotReplicated`.
+    ClaimNotAcked(Call),
+    /// The replica stops (`false`) or resumes (`true`).
+    Replica(bool),
+    /// What the model's primary holds, and its replica where the real one can be read (running).
+    Holds {
+        primary: Vec<Option<Rec>>,
+        replica: Option<Vec<Option<Rec>>>,
+    },
+}
+
+/// The model's replication with the replica running: every record at once, and the
+/// completions waiting for it (in the foreground or the background) acknowledged.
+fn catch_up(model: &System, state: &mut State) {
+    for slot in 0..model.config.records.len() {
+        *state = model.step(state, Action::Replicate { slot: slot as u8 }).0;
+    }
+    for server in 0..model.config.servers {
+        if matches!(
+            state.servers[usize::from(server)].phase,
+            Phase::AwaitCompleteAck { .. }
+        ) {
+            *state = model.step(state, Action::CompleteAcked { server }).0;
+        }
+    }
+}
+
+/// `REPLICATED_WALKS` seeded walks of `model` with the replica stopped and resumed at random.
+fn replicated_walks(model: &System) -> Vec<Vec<Step>> {
+    let mut rng = StdRng::seed_from_u64(REPLICATED_SEED);
+    (0..REPLICATED_WALKS)
+        .map(|_| {
+            let mut state = model.initial();
+            let (mut steps, mut actions) = (Vec::new(), Vec::new());
+            let (mut running, mut stops) = (true, 0);
+            for _ in 0..REPLICATED_DEPTH {
+                actions.clear();
+                model.possible(&state, &mut actions);
+                // The steps of the servers and clients; replication and acknowledgements are
+                // this driver's (below), and no lease runs out. Steps the model may add later
+                // are left out until the replay can make them real.
+                actions.retain(|action| {
+                    matches!(
+                        action,
+                        Action::Serve { .. }
+                            | Action::Renew { .. }
+                            | Action::Run { .. }
+                            | Action::Fail { .. }
+                            | Action::Complete { .. }
+                            | Action::Crash { .. }
+                            | Action::HangUp { .. }
+                    )
+                });
+                let may_toggle = !running || stops < STOPS;
+                if actions.is_empty() && !may_toggle {
+                    break;
+                }
+                // One chance in six, when it may, that the replica stops, one in three that it
+                // resumes: short stops, as each claim meanwhile costs a `WAIT` timeout.
+                let odds = if running { 6 } else { 3 };
+                if may_toggle && (actions.is_empty() || rng.random_range(0..odds) == 0) {
+                    running = !running;
+                    stops += usize::from(!running);
+                    steps.push(Step::Replica(running));
+                } else {
+                    let action = actions[rng.random_range(0..actions.len())];
+                    let (next, call) = model.step(&state, action);
+                    state = next;
+                    let server = match action {
+                        Action::Serve { server, .. } | Action::Complete { server } => Some(server),
+                        _ => None,
+                    };
+                    let phase = server.map(|server| state.servers[usize::from(server)].phase);
+                    match (phase, call) {
+                        (Some(Phase::AwaitClaimAck { .. }), Some(call)) => {
+                            let server = server.expect("a server's phase");
+                            if running {
+                                catch_up(model, &mut state);
+                                state = model.step(&state, Action::ClaimAcked { server }).0;
+                                steps.push(Step::Call(call));
+                            } else {
+                                // The model's release (`ClaimNotAcked`) is the store's own.
+                                state = model.step(&state, Action::ClaimNotAcked { server }).0;
+                                steps.push(Step::ClaimNotAcked(call));
+                            }
+                        }
+                        (Some(Phase::AwaitCompleteAck { .. }), Some(call)) => {
+                            let server = server.expect("a server's phase");
+                            if !running {
+                                state = model.step(&state, Action::CompleteTimedOut { server }).0;
+                            }
+                            steps.push(Step::Call(call));
+                        }
+                        (_, Some(call)) => steps.push(Step::Call(call)),
+                        (_, None) => {}
+                    }
+                }
+                if running {
+                    catch_up(model, &mut state);
+                }
+                steps.push(holds(&state, running));
+            }
+            if !running {
+                steps.push(Step::Replica(true));
+                catch_up(model, &mut state);
+                steps.push(holds(&state, true));
+            }
+            steps
+        })
+        .collect()
+}
+
+fn holds(state: &State, running: bool) -> Step {
+    Step::Holds {
+        primary: state.primary.records.clone(),
+        replica: running.then(|| state.replica.as_ref().expect("a replica").records.clone()),
+    }
+}
+
+/// A record as read from a node: owner, fingerprint, state byte and payload. The layout
+/// (`src/store/redis/record.rs`): `TIR`, a version byte, the owner's length (u16, big-endian),
+/// the owner, the state (`F` or `C`), the deadline (8 bytes), the fingerprint (32), the payload.
+type Stored = (String, [u8; 32], u8, Bytes);
+
+fn parse_stored(record: &Bytes) -> Stored {
+    let owner_len = usize::from(u16::from_be_bytes([record[4], record[5]]));
+    let state_at = 6 + owner_len;
+    let fingerprint: [u8; 32] = record[state_at + 9..state_at + 41].try_into().expect("32 bytes");
+    (
+        String::from_utf8_lossy(&record[6..state_at]).into_owned(),
+        fingerprint,
+        record[state_at],
+        record.slice(state_at + 41..),
+    )
+}
+
+impl Walk {
+    /// The record the model says a node holds, as it would be read from it.
+    fn stored(&mut self, rec: Option<Rec>) -> Option<Stored> {
+        let rec = rec?;
+        let (state, payload) = match rec.state {
+            RecState::InFlight => (b'F', Bytes::new()),
+            RecState::Completed(payload) => (b'C', payload_bytes(payload)),
+        };
+        let owner = self.owner(rec.owner).as_str().to_owned();
+        Some((owner, *fingerprint(rec.fingerprint).as_bytes(), state, payload))
+    }
+
+    /// Compares what `node` holds for each record with `model`'s records (by slot).
+    async fn compare_node(
+        &mut self,
+        name: &str,
+        node: &fred::clients::Client,
+        store: &tower_idempotency::RedisStore,
+        model: &[Option<Rec>],
+    ) -> Result<(), String> {
+        use fred::interfaces::KeysInterface;
+        for record in 0..self.config.records.len() as u8 {
+            let key = store.redis_key(&self.key_of(record));
+            let found: Option<Bytes> = node
+                .get(&key)
+                .await
+                .map_err(|e| format!("GET on the {name}: {e}"))?;
+            let real = found.as_ref().map(parse_stored);
+            let expected = self.stored(model[self.config.slot(record)]);
+            if real != expected {
+                return Err(format!(
+                    "the {name} holds {real:?} for record {record}, the model {expected:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A master and a replica in sync with it.
+struct Pair {
+    master: common::RedisServer,
+    replica: common::RedisServer,
+    /// Plain clients of each, to read records and ask the master for the replica's offset.
+    on_master: fred::clients::Client,
+    on_replica: fred::clients::Client,
+}
+
+impl Pair {
+    async fn start() -> Self {
+        // Redis waits 5 s by default before a diskless full sync, for more replicas to join.
+        let master = common::RedisServer::start_with(&["--repl-diskless-sync-delay", "0"]);
+        let port = master.port().to_string();
+        let replica = common::RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+        let on_master = common::client(&master.url()).await;
+        let on_replica = common::client(&replica.url()).await;
+        let pair = Self {
+            master,
+            replica,
+            on_master,
+            on_replica,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !pair.caught_up().await {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the replica never came online and acknowledged a write"
+            );
+        }
+        pair
+    }
+
+    /// Whether the replica has every write the master had a moment ago: a write of the
+    /// master's own client, and a `WAIT` for it (which counts that client's writes).
+    async fn caught_up(&self) -> bool {
+        common::admin(&self.on_master, &["SET", "caught-up-probe", "1"]).await;
+        common::admin(&self.on_master, &["WAIT", "1", "1000"])
+            .await
+            .as_i64()
+            == Some(1)
+    }
+
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the replica; resumed, waits until it has caught up.
+    async fn replica_running(&self, running: bool) {
+        let pid = self.replica.pid().expect("a running replica").to_string();
+        let signal = if running { "-CONT" } else { "-STOP" };
+        let status = std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid} failed");
+        if running {
+            assert!(
+                self.caught_up().await,
+                "the replica did not catch up within 1 s of resuming"
+            );
+        }
+    }
+}
+
+/// Two stores on `pair`'s master with the durability option, alike but for their `WAIT`
+/// timeout: the steps take the first while the replica runs, the second while it is stopped.
+struct Durable {
+    running: tower_idempotency::RedisStore,
+    stopped: tower_idempotency::RedisStore,
+}
+
+impl Durable {
+    async fn on(pair: &Pair) -> Self {
+        let store = |timeout| async move {
+            let store = common::connect(&pair.master.url())
+                .await
+                .expect("connect")
+                .with_replica_acks(tower_idempotency::ReplicaAcks::new(1).timeout(timeout))
+                .await
+                .expect("connect the waiting connections");
+            store.load_scripts().await.expect("load the scripts");
+            store
+        };
+        Self {
+            running: store(RUNNING_WAIT_TIMEOUT).await,
+            stopped: store(WAIT_TIMEOUT).await,
+        }
+    }
+}
+
+/// Replays `steps` on `stores` (the pair's master with the durability option). `Err` names the
+/// first step whose answer, or whose record on either node, differs from the model's.
+async fn replay_replicated(
+    pair: &Pair,
+    stores: &Durable,
+    walk: usize,
+    steps: &[Step],
+) -> Result<usize, String> {
+    let mut replayed = Walk::new(replicated_config(), walk);
+    let (mut calls, mut store) = (0, &stores.running);
+    for (i, step) in steps.iter().enumerate() {
+        let differs = |real: String| {
+            let from = steps[..i]
+                .iter()
+                .rposition(|step| !matches!(step, Step::Holds { .. }))
+                .unwrap_or(0);
+            format!(
+                "replicated walk {walk}, step {i} of {}: {step:?}\n  but {real}\n  the steps before: {:#?}",
+                steps.len(),
+                &steps[from.saturating_sub(8)..i]
+            )
+        };
+        match step {
+            Step::Call(call) => {
+                calls += 1;
+                replayed
+                    .call(store, *call, LONG_LEASE)
+                    .await
+                    .map_err(|real| differs(format!("the store answered {real}")))?;
+            }
+            Step::ClaimNotAcked(call) => {
+                calls += 1;
+                let Call::Claim {
+                    record,
+                    fingerprint: f,
+                    owner: token,
+                    ..
+                } = *call
+                else {
+                    panic!("only a claim waits for its acknowledgement: {call:?}")
+                };
+                let owner = replayed.owner(token);
+                let key = replayed.key_of(record);
+                match store.claim(&key, &fingerprint(f), &owner, LONG_LEASE).await {
+                    Err(StoreError::NotReplicated { .. }) => {}
+                    other => {
+                        return Err(differs(format!(
+                            "the store answered {other:?}, not NotReplicated (503)"
+                        )))
+                    }
+                }
+            }
+            Step::Replica(running) => {
+                pair.replica_running(*running).await;
+                store = if *running {
+                    &stores.running
+                } else {
+                    &stores.stopped
+                };
+            }
+            Step::Holds { primary, replica } => {
+                replayed
+                    .compare_node("master", &pair.on_master, store, primary)
+                    .await
+                    .map_err(differs)?;
+                if let Some(replica) = replica {
+                    // Caught up with the master's last write, which came after the step's.
+                    if !pair.caught_up().await {
+                        return Err(differs("the running replica did not catch up within 1 s".into()));
+                    }
+                    replayed
+                        .compare_node("replica", &pair.on_replica, store, replica)
+                        .await
+                        .map_err(differs)?;
+                }
+            }
+        }
+    }
+    Ok(calls)
+}
+
+/// The model's walks with the durability option, on a real master and replica, one walk after
+/// another (the replica's state is the pair's). No time is asserted: a claim not acknowledged
+/// costs the short `WAIT` timeout (50 ms), and the bounds (a 2 s `WAIT` while the replica runs,
+/// 1 s to catch up after it resumes) are wide margins for a busy machine, not measurements.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_with_replica_acks_answers_and_replicates_as_the_model() {
+    let started = std::time::Instant::now();
+    let pair = Pair::start().await;
+    let stores = Durable::on(&pair).await;
+    let model = System::new(replicated_config());
+    let walks = replicated_walks(&model);
+    let (mut calls, mut not_acked, mut stops) = (0, 0, 0);
+    for (walk, steps) in walks.iter().enumerate() {
+        let replayed = replay_replicated(&pair, &stores, walk, steps).await;
+        if replayed.is_err() {
+            // Resumed, so the pair is stopped cleanly whatever the step.
+            pair.replica_running(true).await;
+        }
+        calls += replayed.unwrap_or_else(|difference| panic!("{difference}"));
+        not_acked += steps
+            .iter()
+            .filter(|step| matches!(step, Step::ClaimNotAcked(_)))
+            .count();
+        stops += steps
+            .iter()
+            .filter(|step| matches!(step, Step::Replica(false)))
+            .count();
+    }
+    println!(
+        "replicated: {calls} store calls of {REPLICATED_WALKS} walks answered and held as the model, \
+         {not_acked} claims not acknowledged, the replica stopped {stops} times; in {:?}",
+        started.elapsed()
+    );
+    assert!(
+        not_acked > 0,
+        "no walk had a claim the stopped replica did not acknowledge"
+    );
 }
