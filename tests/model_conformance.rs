@@ -831,14 +831,12 @@ fn replicated_config() -> Config {
     Config {
         records: vec![(0, 0), (1, 0)],
         clients: vec![(0, 0), (0, 1), (1, 0)],
-        servers: 2,
         crashes: 1,
         failures: 1,
         live_lapses: 0,
-        failovers: 0,
         replica_acks: true,
         hang_ups: 1,
-        mutation: None,
+        ..config()
     }
 }
 
