@@ -475,17 +475,17 @@ async fn a_model_that_differs_from_the_stores_is_caught() {
 // calls of several owners at once: claims with their own tokens and fingerprints, and
 // completions, releases and renewals of owner 0 or of an owner claiming in the same round. Every
 // owner calls through a store of its own: on Redis a `RedisStore` on its own connection (so the
-// calls are not put in order by one socket), on PostgreSQL the store's pool (a connection per
-// call in flight), in memory one store shared by tasks on two threads. The calls are spawned
+// calls are not put in order by one socket), on PostgreSQL a store whose pool has a connection
+// for every call in flight, in memory one store shared by tasks on two threads. The calls are spawned
 // and released together by a barrier. The round is accepted if some order of them (and of the
 // lease running out, where it does), applied one at a time to the model's `Node`, gives exactly
 // the answers the store gave.
 
 const RACE_SEED: u64 = 36;
-const ROUNDS: usize = 96;
+const ROUNDS: usize = 144;
 /// Rounds in flight at once (each on its own record): more overlap, and the expiring rounds'
 /// waits run side by side.
-const ROUNDS_AT_ONCE: usize = 8;
+const ROUNDS_AT_ONCE: usize = 12;
 /// The lease of owner 0's claim in a round where it runs out as the calls are issued.
 const ROUND_LEASE: Duration = Duration::from_millis(300);
 
@@ -791,8 +791,19 @@ async fn redis_store_races_as_the_model() {
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_races_as_the_model() {
-    let backend = common::Backend::postgres().await;
-    races_as_the_model("postgres", vec![backend.store]).await;
+    let url = tokio::task::spawn_blocking(|| common::postgres::shared().url())
+        .await
+        .expect("start the shared PostgreSQL server");
+    // A connection for every call in flight (`ROUNDS_AT_ONCE` rounds of at most 5), so that none waits for
+    // one and the calls race in the server, not in the pool's queue.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections((ROUNDS_AT_ONCE * 5) as u32)
+        .connect(&url)
+        .await
+        .expect("connect to the shared PostgreSQL server");
+    let store = tower_idempotency::PostgresStore::new(pool).with_table(&common::postgres::unique_table());
+    store.migrate().await.expect("create the record table");
+    races_as_the_model("postgres", vec![Arc::new(store)]).await;
 }
 
 // A replicated pair with `WAIT`.
