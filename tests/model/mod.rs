@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod explore;
+pub mod linearize;
 pub mod store;
 pub mod system;
 
