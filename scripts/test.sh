@@ -178,7 +178,8 @@ newer_lane+="$entry redis_store"$'\n'
 # the doctests and the TLS refusal built without TLS in the other (about 3.6 and 3.2 minutes of
 # running, one after the other, before the TLS refusal's build).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
-# are the failover's and not the other lane's load. (Under that load, with a 5 s lease, a storm
+# are the failover's and not the other lane's load (.ci/run's fuzz step may run meanwhile, at
+# idle priority: it gets no CPU time they ask for). (Under that load, with a 5 s lease, a storm
 # once ran a key twice: the lease ran out before the completion reached the new master, the
 # documented limit; their lease is 15 s since, see docs/topologies-and-failover.md.)
 redis_lane="" other_lane="" storms=""
