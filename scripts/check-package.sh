@@ -7,13 +7,13 @@
 #
 # Why not `cargo package` alone: it verifies by building the package with its default features,
 # a tree of dependencies that no other step of CI builds (37 s of CI's 2 cores). The check below
-# reuses the dependencies the docs were just built with, and covers every feature.
-# Why a target directory of its own (target/package-check): docs.rs builds with `--cfg docsrs`
-# on nightly, and RUSTC_BOOTSTRAP=1 lets the stable toolchain (the crate's; nightly is there for
-# the fuzzers alone) take the nightly-only `doc_cfg` that this cfg turns on. proc-macro2's build
-# script watches RUSTC_BOOTSTRAP, so in the shared target directory the next build without it
-# (the tests') would build proc-macro2, syn and every proc macro again. The check runs with it
-# too, so it shares the docs' dependencies; the other steps check without it.
+# reuses the dependencies the docs were just built with (checked, not built), and covers every
+# feature. docs.rs builds with `--cfg docsrs` on nightly; RUSTC_BOOTSTRAP=1 lets the stable
+# toolchain (the crate's; nightly is there for the fuzzers alone) take the nightly-only `doc_cfg`
+# that this cfg turns on. The check runs with it too: proc-macro2's build script watches that
+# variable, so a check without it would build proc-macro2, syn and every proc macro again, and
+# everything that uses them. (A target directory of their own would spare the later builds
+# that, but cost more: the ~130 dependencies the other checks have built already, built again.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,7 +23,7 @@ cargo package --locked --no-verify "$@"
 unpacked="$target/package/$name-$version"
 rm -rf "$unpacked"
 tar -xzf "$target/package/$name-$version.crate" -C "$target/package"
-export CARGO_TARGET_DIR="$target/package-check" RUSTC_BOOTSTRAP=1
+export CARGO_TARGET_DIR="$target" RUSTC_BOOTSTRAP=1
 echo "== the package's docs, as docs.rs builds them (in $unpacked)"
 RUSTDOCFLAGS="--cfg docsrs -D warnings" cargo doc --locked --no-deps --all-features --manifest-path "$unpacked/Cargo.toml"
 echo "== the package, checked with every feature"
