@@ -175,7 +175,7 @@ done
 entry=$(binary model_conformance)
 newer_lane+="$entry redis_store"$'\n'
 # Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest,
-# the doctests and the TLS refusal built without TLS in the other (about 3.6 and 3.2 minutes of
+# the doctests and the TLS refusal built without TLS in the other (about 3.6 and 2.8 minutes of
 # running, one after the other, before the TLS refusal's build).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
 # are the failover's and not the other lane's load (.ci/run's fuzz step may run meanwhile, at
