@@ -2,7 +2,8 @@
 # Runs every fuzz target of fuzz/fuzz_targets/ (cargo-fuzz, libFuzzer; nightly) for SECONDS each
 # (default 60): `scripts/fuzz.sh [seconds] [target...]`. A libFuzzer process uses one core, so
 # the targets run as many at a time as there are cores (FUZZ_PARALLEL; no -jobs, which would
-# fork workers), each one's output printed once it is done. CI runs `FUZZ_SANITIZER=none scripts/fuzz.sh 20`.
+# fork workers), each one's output printed once it is done. CI runs `FUZZ_SANITIZER=none scripts/fuzz.sh 20`
+# (.ci/run: the build first, with FUZZ_BUILD_ONLY=1, the runs once the test binaries are built).
 # Needs the nightly toolchain (`rustup toolchain install nightly`; it fails saying so when it is
 # missing; FUZZ_TOOLCHAIN names another, a dated nightly say) and cargo-fuzz, which it installs
 # (`cargo install cargo-fuzz --locked`) when missing.
@@ -41,6 +42,8 @@ echo "using $(cargo fuzz --version)"
 # code, so AddressSanitizer finds little here, and without it the build takes a quarter less.
 sanitizer=${FUZZ_SANITIZER:-address}
 cargo "+$toolchain" fuzz build -s "$sanitizer"
+# FUZZ_BUILD_ONLY=1: the build alone (.ci/run builds early, at idle priority, and runs later).
+[ -z "${FUZZ_BUILD_ONLY:-}" ] || exit 0
 parallel=${FUZZ_PARALLEL:-$(nproc)}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -81,7 +81,8 @@ filters_match() {
 # ran no test, or was given a filter that matches none of its tests, and if a lane ran no
 # binary. Most tests wait on leases, timeouts and servers rather than on the CPU, so two lanes
 # overlap well on 2 cores. A lane is lines "<name> <path> [filters…]"; a line NAME=VALUE sets
-# the environment of the binaries after it; the line "doctests" runs cargo's doctests there.
+# the environment of the binaries after it; the line "doctests" runs cargo's doctests there, and
+# the line "tls-refusal-without-tls" the library's TLS tests built without its `tls` feature.
 run_lanes() {
   local logs failed=0 pids=() n=0
   logs=$(mktemp -d)
@@ -95,6 +96,15 @@ run_lanes() {
           doctests)
             echo "== doctests"
             counted doctests cargo test --all-features --doc || lane_failed=1
+            ran=$((ran + 1))
+            ;;
+          tls-refusal-without-tls)
+            # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must
+            # be refused (never a plain-text connection). A build of its own (about 25 s of a
+            # core), so it runs in a lane, beside tests that mostly wait, and not after them.
+            echo "== the TLS refusal without TLS"
+            counted "the TLS refusal without TLS" \
+              cargo test --no-default-features --features redis,postgres --lib -- tls || lane_failed=1
             ran=$((ran + 1))
             ;;
           *)
@@ -117,16 +127,23 @@ run_lanes() {
   return "$failed"
 }
 
-# The newer servers first: tests/redis_compare_and_set.rs runs on them in the first lanes too.
-# An assignment, not a `for` over the command: a fetch that fails must fail the run, where a
-# loop over a failed substitution would run zero times and pass.
 # Each phase is named with the seconds since the start, so the log tells where the time goes.
 started=$(date +%s)
 phase() { echo "== test.sh: $* (at $(($(date +%s) - started)) s)"; }
-newer=$(scripts/newer-servers.sh)
-[ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
+# The newer servers are fetched (about 20 s from a clean clone, mostly the network) while the
+# test binaries build, and waited for before the first lanes: tests/redis_compare_and_set.rs runs
+# on them there too. Read from a file once the fetch has succeeded, not a `for` over the command:
+# a fetch that fails must fail the run, where a loop over a failed substitution would run zero
+# times and pass.
+newer_list=$(mktemp)
+scripts/newer-servers.sh >"$newer_list" &
+newer_fetch=$!
 phase "building the test binaries"
 mapfile -t binaries < <(test_binaries)
+wait "$newer_fetch" || { echo "scripts/newer-servers.sh failed" >&2; exit 1; }
+newer=$(cat "$newer_list")
+rm -f "$newer_list"
+[ -n "$newer" ] || { echo "scripts/newer-servers.sh named no server" >&2; exit 1; }
 expected=$(($(ls tests/*.rs | wc -l) + 2)) # every tests/*.rs, the library's and the admin tool's unit tests
 [ "${#binaries[@]}" -eq "$expected" ] || {
   echo "expected $expected test binaries, found ${#binaries[@]}: ${binaries[*]}" >&2
@@ -157,10 +174,12 @@ for name in redis redis_faults redis_replica_acks redis_cluster; do
 done
 entry=$(binary model_conformance)
 newer_lane+="$entry redis_store"$'\n'
-# Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest and
-# then the doctests in the other (about 3 and 4 minutes of running, one after the other).
+# Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest,
+# the doctests and the TLS refusal built without TLS in the other (about 3.6 and 2.8 minutes of
+# running, one after the other, before the TLS refusal's build).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
-# are the failover's and not the other lane's load. (Under that load, with a 5 s lease, a storm
+# are the failover's and not the other lane's load (.ci/run's fuzz step may run meanwhile, at
+# idle priority: it gets no CPU time they ask for). (Under that load, with a 5 s lease, a storm
 # once ran a key twice: the lease ran out before the completion reached the new master, the
 # documented limit; their lease is 15 s since, see docs/topologies-and-failover.md.)
 redis_lane="" other_lane="" storms=""
@@ -171,16 +190,11 @@ for entry in "${binaries[@]}"; do
     *) other_lane+="$entry"$'\n' ;;
   esac
 done
-other_lane+="doctests"$'\n'
+other_lane+="doctests"$'\n'"tls-refusal-without-tls"$'\n'
 phase "the Redis lane and the other lane"
 run_lanes "$redis_lane" "$other_lane"
 phase "the failover storms"
 run_lanes "$storms"
-phase "the TLS refusal without TLS"
-
-# Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must be refused
-# (never a plain-text connection).
-counted "the TLS refusal without TLS" cargo test --no-default-features --features redis,postgres --lib -- tls
 
 # The Redis tests once more on newer Redis and Valkey servers from Debian's registry (fetched into
 # target/servers, nothing installed; scripts/newer-servers.sh): Redis 8.0 and Valkey 8.1 (trixie),
