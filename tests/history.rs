@@ -297,7 +297,8 @@ async fn run_client(
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
     let delay_ms: u64 = rng.random_range(10..150);
-    let body = format!("{{\"tenant\":\"{scope}\",\"key\":\"{key}\"}}");
+    // The same body in every tenant: only the scope keeps one tenant's answer from another.
+    let body = format!("{{\"key\":\"{key}\"}}");
     let fingerprint = {
         let mut hasher = std::hash::DefaultHasher::new();
         body.hash(&mut hasher);
@@ -362,6 +363,9 @@ struct Planned {
     /// The node, for faults on a node's connections or process.
     node: usize,
     hold: Duration,
+    /// For a cut after a write: the write it cuts, a claim (`SET … NX`) or a script call (a
+    /// completion, a renewal or a release: `EVALSHA`).
+    cut: &'static [u8],
 }
 
 /// The fault schedule for `duration`, drawn from `seed` alone: each kind once per round, in a
@@ -395,7 +399,18 @@ fn schedule(seed: u64, duration: Duration) -> Vec<Planned> {
                 Duration::from_millis(rng.random_range(50..400))
             }
         };
-        plan.push(Planned { at, kind, node, hold });
+        let cut: &'static [u8] = if rng.random_bool(0.5) {
+            b"$2\r\nNX\r\n"
+        } else {
+            b"EVALSHA"
+        };
+        plan.push(Planned {
+            at,
+            kind,
+            node,
+            hold,
+            cut,
+        });
         at += hold + Duration::from_millis(rng.random_range(200..900));
     }
     plan
@@ -464,15 +479,15 @@ async fn inject(
                 busy(planned.node)
             }
             FaultKind::CutAfterWrite => {
-                // A script call (a claim, a completion, a renewal) reaches Redis; its answer
-                // never comes back, its connection closes.
+                // A claim or a script call reaches Redis; its answer never comes back, its
+                // connection closes.
                 let cuts = proxy.cuts();
-                proxy.cut_instead_of_answering(b"EVALSHA", 1);
+                proxy.cut_instead_of_answering(planned.cut, 1);
                 let armed = tokio::time::Instant::now();
                 while proxy.cuts() == cuts && armed.elapsed() < planned.hold {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                proxy.cut_instead_of_answering(b"EVALSHA", 0);
+                proxy.cut_instead_of_answering(planned.cut, 0);
                 proxy.cuts() > cuts
             }
             FaultKind::RedisPaused => {
