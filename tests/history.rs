@@ -19,6 +19,14 @@
 //! `HISTORY_DURATION=<seconds>` (default 30) sets how long faults are injected and keys keep
 //! starting: the long run documented in docs/guarantees.md.
 //!
+//! `HISTORY_TOPOLOGY=sentinel` runs it on Sentinel instead (a master, two replicas, three
+//! sentinels; the stores with the durability option): graceful failovers, kills -9 of the
+//! master, kills of the child node. Not in the suite yet: see the test's doc.
+//!
+//! A failing run prints, for the first keys run twice without an excuse, their timelines
+//! (requests, answers, effects, reports, faults), every fault with its times, and the child
+//! nodes' logs (warnings, and the layer's notices), with the wall-clock time of the traces' zero.
+//!
 //! The faults must land: a kind none of whose faults left a mark (requests in flight where it
 //! hit, a write whose answer was cut, a request that met a killed process) fails the run as a
 //! run that tested nothing.
@@ -47,16 +55,19 @@ use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use common::proxy::{Fault as ProxyFault, FaultProxy};
+use common::sentinel::SentinelTopology;
 use common::storm::InFlight;
 use common::{client, RedisServer};
-use history::checker::{self, Attempt, Effect, Fault, FaultKind, History, Limits, Nanos, Outcome, Report};
+use history::checker::{
+    self, Attempt, Effect, Fault, FaultKind, History, Limits, Nanos, Outcome, Report, Violation,
+};
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, ReconciliationKind, RedisStore, Scope};
+use tower_idempotency::{IdempotencyLayer, ReconciliationKind, RedisStore, ReplicaAcks, Scope};
 
 const TENANTS: [&str; 3] = ["t0", "t1", "t2"];
 /// Key names started each generation, the same names in every tenant.
@@ -65,13 +76,8 @@ const CLIENTS_PER_KEY: usize = 3;
 const CALLS_PER_CLIENT: usize = 2;
 /// A generation of keys starts this often while faults are injected.
 const GENERATION_EVERY: Duration = Duration::from_millis(1000);
-const LEASE: Duration = Duration::from_millis(1000);
+/// The standalone nodes' store timeout (the command timeout too).
 const TIMEOUT: Duration = Duration::from_millis(250);
-/// An attempt not answered within this is a hang. A property with a wide margin, not a
-/// benchmark: with a 1 s lease and a 250 ms store timeout a request is answered (or refused)
-/// within a few seconds even across a 1.5 s freeze or a Redis restart; only a request stuck
-/// for good waits this out.
-const HANG_BOUND: Duration = Duration::from_secs(10);
 /// A call (retried until a 2xx) still unanswered after this gives up; the checker reports it.
 const CALL_DEADLINE: Duration = Duration::from_secs(60);
 /// At most this share of the keys may run twice within the documented limits: faults that
@@ -81,6 +87,93 @@ const LIMITS: Limits = Limits {
 };
 /// The node names: `a` and `b` in this process, `c` a child process killed and restarted.
 const NODES: [&str; 3] = ["a", "b", "c"];
+
+/// The Redis deployment the nodes of a run share, and the faults drawn for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Topology {
+    /// One redis-server (AOF, `appendfsync always`), each node behind a fault proxy of its own.
+    Standalone,
+    /// A master, two replicas and three sentinels (`down-after-milliseconds` 1 s); the stores
+    /// wait for one replica's acknowledgement of each claim and completion (the durability
+    /// option, `RedisStore::with_replica_acks`).
+    Sentinel,
+}
+
+impl Topology {
+    fn name(self) -> &'static str {
+        match self {
+            Topology::Standalone => "standalone",
+            Topology::Sentinel => "sentinel",
+        }
+    }
+
+    fn named(name: &str) -> Self {
+        match name {
+            "standalone" => Topology::Standalone,
+            "sentinel" => Topology::Sentinel,
+            _ => panic!("no topology {name:?}"),
+        }
+    }
+
+    /// Standalone: 1 s, so that a freeze of 1.5 s outlasts it now and then (the documented
+    /// limit). Sentinel: above 1.5 x the longest failover (a kill -9 is seen after 1 s, and
+    /// promoted a few seconds later on a loaded machine), as docs/guarantees.md asks.
+    fn lease(self) -> Duration {
+        match self {
+            Topology::Standalone => Duration::from_millis(1000),
+            Topology::Sentinel => Duration::from_secs(10),
+        }
+    }
+
+    /// An attempt not answered within this is a hang. A property with a wide margin, not a
+    /// benchmark: standalone, with a 1 s lease and a 250 ms store timeout, a request is answered
+    /// (or refused) within a few seconds even across a 1.5 s freeze or a Redis restart; with
+    /// Sentinel, a claim waits at the fence until the new master is confirmed (a few seconds).
+    /// Only a request stuck for good waits this out.
+    fn hang_bound(self) -> Duration {
+        match self {
+            Topology::Standalone => Duration::from_secs(10),
+            Topology::Sentinel => Duration::from_secs(30),
+        }
+    }
+
+    /// The fault kinds its schedules draw from, each once per round.
+    fn kinds(self) -> &'static [FaultKind] {
+        match self {
+            Topology::Standalone => &[
+                FaultKind::Delay,
+                FaultKind::Freeze,
+                FaultKind::Reset,
+                FaultKind::CutAfterWrite,
+                FaultKind::RedisPaused,
+                FaultKind::RedisKilled,
+                FaultKind::NodeKilled,
+            ],
+            Topology::Sentinel => &[
+                FaultKind::SentinelFailover,
+                FaultKind::MasterKilled,
+                FaultKind::NodeKilled,
+            ],
+        }
+    }
+
+    /// A node's store on `url` (a fault proxy's, or the sentinels').
+    async fn store(self, url: &str) -> RedisStore {
+        match self {
+            Topology::Standalone => RedisStore::new(client(url).await).with_command_timeout(TIMEOUT),
+            Topology::Sentinel => {
+                let store = RedisStore::connect(url)
+                    .await
+                    .expect("connect through the sentinels");
+                let acks = ReplicaAcks::new(1).timeout(Duration::from_millis(250));
+                store
+                    .with_replica_acks(acks)
+                    .await
+                    .expect("the durability option")
+            }
+        }
+    }
+}
 
 /// Now on `CLOCK_MONOTONIC`, which every process of the machine shares (`Instant` is the same
 /// clock but cannot be sent to another process).
@@ -110,13 +203,15 @@ fn append_line(path: &Path, line: &str) {
 /// A layer node: `POST /payments`, scoped by `x-tenant`, whose handler appends its effect to
 /// `effects-<process>.log` before answering, and whose reconciliation hook appends to
 /// `reports-<process>.log`.
-fn node_app(store: RedisStore, dir: &Path, process: &str) -> Router {
+fn node_app(topology: Topology, store: RedisStore, dir: &Path, process: &str) -> Router {
     let reports = dir.join(format!("reports-{process}.log"));
     let effects = dir.join(format!("effects-{process}.log"));
     let process: Arc<str> = process.into();
-    let layer = IdempotencyLayer::new(store)
-        .with_lease(LEASE)
-        .with_store_timeout(TIMEOUT)
+    let mut layer = IdempotencyLayer::new(store).with_lease(topology.lease());
+    if topology == Topology::Standalone {
+        layer = layer.with_store_timeout(TIMEOUT);
+    }
+    let layer = layer
         .with_scope(Scope::header("x-tenant"))
         .with_reconciliation(move |event| {
             let kind = match event.kind {
@@ -152,6 +247,20 @@ fn node_app(store: RedisStore, dir: &Path, process: &str) -> Router {
 fn serve_child_node(process: &str) {
     let dir = PathBuf::from(std::env::var("HISTORY_DIR").expect("HISTORY_DIR"));
     let redis = std::env::var("HISTORY_REDIS_URL").expect("HISTORY_REDIS_URL");
+    let topology = Topology::named(&std::env::var("HISTORY_TOPOLOGY").expect("HISTORY_TOPOLOGY"));
+    // The layer's warnings and notices, kept beside the ledger: what a failing run's trace is
+    // read with.
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("warnings-{process}.txt")))
+        .expect("the node's log");
+    tracing_subscriber::fmt()
+        // The layer's own notices too: whether the store heard a failover begin.
+        .with_env_filter("warn,tower_idempotency=info")
+        .with_ansi(false)
+        .with_writer(Mutex::new(log))
+        .init();
     std::thread::spawn(|| {
         let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
         std::process::exit(0);
@@ -162,8 +271,7 @@ fn serve_child_node(process: &str) {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let store = RedisStore::new(client(&redis).await).with_command_timeout(TIMEOUT);
-        let app = node_app(store, &dir, process);
+        let app = node_app(topology, topology.store(&redis).await, &dir, process);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         // Written whole, then renamed: the test never reads half an address.
@@ -183,13 +291,14 @@ struct ChildNode {
 impl ChildNode {
     /// Starts incarnation `n` of node `c`: this test binary again, running only this test, which
     /// serves the node when `HISTORY_NODE` names it.
-    async fn start(n: usize, dir: &Path, redis_url: &str) -> (Self, SocketAddr) {
+    async fn start(n: usize, topology: Topology, dir: &Path, redis_url: &str) -> (Self, SocketAddr) {
         let process = format!("c{n}");
         let child = Command::new(std::env::current_exe().expect("the test binary"))
             .args(["--exact", "history", "--nocapture", "--test-threads", "1"])
             .env("HISTORY_NODE", &process)
             .env("HISTORY_DIR", dir)
             .env("HISTORY_REDIS_URL", redis_url)
+            .env("HISTORY_TOPOLOGY", topology.name())
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -288,6 +397,7 @@ struct Recorder {
 /// One client: `CALLS_PER_CLIENT` calls on its key, each retried (on a node drawn each time)
 /// until a 2xx, every attempt recorded.
 async fn run_client(
+    topology: Topology,
     targets: [Target; 3],
     scope: &'static str,
     key: String,
@@ -325,7 +435,7 @@ async fn run_client(
             let in_flight = InFlight::new(&recorder.in_flight[n]);
             let sent = now();
             let outcome = match tokio::time::timeout(
-                patience.unwrap_or(HANG_BOUND),
+                patience.unwrap_or(topology.hang_bound()),
                 send(&targets[n], request),
             )
             .await
@@ -370,14 +480,14 @@ struct Planned {
 
 /// The fault schedule for `duration`, drawn from `seed` alone: each kind once per round, in a
 /// shuffled order, so the first round (a few seconds) has every kind.
-fn schedule(seed: u64, duration: Duration) -> Vec<Planned> {
+fn schedule(seed: u64, duration: Duration, topology: Topology) -> Vec<Planned> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0xfa017);
     let mut plan = Vec::new();
     let mut at = Duration::from_millis(300);
     let mut deck = Vec::new();
     while at + Duration::from_secs(1) < duration {
         if deck.is_empty() {
-            deck = FaultKind::ALL.to_vec();
+            deck = topology.kinds().to_vec();
             deck.shuffle(&mut rng);
         }
         let kind = deck.pop().expect("a full deck");
@@ -388,7 +498,7 @@ fn schedule(seed: u64, duration: Duration) -> Vec<Planned> {
         let hold = match kind {
             FaultKind::Delay => Duration::from_millis(rng.random_range(200..900)),
             // Now and then longer than the lease: the documented limit.
-            FaultKind::Freeze if rng.random_bool(0.2) => LEASE + Duration::from_millis(500),
+            FaultKind::Freeze if rng.random_bool(0.2) => topology.lease() + Duration::from_millis(500),
             FaultKind::Freeze => Duration::from_millis(rng.random_range(100..900)),
             FaultKind::Reset => Duration::from_millis(rng.random_range(20..300)),
             // How long the cut stays armed, waiting for a write to cut.
@@ -398,6 +508,9 @@ fn schedule(seed: u64, duration: Duration) -> Vec<Planned> {
             FaultKind::RedisKilled | FaultKind::NodeKilled => {
                 Duration::from_millis(rng.random_range(50..400))
             }
+            // A failover lasts as long as it lasts: the injector waits until it is over and
+            // the topology settled again.
+            FaultKind::SentinelFailover | FaultKind::MasterKilled => Duration::ZERO,
         };
         let cut: &'static [u8] = if rng.random_bool(0.5) {
             b"$2\r\nNX\r\n"
@@ -422,12 +535,19 @@ struct Injected {
     faults: Vec<Fault>,
     /// Per kind, how many of its faults left a mark.
     landed: BTreeMap<FaultKind, usize>,
+    /// Faults of the schedule not injected: due after the workload ended.
+    skipped: usize,
 }
 
 /// Everything the injector acts on.
 struct Rig {
-    server: RedisServer,
-    proxies: [Arc<FaultProxy>; 3],
+    topology: Topology,
+    /// Standalone: the server, and a proxy in front of it for each node.
+    server: Option<RedisServer>,
+    proxies: Vec<Arc<FaultProxy>>,
+    sentinel: Option<SentinelTopology>,
+    /// What the child node connects to: its proxy's URL, or the sentinels'.
+    child_url: String,
     child: ChildNode,
     child_addr: Arc<Mutex<SocketAddr>>,
     incarnations: usize,
@@ -438,17 +558,26 @@ async fn inject(
     mut rig: Rig,
     plan: Vec<Planned>,
     start: tokio::time::Instant,
+    end: Duration,
     recorder: Arc<Recorder>,
 ) -> (Rig, Injected) {
     let mut injected = Injected::default();
     for planned in plan {
+        // A schedule overrun by slow failovers stops with the workload.
+        if start.elapsed() > end {
+            injected.skipped += 1;
+            continue;
+        }
         tokio::time::sleep_until(start + planned.at).await;
         let busy = |n: usize| recorder.in_flight[n].load(Ordering::SeqCst) > 0;
         // Aimed at traffic: it waits (half a second at most) for a request in flight where it
         // hits, so that it lands on requests rather than on idle connections. The schedule
         // stays the seed's; only its start moves with the traffic.
         let hits = |n: usize| match planned.kind {
-            FaultKind::RedisPaused | FaultKind::RedisKilled => busy(0) || busy(1) || busy(2),
+            FaultKind::RedisPaused
+            | FaultKind::RedisKilled
+            | FaultKind::SentinelFailover
+            | FaultKind::MasterKilled => busy(0) || busy(1) || busy(2),
             _ => busy(n),
         };
         let aimed = tokio::time::Instant::now();
@@ -456,31 +585,33 @@ async fn inject(
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         let anywhere = busy(0) || busy(1) || busy(2);
-        let proxy = rig.proxies[planned.node].clone();
+        // Faults on a node's path to Redis exist where the nodes have proxies (standalone).
+        let proxy = || rig.proxies[planned.node].clone();
         let began = now();
         let mut target = NODES[planned.node].to_owned();
         let landed = match planned.kind {
             FaultKind::Delay => {
-                proxy.set_delay(planned.hold / 4);
+                proxy().set_delay(planned.hold / 4);
                 tokio::time::sleep(planned.hold).await;
-                proxy.set_delay(Duration::ZERO);
+                proxy().set_delay(Duration::ZERO);
                 busy(planned.node)
             }
             FaultKind::Freeze => {
-                proxy.set(ProxyFault::BlackHole);
+                proxy().set(ProxyFault::BlackHole);
                 tokio::time::sleep(planned.hold).await;
-                proxy.set(ProxyFault::None);
+                proxy().set(ProxyFault::None);
                 busy(planned.node)
             }
             FaultKind::Reset => {
-                proxy.set(ProxyFault::Drop);
+                proxy().set(ProxyFault::Drop);
                 tokio::time::sleep(planned.hold).await;
-                proxy.set(ProxyFault::None);
+                proxy().set(ProxyFault::None);
                 busy(planned.node)
             }
             FaultKind::CutAfterWrite => {
                 // A claim or a script call reaches Redis; its answer never comes back, its
                 // connection closes.
+                let proxy = proxy();
                 let cuts = proxy.cuts();
                 proxy.cut_instead_of_answering(planned.cut, 1);
                 let armed = tokio::time::Instant::now();
@@ -492,7 +623,8 @@ async fn inject(
             }
             FaultKind::RedisPaused => {
                 target = "redis".into();
-                let pid = rig.server.pid().expect("redis runs") as libc::pid_t;
+                let server = rig.server.as_ref().expect("a standalone server");
+                let pid = server.pid().expect("redis runs") as libc::pid_t;
                 // SAFETY: signals to the redis-server this test started and owns.
                 unsafe { libc::kill(pid, libc::SIGSTOP) };
                 tokio::time::sleep(planned.hold).await;
@@ -501,10 +633,38 @@ async fn inject(
             }
             FaultKind::RedisKilled => {
                 target = "redis".into();
-                rig.server.kill();
+                let server = rig.server.as_mut().expect("a standalone server");
+                server.kill();
                 tokio::time::sleep(planned.hold).await;
                 // Blocking (it polls the new server's port), briefly; from its append-only file.
-                tokio::task::block_in_place(|| rig.server.restart());
+                tokio::task::block_in_place(|| server.restart());
+                anywhere
+            }
+            FaultKind::SentinelFailover => {
+                target = "redis".into();
+                let sentinel = rig.sentinel.as_ref().expect("a Sentinel topology");
+                println!("{}", subscribed(sentinel));
+                // Blocking (redis-cli), for as long as the failover takes.
+                tokio::task::block_in_place(|| {
+                    let old = sentinel.master_port();
+                    sentinel.failover();
+                    sentinel.wait_for_new_master(old, Duration::from_secs(30));
+                    sentinel.wait_until_settled(Duration::from_secs(30));
+                });
+                anywhere
+            }
+            FaultKind::MasterKilled => {
+                target = "redis".into();
+                let sentinel = rig.sentinel.as_mut().expect("a Sentinel topology");
+                println!("{}", subscribed(sentinel));
+                tokio::task::block_in_place(|| {
+                    let old = sentinel.master_port();
+                    sentinel.node_mut(old).kill();
+                    let new = sentinel.wait_for_new_master(old, Duration::from_secs(30));
+                    // Back as a replica of the new master, as a machine replaced after a crash.
+                    sentinel.restart_as_replica(old, new);
+                    sentinel.wait_until_settled(Duration::from_secs(30));
+                });
                 anywhere
             }
             FaultKind::NodeKilled => {
@@ -513,7 +673,8 @@ async fn inject(
                 rig.child.kill();
                 tokio::time::sleep(planned.hold).await;
                 rig.incarnations += 1;
-                let (child, addr) = ChildNode::start(rig.incarnations, &rig.dir, &rig.proxies[2].url()).await;
+                let (child, addr) =
+                    ChildNode::start(rig.incarnations, rig.topology, &rig.dir, &rig.child_url).await;
                 rig.child = child;
                 *rig.child_addr.lock().unwrap() = addr;
                 landed
@@ -528,6 +689,23 @@ async fn inject(
         *injected.landed.entry(planned.kind).or_default() += usize::from(landed);
     }
     (rig, injected)
+}
+
+/// How many connections are subscribed to the failover events on each sentinel (`CLIENT LIST`:
+/// `sub=` channels, `psub=` patterns), at a failover's start: a store that does not listen
+/// cannot be fenced.
+fn subscribed(sentinel: &SentinelTopology) -> String {
+    let counts: Vec<String> = (sentinel.sentinel_ports().into_iter())
+        .map(|port| {
+            let list = sentinel.sentinel_cli(port, &["CLIENT", "LIST"]);
+            let listening = list.lines().filter(|line| line.contains(" sub=2 ")).count();
+            format!("{port}: {listening}")
+        })
+        .collect();
+    format!(
+        "connections subscribed to the failover events, per sentinel: {}",
+        counts.join(", ")
+    )
 }
 
 /// The ledger and the reports every process appended, read back.
@@ -573,11 +751,19 @@ fn read_ledger(dir: &Path) -> (Vec<Effect>, Vec<Report>) {
     (effects, reports)
 }
 
+/// The run: standalone (faults on the nodes' connections, on Redis, and on the child node), or
+/// with `HISTORY_TOPOLOGY=sentinel` on Sentinel (graceful failovers and kills of the master, with
+/// the durability option, and kills of the child node). The Sentinel run is not in the suite
+/// yet: it finds keys run twice by a store connected less than about a second before a failover
+/// (issue 36's report; see docs/guarantees.md), and goes in once that is fixed.
 #[test]
 fn history() {
+    // The child node is this test binary again, running this test with `HISTORY_NODE` set.
     if let Ok(process) = std::env::var("HISTORY_NODE") {
         return serve_child_node(&process);
     }
+    let topology =
+        std::env::var("HISTORY_TOPOLOGY").map_or(Topology::Standalone, |name| Topology::named(&name));
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -588,36 +774,50 @@ fn history() {
             .map(|s| s.parse().expect("HISTORY_DURATION in seconds"))
             .unwrap_or(30),
     );
-    println!("history seed: {seed} (replay with HISTORY_SEED={seed}), faults for {duration:?}");
+    let name = topology.name();
+    println!("history ({name}) seed: {seed} (replay with HISTORY_SEED={seed}), faults for {duration:?}");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(run(seed, duration));
+    runtime.block_on(run(topology, seed, duration));
 }
 
-async fn run(seed: u64, duration: Duration) {
+async fn run(topology: Topology, seed: u64, duration: Duration) {
     let began = std::time::Instant::now();
-    let server = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
-    let dir = server.dir().join("history");
+    let (mut server, mut sentinel, mut proxies) = (None, None, Vec::new());
+    // Each node's URL, and the run's directory (removed with the servers).
+    let (urls, dir) = match topology {
+        Topology::Standalone => {
+            let started = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+            for _ in NODES {
+                proxies.push(Arc::new(FaultProxy::start(started.addr()).await));
+            }
+            let dir = started.dir().join("history");
+            server = Some(started);
+            (proxies.iter().map(|p| p.url()).collect::<Vec<_>>(), dir)
+        }
+        Topology::Sentinel => {
+            let started = tokio::task::block_in_place(|| SentinelTopology::start_with_replicas(2));
+            let url = started.url();
+            let dir = started.nodes[0].dir().join("history");
+            sentinel = Some(started);
+            (vec![url; NODES.len()], dir)
+        }
+    };
     std::fs::create_dir_all(&dir).expect("the run's directory");
-    let mut proxies = Vec::new();
-    for _ in NODES {
-        proxies.push(Arc::new(FaultProxy::start(server.addr()).await));
-    }
-    let proxies: [Arc<FaultProxy>; 3] = [proxies[0].clone(), proxies[1].clone(), proxies[2].clone()];
     let mut targets = Vec::new();
     for (n, node) in NODES[..2].iter().enumerate() {
-        let store = RedisStore::new(client(&proxies[n].url()).await).with_command_timeout(TIMEOUT);
-        targets.push(Target::Local(node_app(store, &dir, node)));
+        let store = topology.store(&urls[n]).await;
+        targets.push(Target::Local(node_app(topology, store, &dir, node)));
     }
-    let (child, addr) = ChildNode::start(1, &dir, &proxies[2].url()).await;
+    let (child, addr) = ChildNode::start(1, topology, &dir, &urls[2]).await;
     let child_addr = Arc::new(Mutex::new(addr));
     targets.push(Target::Remote(child_addr.clone()));
     let targets: [Target; 3] = [targets[0].clone(), targets[1].clone(), targets[2].clone()];
 
-    let plan = schedule(seed, duration);
+    let plan = schedule(seed, duration, topology);
     let plan_figures: BTreeMap<&str, usize> = plan.iter().fold(BTreeMap::new(), |mut m, p| {
         *m.entry(p.kind.name()).or_default() += 1;
         m
@@ -625,15 +825,18 @@ async fn run(seed: u64, duration: Duration) {
     println!("fault schedule: {} faults {plan_figures:?}", plan.len());
     let recorder = Arc::new(Recorder::default());
     let rig = Rig {
-        server,
+        topology,
+        server: server.take(),
         proxies: proxies.clone(),
+        sentinel: sentinel.take(),
+        child_url: urls[2].clone(),
         child,
         child_addr,
         incarnations: 1,
         dir: dir.clone(),
     };
     let start = tokio::time::Instant::now();
-    let injector = tokio::spawn(inject(rig, plan, start, recorder.clone()));
+    let injector = tokio::spawn(inject(rig, plan, start, duration, recorder.clone()));
 
     let mut clients = Vec::new();
     let generations = (duration.as_millis() / GENERATION_EVERY.as_millis()).max(1) as u64;
@@ -653,7 +856,7 @@ async fn run(seed: u64, duration: Duration) {
                     clients.push(tokio::spawn(async move {
                         let jitter = Duration::from_millis(client_seed % 30);
                         tokio::time::sleep(key_start + jitter).await;
-                        run_client(targets, scope, key, client_id, client_seed, recorder).await
+                        run_client(topology, targets, scope, key, client_id, client_seed, recorder).await
                     }));
                 }
             }
@@ -669,7 +872,10 @@ async fn run(seed: u64, duration: Duration) {
     }
     // The last incarnation's effects are in the ledger already: stop it.
     let Rig {
-        server, mut child, ..
+        server,
+        sentinel,
+        mut child,
+        ..
     } = rig;
     child.kill();
 
@@ -681,6 +887,7 @@ async fn run(seed: u64, duration: Duration) {
         reports,
     };
     let verdict = checker::check(&history, LIMITS);
+    let name = topology.name();
     let mut report_kinds: BTreeMap<&str, usize> = BTreeMap::new();
     for report in &history.reports {
         *report_kinds.entry(report.kind.as_str()).or_default() += 1;
@@ -692,7 +899,7 @@ async fn run(seed: u64, duration: Duration) {
         m
     });
     println!(
-        "history: {} calls, {} requests ({} replayed, statuses {statuses:?}, {} without an HTTP answer, {} hang-ups), \
+        "history ({name}): {} calls, {} requests ({} replayed, statuses {statuses:?}, {} without an HTTP answer, {} hang-ups), \
          {} keys in {} scopes, {} effects, in {:.1?}",
         verdict.calls,
         history.attempts.len(),
@@ -704,15 +911,23 @@ async fn run(seed: u64, duration: Duration) {
         history.effects.len(),
         began.elapsed()
     );
-    let faults = FaultKind::ALL.map(|kind| {
-        let count = history.faults.iter().filter(|f| f.kind == kind).count();
-        format!(
-            "{} x{count} ({} landed)",
-            kind.name(),
-            injected.landed.get(&kind).copied().unwrap_or(0)
-        )
-    });
-    println!("faults: {}", faults.join(", "));
+    let faults: Vec<String> = topology
+        .kinds()
+        .iter()
+        .map(|&kind| {
+            let count = history.faults.iter().filter(|f| f.kind == kind).count();
+            format!(
+                "{} x{count} ({} landed)",
+                kind.name(),
+                injected.landed.get(&kind).copied().unwrap_or(0)
+            )
+        })
+        .collect();
+    println!(
+        "faults: {} (not injected, due after the workload: {})",
+        faults.join(", "),
+        injected.skipped
+    );
     println!("layer reports: {report_kinds:?}");
     let excuses: Vec<String> = (verdict.excuses.iter())
         .map(|(e, n)| format!("{}: {n}", e.name()))
@@ -728,18 +943,60 @@ async fn run(seed: u64, duration: Duration) {
     println!("violations: {}", verdict.violations.len());
 
     let mut failures: Vec<String> = verdict.violations.iter().map(ToString::to_string).collect();
-    for kind in FaultKind::ALL {
+    // The first keys run twice without an excuse, as timelines: the reduced failure.
+    let origin = history.attempts.iter().map(|a| a.sent).min().unwrap_or_default();
+    let doubled = verdict.violations.iter().filter_map(|v| match v {
+        Violation::UnexcusedEffect { scope, key, .. } => Some((scope, key)),
+        _ => None,
+    });
+    for (scope, key) in doubled.take(3) {
+        println!("{scope}/{key}:\n{}", checker::trace(&history, scope, key, origin));
+    }
+    if !verdict.violations.is_empty() {
+        let ms = |t: Nanos| t.saturating_sub(origin) as f64 / 1e6;
+        // The logs' wall clock at the trace's zero, to read the nodes' logs beside the trace.
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("a clock after 1970");
+        let zero = since_epoch.as_secs_f64() - (now() - origin) as f64 / 1e9;
+        println!("the traces' 0 ms is {zero:.3} s after the Unix epoch (`date -ud @{zero:.3}`)");
+        for fault in &history.faults {
+            let (kind, target) = (fault.kind.name(), &fault.target);
+            println!(
+                "fault {kind} on {target}: {:.1} to {:.1} ms",
+                ms(fault.start),
+                ms(fault.end)
+            );
+        }
+        for report in &history.reports {
+            let (kind, node) = (&report.kind, &report.node);
+            println!(
+                "report {kind} from {node} on {}/{} at {:.1} ms",
+                report.scope,
+                report.key,
+                ms(report.at)
+            );
+        }
+        for entry in std::fs::read_dir(&dir).expect("the run's directory").flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("warnings-") {
+                let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                println!("{name}:\n{text}");
+            }
+        }
+    }
+    for &kind in topology.kinds() {
         if injected.landed.get(&kind).copied().unwrap_or(0) == 0 {
             failures.push(format!("the fault \"{}\" never left its mark", kind.name()));
         }
     }
-    if !statuses.contains_key(&503) {
+    if topology == Topology::Standalone && !statuses.contains_key(&503) {
         failures.push("no request was answered 503: the faults reached no client".into());
     }
     if verdict.transport_errors == 0 {
         failures.push("no request met a killed node".into());
     }
-    drop(server);
+    drop((server, sentinel));
     let shown = failures.len().min(40);
     assert!(
         failures.is_empty(),

@@ -88,19 +88,14 @@ pub enum FaultKind {
     RedisKilled,
     /// A layer node's process killed -9 (a new incarnation started after it).
     NodeKilled,
+    /// `SENTINEL FAILOVER`: the master demoted, a replica promoted.
+    SentinelFailover,
+    /// The Sentinel master killed -9: a replica promoted once it is seen down (the old master
+    /// comes back as a replica).
+    MasterKilled,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 7] = [
-        FaultKind::Delay,
-        FaultKind::Freeze,
-        FaultKind::Reset,
-        FaultKind::CutAfterWrite,
-        FaultKind::RedisPaused,
-        FaultKind::RedisKilled,
-        FaultKind::NodeKilled,
-    ];
-
     pub fn name(self) -> &'static str {
         match self {
             FaultKind::Delay => "delay",
@@ -110,12 +105,15 @@ impl FaultKind {
             FaultKind::RedisPaused => "redis paused",
             FaultKind::RedisKilled => "redis killed",
             FaultKind::NodeKilled => "node killed",
+            FaultKind::SentinelFailover => "sentinel failover",
+            FaultKind::MasterKilled => "master killed",
         }
     }
 }
 
 /// A fault injected: on the path between a node and Redis (`target` the node: `a`, `b`, `c`),
-/// on Redis (`redis`), or on a node's process (`target` its incarnation: `c1`).
+/// on Redis (`redis`: a standalone server, or a Sentinel failover), or on a node's process
+/// (`target` its incarnation: `c1`).
 #[derive(Clone, Debug)]
 pub struct Fault {
     pub kind: FaultKind,
@@ -469,6 +467,67 @@ pub fn check(history: &History, limits: Limits) -> Verdict {
         });
     }
     verdict
+}
+
+/// The timeline of one (scope, key): its requests and answers, its effects and the reports
+/// about it, and the faults that overlapped it, in time order, in milliseconds from `origin`:
+/// what a failure is reduced to.
+pub fn trace(history: &History, scope: &str, key: &str, origin: Nanos) -> String {
+    let ms = |t: Nanos| t.saturating_sub(origin) as f64 / 1e6;
+    let mut lines: Vec<(Nanos, String)> = Vec::new();
+    for a in (history.attempts.iter()).filter(|a| a.scope == scope && a.key == key) {
+        let outcome = match &a.outcome {
+            Outcome::Answer {
+                status,
+                replayed,
+                body,
+                ..
+            } => format!(
+                "{status}{} {}",
+                if *replayed { " replayed" } else { "" },
+                String::from_utf8_lossy(body)
+            ),
+            other => format!("{other:?}"),
+        };
+        let line = format!(
+            "call {} (client {}) to {} -> {outcome} at {:.1}",
+            a.call,
+            a.client,
+            a.node,
+            ms(a.finished)
+        );
+        lines.push((a.sent, format!("{:>9.1} ms  {line}", ms(a.sent))));
+    }
+    let effects = history
+        .effects
+        .iter()
+        .filter(|e| e.scope == scope && e.key == key);
+    let mut span = (Nanos::MAX, 0);
+    for e in effects {
+        span = (span.0.min(e.at), span.1.max(e.at));
+        lines.push((
+            e.at,
+            format!("{:>9.1} ms  effect {} on {}", ms(e.at), e.id, e.node),
+        ));
+    }
+    for r in (history.reports.iter()).filter(|r| r.scope == scope && r.key == key) {
+        lines.push((
+            r.at,
+            format!("{:>9.1} ms  report {} from {}", ms(r.at), r.kind, r.node),
+        ));
+    }
+    for f in (history.faults.iter())
+        .filter(|f| span.0 != Nanos::MAX && overlaps(f, span.0, span.1 + 2_000_000_000))
+    {
+        let line = format!("fault {} on {} until {:.1}", f.kind.name(), f.target, ms(f.end));
+        lines.push((f.start, format!("{:>9.1} ms  {line}", ms(f.start))));
+    }
+    lines.sort_by_key(|(at, _)| *at);
+    lines
+        .into_iter()
+        .map(|(_, line)| line)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]
