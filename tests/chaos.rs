@@ -25,7 +25,7 @@ use axum::body::Body;
 use axum::Router;
 use bytes::Bytes;
 use common::proxy::{Fault, FaultProxy};
-use common::storm::{app, Ledger};
+use common::storm::{app, InFlight, Ledger};
 use common::{admin, client, RedisServer};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
@@ -72,23 +72,6 @@ struct Tally {
     hang_ups: AtomicUsize,
     /// Requests in flight on each node now: where a fault would land.
     in_flight: [AtomicUsize; 2],
-}
-
-/// A request in flight on a node, counted in [`Tally::in_flight`] until dropped (answered, or
-/// abandoned by a client that hung up).
-struct InFlight<'a>(&'a AtomicUsize);
-
-impl<'a> InFlight<'a> {
-    fn new(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::SeqCst);
-        Self(count)
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 async fn run_client(

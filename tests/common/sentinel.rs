@@ -173,6 +173,26 @@ impl Drop for SentinelProcess {
     }
 }
 
+/// The arguments of every data node: the password, and no wait before a sync.
+fn data_node_args(tls: Option<&Pki>) -> Vec<String> {
+    // Redis waits 5 s by default before a diskless full sync (also after a failover, from the
+    // promoted replica), for more replicas to join.
+    let mut args: Vec<String> = [
+        "--requirepass",
+        DATA_PASSWORD,
+        "--masterauth",
+        DATA_PASSWORD,
+        "--repl-diskless-sync-delay",
+        "0",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    if let Some(pki) = tls {
+        args.extend(pki.server_args());
+    }
+    args
+}
+
 /// One master, one replica, three sentinels that agree on both (quorum 2; by default a node is
 /// down after 1 s without answers, a failover times out after 5 s: see [`Timing`]).
 pub struct SentinelTopology {
@@ -207,21 +227,7 @@ impl SentinelTopology {
 
     fn start_with(replicas: usize, tls: Option<&Pki>, timing: Timing) -> Self {
         let started = Instant::now();
-        // Redis waits 5 s by default before a diskless full sync (also after a failover, from
-        // the promoted replica), for more replicas to join.
-        let mut auth: Vec<String> = [
-            "--requirepass",
-            DATA_PASSWORD,
-            "--masterauth",
-            DATA_PASSWORD,
-            "--repl-diskless-sync-delay",
-            "0",
-        ]
-        .map(str::to_owned)
-        .to_vec();
-        if let Some(pki) = tls {
-            auth.extend(pki.server_args());
-        }
+        let auth = data_node_args(tls);
         let master = RedisServer::start_with(&auth);
         let master_port = master.port().to_string();
         let mut replica_args: Vec<&str> = auth.iter().map(String::as_str).collect();
@@ -361,6 +367,15 @@ impl SentinelTopology {
         (self.nodes.iter_mut())
             .find(|node| node.port() == port)
             .unwrap_or_else(|| panic!("no data node on port {port}"))
+    }
+
+    /// Starts the data node on `port` again (killed), empty, as a replica of the master on
+    /// `master`: a machine replaced after a crash.
+    pub fn restart_as_replica(&mut self, port: u16, master: u16) {
+        let mut args = data_node_args(self.tls.as_ref());
+        args.extend(["--replicaof".into(), "127.0.0.1".into(), master.to_string()]);
+        let binary = std::env::var_os("REDIS_SERVER_BIN").unwrap_or_else(|| "redis-server".into());
+        self.node_mut(port).restart_as_with(binary, &args);
     }
 
     /// `SENTINEL FAILOVER`: a graceful failover, the replica promoted without agreement.

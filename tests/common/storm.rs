@@ -1,7 +1,8 @@
 //! What the storm tests (chaos, failovers) share: a handler that records every execution per key
-//! in a ledger, behind a layer.
+//! in a ledger, behind a layer, and the count of requests in flight that aims faults at traffic.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,4 +48,21 @@ pub fn app(
         }
     };
     Router::new().route("/payments", post(handler)).layer(layer)
+}
+
+/// A request in flight on a node, counted in `count` until dropped (answered, or abandoned by a
+/// client that hung up): where a fault would land now.
+pub struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    pub fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
