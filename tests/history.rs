@@ -19,9 +19,9 @@
 //! `HISTORY_DURATION=<seconds>` (default 30) sets how long faults are injected and keys keep
 //! starting: the long run documented in docs/guarantees.md.
 //!
-//! `HISTORY_TOPOLOGY=sentinel` runs it on Sentinel instead (a master, two replicas, three
-//! sentinels; the stores with the durability option): graceful failovers, kills -9 of the
-//! master, kills of the child node. Not in the suite yet: see the test's doc.
+//! `history_on_sentinel` runs it on Sentinel (a master, two replicas, three sentinels; the
+//! stores with the durability option): graceful failovers, kills -9 of the master, kills of the
+//! child node (`HISTORY_TOPOLOGY=sentinel` runs `history` there alone, for a long run).
 //!
 //! A failing run prints, for the first keys run twice without an excuse, their timelines
 //! (requests, answers, effects, reports, faults), every fault with its times, and the child
@@ -751,11 +751,8 @@ fn read_ledger(dir: &Path) -> (Vec<Effect>, Vec<Report>) {
     (effects, reports)
 }
 
-/// The run: standalone (faults on the nodes' connections, on Redis, and on the child node), or
-/// with `HISTORY_TOPOLOGY=sentinel` on Sentinel (graceful failovers and kills of the master, with
-/// the durability option, and kills of the child node). The Sentinel run is not in the suite
-/// yet: it finds keys run twice by a store connected less than about a second before a failover
-/// (issue 36's report; see docs/guarantees.md), and goes in once that is fixed.
+/// The run on standalone Redis: faults on the nodes' connections, on Redis, and on the child
+/// node (or, with `HISTORY_TOPOLOGY=sentinel`, the Sentinel run below).
 #[test]
 fn history() {
     // The child node is this test binary again, running this test with `HISTORY_NODE` set.
@@ -764,6 +761,30 @@ fn history() {
     }
     let topology =
         std::env::var("HISTORY_TOPOLOGY").map_or(Topology::Standalone, |name| Topology::named(&name));
+    run_seeded(topology);
+}
+
+/// The run on Sentinel: graceful failovers and kills -9 of the master, with the durability
+/// option, and kills of the child node. It found keys run twice by a store started in the second
+/// before a failover (seed 7 in every run, 3 to 5 keys), whose Sentinel watch followed no
+/// announcement before its second liveness tick; since it follows them from its start, and
+/// takes no claim before it listens, seeds 4, 6 and 7 ran clean.
+#[test]
+fn history_on_sentinel() {
+    if std::env::var("HISTORY_NODE").is_ok() || std::env::var("HISTORY_TOPOLOGY").is_ok() {
+        // A child node, or a run of `history` on a topology named by hand.
+        return;
+    }
+    run_seeded(Topology::Sentinel);
+}
+
+/// One run at a time: each starts its own servers and injects faults whose timing matters.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn run_seeded(topology: Topology) {
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let seed: u64 = std::env::var("HISTORY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -828,3 +828,54 @@ async fn a_fence_stands_until_a_slow_promotion_is_confirmed() {
     );
     drop(topology);
 }
+
+/// Issue 36, found by the history checker (tests/history.rs, Sentinel topology, seeds 4 and 7): a
+/// store started less than about a second before a failover took claims before its
+/// subscriptions to the sentinels were made, missed the failover's announcement, and claimed on
+/// the old master, where the replica not promoted still acknowledged them: keys ran twice. A
+/// store now takes no claim before it listens: with every sentinel 300 ms away each way (so its
+/// subscriptions take seconds), a claim made as soon as the store is built returns only once
+/// every sentinel holds the store's subscription to the failover announcements. Before, it
+/// returned at once with none made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_takes_no_claim_before_it_listens_for_failovers() {
+    use tower_idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, Store};
+
+    let topology = tokio::task::spawn_blocking(SentinelTopology::start)
+        .await
+        .unwrap();
+    let (url, proxies) = through_sentinel_proxies(&topology).await;
+    // Every byte to and from a sentinel is late (the store's lookup of the master too; its
+    // commands then go to the master directly).
+    proxies
+        .iter()
+        .for_each(|proxy| proxy.set_delay(Duration::from_millis(300)));
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let key = RecordKey::new(None, IdempotencyKey::parse("listening").unwrap());
+    let started = Instant::now();
+    let claimed = store
+        .claim(
+            &key,
+            &Fingerprint::new([b"body".as_slice()]),
+            &OwnerToken::generate(),
+            Duration::from_secs(30),
+        )
+        .await;
+    let took = started.elapsed();
+    // A sentinel takes no `PUBSUB`: its `CLIENT LIST` shows the store's subscriber (two
+    // channels, one pattern).
+    let subscribed: Vec<bool> = topology
+        .sentinel_ports()
+        .into_iter()
+        .map(|port| {
+            (topology.sentinel_cli(port, &["CLIENT", "LIST"]).lines())
+                .any(|client| client.contains("sub=2 psub=1"))
+        })
+        .collect();
+    println!("a claim at the store's start: {claimed:?} after {took:?}; each sentinel has the store's subscription: {subscribed:?}");
+    assert!(claimed.is_ok(), "{claimed:?}");
+    assert!(
+        subscribed.iter().all(|&subscribed| subscribed),
+        "the claim was taken before the store listened on every sentinel: {subscribed:?}"
+    );
+}

@@ -129,7 +129,11 @@ pub fn short(state: &State) -> String {
             Phase::AwaitCompleteAck { client, .. } => format!("C{client} awaits completion ack"),
             Phase::Completing { .. } => "completing in the background".to_string(),
         };
-        let fence = if server.fenced { " fenced" } else { "" };
+        let fence = match (server.fenced, server.listening) {
+            (true, _) => " fenced",
+            (false, false) => " deaf",
+            (false, true) => "",
+        };
         let releasing = if server.releasing.is_empty() {
             String::new()
         } else {

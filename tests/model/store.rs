@@ -77,6 +77,9 @@ pub enum Mutation {
     /// counts that connection's writes (none), and answers enough at once (a `WAIT` fred sent
     /// again after a reconnect, without the name check behind it).
     WaitOnAnotherConnection,
+    /// A store takes claims before it listens to the sentinels (as before issue 36): one
+    /// restarted just before a failover misses its announcement and claims on the old master.
+    ClaimsBeforeListening,
 }
 
 /// One node's records, by slot (a record key's digest; see `System::slot`).

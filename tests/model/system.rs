@@ -239,6 +239,9 @@ pub struct Server {
     pub fenced: bool,
     /// Background releases under way (sorted, so equal sets are equal states).
     pub releasing: Vec<Releasing>,
+    /// Its store listens to the sentinels: false from a restart until its subscriptions are
+    /// made (a failover announced meanwhile goes unheard), and it takes no claim until then.
+    pub listening: bool,
 }
 
 /// A store call on its way: it lands on `node` at a later step, or never.
@@ -437,6 +440,9 @@ pub enum Action {
     Crash { server: u8 },
     /// A connection of the server is replaced (the heartbeat's, fred's reconnect).
     Reconnect { server: u8 },
+    /// A restarted server's store has made its subscriptions to the sentinels and asked them
+    /// whether a failover is under way (raising its fence if one is): `start_listening`.
+    Listen { server: u8 },
     /// The client gives up on its request and may send it again; the server goes on (a dropped
     /// response future does not cancel the handler).
     HangUp { client: u8 },
@@ -501,6 +507,7 @@ impl fmt::Debug for Action {
             }
             Action::Crash { server } => write!(f, "S{server} crashes"),
             Action::Reconnect { server } => write!(f, "S{server} connection replaced"),
+            Action::Listen { server } => write!(f, "S{server} listens to the sentinels"),
             Action::HangUp { client } => write!(f, "C{client} hangs up"),
             Action::Land { index } => write!(f, "a call on its way lands (#{index})"),
             Action::Expire { node, slot } => write!(f, "lease of record {slot} runs out on node {node}"),
@@ -573,6 +580,7 @@ impl System {
                     node: 0,
                     fenced: false,
                     releasing: Vec::new(),
+                    listening: true,
                 };
                 usize::from(c.servers)
             ],
@@ -639,6 +647,13 @@ impl System {
         !server.fenced && state.takes_writes(server.node)
     }
 
+    /// Whether server `s` takes a claim now: it can write, and its store listens to the
+    /// sentinels (`Fence::until_listening`, src/store/redis/sentinel_watch.rs).
+    fn can_claim(&self, state: &State, s: usize) -> bool {
+        Self::can_write(state, s)
+            && (state.servers[s].listening || self.config.mutation == Some(Mutation::ClaimsBeforeListening))
+    }
+
     /// The faults a call may meet now.
     fn faults(state: &State) -> &'static [Fault] {
         const NONE: [Fault; 1] = [Fault::None];
@@ -663,11 +678,12 @@ impl System {
         for (s, server) in state.servers.iter().enumerate() {
             let server_id = s as u8;
             let writes = Self::can_write(state, s);
+            let claims = self.can_claim(state, s);
             match server.phase {
                 // At a fence a claim is answered 503 at once, with no call, and on a demoted
                 // node it is refused (`READONLY`, 503): the client is left as it was, so the
                 // model has no step for either.
-                Phase::Idle if writes => {
+                Phase::Idle if claims => {
                     for (client, status) in state.clients.iter().enumerate() {
                         if *status == Client::Ready {
                             for &fault in faults {
@@ -796,6 +812,9 @@ impl System {
                     actions.push(Action::Switch { server: server_id });
                 }
             }
+            if !server.listening {
+                actions.push(Action::Listen { server: server_id });
+            }
         }
         if state.budget.hang_ups > 0 {
             for (client, status) in state.clients.iter().enumerate() {
@@ -892,20 +911,33 @@ impl System {
         holds(usize::from(server.node)) && replicas.into_iter().any(holds)
     }
 
-    /// Whether `token`'s result `payload` can no longer be lost: completed on the master (and,
-    /// with the durability option, on a replica of it).
+    /// Whether `token`'s result `payload` can no longer be lost: without the durability option,
+    /// completed on the master (a failover may still lose it: that limit is counted at the
+    /// promotion); with it, completed on every node a failover could promote, that is every
+    /// node but an old master promoted over and not yet demoted (its records are replaced by
+    /// the new master's then).
     fn durable(&self, state: &State, record: u8, token: Token, payload: Payload) -> bool {
         let slot = self.config.slot(record);
-        let master = state.master();
-        if !holds(&state.nodes[usize::from(master)], slot, token, Some(payload)) {
-            return false;
+        if !self.config.replica_acks {
+            return holds(
+                &state.nodes[usize::from(state.master())],
+                slot,
+                token,
+                Some(payload),
+            );
         }
-        // During a failover the node being promoted is the one that keeps the store's records.
-        !self.config.replica_acks
-            || state.window.is_some()
-            || (0..state.nodes.len()).any(|n| {
-                state.follows[n] == Some(master) && holds(&state.nodes[n], slot, token, Some(payload))
-            })
+        let replaced = match state.window {
+            Some(Window {
+                promoted: true,
+                demoted: false,
+                from,
+                ..
+            }) => Some(usize::from(from)),
+            _ => None,
+        };
+        (0..state.nodes.len())
+            .filter(|&n| Some(n) != replaced)
+            .all(|n| holds(&state.nodes[n], slot, token, Some(payload)))
     }
 
     /// Tells `client` (if it still waits for `server`) `answer`, or to retry (`None`).
@@ -1341,6 +1373,18 @@ impl System {
                 let restarted = &mut state.servers[usize::from(s)];
                 restarted.phase = Phase::Idle;
                 restarted.releasing.clear();
+                // A new process: its store's subscriptions to the sentinels are not made yet.
+                restarted.listening = !c.has_replica();
+            }
+            Action::Listen { server: s } => {
+                let failing_over = state
+                    .window
+                    .is_some_and(|window| state.servers[usize::from(s)].node != window.to);
+                let server = &mut state.servers[usize::from(s)];
+                server.listening = true;
+                if failing_over && c.fenced_on_announcement() {
+                    server.fenced = true;
+                }
             }
             Action::Reconnect { server: s } => {
                 state.budget.reconnects -= 1;
@@ -1394,8 +1438,9 @@ impl System {
                     promoted: false,
                     demoted: false,
                 });
+                // A store that does not listen yet misses the announcement.
                 if c.fenced_on_announcement() {
-                    for server in &mut state.servers {
+                    for server in state.servers.iter_mut().filter(|server| server.listening) {
                         server.fenced = true;
                     }
                 }

@@ -101,7 +101,7 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         self.keep_alive();
-        self.refuse_claims_during_failover()?;
+        self.refuse_claims_during_failover().await?;
         if let Some(waiter) = &self.acks {
             // Boxed, like the other rare paths: inline, its state would size every claim.
             let acknowledged = self.claim_acknowledged(waiter, claimant, key, fingerprint, owner, lease);

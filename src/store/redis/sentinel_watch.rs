@@ -88,6 +88,10 @@ const ENDED_MARGIN: Duration = Duration::from_secs(5);
 const DISCOVER_EVERY: u64 = 10;
 /// How often a fence that stands is logged again.
 const LONG_FENCE_REPORT: Duration = Duration::from_secs(30);
+/// How long a new store waits for its subscriptions to the sentinels before it takes claims
+/// without those not made yet (a sentinel down at the start is subscribed to when it is back;
+/// the blind rule covers a store that hears none).
+const START_BOUND: Duration = Duration::from_secs(5);
 
 /// Raised while the sentinels fail the master over; see the module docs.
 #[derive(Default)]
@@ -97,6 +101,11 @@ pub(super) struct Fence {
     /// No sentinel can be heard, and a failover could have promoted a replica since: claims are
     /// refused meanwhile.
     blind: AtomicBool,
+    /// The watch listens: its first subscriptions are made, and the sentinels were asked
+    /// whether a failover is under way. Until then a failover's announcement would go unheard
+    /// (a store started in the second before one claimed on the old master, and keys ran twice:
+    /// found by tests/history.rs), so claims wait.
+    listening: AtomicBool,
 }
 
 impl Fence {
@@ -107,6 +116,23 @@ impl Fence {
     /// Whether no sentinel can be heard and a failover could be under way (claims are refused).
     pub(super) fn is_blind(&self) -> bool {
         self.blind.load(Ordering::Acquire)
+    }
+
+    /// Returns once the watch listens to the sentinels (at once, but in a new store's first
+    /// moments).
+    pub(super) async fn until_listening(&self) {
+        while !self.listening.load(Ordering::Acquire) {
+            let started = self.lowered.notified();
+            if self.listening.load(Ordering::Acquire) {
+                return;
+            }
+            started.await;
+        }
+    }
+
+    fn start_listening(&self) {
+        self.listening.store(true, Ordering::Release);
+        self.lowered.notify_waiters();
     }
 
     /// Returns once the fence is down (at once, almost always).
@@ -201,6 +227,7 @@ pub(super) async fn watch(
     let fence = Arc::new(Fence::default());
     let (events, announced) = tokio::sync::mpsc::unbounded_channel();
     let watcher = Watcher {
+        subscribed: Arc::default(),
         targets: targets.clone(),
         fence: fence.clone(),
         subscribers: subscribers.clone(),
@@ -349,6 +376,8 @@ struct Fenced {
 /// The watch's one task: it listens to the sentinels' events and keeps the fence and the
 /// `blind` flag; being one task, no two reconnections of the store's clients overlap.
 struct Watcher {
+    /// How many listeners have made their subscriptions (each counts once).
+    subscribed: Arc<std::sync::atomic::AtomicUsize>,
     targets: Arc<Mutex<Vec<Client>>>,
     fence: Arc<Fence>,
     subscribers: Vec<Client>,
@@ -425,8 +454,11 @@ impl SentinelClients {
 impl Watcher {
     async fn run(mut self, mut announced: UnboundedReceiver<Event>) {
         for subscriber in self.subscribers.clone() {
-            self.listeners
-                .push(tokio::spawn(listen(subscriber, self.events.clone())));
+            self.listeners.push(tokio::spawn(listen(
+                subscriber,
+                self.events.clone(),
+                self.subscribed.clone(),
+            )));
         }
         self.heartbeat = Some(Heartbeat::start(
             Role::Sentinels,
@@ -442,11 +474,15 @@ impl Watcher {
         };
         let _ = tokio::time::timeout(ASK_TIMEOUT, connected).await;
         self.discover().await;
+        self.start_listening(&mut announced).await;
         let mut ticks = tokio::time::interval(liveness::DEFAULT_INTERVAL);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The subscribers connect in the listeners: give them a beat before judging.
-        ticks.tick().await;
-        ticks.tick().await;
+        // Events are followed from the first moment; the looks, which judge whether a
+        // sentinel is heard, start after the subscribers' first beats (the first two ticks).
+        // Before issue 36 the events waited for those two ticks too, and a failover announced
+        // in a new store's first second fenced it a second late: it claimed on the old master
+        // meanwhile, and keys ran twice (found by tests/history.rs).
+        let mut beats = 0u8;
         loop {
             tokio::select! {
                 event = announced.recv() => match event {
@@ -454,7 +490,13 @@ impl Watcher {
                     Some(_) => {}
                     None => return,
                 },
-                _ = ticks.tick() => self.look().await,
+                _ = ticks.tick() => {
+                    if beats < 2 {
+                        beats += 1;
+                    } else {
+                        self.look().await;
+                    }
+                }
             }
         }
     }
@@ -586,6 +628,31 @@ impl Watcher {
         }
     }
 
+    /// Lets claims through once the watch listens: every subscription made so far is in place (or
+    /// [`START_BOUND`] has passed), the sentinels were asked whether a failover is under way,
+    /// which raises the fence if one is, and the events announced meanwhile are followed. Before, a store took claims from its first moment, and
+    /// one started in the second before a failover missed its announcement and claimed on the
+    /// old master (keys ran twice with the durability option: a replica not promoted still
+    /// acknowledged there).
+    async fn start_listening(&mut self, announced: &mut UnboundedReceiver<Event>) {
+        let deadline = Instant::now() + START_BOUND;
+        while self.subscribed.load(Ordering::Acquire) < self.subscribers.len() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let views = self.ask().await;
+        if views.iter().any(|view| view.in_failover) {
+            tracing::info!("the sentinels are failing the master over as the store starts; refusing claims until the new master is confirmed");
+            self.raise(None);
+        }
+        // What was announced meanwhile is followed before the first claim goes through.
+        while let Ok(event) = announced.try_recv() {
+            if event.names(&self.service) {
+                self.on_event(event).await;
+            }
+        }
+        self.fence.start_listening();
+    }
+
     /// Subscribes to the sentinels that the ones it asks know of (`SENTINEL SENTINELS`), so that
     /// the failover's leader is heard even when the URL names one address for all of them (a
     /// Kubernetes Service in front of the sentinels): only the leader announces a promotion.
@@ -645,7 +712,11 @@ impl Watcher {
             tracing::debug!(%host, port, "listening to a sentinel the others told of");
             self.discovered.push(Discovered {
                 address,
-                listener: tokio::spawn(listen(subscriber.clone(), self.events.clone())),
+                listener: tokio::spawn(listen(
+                    subscriber.clone(),
+                    self.events.clone(),
+                    self.subscribed.clone(),
+                )),
                 subscriber: Quit(subscriber),
             });
             changed = true;
@@ -820,9 +891,14 @@ impl Watcher {
 }
 
 /// Listens on one sentinel and hands its events for any service to the watch.
-async fn listen(subscriber: Client, events: tokio::sync::mpsc::UnboundedSender<Event>) {
+async fn listen(
+    subscriber: Client,
+    events: tokio::sync::mpsc::UnboundedSender<Event>,
+    subscribed_count: Arc<std::sync::atomic::AtomicUsize>,
+) {
     use tokio::sync::broadcast::error::RecvError;
 
+    let mut counted = false;
     let mut messages = subscriber.message_rx();
     let mut reconnects = subscriber.reconnect_rx();
     // Connected only now that its first connection cannot go unseen. A sentinel that is
@@ -851,8 +927,13 @@ async fn listen(subscriber: Client, events: tokio::sync::mpsc::UnboundedSender<E
                     subscriber.subscribe(vec![SWITCH_MASTER, PROMOTING]).await?;
                     subscriber.psubscribe(ABORTED).await
                 };
-                if let Err(error) = subscribed.await {
-                    tracing::warn!(%error, "cannot subscribe to the failover events of a sentinel");
+                match subscribed.await {
+                    Ok(()) if !counted => {
+                        counted = true;
+                        subscribed_count.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Ok(()) => {}
+                    Err(error) => tracing::warn!(%error, "cannot subscribe to the failover events of a sentinel"),
                 }
             }
         }
@@ -933,6 +1014,7 @@ async fn reconnect(client: &Client) {
 #[cfg(test)]
 pub(super) fn held_by_test() -> (SwitchWatch, Arc<Fence>) {
     let fence = Arc::new(Fence::default());
+    fence.start_listening();
     let watch = SwitchWatch {
         task: tokio::spawn(async {}),
         _subscribers: Vec::new(),

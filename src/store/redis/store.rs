@@ -656,8 +656,13 @@ impl RedisStore {
     }
 
     /// Refuses a claim while a Sentinel failover is under way: the old master may take it and
-    /// then throw it away.
-    pub(super) fn refuse_claims_during_failover(&self) -> Result<(), StoreError> {
+    /// then throw it away. In a new store's first moments, waits first until it listens to the
+    /// sentinels, so that no failover's announcement goes unheard (bounded by the coordinator's
+    /// store timeout, as every store call is).
+    pub(super) async fn refuse_claims_during_failover(&self) -> Result<(), StoreError> {
+        if let Some(fence) = self.fence() {
+            fence.until_listening().await;
+        }
         match self.fence() {
             Some(fence) if fence.is_raised() => Err(StoreError::Unavailable(Box::new(FailingOver))),
             Some(fence) if fence.is_blind() => Err(StoreError::Unavailable(Box::new(SentinelsUnheard))),
