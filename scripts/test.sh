@@ -186,7 +186,7 @@ redis_lane="" other_lane="" storms=""
 for entry in "${binaries[@]}"; do
   case "${entry%% *}" in
     redis_sentinel | redis_cluster_failover) storms+="$entry"$'\n' ;;
-    # history: the history checker's bounded run (about 35 s, mostly waiting on its faults).
+    # history: the history checker's bounded runs, standalone, Sentinel and Cluster (about 2 min, mostly waiting on its faults).
     redis* | chaos | history | waiting | layer_suite | store_suite | faults) redis_lane+="$entry"$'\n' ;;
     *) other_lane+="$entry"$'\n' ;;
   esac

@@ -23,6 +23,12 @@
 //! stores with the durability option): graceful failovers, kills -9 of the master, kills of the
 //! child node (`HISTORY_TOPOLOGY=sentinel` runs `history` there alone, for a long run).
 //!
+//! `history_on_cluster` runs it on Redis Cluster (three masters, a replica each,
+//! `cluster-node-timeout` 1 s; the stores with the durability option): graceful failovers of a
+//! master (`CLUSTER FAILOVER` on its replica), kills -9 of a master (its replica promoted, the
+//! killed node back as the new master's replica), kills of the child node
+//! (`HISTORY_TOPOLOGY=cluster` runs `history` there alone).
+//!
 //! A failing run prints, for the first keys run twice without an excuse, their timelines
 //! (requests, answers, effects, reports, faults), every fault with its times, and the child
 //! nodes' logs (warnings, and the layer's notices), with the wall-clock time of the traces' zero.
@@ -54,6 +60,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
+use common::cluster::Cluster;
 use common::proxy::{Fault as ProxyFault, FaultProxy};
 use common::sentinel::SentinelTopology;
 use common::storm::InFlight;
@@ -97,13 +104,23 @@ enum Topology {
     /// wait for one replica's acknowledgement of each claim and completion (the durability
     /// option, `RedisStore::with_replica_acks`).
     Sentinel,
+    /// Redis Cluster: three masters with a replica each (`cluster-node-timeout` 1 s); the
+    /// stores use the durability option as with Sentinel: without it, a master killed -9 takes
+    /// the claims it had not yet sent its replica with it (asynchronous replication, the
+    /// documented limit), and nothing reports that.
+    Cluster,
 }
+
+/// `cluster-node-timeout` of the Cluster topology: a killed master's replica takes over about
+/// this long after it died.
+const CLUSTER_NODE_TIMEOUT_MS: u64 = 1000;
 
 impl Topology {
     fn name(self) -> &'static str {
         match self {
             Topology::Standalone => "standalone",
             Topology::Sentinel => "sentinel",
+            Topology::Cluster => "cluster",
         }
     }
 
@@ -111,29 +128,33 @@ impl Topology {
         match name {
             "standalone" => Topology::Standalone,
             "sentinel" => Topology::Sentinel,
+            "cluster" => Topology::Cluster,
             _ => panic!("no topology {name:?}"),
         }
     }
 
     /// Standalone: 1 s, so that a freeze of 1.5 s outlasts it now and then (the documented
     /// limit). Sentinel: above 1.5 x the longest failover (a kill -9 is seen after 1 s, and
-    /// promoted a few seconds later on a loaded machine), as docs/guarantees.md asks.
+    /// promoted a few seconds later on a loaded machine), as docs/guarantees.md asks. Cluster:
+    /// the same (a killed master is seen failed after the 1 s node timeout, its replica elected
+    /// after that).
     fn lease(self) -> Duration {
         match self {
             Topology::Standalone => Duration::from_millis(1000),
-            Topology::Sentinel => Duration::from_secs(10),
+            Topology::Sentinel | Topology::Cluster => Duration::from_secs(10),
         }
     }
 
     /// An attempt not answered within this is a hang. A property with a wide margin, not a
     /// benchmark: standalone, with a 1 s lease and a 250 ms store timeout, a request is answered
     /// (or refused) within a few seconds even across a 1.5 s freeze or a Redis restart; with
-    /// Sentinel, a claim waits at the fence until the new master is confirmed (a few seconds).
+    /// Sentinel, a claim waits at the fence until the new master is confirmed (a few seconds);
+    /// with Cluster, a call on a failed master's slots until its replica is promoted (seconds).
     /// Only a request stuck for good waits this out.
     fn hang_bound(self) -> Duration {
         match self {
             Topology::Standalone => Duration::from_secs(10),
-            Topology::Sentinel => Duration::from_secs(30),
+            Topology::Sentinel | Topology::Cluster => Duration::from_secs(30),
         }
     }
 
@@ -154,17 +175,22 @@ impl Topology {
                 FaultKind::MasterKilled,
                 FaultKind::NodeKilled,
             ],
+            Topology::Cluster => &[
+                FaultKind::ClusterFailover,
+                FaultKind::MasterKilled,
+                FaultKind::NodeKilled,
+            ],
         }
     }
 
-    /// A node's store on `url` (a fault proxy's, or the sentinels').
+    /// A node's store on `url` (a fault proxy's, the sentinels', or the cluster's).
     async fn store(self, url: &str) -> RedisStore {
         match self {
             Topology::Standalone => RedisStore::new(client(url).await).with_command_timeout(TIMEOUT),
-            Topology::Sentinel => {
+            Topology::Sentinel | Topology::Cluster => {
                 let store = RedisStore::connect(url)
                     .await
-                    .expect("connect through the sentinels");
+                    .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
                 let acks = ReplicaAcks::new(1).timeout(Duration::from_millis(250));
                 store
                     .with_replica_acks(acks)
@@ -510,7 +536,9 @@ fn schedule(seed: u64, duration: Duration, topology: Topology) -> Vec<Planned> {
             }
             // A failover lasts as long as it lasts: the injector waits until it is over and
             // the topology settled again.
-            FaultKind::SentinelFailover | FaultKind::MasterKilled => Duration::ZERO,
+            FaultKind::SentinelFailover | FaultKind::ClusterFailover | FaultKind::MasterKilled => {
+                Duration::ZERO
+            }
         };
         let cut: &'static [u8] = if rng.random_bool(0.5) {
             b"$2\r\nNX\r\n"
@@ -546,7 +574,8 @@ struct Rig {
     server: Option<RedisServer>,
     proxies: Vec<Arc<FaultProxy>>,
     sentinel: Option<SentinelTopology>,
-    /// What the child node connects to: its proxy's URL, or the sentinels'.
+    cluster: Option<Cluster>,
+    /// What the child node connects to: its proxy's URL, the sentinels', or the cluster's.
     child_url: String,
     child: ChildNode,
     child_addr: Arc<Mutex<SocketAddr>>,
@@ -577,6 +606,7 @@ async fn inject(
             FaultKind::RedisPaused
             | FaultKind::RedisKilled
             | FaultKind::SentinelFailover
+            | FaultKind::ClusterFailover
             | FaultKind::MasterKilled => busy(0) || busy(1) || busy(2),
             _ => busy(n),
         };
@@ -653,7 +683,7 @@ async fn inject(
                 });
                 anywhere
             }
-            FaultKind::MasterKilled => {
+            FaultKind::MasterKilled if rig.topology == Topology::Sentinel => {
                 target = "redis".into();
                 let sentinel = rig.sentinel.as_mut().expect("a Sentinel topology");
                 println!("{}", subscribed(sentinel));
@@ -665,6 +695,14 @@ async fn inject(
                     sentinel.restart_as_replica(old, new);
                     sentinel.wait_until_settled(Duration::from_secs(30));
                 });
+                anywhere
+            }
+            FaultKind::ClusterFailover | FaultKind::MasterKilled => {
+                target = "redis".into();
+                let cluster = rig.cluster.as_mut().expect("a Cluster topology");
+                // Blocking (redis-cli), for as long as the failover takes.
+                let slot = SHARD_SLOTS[planned.node];
+                tokio::task::block_in_place(|| fail_over_cluster(cluster, planned.kind, slot));
                 anywhere
             }
             FaultKind::NodeKilled => {
@@ -689,6 +727,46 @@ async fn inject(
         *injected.landed.entry(planned.kind).or_default() += usize::from(landed);
     }
     (rig, injected)
+}
+
+/// A slot in each of the cluster's shards (`--cluster create` splits the 16384 slots in three):
+/// the shard a Cluster failover hits is drawn by the fault's node index.
+const SHARD_SLOTS: [u16; 3] = [0, 5461, 10923];
+
+/// Fails over the master serving `slot`: `CLUSTER FAILOVER` on its replica (graceful), or a
+/// kill -9 of the master, which comes back as the new master's replica once its replica is
+/// promoted (a node that rejoins with an older epoch follows the one that took its slots; with
+/// the durability option, the shard takes claims again once its master has a replica). Returns
+/// once every node agrees on the new layout and every replica is in sync.
+fn fail_over_cluster(cluster: &mut Cluster, kind: FaultKind, slot: u16) {
+    let shard = cluster.shard_of(slot);
+    let replica = shard.replicas[0];
+    let master = shard.master;
+    if kind == FaultKind::ClusterFailover {
+        println!("cluster failover: {master} to its replica {replica}");
+        let answer = cluster.cli(replica.port(), &["CLUSTER", "FAILOVER"]);
+        assert!(answer.contains("OK"), "CLUSTER FAILOVER answered {answer:?}");
+        wait_for_promotion(cluster, replica);
+    } else {
+        println!("cluster master {master} killed, its replica {replica}");
+        cluster.node_mut(master).kill();
+        wait_for_promotion(cluster, replica);
+        cluster.node_mut(master).restart();
+    }
+    cluster.wait_until_ready();
+}
+
+/// Waits until `replica` answers as a master: the failover done (on this node; the caller then
+/// waits for every node to agree).
+fn wait_for_promotion(cluster: &Cluster, replica: SocketAddr) {
+    let waited = std::time::Instant::now();
+    while !cluster.is_master(replica) {
+        assert!(
+            waited.elapsed() < Duration::from_secs(30),
+            "the replica {replica} was never promoted"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// How many connections are subscribed to the failover events on each sentinel (`CLIENT LIST`:
@@ -778,6 +856,17 @@ fn history_on_sentinel() {
     run_seeded(Topology::Sentinel);
 }
 
+/// The run on Redis Cluster: graceful failovers and kills -9 of a master, with the durability
+/// option, and kills of the child node.
+#[test]
+fn history_on_cluster() {
+    if std::env::var("HISTORY_NODE").is_ok() || std::env::var("HISTORY_TOPOLOGY").is_ok() {
+        // A child node, or a run of `history` on a topology named by hand.
+        return;
+    }
+    run_seeded(Topology::Cluster);
+}
+
 /// One run at a time: each starts its own servers and injects faults whose timing matters.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -807,7 +896,7 @@ fn run_seeded(topology: Topology) {
 
 async fn run(topology: Topology, seed: u64, duration: Duration) {
     let began = std::time::Instant::now();
-    let (mut server, mut sentinel, mut proxies) = (None, None, Vec::new());
+    let (mut server, mut sentinel, mut cluster, mut proxies) = (None, None, None, Vec::new());
     // Each node's URL, and the run's directory (removed with the servers).
     let (urls, dir) = match topology {
         Topology::Standalone => {
@@ -824,6 +913,13 @@ async fn run(topology: Topology, seed: u64, duration: Duration) {
             let url = started.url();
             let dir = started.nodes[0].dir().join("history");
             sentinel = Some(started);
+            (vec![url; NODES.len()], dir)
+        }
+        Topology::Cluster => {
+            let started = tokio::task::block_in_place(|| Cluster::start(CLUSTER_NODE_TIMEOUT_MS));
+            let url = started.url();
+            let dir = started.dir().join("history");
+            cluster = Some(started);
             (vec![url; NODES.len()], dir)
         }
     };
@@ -850,6 +946,7 @@ async fn run(topology: Topology, seed: u64, duration: Duration) {
         server: server.take(),
         proxies: proxies.clone(),
         sentinel: sentinel.take(),
+        cluster: cluster.take(),
         child_url: urls[2].clone(),
         child,
         child_addr,
@@ -895,6 +992,7 @@ async fn run(topology: Topology, seed: u64, duration: Duration) {
     let Rig {
         server,
         sentinel,
+        cluster,
         mut child,
         ..
     } = rig;
@@ -1017,7 +1115,7 @@ async fn run(topology: Topology, seed: u64, duration: Duration) {
     if verdict.transport_errors == 0 {
         failures.push("no request met a killed node".into());
     }
-    drop((server, sentinel));
+    drop((server, sentinel, cluster));
     let shown = failures.len().min(40);
     assert!(
         failures.is_empty(),

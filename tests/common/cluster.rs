@@ -289,6 +289,11 @@ impl Cluster {
             .collect()
     }
 
+    /// The first node's directory: a place for a test's own files, removed with the cluster.
+    pub fn dir(&self) -> &std::path::Path {
+        self.nodes[0].dir()
+    }
+
     /// Every node's address, killed ones included.
     pub fn addrs(&self) -> Vec<SocketAddr> {
         self.nodes.iter().map(RedisServer::addr).collect()

@@ -90,9 +90,12 @@ pub enum FaultKind {
     NodeKilled,
     /// `SENTINEL FAILOVER`: the master demoted, a replica promoted.
     SentinelFailover,
-    /// The Sentinel master killed -9: a replica promoted once it is seen down (the old master
-    /// comes back as a replica).
+    /// A master killed -9 (Sentinel's, or a Cluster shard's): a replica promoted once it is
+    /// seen down (the old master comes back as a replica).
     MasterKilled,
+    /// `CLUSTER FAILOVER` on a Cluster master's replica: the replica takes over once it has
+    /// every write of its master.
+    ClusterFailover,
 }
 
 impl FaultKind {
@@ -107,13 +110,14 @@ impl FaultKind {
             FaultKind::NodeKilled => "node killed",
             FaultKind::SentinelFailover => "sentinel failover",
             FaultKind::MasterKilled => "master killed",
+            FaultKind::ClusterFailover => "cluster failover",
         }
     }
 }
 
 /// A fault injected: on the path between a node and Redis (`target` the node: `a`, `b`, `c`),
-/// on Redis (`redis`: a standalone server, or a Sentinel failover), or on a node's process
-/// (`target` its incarnation: `c1`).
+/// on Redis (`redis`: a standalone server, a Sentinel or a Cluster failover), or on a node's
+/// process (`target` its incarnation: `c1`).
 #[derive(Clone, Debug)]
 pub struct Fault {
     pub kind: FaultKind,
