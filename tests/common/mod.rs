@@ -140,7 +140,8 @@ impl RedisServer {
         let _ = std::fs::remove_file(&pidfile);
         let child = Command::new(&self.binary)
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--enable-debug-command", "local", "--daemonize", "no", "--loglevel", "warning"])
+            .args(["--enable-debug-command", "local", "--daemonize", "no"])
+            .args(server_log_args("redis", self.port))
             .arg("--dir")
             .arg(&self.dir)
             .arg("--pidfile")
@@ -1067,4 +1068,20 @@ pub fn example_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// `--loglevel warning`; with `TEST_SERVER_LOGS=<dir>`, `--loglevel notice` and a log file
+/// `<dir>/<kind>-<port>.log` that outlives the test (appended to across restarts), to read
+/// what the servers did in a failing fault run (which replica a sentinel promoted, when a
+/// replica synchronised).
+pub fn server_log_args(kind: &str, port: u16) -> Vec<String> {
+    match std::env::var_os("TEST_SERVER_LOGS") {
+        Some(dir) => {
+            let dir = PathBuf::from(dir);
+            let _ = std::fs::create_dir_all(&dir);
+            let file = dir.join(format!("{kind}-{port}.log"));
+            vec!["--loglevel".into(), "notice".into(), "--logfile".into(), file.display().to_string()]
+        }
+        None => vec!["--loglevel".into(), "warning".into()],
+    }
 }

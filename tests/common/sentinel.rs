@@ -73,7 +73,7 @@ impl SentinelProcess {
         std::fs::write(
             &config,
             format!(
-                "{listen}bind 127.0.0.1\ndaemonize no\ndir {dir}\npidfile {pidfile}\nloglevel warning\n\
+                "{listen}bind 127.0.0.1\ndaemonize no\ndir {dir}\npidfile {pidfile}\n{log}\n\
                  requirepass {SENTINEL_PASSWORD}\n\
                  sentinel resolve-hostnames no\n\
                  sentinel sentinel-pass {SENTINEL_PASSWORD}\n\
@@ -83,6 +83,10 @@ impl SentinelProcess {
                  sentinel failover-timeout {SERVICE} {failover_timeout}\n",
                 dir = dir.display(),
                 pidfile = pidfile.display(),
+                log = (super::server_log_args("sentinel", port).chunks(2))
+                    .map(|pair| format!("{} {}", pair[0].trim_start_matches("--"), pair[1]))
+                    .collect::<Vec<_>>()
+                    .join("\n"),
                 down_after = timing.down_after.as_millis(),
                 failover_timeout = timing.failover_timeout.as_millis(),
             ),
@@ -380,22 +384,40 @@ impl SentinelTopology {
 
     /// `SENTINEL FAILOVER`: a graceful failover, the replica promoted without agreement.
     pub fn failover(&self) {
+        if let Err(answer) = self.try_failover() {
+            panic!("SENTINEL FAILOVER refused: {answer}");
+        }
+    }
+
+    /// [`failover`](Self::failover), answering the sentinel's refusal (`INPROG`: a failover
+    /// already under way) instead of panicking.
+    pub fn try_failover(&self) -> Result<(), String> {
         let answer = self.sentinel_cli(self.sentinels[0].port(), &["SENTINEL", "FAILOVER", SERVICE]);
-        assert_eq!(answer.trim(), "OK", "SENTINEL FAILOVER refused");
+        match answer.trim() {
+            "OK" => Ok(()),
+            refused => Err(refused.to_owned()),
+        }
     }
 
     /// Waits until the sentinels name a master other than `old` and the new master has an
     /// online replica again. Returns the new master's port.
     pub fn wait_for_new_master(&self, old: u16, timeout: Duration) -> u16 {
+        self.try_wait_for_new_master(old, timeout)
+            .unwrap_or_else(|| panic!("the sentinels still name {old} as master after {timeout:?}"))
+    }
+
+    /// [`wait_for_new_master`](Self::wait_for_new_master), `None` after `timeout` (a failover
+    /// the sentinels gave up: `-failover-abort-*`).
+    pub fn try_wait_for_new_master(&self, old: u16, timeout: Duration) -> Option<u16> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let master = self.master_port();
             if master != old {
-                return master;
+                return Some(master);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("the sentinels still name {old} as master after {timeout:?}");
+        None
     }
 
     /// `redis-cli` against a data node of this topology, with its password (and TLS).
