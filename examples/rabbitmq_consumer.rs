@@ -97,7 +97,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, Config, HashesInterface, ReconnectPolicy};
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -108,6 +107,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::signal::unix::{signal, SignalKind};
+use tower_idempotency::bytes::Bytes;
 use tower_idempotency::{Coordinator, Disposition, Fingerprint, IdempotencyKey, Once, RecordKey, RedisStore};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
