@@ -707,3 +707,44 @@ async fn a_completion_held_at_a_failovers_fence_goes_on_when_the_caller_gives_up
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once");
 }
+
+/// `Once::hold_through_outage`: the call is made again while the store is unavailable, 0.5 s
+/// then 1 s apart, until another answer; an answer to dead-letter is not held; a done `stop`
+/// ends the hold with the last `Unavailable`. (Paused time: the pauses cost nothing.)
+#[tokio::test(start_paused = true)]
+async fn a_consumer_holds_a_message_through_a_store_outage() {
+    let calls = std::cell::Cell::new(0);
+    let outage_then_ran = || {
+        calls.set(calls.get() + 1);
+        std::future::ready(if calls.get() <= 2 {
+            Once::Unavailable(Error::AtCapacity)
+        } else {
+            Once::<Bytes, String>::Ran(Bytes::from("receipt"))
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let answer = Once::hold_through_outage(outage_then_ran, std::future::pending()).await;
+    assert!(matches!(&answer, Once::Ran(r) if r == "receipt"), "{answer:?}");
+    assert_eq!(calls.get(), 3);
+    assert_eq!(started.elapsed(), Duration::from_millis(1500), "0.5 s, then 1 s");
+
+    calls.set(0);
+    let answer = Once::hold_through_outage(outage_then_ran, std::future::ready(())).await;
+    assert!(
+        matches!(answer, Once::Unavailable(Error::AtCapacity)),
+        "{answer:?}"
+    );
+    assert_eq!(calls.get(), 1, "a shutdown ends the hold at once");
+
+    let timed_out = || {
+        std::future::ready(Once::<Bytes, String>::Unavailable(Error::OperationTimedOut(
+            Duration::from_secs(1),
+        )))
+    };
+    let answer = Once::hold_through_outage(timed_out, std::future::pending()).await;
+    assert_eq!(
+        answer.disposition(),
+        Disposition::DeadLetter,
+        "not held: {answer:?}"
+    );
+}

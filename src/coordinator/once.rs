@@ -120,6 +120,58 @@ impl<T, E> Once<T, E> {
         }
     }
 
+    /// Makes the call `call` again while nothing ran because the store could not take it
+    /// (an [`Unavailable`](Once::Unavailable) to retry: the store down or slow, a failover's
+    /// fence, the coordinator at capacity), pausing 0.5 s, then doubling up to 5 s, between
+    /// tries, and answers the first other answer: a consumer holds the message in hand through
+    /// a store outage instead of returning it to the broker, where each return counts as a
+    /// delivery and an outage would dead-letter every message it meets. When `stop` is done (a
+    /// shutdown), it answers the last `Unavailable` at once, for the message to go back.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::bytes::Bytes;
+    /// use tower_idempotency::{Coordinator, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("payment-44").unwrap());
+    /// let fingerprint = Fingerprint::new([b"amount=3".as_slice()]);
+    /// let shutdown = tokio::time::sleep(Duration::from_secs(3600)); // a signal, in a consumer
+    /// let answer = Once::hold_through_outage(
+    ///     || coordinator.once(&key, &fingerprint, || async { Ok::<_, std::io::Error>(Bytes::from("receipt-44")) }),
+    ///     shutdown,
+    /// )
+    /// .await;
+    /// assert!(matches!(answer, Once::Ran(_)));
+    /// # }
+    /// ```
+    pub async fn hold_through_outage<Call, Fut>(mut call: Call, stop: impl Future<Output = ()>) -> Self
+    where
+        Call: FnMut() -> Fut,
+        Fut: IntoFuture<Output = Self>,
+    {
+        let mut stop = std::pin::pin!(stop);
+        let mut pause = HOLD_FIRST;
+        loop {
+            let answer = call().await;
+            let Once::Unavailable(error) = &answer else {
+                return answer;
+            };
+            if answer.disposition() == Disposition::DeadLetter {
+                return answer;
+            }
+            tracing::warn!(%error, ?pause, "the store is unavailable; holding the message and trying again");
+            tokio::select! {
+                biased;
+                () = &mut stop => return answer,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(HOLD_MAX);
+        }
+    }
+
     /// The operation's result, whether it ran now, before, or ran without being stored.
     pub fn result(&self) -> Option<&T> {
         match self {
@@ -128,6 +180,11 @@ impl<T, E> Once<T, E> {
         }
     }
 }
+
+/// The pauses of [`Once::hold_through_outage`] between tries: doubling from the first up to the
+/// last, so a store back from an outage is found within seconds without a message hammering it.
+const HOLD_FIRST: Duration = Duration::from_millis(500);
+const HOLD_MAX: Duration = Duration::from_secs(5);
 
 /// How a result is stored and read back: as its bytes, or as JSON.
 struct Codec<T> {
