@@ -748,3 +748,59 @@ async fn a_consumer_holds_a_message_through_a_store_outage() {
         "not held: {answer:?}"
     );
 }
+
+/// Issue 37, on the Redis store's coalescer: 200 messages at once, each call dropped as soon as
+/// its operation has returned, when its completion has just been queued for the coalescing
+/// task's next batch (200 calls keep commands outstanding, so completions queue rather than go
+/// at once). Every completion goes on, and every redelivery gets its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_queued_in_the_coalescer_go_on_when_their_callers_give_up() {
+    const MESSAGES: usize = 200;
+    let server = common::RedisServer::start();
+    let store = tower_idempotency::RedisStore::connect(&server.url())
+        .await
+        .expect("connect");
+    let coordinator = Coordinator::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut calls = tokio::task::JoinSet::new();
+    for message in 0..MESSAGES {
+        let (coordinator, runs) = (coordinator.clone(), runs.clone());
+        calls.spawn(async move {
+            let (k, f) = (key(&format!("queued-{message}")), fp("amount=1"));
+            let (returned, has_returned) = tokio::sync::oneshot::channel();
+            let call = coordinator.once(&k, &f, || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let _ = returned.send(());
+                Ok::<_, String>(Bytes::from("receipt"))
+            });
+            // The call first: it runs the operation and queues the completion; the signal,
+            // ready by then, drops the call in the same poll.
+            tokio::select! {
+                biased;
+                answer = call.into_future() => panic!("answered before it could be dropped: {answer:?}"),
+                _ = has_returned => {}
+            }
+        });
+    }
+    while let Some(joined) = calls.join_next().await {
+        joined.expect("a call");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), MESSAGES);
+    let mut not_replayed = Vec::new();
+    for message in 0..MESSAGES {
+        let (k, f) = (key(&format!("queued-{message}")), fp("amount=1"));
+        let redelivered = coordinator
+            .once(&k, &f, counted(&runs, "again"))
+            .wait(Duration::from_secs(10))
+            .await;
+        if !matches!(&redelivered, Once::Replayed(r) if r == "receipt") {
+            not_replayed.push((message, redelivered));
+        }
+    }
+    assert!(
+        not_replayed.is_empty(),
+        "{} of {MESSAGES} redeliveries not replayed: {not_replayed:?}",
+        not_replayed.len()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), MESSAGES, "every effect ran once");
+}
