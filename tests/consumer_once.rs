@@ -709,8 +709,8 @@ async fn a_completion_held_at_a_failovers_fence_goes_on_when_the_caller_gives_up
 }
 
 /// `Once::hold_through_outage`: the call is made again while the store is unavailable, 0.5 s
-/// then 1 s apart, until another answer; an answer to dead-letter is not held; a done `stop`
-/// ends the hold with the last `Unavailable`. (Paused time: the pauses cost nothing.)
+/// then 1 s apart, until another answer; an answer to dead-letter and a coordinator shutting
+/// down are not held; a done `stop` ends the hold with the last `Unavailable`. (Paused time: the pauses cost nothing.)
 #[tokio::test(start_paused = true)]
 async fn a_consumer_holds_a_message_through_a_store_outage() {
     let calls = std::cell::Cell::new(0);
@@ -745,6 +745,16 @@ async fn a_consumer_holds_a_message_through_a_store_outage() {
     assert_eq!(
         answer.disposition(),
         Disposition::DeadLetter,
+        "not held: {answer:?}"
+    );
+    let shutting_down = || std::future::ready(Once::<Bytes, String>::Unavailable(Error::ShuttingDown));
+    // Bounded, so a hold that never ends fails (in paused time, an hour costs nothing).
+    let held = Once::hold_through_outage(shutting_down, std::future::pending());
+    let answer = tokio::time::timeout(Duration::from_secs(3600), held)
+        .await
+        .expect("a shutdown is not held");
+    assert!(
+        matches!(answer, Once::Unavailable(Error::ShuttingDown)),
         "not held: {answer:?}"
     );
 }

@@ -126,7 +126,9 @@ impl<T, E> Once<T, E> {
     /// tries, and answers the first other answer: a consumer holds the message in hand through
     /// a store outage instead of returning it to the broker, where each return counts as a
     /// delivery and an outage would dead-letter every message it meets. When `stop` is done (a
-    /// shutdown), it answers the last `Unavailable` at once, for the message to go back.
+    /// shutdown), or the coordinator is shutting down ([`Error::ShuttingDown`]), it answers the
+    /// last `Unavailable` at once, for the message to go back; an answer to dead-letter is not
+    /// held either.
     ///
     /// ```
     /// use std::time::Duration;
@@ -159,7 +161,8 @@ impl<T, E> Once<T, E> {
             let Once::Unavailable(error) = &answer else {
                 return answer;
             };
-            if answer.disposition() == Disposition::DeadLetter {
+            // A shutdown of the coordinator would refuse every try: the message goes back.
+            if matches!(error, Error::ShuttingDown) || answer.disposition() == Disposition::DeadLetter {
                 return answer;
             }
             tracing::warn!(%error, ?pause, "the store is unavailable; holding the message and trying again");
