@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bytes::Bytes;
+use tower_idempotency::bytes::Bytes;
 use tower_idempotency::{
     Coordinator, Disposition, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey, RedisStore, Store,
 };

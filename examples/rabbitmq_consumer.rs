@@ -56,7 +56,8 @@
 //! | in flight on another consumer, a lease later | `in-flight` | `basic.nack`, requeued                  |
 //! | the operation failed                 | `failed`        | `basic.reject`, requeued, after 500 ms      |
 //! | store unavailable                    | (a warning)     | held, and tried again after 0.5, 1, 2, 4, 5, 5… s until the store answers; on `SIGTERM`, `unavailable` and `basic.reject`, requeued |
-//! | mismatch, bad body, too many deliveries, unreadable record | `dead-lettered` | published to `<QUEUE>.dead` (confirmed), then `basic.ack` |
+//! | mismatch, bad body, too many deliveries, unreadable record, operation past its timeout | `dead-lettered` | published to `<QUEUE>.dead` (confirmed), then `basic.ack` |
+//! | the same, but the broker refuses the dead letter (`<QUEUE>.dead` full, no quorum) | `unavailable` | `basic.nack`, requeued, after 500 ms |
 //!
 //! Every call waits up to a lease for a key another consumer holds (`.wait(lease)`): a message
 //! redelivered because its consumer died runs as soon as that consumer's lease ends, and a
@@ -97,7 +98,6 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use fred::prelude::{Builder, Client, ClientLike, Config, HashesInterface, ReconnectPolicy};
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -108,16 +108,16 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::signal::unix::{signal, SignalKind};
-use tower_idempotency::{Coordinator, Disposition, Fingerprint, IdempotencyKey, Once, RecordKey, RedisStore};
+use tower_idempotency::bytes::Bytes;
+use tower_idempotency::{
+    Coordinator, Disposition, Error, Fingerprint, IdempotencyKey, Once, RecordKey, RedisStore,
+};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A failure or a store that did not answer: wait this long before returning the message, so a
 /// dependency that is down is not hammered by the same message going round.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
-
-/// The longest pause between two tries of a message held while the store is unavailable.
-const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 struct Settings {
     queue: String,
@@ -195,33 +195,24 @@ impl Consumer {
         let amount_text = payment.amount.to_string();
         let fingerprint = Fingerprint::new([id.as_bytes(), amount_text.as_bytes()]);
         let started = Instant::now();
-        // While the store does not answer, nothing can run: hold the message and try again,
-        // with a growing pause, rather than send it round the queue, where each return counts
-        // towards MAX_DELIVERIES and an outage would dead-letter every message it meets.
-        let mut pause = RETRY_PAUSE;
-        let answer = loop {
-            let answer = match &self.ledger {
+        // While the store does not answer, nothing can run: the message is held in hand and
+        // tried again (the crate's `Once::hold_through_outage`), not sent round the queue, where
+        // each return counts towards MAX_DELIVERIES and an outage would dead-letter every
+        // message it meets. Until SIGTERM, which sends it back.
+        let mut stopping = self.stopping.clone();
+        let stop = async move {
+            let _ = stopping.wait_for(|stop| *stop).await;
+        };
+        let run = || async {
+            match &self.ledger {
                 Ledger::Redis(redis) => self.count_in_redis(redis, &msg, &key, &fingerprint).await,
                 #[cfg(feature = "postgres")]
                 Ledger::Postgres(store) => {
                     (self.insert_row(store, &msg, &key, &fingerprint, payment.amount)).await
                 }
-            };
-            match &answer {
-                Once::Unavailable(error)
-                    if answer.disposition() != Disposition::DeadLetter && !*self.stopping.borrow() =>
-                {
-                    tracing::warn!(msg, id, %error, ?pause, "the store is unavailable; holding the message and trying again");
-                    let mut stopping = self.stopping.clone();
-                    tokio::select! {
-                        _ = tokio::time::sleep(pause) => {}
-                        _ = stopping.wait_for(|stop| *stop) => {}
-                    }
-                    pause = (pause * 2).min(MAX_RETRY_PAUSE);
-                }
-                _ => break answer,
             }
         };
+        let answer = Once::hold_through_outage(run, stop).await;
         let took_ms = started.elapsed().as_millis();
         let what = format!("msg={msg} id={id:?} deliveries={deliveries}");
         let amount = payment.amount;
@@ -258,6 +249,7 @@ impl Consumer {
             Disposition::Retry { after: None } => self.retry_later(&delivery, &msg).await,
             Disposition::DeadLetter => {
                 let reason = match &answer {
+                    Once::Unavailable(error @ Error::OperationTimedOut(_)) => format!("timed out: {error}"),
                     Once::Unavailable(error) => format!("unreadable record: {error}"),
                     _ => "mismatch: this id came before with another amount".to_owned(),
                 };
@@ -345,9 +337,12 @@ impl Consumer {
 
     /// Publishes a copy of the message to `<QUEUE>.dead` with the reason, waits for the broker
     /// to confirm it, then acknowledges the original. A crash in between leaves the original to
-    /// be delivered, and dead-lettered, again: two copies, none lost.
+    /// be delivered, and dead-lettered, again: two copies, none lost. A copy the broker refuses
+    /// (`<QUEUE>.dead` full at `x-overflow: reject-publish`, or without a quorum) leaves the
+    /// original to be delivered again after a pause (`basic.nack`, requeued): left unsettled,
+    /// it would hold this consumer's only prefetch place until the broker's `consumer_timeout`
+    /// (30 min by default) closed the channel.
     async fn dead_letter(&self, delivery: &Delivery, msg: &str, id: &str, deliveries: u64, reason: &str) {
-        println!("dead-lettered msg={msg} id={id:?} deliveries={deliveries} reason={reason:?}");
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         headers.insert(
             "x-dead-reason".into(),
@@ -375,16 +370,22 @@ impl Consumer {
                 .await?;
             Ok::<_, lapin::Error>(confirm.await?.is_ack())
         };
-        match published.await {
-            Ok(true) => self.settle(msg, delivery.acker.ack(BasicAckOptions::default()).await),
-            Ok(false) => tracing::warn!(
-                msg,
-                "the broker refused the dead letter; the message will be delivered again"
-            ),
-            Err(error) => {
-                tracing::warn!(msg, %error, "could not dead-letter; the message will be delivered again")
+        let refused = match published.await {
+            Ok(true) => {
+                println!("dead-lettered msg={msg} id={id:?} deliveries={deliveries} reason={reason:?}");
+                return self.settle(msg, delivery.acker.ack(BasicAckOptions::default()).await);
             }
-        }
+            Ok(false) => format!("the broker refused the dead letter to {}", self.dead_queue),
+            Err(error) => format!("could not dead-letter: {error}"),
+        };
+        println!("unavailable msg={msg} id={id:?} deliveries={deliveries} error={refused:?} (requeued)");
+        tokio::time::sleep(RETRY_PAUSE).await;
+        // No failure of the message: a nack, which RabbitMQ 4.3+ does not count as a delivery.
+        let requeue = BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        };
+        self.settle(msg, delivery.acker.nack(requeue).await);
     }
 
     /// Logs an acknowledgement that did not reach the broker: the channel is gone, so the

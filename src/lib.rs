@@ -145,6 +145,11 @@ pub mod __fuzz {
     }
 }
 
+/// The `bytes` this crate is built with (1): [`Coordinator::once`] takes and gives back a
+/// message's result as `tower_idempotency::bytes::Bytes`, so a consumer needs no `bytes` of its
+/// own.
+pub use bytes;
+
 /// The `sqlx` this crate is built with (0.8), for the pool and transactions a
 /// [`PostgresStore`] takes: `tower_idempotency::sqlx::PgPool`. Use it, or depend on the same
 /// minor version, as two releases of `sqlx` in one build are two types that do not mix.
@@ -154,7 +159,10 @@ pub use sqlx;
 
 /// The `fred` this crate is built with (10), for a client or pool of your own
 /// ([`RedisStore::new`], [`RedisStore::from_pool`]): use it, or depend on the same major
-/// version, as two releases of `fred` in one build are two types that do not mix.
+/// version, as two releases of `fred` in one build are two types that do not mix. It is built
+/// with what a Redis Streams consumer needs besides the store's own commands: the stream
+/// commands (`XREADGROUP`, `XAUTOCLAIM`, `XACK`, `XADD`, `XGROUP`; fred's `i-streams`) and
+/// `MULTI` (`transactions`), so a consumer's Cargo.toml needs no `fred` of its own.
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use fred;

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -451,4 +452,365 @@ async fn the_consumer_example_answers_each_delivery_as_documented() {
         assert!(output.status.success(), "{redis_url:?}: {output:?}");
         assert_eq!(stdout.lines().collect::<Vec<_>>(), expected, "{redis_url:?}");
     }
+}
+
+/// A store whose completions take `delay` longer than its inner store's: what a Sentinel
+/// failover's hold, a queued batch or a retry costs a completion.
+struct SlowCompletions {
+    inner: tower_idempotency::MemoryStore,
+    delay: Duration,
+}
+
+impl tower_idempotency::Store for SlowCompletions {
+    fn claim<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        fingerprint: &'a Fingerprint,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, tower_idempotency::ClaimOutcome> {
+        self.inner.claim(key, fingerprint, owner, lease)
+    }
+    fn complete<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        payload: Bytes,
+        retention: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        Box::pin(async move {
+            tokio::time::sleep(self.delay).await;
+            self.inner.complete(key, owner, payload, retention).await
+        })
+    }
+    fn release<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.release(key, owner)
+    }
+    fn renew<'a>(
+        &'a self,
+        key: &'a RecordKey,
+        owner: &'a tower_idempotency::OwnerToken,
+        lease: Duration,
+    ) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.renew(key, owner, lease)
+    }
+    fn inspect<'a>(
+        &'a self,
+        key: &'a RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::RecordInfo>> {
+        self.inner.inspect(key)
+    }
+    fn purge<'a>(&'a self, key: &'a RecordKey) -> tower_idempotency::StoreFuture<'a, bool> {
+        self.inner.purge(key)
+    }
+    fn watch<'a>(
+        &'a self,
+        key: &'a RecordKey,
+    ) -> tower_idempotency::StoreFuture<'a, Option<tower_idempotency::KeyWatch>> {
+        self.inner.watch(key)
+    }
+}
+
+/// Issue 37: a per-message `tokio::time::timeout` that ends after the effect, while the
+/// completion takes 500 ms. The completion goes on without the caller, and the redelivery gets
+/// the result. Before, dropping the call released the key: the redelivery got `Ran` and the
+/// effect counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_goes_on_when_the_caller_gives_up_after_the_effect() {
+    let store = SlowCompletions {
+        inner: tower_idempotency::MemoryStore::new(),
+        delay: Duration::from_millis(500),
+    };
+    let coordinator = Coordinator::new(store);
+    let (k, f, runs) = (key("cancelled-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let first = tokio::time::timeout(
+        Duration::from_millis(200),
+        coordinator.once(&k, &f, counted(&runs, "receipt")),
+    )
+    .await;
+    assert!(first.is_err(), "the completion outlasts the timeout: {first:?}");
+    // Waits (a bound far above the completion's 500 ms) for the result rather than answering
+    // `InFlight` while the completion is under way.
+    let redelivered = coordinator
+        .once(&k, &f, counted(&runs, "again"))
+        .wait(Duration::from_secs(10))
+        .await;
+    assert!(
+        matches!(&redelivered, Once::Replayed(r) if r == "receipt"),
+        "{redelivered:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once");
+}
+
+/// Issue 37: a closure that panics before it returns its future releases the key before the
+/// panic reaches the caller, as a panic inside the future does. A current-thread runtime, so
+/// nothing in the background can run between the panic and the look at the record: before,
+/// the key was released only by the claim's drop, in a task that had not run yet.
+#[tokio::test]
+async fn a_closure_that_panics_before_its_future_releases_the_key_first() {
+    use futures_util::FutureExt;
+    use tower_idempotency::Store;
+
+    let store = tower_idempotency::MemoryStore::new();
+    let coordinator = Coordinator::new(store.clone());
+    let (k, f) = (key("panic-early-1"), fp("amount=5"));
+    let call = coordinator.once(&k, &f, || -> std::future::Ready<Result<Bytes, String>> {
+        panic!("the closure panicked before returning its future")
+    });
+    let panicked = std::panic::AssertUnwindSafe(call.into_future())
+        .catch_unwind()
+        .await;
+    assert!(panicked.is_err(), "the panic goes on up");
+    let record = store.inspect(&k).await.unwrap();
+    assert!(
+        record.is_none(),
+        "the key is still held after the panic: {record:?}"
+    );
+}
+
+/// Issue 37: an operation past its timeout (the call's, then the coordinator's) is cancelled;
+/// the answer says to dead-letter, the key is not released (a redelivery is answered
+/// `InFlight`, nothing runs twice), and the reconciliation hook hears of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_past_its_timeout_is_cancelled_and_its_key_kept() {
+    use tower_idempotency::{NotStored, ReconciliationKind};
+
+    let (reported, events) = std::sync::mpsc::channel();
+    let coordinator = Coordinator::new(tower_idempotency::MemoryStore::new())
+        .with_reconciliation(move |event| reported.send(event.clone()).unwrap());
+    let hung = || async {
+        std::future::pending::<()>().await;
+        Ok::<_, String>(Bytes::new())
+    };
+    // The bound of this test only turns a hang into a failure: the operation's 200 ms timeout
+    // answers long before.
+    let bounded = |call| tokio::time::timeout(Duration::from_secs(20), call);
+    let by_call = coordinator.clone().with_once_timeout(Duration::MAX);
+    let (k, f) = (key("hung-1"), fp("amount=5"));
+    let answer = bounded(
+        by_call
+            .once(&k, &f, hung)
+            .timeout(Duration::from_millis(200))
+            .into_future(),
+    )
+    .await
+    .expect("answered past the call's timeout");
+    assert!(
+        matches!(answer, Once::Unavailable(Error::OperationTimedOut(after)) if after == Duration::from_millis(200)),
+        "{answer:?}"
+    );
+    assert_eq!(answer.disposition(), Disposition::DeadLetter);
+    let event = events.try_recv().expect("the timeout is reported");
+    assert_eq!(event.key, k);
+    assert_eq!(
+        event.kind,
+        ReconciliationKind::NotStorable {
+            why: NotStored::TimedOut
+        }
+    );
+    let runs = Arc::new(AtomicUsize::new(0));
+    let redelivered = coordinator.once(&k, &f, counted(&runs, "r")).await;
+    assert!(matches!(redelivered, Once::InFlight { .. }), "{redelivered:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the key is kept: nothing runs again"
+    );
+
+    let by_coordinator = coordinator.with_once_timeout(Duration::from_millis(200));
+    let k = key("hung-2");
+    let answer = bounded(by_coordinator.once(&k, &f, hung).into_future())
+        .await
+        .expect("answered past the coordinator's timeout");
+    assert!(
+        matches!(answer, Once::Unavailable(Error::OperationTimedOut(_))),
+        "{answer:?}"
+    );
+}
+
+/// Issue 37, on Redis Sentinel: the operation returns while a failover begins, so its completion
+/// waits at the store's fence; the consumer gives up on the call there (a per-message timeout,
+/// a shutdown). The completion goes on without it, to the new master, and the redelivery gets
+/// the result. Before, dropping the call released the key (the release too waited out the
+/// fence, then went to the new master): the redelivery ran the effect again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_held_at_a_failovers_fence_goes_on_when_the_caller_gives_up() {
+    use common::sentinel::SentinelTopology;
+    use tower_idempotency::{RedisStore, Store};
+
+    let topology = tokio::task::spawn_blocking(SentinelTopology::start)
+        .await
+        .unwrap();
+    let store = Arc::new(RedisStore::connect(&topology.url()).await.expect("connect"));
+    // A lease long enough for the claim to outlast the failover without a renewal.
+    let coordinator = Coordinator::from_shared_store(store.clone()).with_lease(Duration::from_secs(30));
+    let (k, f, runs) = (key("fenced-1"), fp("amount=5"), Arc::new(AtomicUsize::new(0)));
+    let topology = Arc::new(topology);
+    let (returned, has_returned) = tokio::sync::oneshot::channel();
+    let first = {
+        let (coordinator, k, f, runs, topology, store) = (
+            coordinator.clone(),
+            k.clone(),
+            f,
+            runs.clone(),
+            topology.clone(),
+            store.clone(),
+        );
+        tokio::spawn(async move {
+            coordinator
+                .once(&k, &f, || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    // The effect is done; the master fails over before its completion is sent.
+                    tokio::task::spawn_blocking(move || topology.failover())
+                        .await
+                        .unwrap();
+                    common::until("the store raises its fence", || store.writes_held().is_some()).await;
+                    let _ = returned.send(());
+                    Ok::<_, String>(Bytes::from("receipt"))
+                })
+                .await
+        })
+    };
+    has_returned.await.expect("the operation returned");
+    // Give the call a moment to reach the fence with its completion, then drop it there.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        store.writes_held().is_some(),
+        "the fence came down before the call was dropped"
+    );
+    first.abort();
+    assert!(
+        first.await.unwrap_err().is_cancelled(),
+        "dropped before it answered"
+    );
+    // Delivered again until the store takes claims again (refused while the fence stands).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let redelivered = loop {
+        let answer = coordinator
+            .once(&k, &f, counted(&runs, "again"))
+            .wait(Duration::from_secs(30))
+            .await;
+        match answer {
+            Once::Unavailable(Error::Store(error)) if error.is_fence() && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            answer => break answer,
+        }
+    };
+    assert!(
+        matches!(&redelivered, Once::Replayed(r) if r == "receipt"),
+        "{redelivered:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once");
+}
+
+/// `Once::hold_through_outage`: the call is made again while the store is unavailable, 0.5 s
+/// then 1 s apart, until another answer; an answer to dead-letter and a coordinator shutting
+/// down are not held; a done `stop` ends the hold with the last `Unavailable`. (Paused time: the pauses cost nothing.)
+#[tokio::test(start_paused = true)]
+async fn a_consumer_holds_a_message_through_a_store_outage() {
+    let calls = std::cell::Cell::new(0);
+    let outage_then_ran = || {
+        calls.set(calls.get() + 1);
+        std::future::ready(if calls.get() <= 2 {
+            Once::Unavailable(Error::AtCapacity)
+        } else {
+            Once::<Bytes, String>::Ran(Bytes::from("receipt"))
+        })
+    };
+    let started = tokio::time::Instant::now();
+    let answer = Once::hold_through_outage(outage_then_ran, std::future::pending()).await;
+    assert!(matches!(&answer, Once::Ran(r) if r == "receipt"), "{answer:?}");
+    assert_eq!(calls.get(), 3);
+    assert_eq!(started.elapsed(), Duration::from_millis(1500), "0.5 s, then 1 s");
+
+    calls.set(0);
+    let answer = Once::hold_through_outage(outage_then_ran, std::future::ready(())).await;
+    assert!(
+        matches!(answer, Once::Unavailable(Error::AtCapacity)),
+        "{answer:?}"
+    );
+    assert_eq!(calls.get(), 1, "a shutdown ends the hold at once");
+
+    let timed_out = || {
+        std::future::ready(Once::<Bytes, String>::Unavailable(Error::OperationTimedOut(
+            Duration::from_secs(1),
+        )))
+    };
+    let answer = Once::hold_through_outage(timed_out, std::future::pending()).await;
+    assert_eq!(
+        answer.disposition(),
+        Disposition::DeadLetter,
+        "not held: {answer:?}"
+    );
+    let shutting_down = || std::future::ready(Once::<Bytes, String>::Unavailable(Error::ShuttingDown));
+    // Bounded, so a hold that never ends fails (in paused time, an hour costs nothing).
+    let held = Once::hold_through_outage(shutting_down, std::future::pending());
+    let answer = tokio::time::timeout(Duration::from_secs(3600), held)
+        .await
+        .expect("a shutdown is not held");
+    assert!(
+        matches!(answer, Once::Unavailable(Error::ShuttingDown)),
+        "not held: {answer:?}"
+    );
+}
+
+/// Issue 37, on the Redis store's coalescer: 200 messages at once, each call dropped as soon as
+/// its operation has returned, when its completion has just been queued for the coalescing
+/// task's next batch (200 calls keep commands outstanding, so completions queue rather than go
+/// at once). Every completion goes on, and every redelivery gets its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_queued_in_the_coalescer_go_on_when_their_callers_give_up() {
+    const MESSAGES: usize = 200;
+    let server = common::RedisServer::start();
+    let store = tower_idempotency::RedisStore::connect(&server.url())
+        .await
+        .expect("connect");
+    let coordinator = Coordinator::new(store);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut calls = tokio::task::JoinSet::new();
+    for message in 0..MESSAGES {
+        let (coordinator, runs) = (coordinator.clone(), runs.clone());
+        calls.spawn(async move {
+            let (k, f) = (key(&format!("queued-{message}")), fp("amount=1"));
+            let (returned, has_returned) = tokio::sync::oneshot::channel();
+            let call = coordinator.once(&k, &f, || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let _ = returned.send(());
+                Ok::<_, String>(Bytes::from("receipt"))
+            });
+            // The call first: it runs the operation and queues the completion; the signal,
+            // ready by then, drops the call in the same poll.
+            tokio::select! {
+                biased;
+                answer = call.into_future() => panic!("answered before it could be dropped: {answer:?}"),
+                _ = has_returned => {}
+            }
+        });
+    }
+    while let Some(joined) = calls.join_next().await {
+        joined.expect("a call");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), MESSAGES);
+    let mut not_replayed = Vec::new();
+    for message in 0..MESSAGES {
+        let (k, f) = (key(&format!("queued-{message}")), fp("amount=1"));
+        let redelivered = coordinator
+            .once(&k, &f, counted(&runs, "again"))
+            .wait(Duration::from_secs(10))
+            .await;
+        if !matches!(&redelivered, Once::Replayed(r) if r == "receipt") {
+            not_replayed.push((message, redelivered));
+        }
+    }
+    assert!(
+        not_replayed.is_empty(),
+        "{} of {MESSAGES} redeliveries not replayed: {not_replayed:?}",
+        not_replayed.len()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), MESSAGES, "every effect ran once");
 }

@@ -19,7 +19,10 @@ use common::consumers::{self, Broker, Consumer, Log, Message};
 use common::rabbitmq::{self, RabbitServer};
 use common::RedisServer;
 use fred::prelude::*;
-use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -588,4 +591,127 @@ async fn the_node_is_private() {
     assert_ne!(node.addr().port(), 5672);
     let answer = node.eval("node().");
     assert!(answer.contains(node.node()), "{answer}");
+}
+
+/// Issue 37: a dead letter the broker refuses (`<QUEUE>.dead` full at `x-overflow:
+/// reject-publish`, set by a policy, as an operator would) is not left unsettled: the message is
+/// nacked, requeued, 500 ms later, and tried again, so the consumer (prefetch 1) goes on; once
+/// the dead queue has room, it is dead-lettered and the message behind it runs. Before, the
+/// refused message stayed delivered and unacknowledged, and the consumer stalled until the
+/// broker's `consumer_timeout` (30 min).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_is_requeued_and_the_consumer_goes_on() {
+    let rabbit = Rabbit::new(&[]).await;
+    let dead_queue = format!("{}.dead", rabbit.queue);
+    let (node, pattern) = (rabbit.node, format!("^{dead_queue}$"));
+    tokio::task::spawn_blocking(move || {
+        node.eval(&format!(
+            "rabbit_policy:set(<<\"/\">>, <<\"{pattern}\">>, <<\"{pattern}\">>, \
+             [{{<<\"max-length\">>, 1}}, {{<<\"overflow\">>, <<\"reject-publish\">>}}], \
+             0, <<\"queues\">>, <<\"test\">>)."
+        ))
+    })
+    .await
+    .unwrap();
+    let publish_dead = |message_id: &'static str| {
+        let properties = BasicProperties::default()
+            .with_message_id(message_id.into())
+            .with_delivery_mode(2);
+        let channel = &rabbit.channel;
+        let queue = dead_queue.as_str();
+        async move {
+            (channel.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                b"filler",
+                properties,
+            ))
+            .await
+            .expect("publish")
+            .await
+            .expect("the broker's confirmation")
+            .is_ack()
+        }
+    };
+    // Filled until it refuses one (the policy in force, the queue at or over its length: a
+    // quorum queue learns it is over its limit as a publish lands, so it may take one more).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while publish_dead("filler").await {
+        assert!(
+            Instant::now() < deadline,
+            "the dead queue never refused a message"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = Log::default();
+    let consumer = Consumer::start(0, rabbit.consumer(), &log);
+    let poison = rabbit.publish_body(b"not json").await;
+    let good = rabbit.publish_body(br#"{"id": "pay-5", "amount": 5}"#).await;
+    // Refused, requeued and refused again: the consumer did not stall on the first.
+    let refusals = || {
+        (log.events().into_iter())
+            .filter(|e| e.kind == "unavailable" && e.msg == poison)
+            .count()
+    };
+    log.wait_for("the dead letter refused", Duration::from_secs(15), |e| {
+        e.kind == "unavailable" && e.msg == poison
+    })
+    .await;
+    common::until("the message requeued and its dead letter refused again", || {
+        refusals() >= 2
+    })
+    .await;
+    // Room for one: the next attempt is confirmed.
+    // Emptied of its fillers, it takes the next attempt.
+    let mut fillers = 0;
+    while let Some(taken) = (rabbit.channel)
+        .basic_get(dead_queue.as_str().into(), BasicGetOptions::default())
+        .await
+        .expect("basic.get")
+    {
+        let acker = &taken.delivery.acker;
+        if taken.delivery.data != b"filler" {
+            acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            break;
+        }
+        acker.ack(BasicAckOptions::default()).await.unwrap();
+        fillers += 1;
+    }
+    assert!(fillers >= 1, "the dead queue held no filler");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !rabbit.settled().await {
+        let counts = rabbit.counts().await;
+        assert!(
+            Instant::now() < deadline,
+            "never settled: {counts:?}\n{}",
+            log.dump()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(consumer.terminate().success());
+    let outcomes: BTreeMap<String, String> = (log.events().into_iter())
+        .filter(|e| e.is_final())
+        .map(|e| (e.msg, e.kind))
+        .collect();
+    assert_eq!(
+        outcomes.get(&poison).map(String::as_str),
+        Some("dead-lettered"),
+        "{}",
+        log.dump()
+    );
+    assert_eq!(
+        outcomes.get(&good).map(String::as_str),
+        Some("ran"),
+        "{}",
+        log.dump()
+    );
+    let dead: BTreeMap<String, String> = rabbit.dead_letters().await.into_iter().collect();
+    assert!(dead[&poison].starts_with("bad body"), "{dead:?}");
 }

@@ -400,16 +400,14 @@ impl Claim {
         self.reconcile(ReconciliationKind::NotStorable { why }, None);
     }
 
-    /// Gives up on storing a result that ran but cannot be encoded: reported to the
-    /// reconciliation hook, and the key left to its lease, as after a completion whose every
-    /// attempt failed (released, a redelivery would run the operation again at once).
-    pub(crate) fn abandon_unencodable(mut self, error: &Error) {
+    /// Gives up on storing a result: reported to the reconciliation hook as `kind`, and the key
+    /// left to its lease, as after a completion whose every attempt failed (released, a
+    /// redelivery would run the operation again at once). For `once`: a result that does not
+    /// encode, or an operation cancelled past its timeout (whose effect may have happened).
+    pub(super) fn abandon(mut self, kind: ReconciliationKind) {
         self.stop_renewal();
         self.settled = true;
-        let failed = ReconciliationKind::CompletionFailed {
-            error: error.to_string(),
-        };
-        self.reconcile(failed, None);
+        self.reconcile(kind, None);
     }
 
     fn reconcile(&self, kind: ReconciliationKind, payload: Option<&Bytes>) {

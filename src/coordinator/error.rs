@@ -30,6 +30,11 @@ pub enum Error {
     /// refuses, such as a map with keys that are not strings), so it was not stored.
     #[error("the result could not be encoded for the store: {0}")]
     Encode(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The operation of a [`Coordinator::once`](crate::Coordinator::once) call ran past its
+    /// timeout ([`OnceCall::timeout`](crate::OnceCall::timeout)) and was cancelled: whether its
+    /// effect happened is unknown. Nothing was stored; the key is left to its lease.
+    #[error("the operation did not finish within {0:?} and was cancelled")]
+    OperationTimedOut(std::time::Duration),
 }
 
 impl Error {
@@ -39,6 +44,7 @@ impl Error {
             Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
             Error::Store(error) if error.is_fence() => Outcome::Fenced,
             Error::Store(_) | Error::ClaimLost | Error::Encode(_) => Outcome::StoreError,
+            Error::OperationTimedOut(_) => Outcome::NotStored,
             Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
         }
     }

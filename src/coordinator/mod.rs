@@ -28,7 +28,8 @@ pub(crate) use self::running::Slot;
 pub use self::running::{ShutdownHandle, ShutdownTimedOut};
 use self::running::{Tracker, MAX_DURATION};
 use self::settings::{
-    Settings, DEFAULT_LEASE, DEFAULT_MAX_IN_FLIGHT, DEFAULT_RETENTION, DEFAULT_STORE_TIMEOUT,
+    Settings, DEFAULT_LEASE, DEFAULT_MAX_IN_FLIGHT, DEFAULT_ONCE_TIMEOUT, DEFAULT_RETENTION,
+    DEFAULT_STORE_TIMEOUT,
 };
 use self::waiting::{
     Reader, WaiterPlace, Waiters, DEFAULT_MAX_WAITERS, LEASE_END_SLACK, POLL_FIRST, POLL_MAX,
@@ -83,6 +84,7 @@ impl std::fmt::Debug for Coordinator {
             .field("lease", &self.settings.lease)
             .field("retention", &self.settings.retention)
             .field("store_timeout", &self.settings.store_timeout)
+            .field("once_timeout", &self.settings.once_timeout)
             .field("max_in_flight", &self.settings.tracker.max)
             .field("name", &self.settings.named.as_ref().map(|named| named.name()))
             .field(
@@ -129,7 +131,8 @@ impl Begin {
 
 impl Coordinator {
     /// A coordinator over `store` with the defaults: lease 30 s, retention 24 h, store timeout 2 s,
-    /// at most 10 000 operations running at once.
+    /// at most 10 000 operations running at once, a [`once`](Coordinator::once) operation
+    /// cancelled after 60 s.
     pub fn new(store: impl Store) -> Self {
         Self::from_shared_store(Arc::new(store))
     }
@@ -141,6 +144,7 @@ impl Coordinator {
             lease: DEFAULT_LEASE,
             retention: DEFAULT_RETENTION,
             store_timeout: DEFAULT_STORE_TIMEOUT,
+            once_timeout: DEFAULT_ONCE_TIMEOUT,
             tracker: Tracker::join(&Arc::default(), DEFAULT_MAX_IN_FLIGHT),
             reconciler: None,
             named: None,
@@ -200,6 +204,26 @@ impl Coordinator {
     /// ```
     pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
         self.settings_mut().store_timeout = timeout.min(MAX_DURATION);
+        self
+    }
+
+    /// Bounds the operation of every [`once`](Coordinator::once) call (and `once_json`,
+    /// `once_with_ticket`) unless the call sets its own ([`OnceCall::timeout`]) (default: 60 s,
+    /// as the HTTP layer's handler timeout). Past it the operation is cancelled and the call
+    /// answers [`Once::Unavailable`] with [`Error::OperationTimedOut`], to dead-letter: whether
+    /// its effect happened is unknown. The key is not released (a redelivery would run the
+    /// operation again at once) but left to its lease, and the timeout is reported to the
+    /// [reconciliation hook](Coordinator::with_reconciliation). `Duration::MAX` turns the bound
+    /// off. The HTTP layer has its own, [`with_handler_timeout`](crate::IdempotencyLayer::with_handler_timeout).
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{Coordinator, MemoryStore};
+    /// let coordinator = Coordinator::new(MemoryStore::new()).with_once_timeout(Duration::from_secs(10));
+    /// # let _ = coordinator;
+    /// ```
+    pub fn with_once_timeout(mut self, timeout: Duration) -> Self {
+        self.settings_mut().once_timeout = timeout;
         self
     }
 

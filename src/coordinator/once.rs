@@ -5,16 +5,19 @@
 use std::future::{Future, IntoFuture};
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tracing::Instrument;
 
 use super::{Begin, Coordinator, Error};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
+use crate::reconciliation::{NotStored, ReconciliationKind};
 use crate::store::{ClaimTicket, StoreError};
 
 /// What [`Coordinator::once`] did with a message's operation, and so what to do with the message
@@ -50,6 +53,11 @@ pub enum Once<T, E> {
     /// safely repeat could run unguarded here instead; that is the caller's choice to make.)
     /// An unreadable record ([`StoreError::Corrupt`], or a stored result that no longer
     /// decodes as `T`) is here too, and dead-lettered: delivering it again meets it again.
+    /// So is an operation that ran past its timeout ([`Error::OperationTimedOut`], see
+    /// [`OnceCall::timeout`]): it was cancelled part way, so whether its effect happened is
+    /// unknown; it is dead-lettered for a person to look at, and its key is left to its lease
+    /// (not released: a redelivery meanwhile answers [`InFlight`](Once::InFlight), and one
+    /// after the lease runs the operation again).
     Unavailable(Error),
     /// The operation ran, but its result could not be stored: the claim's lease ran out under
     /// it ([`Error::ClaimLost`]), the first completion attempt failed ([`Error::Store`]: the
@@ -104,10 +112,66 @@ impl<T, E> Once<T, E> {
             Once::InFlight { retry_after } => Disposition::Retry {
                 after: Some(*retry_after),
             },
-            Once::Mismatch | Once::Unavailable(Error::Store(StoreError::Corrupt(_))) => {
+            Once::Mismatch
+            | Once::Unavailable(Error::Store(StoreError::Corrupt(_)) | Error::OperationTimedOut(_)) => {
                 Disposition::DeadLetter
             }
             Once::Failed(_) | Once::Unavailable(_) => Disposition::Retry { after: None },
+        }
+    }
+
+    /// Makes the call `call` again while nothing ran because the store could not take it
+    /// (an [`Unavailable`](Once::Unavailable) to retry: the store down or slow, a failover's
+    /// fence, the coordinator at capacity), pausing 0.5 s, then doubling up to 5 s, between
+    /// tries, and answers the first other answer: a consumer holds the message in hand through
+    /// a store outage instead of returning it to the broker, where each return counts as a
+    /// delivery and an outage would dead-letter every message it meets. When `stop` is done (a
+    /// shutdown), or the coordinator is shutting down ([`Error::ShuttingDown`]), it answers the
+    /// last `Unavailable` at once, for the message to go back; an answer to dead-letter is not
+    /// held either.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::bytes::Bytes;
+    /// use tower_idempotency::{Coordinator, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("payment-44").unwrap());
+    /// let fingerprint = Fingerprint::new([b"amount=3".as_slice()]);
+    /// let shutdown = tokio::time::sleep(Duration::from_secs(3600)); // a signal, in a consumer
+    /// let answer = Once::hold_through_outage(
+    ///     || coordinator.once(&key, &fingerprint, || async { Ok::<_, std::io::Error>(Bytes::from("receipt-44")) }),
+    ///     shutdown,
+    /// )
+    /// .await;
+    /// assert!(matches!(answer, Once::Ran(_)));
+    /// # }
+    /// ```
+    pub async fn hold_through_outage<Call, Fut>(mut call: Call, stop: impl Future<Output = ()>) -> Self
+    where
+        Call: FnMut() -> Fut,
+        Fut: IntoFuture<Output = Self>,
+    {
+        let mut stop = std::pin::pin!(stop);
+        let mut pause = HOLD_FIRST;
+        loop {
+            let answer = call().await;
+            let Once::Unavailable(error) = &answer else {
+                return answer;
+            };
+            // A shutdown of the coordinator would refuse every try: the message goes back.
+            if matches!(error, Error::ShuttingDown) || answer.disposition() == Disposition::DeadLetter {
+                return answer;
+            }
+            tracing::warn!(%error, ?pause, "the store is unavailable; holding the message and trying again");
+            tokio::select! {
+                biased;
+                () = &mut stop => return answer,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(HOLD_MAX);
         }
     }
 
@@ -119,6 +183,11 @@ impl<T, E> Once<T, E> {
         }
     }
 }
+
+/// The pauses of [`Once::hold_through_outage`] between tries: doubling from the first up to the
+/// last, so a store back from an outage is found within seconds without a message hammering it.
+const HOLD_FIRST: Duration = Duration::from_millis(500);
+const HOLD_MAX: Duration = Duration::from_secs(5);
 
 /// How a result is stored and read back: as its bytes, or as JSON.
 struct Codec<T> {
@@ -151,7 +220,7 @@ fn json<T: Serialize + DeserializeOwned>() -> Codec<T> {
 }
 
 /// A call to [`Coordinator::once`] (or `once_json`, `once_with_ticket`): `.await` it to run it,
-/// or set [`wait`](OnceCall::wait) first.
+/// or set [`wait`](OnceCall::wait) or [`timeout`](OnceCall::timeout) first.
 #[must_use = "a OnceCall does nothing until it is awaited"]
 pub struct OnceCall<'a, T, Op> {
     coordinator: &'a Coordinator,
@@ -160,6 +229,8 @@ pub struct OnceCall<'a, T, Op> {
     operation: Op,
     codec: Codec<T>,
     wait: Duration,
+    /// `None`: the coordinator's ([`Coordinator::with_once_timeout`]).
+    timeout: Option<Duration>,
 }
 
 impl<T, Op> std::fmt::Debug for OnceCall<'_, T, Op> {
@@ -167,6 +238,7 @@ impl<T, Op> std::fmt::Debug for OnceCall<'_, T, Op> {
         f.debug_struct("OnceCall")
             .field("key", self.key)
             .field("wait", &self.wait)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -181,6 +253,44 @@ impl<T, Op> OnceCall<'_, T, Op> {
     /// message is processed as soon as the dead one's lease ends, not a redelivery later.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
+        self
+    }
+
+    /// The longest the operation may run (default: the coordinator's,
+    /// [`with_once_timeout`](Coordinator::with_once_timeout), 60 s unless set). Past it the
+    /// operation's future is dropped (cancelled where it waits), and the call answers
+    /// [`Once::Unavailable`] with [`Error::OperationTimedOut`]: dead-letter the message, since
+    /// whether the effect happened is unknown. The key is not released but left to its lease,
+    /// and the timeout is reported to the
+    /// [reconciliation hook](Coordinator::with_reconciliation) as
+    /// [`NotStorable`](crate::ReconciliationKind::NotStorable) with
+    /// [`NotStored::TimedOut`](crate::NotStored::TimedOut), as the HTTP layer reports a handler
+    /// past its timeout. Only the operation is timed: the wait and the store calls have bounds
+    /// of their own. `Duration::MAX` turns the bound off.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::bytes::Bytes;
+    /// use tower_idempotency::{Coordinator, Disposition, Error, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let coordinator = Coordinator::new(MemoryStore::new());
+    /// let key = RecordKey::new(None, IdempotencyKey::parse("export-3").unwrap());
+    /// let fingerprint = Fingerprint::new([b"export".as_slice()]);
+    /// let answer = coordinator
+    ///     .once(&key, &fingerprint, || async {
+    ///         std::future::pending::<()>().await; // a dependency that never answers
+    ///         Ok::<_, std::io::Error>(Bytes::new())
+    ///     })
+    ///     .timeout(Duration::from_millis(50))
+    ///     .await;
+    /// assert!(matches!(answer, Once::Unavailable(Error::OperationTimedOut(_))));
+    /// assert_eq!(answer.disposition(), Disposition::DeadLetter);
+    /// # }
+    /// ```
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
         self
     }
 }
@@ -213,6 +323,7 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
             operation,
             codec,
             wait,
+            timeout,
         } = self;
         let claim = match coordinator.begin_or_wait(key, fingerprint, wait).await {
             Ok(Begin::Claimed(claim)) => claim,
@@ -230,35 +341,112 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
             Ok(Begin::Mismatch) => return Once::Mismatch,
             Err(error) => return Once::Unavailable(error),
         };
-        // A panic in the operation gives the key up before it goes on up, so a redelivery finds
-        // the key free at once (the claim's drop would release it too, but in the background,
-        // after the panic has been seen).
-        let ran = AssertUnwindSafe(operation(claim.ticket())).catch_unwind().await;
+        // A panic in the operation, or in the closure before it returns the operation's future,
+        // gives the key up before it goes on up, so a redelivery finds the key free at once (the
+        // claim's drop would release it too, but in the background, after the panic has been
+        // seen).
+        let operation = match std::panic::catch_unwind(AssertUnwindSafe(|| operation(claim.ticket()))) {
+            Ok(operation) => operation,
+            Err(panic) => {
+                let _ = claim.release().await;
+                std::panic::resume_unwind(panic);
+            }
+        };
+        let timeout = timeout.unwrap_or(coordinator.settings.once_timeout);
+        let ran = tokio::time::timeout(timeout, AssertUnwindSafe(operation).catch_unwind()).await;
         let result = match ran {
-            Ok(Ok(result)) => result,
-            Ok(Err(error)) => {
+            Ok(Ok(Ok(result))) => result,
+            Ok(Ok(Err(error))) => {
                 if let Err(release) = claim.release().await {
                     // Retried in the background; the lease ends it at the latest.
                     tracing::warn!(key = ?key, error = %release, "could not release a failed operation's key at once");
                 }
                 return Once::Failed(error);
             }
-            Err(panic) => {
+            Ok(Err(panic)) => {
                 let _ = claim.release().await;
                 std::panic::resume_unwind(panic);
+            }
+            Err(_elapsed) => {
+                // Cancelled part way: its effect may have happened, so the key is not released
+                // (a redelivery would run it again at once), as the HTTP layer keeps the key of
+                // a handler past its timeout.
+                tracing::error!(key = ?key, ?timeout, "the operation ran past its timeout and was cancelled; the key is left to its lease");
+                claim.abandon(ReconciliationKind::NotStorable {
+                    why: NotStored::TimedOut,
+                });
+                return Once::Unavailable(Error::OperationTimedOut(timeout));
             }
         };
         let encoded = match (codec.encode)(&result) {
             Ok(encoded) => encoded,
             Err(error) => {
                 tracing::error!(key = ?key, %error, "the result does not encode; it is not stored, and the key is left to its lease");
-                claim.abandon_unencodable(&error);
+                claim.abandon(ReconciliationKind::CompletionFailed {
+                    error: error.to_string(),
+                });
                 return Once::NotStored { result, error };
             }
         };
-        match claim.complete(encoded).await {
+        // The effect happened: from here the completion is carried to its end even if this
+        // future is dropped (a per-message timeout, a shutdown `select!`), where dropping the
+        // claim would release the key and let a redelivery run the effect again.
+        match CarriedOn::new(claim.complete(encoded)).await {
             Ok(()) => Once::Ran(result),
             Err(error) => Once::NotStored { result, error },
+        }
+    }
+}
+
+/// A completion awaited in place, and handed to a task of its own if the future awaiting it is
+/// dropped first: one allocation per completion, and a task only for a caller that left.
+struct CarriedOn {
+    /// `None` once it has ended.
+    completion: Option<Completion>,
+}
+
+/// A claim's completion, boxed so it can be moved to a task once the caller has left.
+type Completion = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
+
+impl CarriedOn {
+    fn new(completion: impl Future<Output = Result<(), Error>> + Send + 'static) -> Self {
+        // In the caller's span wherever it ends, as the HTTP layer's detached runs are.
+        let completion = completion.instrument(tracing::Span::current());
+        Self {
+            completion: Some(Box::pin(completion)),
+        }
+    }
+}
+
+impl Future for CarriedOn {
+    type Output = Result<(), Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(completion) = self.completion.as_mut() else {
+            return Poll::Pending;
+        };
+        let outcome = std::task::ready!(completion.as_mut().poll(cx));
+        self.completion = None;
+        Poll::Ready(outcome)
+    }
+}
+
+impl Drop for CarriedOn {
+    fn drop(&mut self) {
+        let Some(completion) = self.completion.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                tracing::debug!("the caller left before the completion ended; it goes on in the background");
+                // Its outcome is logged and reported by the completion itself.
+                runtime.spawn(completion);
+            }
+            // Dropped with the completion (and the claim): released in the background if a
+            // runtime is found there, else left to the lease.
+            Err(_) => {
+                tracing::warn!("no Tokio runtime to carry a completion on; the key is left to its lease")
+            }
         }
     }
 }
@@ -276,13 +464,21 @@ impl Coordinator {
     ///   redelivery must get the same rejection, not a second attempt.
     /// - `Err(error)` is a technical failure (a dependency down, a timeout): the key is released
     ///   and a redelivery runs the operation again ([`Once::Failed`]).
-    /// - A panic releases the key, then goes on up.
+    /// - A panic (in the operation, or in the closure before it returns its future) releases the
+    ///   key, then goes on up.
+    /// - Past its timeout (60 s unless set, [`OnceCall::timeout`]) the operation is cancelled:
+    ///   [`Once::Unavailable`] with [`Error::OperationTimedOut`], to dead-letter; the key is
+    ///   left to its lease and the timeout reported to the reconciliation hook.
     ///
-    /// Dropping the returned future releases the key in the background if the operation has not
-    /// finished. Set [`OnceCall::wait`] to wait for a key another consumer is running.
+    /// The returned future may be dropped (a per-message `tokio::time::timeout`, a shutdown
+    /// `select!`): before the operation has finished, that cancels it and releases the key in
+    /// the background, so a redelivery runs it; after it returned `Ok`, the completion goes on
+    /// in a task of its own to its end (through a Sentinel failover's hold, the store's retries),
+    /// so a redelivery gets the result, never a second run. Set [`OnceCall::wait`] to wait for
+    /// a key another consumer is running.
     ///
     /// ```
-    /// use bytes::Bytes;
+    /// use tower_idempotency::bytes::Bytes;
     /// use tower_idempotency::{Coordinator, Disposition, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
@@ -371,7 +567,7 @@ impl Coordinator {
     /// An operation that rolls back (its claim was lost, or its writes failed) returns `Err`.
     ///
     /// ```
-    /// use bytes::Bytes;
+    /// use tower_idempotency::bytes::Bytes;
     /// use tower_idempotency::{Coordinator, Fingerprint, IdempotencyKey, MemoryStore, Once, RecordKey};
     ///
     /// # #[tokio::main(flavor = "current_thread")]
@@ -417,6 +613,7 @@ impl Coordinator {
             operation,
             codec,
             wait: Duration::ZERO,
+            timeout: None,
         }
     }
 }

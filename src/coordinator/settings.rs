@@ -19,6 +19,11 @@ pub(super) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 pub(super) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 pub(super) const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(super) const DEFAULT_MAX_IN_FLIGHT: u32 = 10_000;
+/// A minute, as the HTTP layer's handler timeout: far above what a consumer's operation
+/// normally takes (a charge, an email, a few queries), far below what a broker waits for an
+/// unacknowledged message (RabbitMQ's `consumer_timeout` is 30 min), so a hung operation gives
+/// its message back long before the broker takes it away.
+pub(super) const DEFAULT_ONCE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Added to the store timeout before the coordinator gives up on a call itself.
 pub(super) const STORE_TIMEOUT_GRACE: Duration = Duration::from_millis(100);
 /// When a background release is tried, counted from the previous try.
@@ -31,6 +36,8 @@ pub(super) struct Settings {
     pub(super) lease: Duration,
     pub(super) retention: Duration,
     pub(super) store_timeout: Duration,
+    /// How long the operation of a `once` call may run before it is cancelled.
+    pub(super) once_timeout: Duration,
     pub(super) tracker: Arc<Tracker>,
     /// The application's reconciliation hook and the metrics name, if either is set.
     pub(super) reconciler: Option<Reconciler>,
