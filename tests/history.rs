@@ -674,14 +674,20 @@ async fn inject(
                 target = "redis".into();
                 let sentinel = rig.sentinel.as_ref().expect("a Sentinel topology");
                 println!("{}", subscribed(sentinel));
-                // Blocking (redis-cli), for as long as the failover takes.
+                // Blocking (redis-cli), for as long as the failover takes. The sentinels may
+                // refuse it (one under way) or give it up (the replica they picked was being
+                // converted by another sentinel): then it did not land, and the run goes on.
                 tokio::task::block_in_place(|| {
                     let old = sentinel.master_port();
-                    sentinel.failover();
-                    sentinel.wait_for_new_master(old, Duration::from_secs(30));
-                    sentinel.wait_until_settled(Duration::from_secs(30));
-                });
-                anywhere
+                    let failed_over = (sentinel.try_failover())
+                        .and_then(|()| {
+                            (sentinel.try_wait_for_new_master(old, Duration::from_secs(30)))
+                                .ok_or_else(|| format!("{old} still the master after 30 s"))
+                        })
+                        .map_err(|why| println!("sentinel failover did not happen: {why}"));
+                    sentinel.wait_until_settled(Duration::from_secs(60));
+                    failed_over.is_ok() && anywhere
+                })
             }
             FaultKind::MasterKilled if rig.topology == Topology::Sentinel => {
                 target = "redis".into();
