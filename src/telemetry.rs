@@ -344,7 +344,8 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
 }
 
 /// Counts a setup that can only be unsafe, found at run time and logged once per layer
-/// (`idempotency_setup_warnings_total`): an unscoped layer whose requests carry credentials.
+/// (`idempotency_setup_warnings_total`): an unscoped layer whose requests carry credentials, a
+/// durability option that requires fewer replicas than the master has.
 #[inline]
 pub(crate) fn setup_warning(kind: SetupWarning) {
     #[cfg(feature = "metrics")]
@@ -359,6 +360,10 @@ pub(crate) enum SetupWarning {
     /// A layer without a scope saw a keyed request with `Authorization` or `Cookie`: replays are
     /// answered before the handler authenticates, and every caller shares one namespace of keys.
     UnscopedCredentials,
+    /// A Redis store's durability option requires fewer acknowledgements than the master has
+    /// replicas: a failover may promote one that did not acknowledge.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    FewerAcksThanReplicas,
 }
 
 /// How often a warning that every request of an outage would repeat is logged.
@@ -683,6 +688,10 @@ mod recorded {
         match kind {
             super::SetupWarning::UnscopedCredentials => {
                 counter!("idempotency_setup_warnings_total", "kind" => "unscoped_credentials").increment(1)
+            }
+            super::SetupWarning::FewerAcksThanReplicas => {
+                counter!("idempotency_setup_warnings_total", "kind" => "fewer_acks_than_replicas")
+                    .increment(1)
             }
         }
     }

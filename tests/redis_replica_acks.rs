@@ -6,6 +6,7 @@
 mod common;
 
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -897,4 +898,143 @@ async fn a_completion_whose_wait_is_cut_off_is_not_reported_durable() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     signal(&pair.replica, "-CONT");
+}
+
+/// A master with two replicas, `a` and `b`, both in sync; `b` replicates through a proxy, so
+/// that its link can be frozen (a replica that lags) and cut.
+struct Trio {
+    master: RedisServer,
+    a: RedisServer,
+    b: RedisServer,
+    b_link: FaultProxy,
+}
+
+impl Trio {
+    async fn start() -> Self {
+        let master = RedisServer::start_with(&["--repl-diskless-sync-delay", "0"]);
+        let port = master.port().to_string();
+        let a = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+        let b_link = FaultProxy::start(master.addr()).await;
+        let link_port = b_link.addr().port().to_string();
+        let b = RedisServer::start_with(&["--replicaof", "127.0.0.1", &link_port]);
+        let master_client = client(&master.url()).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            admin(&master_client, &["SET", "probe", "1"]).await;
+            if admin(&master_client, &["WAIT", "2", "100"]).await.as_i64() == Some(2) {
+                return Self { master, a, b, b_link };
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replicas never both acknowledged a write"
+            );
+        }
+    }
+}
+
+/// A log writer into a shared buffer.
+struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a promotion of replica `b` leaves of a completion the store acknowledged, with
+/// `ReplicaAcks::new(replicas)` on a master with two replicas: the claim is on both, then `b`
+/// lags (its link frozen), the handler's completion is written, the master dies, and `b` is
+/// promoted (as Sentinel may: it picks by `replica-priority`, then by the offsets it last
+/// read, up to 10 s old in a `SENTINEL FAILOVER`). Answers the record's state on `b` once the
+/// store has had time to complete it again there, and the status the client was answered.
+async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCode) {
+    let mut trio = Trio::start().await;
+    let (a, b) = (client(&trio.a.url()).await, client(&trio.b.url()).await);
+    let proxy = FaultProxy::start(trio.master.addr()).await;
+    // What the store logs as it starts: a warning when it requires fewer than the two replicas.
+    let logged = Arc::new(Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let logged = logged.clone();
+            move || Logged(logged.clone())
+        })
+        .finish();
+    let store = {
+        let _on_this_thread = tracing::subscriber::set_default(subscriber);
+        durable_store(&proxy.url(), ReplicaAcks::new(replicas).timeout(WAIT_TIMEOUT)).await
+    };
+    let logged = String::from_utf8_lossy(&logged.lock().unwrap()).into_owned();
+    assert_eq!(
+        logged.contains("requires 1 of the master's 2 replicas"),
+        replicas == 1,
+        "the setup warning is logged with fewer acknowledgements than replicas, only then: {logged}"
+    );
+    let layer = IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(30));
+    let (app, runs) = router(layer.clone());
+
+    let running = spawn_send(&app, payment_with("lagging", &[("x-delay-ms", "500")]));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while runs.get() == 0 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        state_on(&b, &store, "lagging").await,
+        Some(b'F'),
+        "both replicas hold the claim"
+    );
+    trio.b_link.set(Fault::BlackHole);
+    let answered: Answer = running.await.expect("the request task");
+    if replicas == 1 {
+        assert_eq!(
+            state_on(&a, &store, "lagging").await,
+            Some(b'C'),
+            "replica a acknowledged it"
+        );
+    }
+    // The master dies before b hears of the completion; b is promoted and the address leads there.
+    trio.master.kill();
+    trio.b_link.set(Fault::Drop);
+    admin(&b, &["REPLICAOF", "NO", "ONE"]).await;
+    let b_port = trio.b.port().to_string();
+    admin(&a, &["REPLICAOF", "127.0.0.1", &b_port]).await;
+    proxy.set_upstream(trio.b.addr());
+    proxy.set(Fault::None);
+    // Time for a background completion to land on b (it retries within its lease).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut state = state_on(&b, &store, "lagging").await;
+    while state != Some(b'C') && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        state = state_on(&b, &store, "lagging").await;
+    }
+    (state, answered.status)
+}
+
+/// The limit of requiring fewer acknowledgements than there are replicas: the promoted replica
+/// may be one that did not acknowledge, and loses a completion the store counted durable (the
+/// client was answered; once the claim's lease ends, a retry runs the key again). Seen in the
+/// Sentinel history run with `ReplicaAcks::new(1)` and two replicas (issue 36): keys run twice
+/// after graceful failovers and kills of the master on a loaded machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_by_one_of_two_replicas_a_completion_is_lost_if_the_other_is_promoted() {
+    let (state, status) = promote_the_replica_that_lagged(1).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(
+        state,
+        Some(b'F'),
+        "the promoted replica holds the claim without its completion"
+    );
+}
+
+/// Requiring every replica: the completion b did not acknowledge was not counted durable, so
+/// the store's background task completes it again on b once b is master, and a retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_by_every_replica_a_completion_survives_whichever_is_promoted() {
+    let (state, status) = promote_the_replica_that_lagged(2).await;
+    assert_eq!(status, StatusCode::CREATED, "the handler's answer goes back");
+    assert_eq!(state, Some(b'C'), "completed again on the promoted replica");
 }

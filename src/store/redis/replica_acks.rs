@@ -240,6 +240,7 @@ impl Waiter {
                 .into(),
             ));
         }
+        warn_if_fewer_than_the_replicas(&client, acks.replicas).await;
         drop(client);
         let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()), pace);
         Ok(Arc::new(Self {
@@ -410,6 +411,44 @@ impl Marker {
 }
 
 /// `CLIENT GETNAME` on the connection to the node holding `redis_key`.
+/// Warns (once, at setup) when the master has more replicas than `required`: a failover may
+/// promote one that did not acknowledge a write the store counted durable, and lose it (a
+/// Sentinel picks by `replica-priority`, then by replication offsets it may have read seconds
+/// earlier; a replica that lags at the promotion lacks what the others acknowledged). Only
+/// waiting for every replica survives any promotion (issue 36: seen in the Sentinel history
+/// run with one of two replicas required). On a Cluster this asks one master.
+async fn warn_if_fewer_than_the_replicas(client: &Client, required: u32) {
+    let info = CustomCommand::new_static("INFO", ClusterHash::Random, false);
+    let replicas = match client
+        .custom::<String, Value>(info, vec![Value::from_static_str("replication")])
+        .await
+    {
+        Ok(text) => connected_replicas(&text),
+        Err(error) => {
+            tracing::debug!(%error, "could not count the replicas with INFO; not checked");
+            return;
+        }
+    };
+    if let Some(replicas) = replicas.filter(|&replicas| replicas > required) {
+        tracing::warn!(
+            replicas,
+            required,
+            "ReplicaAcks requires {required} of the master's {replicas} replicas: a failover that \
+             promotes one that did not acknowledge loses what the store counted durable, and a \
+             key can run twice; require every replica (ReplicaAcks::new({replicas})) for any \
+             promotion to keep it (docs/topologies-and-failover.md)"
+        );
+        crate::telemetry::setup_warning(crate::telemetry::SetupWarning::FewerAcksThanReplicas);
+    }
+}
+
+/// `connected_slaves` of an `INFO replication` answer.
+fn connected_replicas(info: &str) -> Option<u32> {
+    info.lines()
+        .find_map(|line| line.strip_prefix("connected_slaves:"))
+        .and_then(|count| count.trim().parse().ok())
+}
+
 pub(super) fn name_check(redis_key: &str) -> (CustomCommand, Vec<Value>) {
     (
         CustomCommand::new_static("CLIENT", on_node_of(redis_key), false),
@@ -634,6 +673,14 @@ where
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_replicas_are_counted_from_info_replication() {
+        let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\nslave0:ip=127.0.0.1,port=1,state=online\r\n";
+        assert_eq!(super::connected_replicas(info), Some(2));
+        assert_eq!(super::connected_replicas("role:master\r\n"), None);
+    }
+
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 

@@ -604,8 +604,10 @@ impl RedisStore {
     /// `WAIT` counts replicas that received a write, not ones that wrote it to disk; with
     /// [`ReplicaAcks::fsync`] the store waits with `WAITAOF` (Redis and Valkey 7.2 and later)
     /// until the master and the replicas have it in their append-only files. With as many
-    /// replicas as required and no more, losing one stops new claims (503) until it is back:
-    /// require fewer than you run. Call after [`with_prefix`](RedisStore::with_prefix) and
+    /// replicas as required and no more, losing one stops new claims (503) until it is back. Require
+    /// every replica all the same: a failover may promote any of them, and one that did not
+    /// acknowledge lacks what the store counted durable (a key then runs twice); the store
+    /// warns as it starts when the master has more replicas than required. Call after [`with_prefix`](RedisStore::with_prefix) and
     /// [`with_command_timeout`](RedisStore::with_command_timeout).
     ///
     /// ```no_run
