@@ -185,7 +185,11 @@ async fn a_claim_resent_after_a_dropped_connection_does_not_conflict_with_itself
     let server = RedisServer::start();
     let stats = client(&server.url()).await;
     let proxy = FaultProxy::start(server.addr()).await;
-    let store = common::redis_store(client(&proxy.url()).await).with_command_timeout(Duration::from_secs(2));
+    // No heartbeat: the reply dropped must be the claim's, not a ping's that happened to go
+    // first (which made this test flaky: 2 round trips counted, the claim never re-sent).
+    let store = common::redis_store(client(&proxy.url()).await)
+        .with_command_timeout(Duration::from_secs(2))
+        .with_heartbeat(None);
     store.load_scripts().await.unwrap();
     let (app, runs) = router(IdempotencyLayer::new(store));
     admin(&stats, &["CONFIG", "RESETSTAT"]).await;

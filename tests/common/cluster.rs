@@ -144,45 +144,19 @@ impl Cluster {
             secured.extend(super::acl_user_args());
             cli_access.extend(super::acl_cli_args());
         }
-        let nodes: Vec<RedisServer> = (0..2 * MASTERS)
-            .map(|_| {
-                let mut args = vec![
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    &node_timeout,
-                    // A replica whose master is unreachable still takes over, however long its
-                    // link has been down (a test kills masters on purpose).
-                    "--cluster-replica-validity-factor",
-                    "0",
-                    // Replicas sync at once, not after the default 5 s wait for more replicas.
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ];
-                args.extend(secured.iter().map(String::as_str));
-                RedisServer::start_with(&args)
-            })
-            .collect();
-        let cli = redis_cli_binary();
-        let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
-        let output = Command::new(&cli)
-            .args(&cli_access)
-            .args(["--cluster", "create"])
-            .args(&addresses)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("cannot run `{cli}` ({e}); it comes with redis-server (apt-get install redis-tools)")
-            });
-        assert!(
-            output.status.success(),
-            "cluster create failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        // A node can die between listening and `--cluster create` (seen once in CI on Redis 8.0:
+        // "Could not connect to Redis at …: Connection refused"): start six new ones and try
+        // again, up to three times, saying why.
+        let mut attempts = 0;
+        let nodes = loop {
+            attempts += 1;
+            let nodes = start_nodes(&node_timeout, &secured);
+            match create(&nodes, &cli_access) {
+                Ok(()) => break nodes,
+                Err(why) if attempts < 3 => eprintln!("cluster create failed, trying again: {why}"),
+                Err(why) => panic!("cluster create failed three times; the last: {why}"),
+            }
+        };
         let cluster = Self {
             nodes,
             scheme: if access.tls.is_some() {
@@ -421,4 +395,54 @@ macro_rules! on_cluster {
             )*
         }
     };
+}
+
+/// Six cluster-enabled nodes, listening.
+fn start_nodes(node_timeout: &str, secured: &[String]) -> Vec<RedisServer> {
+    (0..2 * MASTERS)
+        .map(|_| {
+            let mut args = vec![
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                node_timeout,
+                // A replica whose master is unreachable still takes over, however long its
+                // link has been down (a test kills masters on purpose).
+                "--cluster-replica-validity-factor",
+                "0",
+                // Replicas sync at once, not after the default 5 s wait for more replicas.
+                "--repl-diskless-sync-delay",
+                "0",
+            ];
+            args.extend(secured.iter().map(String::as_str));
+            RedisServer::start_with(&args)
+        })
+        .collect()
+}
+
+/// `redis-cli --cluster create` over `nodes`, a replica for each master.
+fn create(nodes: &[RedisServer], cli_access: &[String]) -> Result<(), String> {
+    let cli = redis_cli_binary();
+    let addresses: Vec<String> = nodes.iter().map(|n| n.addr().to_string()).collect();
+    let output = Command::new(&cli)
+        .args(cli_access)
+        .args(["--cluster", "create"])
+        .args(&addresses)
+        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run `{cli}` ({e}); it comes with redis-server (apt-get install redis-tools)")
+        });
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
 }
