@@ -100,6 +100,9 @@ mod store;
 mod telemetry;
 // The tower adapter over it.
 mod http;
+// Redis Streams consumers over the core.
+#[cfg(feature = "streams")]
+mod streams;
 // README and the guides of docs/, as pages of the documentation (no code).
 pub mod guide;
 
@@ -191,3 +194,5 @@ pub use store::{
     ClaimOutcome, ClaimTicket, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store,
     StoreError, StoreFuture, RECORD_VERSION,
 };
+#[cfg(feature = "streams")]
+pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};

@@ -237,6 +237,40 @@ pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
     let _ = (rejection, named);
 }
 
+/// Counts what a stream consumer did with a message (`idempotency_stream_messages_total`),
+/// given the outcome's label (`StreamOutcome::label`: `ran`, `in-flight`, …; the metric's
+/// label has `_` for `-`).
+#[cfg(feature = "streams")]
+#[inline]
+pub(crate) fn stream_message(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    {
+        const NAME: &str = "idempotency_stream_messages_total";
+        let counter = match outcome {
+            "ran" => metrics::counter!(NAME, "outcome" => "ran"),
+            "replayed" => metrics::counter!(NAME, "outcome" => "replayed"),
+            "in-flight" => metrics::counter!(NAME, "outcome" => "in_flight"),
+            "failed" => metrics::counter!(NAME, "outcome" => "failed"),
+            "unavailable" => metrics::counter!(NAME, "outcome" => "unavailable"),
+            _ => metrics::counter!(NAME, "outcome" => "dead_lettered"),
+        };
+        counter.increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
+/// Counts entries a stream consumer found pending but deleted or trimmed from the stream before
+/// they were processed (`XAUTOCLAIM`'s third element; `idempotency_stream_entries_deleted_total`).
+#[cfg(feature = "streams")]
+#[inline]
+pub(crate) fn stream_entries_deleted(entries: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_stream_entries_deleted_total").increment(entries);
+    #[cfg(not(feature = "metrics"))]
+    let _ = entries;
+}
+
 /// Counts a request that carries an idempotency key but matches no endpoint of a
 /// `PolicyLayer`, passed through or refused (`idempotency_unmatched_requests_total`).
 #[inline]

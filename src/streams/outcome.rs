@@ -1,0 +1,118 @@
+//! What an effect may answer besides its result, and what became of each message.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::message::StreamMessage;
+use crate::coordinator::Error;
+
+/// An effect's error, boxed.
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why an effect did not produce a result: a failure worth another delivery, or a message that
+/// can never succeed as it is.
+///
+/// Any error converts into [`Failure::Retry`], so `?` works in an effect on the errors of
+/// `fred`, `sqlx`, `std::io` and the like.
+#[derive(Debug)]
+pub enum Failure {
+    /// A technical failure (a dependency down, a timeout): the key is released and the message
+    /// left pending, delivered again after a lease, up to the bound on deliveries.
+    Retry(BoxError),
+    /// The message can never succeed (a field that does not parse): the key is released and the
+    /// message dead-lettered with this reason.
+    DeadLetter(String),
+}
+
+impl Failure {
+    /// A failure worth another delivery, from any error or message.
+    pub fn retry(error: impl Into<BoxError>) -> Self {
+        Failure::Retry(error.into())
+    }
+
+    /// A message to dead-letter, with the reason a person will read.
+    pub fn dead_letter(reason: impl Into<String>) -> Self {
+        Failure::DeadLetter(reason.into())
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Failure::Retry(Box::new(error))
+    }
+}
+
+/// What the consumer did with one message, told to the observer
+/// ([`StreamConsumer::with_observer`](super::StreamConsumer::with_observer)) right before the
+/// message is acknowledged, dead-lettered or left pending.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StreamOutcome {
+    /// The effect ran here; acknowledged. `not_stored` is set when its result could not be
+    /// stored (see [`Once::NotStored`](crate::Once::NotStored)).
+    Ran {
+        /// What the effect returned.
+        result: Bytes,
+        /// Why the result was not stored, if it was not.
+        not_stored: Option<Error>,
+    },
+    /// A duplicate: the effect ran before (here or elsewhere); acknowledged without running.
+    Replayed(Bytes),
+    /// Another consumer holds the key: left pending, taken over after a lease.
+    InFlight {
+        /// Time left on that consumer's lease.
+        retry_after: Duration,
+    },
+    /// The effect failed ([`Failure::Retry`]): left pending, taken over after a lease.
+    Failed(BoxError),
+    /// The store did not answer and the consumer is stopping, so the message is no longer held:
+    /// left pending, taken over after a lease.
+    Unavailable(Error),
+    /// Moved to the dead-letter stream with this reason, and acknowledged.
+    DeadLettered {
+        /// Why: `bad id: …`, `mismatch: …`, `unreadable record: …`, `delivered N times, …`,
+        /// or the effect's [`Failure::DeadLetter`].
+        reason: String,
+    },
+}
+
+impl StreamOutcome {
+    /// The outcome's name, as the metrics' `outcome` label and a log line's first word take it:
+    /// `ran`, `replayed`, `in-flight`, `failed`, `unavailable`, `dead-lettered`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            StreamOutcome::Ran { .. } => "ran",
+            StreamOutcome::Replayed(_) => "replayed",
+            StreamOutcome::InFlight { .. } => "in-flight",
+            StreamOutcome::Failed(_) => "failed",
+            StreamOutcome::Unavailable(_) => "unavailable",
+            StreamOutcome::DeadLettered { .. } => "dead-lettered",
+        }
+    }
+
+    /// Whether the message leaves the group's pending list (acknowledged or dead-lettered).
+    pub fn is_final(&self) -> bool {
+        matches!(
+            self,
+            StreamOutcome::Ran { .. } | StreamOutcome::Replayed(_) | StreamOutcome::DeadLettered { .. }
+        )
+    }
+}
+
+/// What the consumer tells its observer, in order for each message.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StreamEvent<'a> {
+    /// A message was taken in hand: read new, or taken over from another consumer.
+    Received(&'a StreamMessage),
+    /// What became of it, right before it is acknowledged, dead-lettered or left pending.
+    Handled {
+        /// The message.
+        message: &'a StreamMessage,
+        /// What became of it.
+        outcome: &'a StreamOutcome,
+        /// From taking it in hand to now (holds through outages and waits included).
+        took: Duration,
+    },
+}
