@@ -79,16 +79,15 @@ fn observed(consumer: StreamConsumer) -> (StreamConsumer, Outcomes) {
     (consumer, outcomes)
 }
 
+/// Effects applied, per id.
+type Effects = Arc<Mutex<BTreeMap<String, u64>>>;
+
 /// Runs `consumer` in a task until the returned sender fires (or is dropped); counts each
 /// effect per id in the returned map.
 fn spawn(
     consumer: StreamConsumer,
     work: Duration,
-) -> (
-    oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-    Arc<Mutex<BTreeMap<String, u64>>>,
-) {
+) -> (oneshot::Sender<()>, tokio::task::JoinHandle<()>, Effects) {
     let effects = Arc::new(Mutex::new(BTreeMap::new()));
     let counts = effects.clone();
     let (stop, stopped) = oneshot::channel::<()>();
