@@ -15,7 +15,9 @@
 //! `failed`, `unavailable`, `dead-lettered`); with `RUST_LOG=stream_consumer=debug`,
 //! `received`, `running`, `effect` and (Redis store) `completed … window_us=` on stderr. SIGTERM
 //! or Ctrl-C: the message in hand finishes, exit 0. The guide (docs/queue-consumers.md) has the
-//! table of outcomes and what each does to the message.
+//! table of outcomes and what each does to the message. `stream_consumer publish ID AMOUNT`
+//! publishes one message (`PRODUCER`, default `publisher`), once on Redis 8.6 however often
+//! it is retried, and prints `published msg=<entry> id="<id>" deduplicated=<bool>`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -25,6 +27,7 @@ use bytes::Bytes;
 use fred::prelude::*;
 use tower_idempotency::{
     ClaimTicket, Coordinator, Failure, RedisStore, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome,
+    StreamPublisher,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -167,6 +170,20 @@ async fn main() -> Result<(), BoxError> {
         .set_policy(ReconnectPolicy::new_exponential(0, 10, 1000, 2))
         .build()?;
     client.init().await?;
+    // `stream_consumer publish ID AMOUNT`: one message, added once however often it is retried
+    // where the server deduplicates (Redis 8.6's `XADD … IDMP`).
+    if let [_, verb, id, amount] = &std::env::args().collect::<Vec<_>>()[..] {
+        if verb == "publish" {
+            let publisher =
+                StreamPublisher::new(client, &stream, setting("PRODUCER", "publisher".to_owned())?);
+            let entry = (publisher.publish(id, [("id", id.as_str()), ("amount", amount.as_str())])).await?;
+            println!(
+                "published msg={entry} id={id:?} deduplicated={}",
+                publisher.deduplicates().await
+            );
+            return Ok(());
+        }
+    }
     let applied = Arc::new(Mutex::new(HashMap::new()));
     let (coordinator, ledger) = match std::env::var("DATABASE_URL") {
         Err(_) => (

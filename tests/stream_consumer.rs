@@ -502,3 +502,65 @@ async fn the_guides_consumer_handles_duplicates_mismatches_outages_kills_and_sig
     assert_eq!(balance("pay-4").await, None, "not applied");
     assert_eq!(streams.dead_letters().await.len(), 1);
 }
+
+/// Runs `stream_consumer publish <id> <amount>` against `url` and answers the entry id it
+/// printed and whether it said the server deduplicates.
+fn publish_with_the_example(url: &str, id: &str, amount: &str) -> (String, String) {
+    let output = Command::new(common::example_binary("stream_consumer"))
+        .args(["publish", id, amount])
+        .env("REDIS_URL", url)
+        .env("STREAM", "payments")
+        .env_remove("PRODUCER")
+        .output()
+        .expect("run the example's publisher");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let field = |name: &str| {
+        let start = stdout
+            .find(&format!("{name}="))
+            .unwrap_or_else(|| panic!("{name}= in {stdout}"));
+        stdout[start + name.len() + 1..]
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (field("msg"), field("deduplicated"))
+}
+
+/// A publish retried (the example's publisher run twice with one id, as a producer does after a
+/// timeout): on Redis 8.6 (`XADD … IDMP`) the retry answers the first entry and adds nothing; on
+/// the 7.0 of the other tests it adds a second entry, which the consumer acknowledges as a
+/// replay: one effect either way, end to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_publish_is_added_once_on_redis_8_6_and_applied_once_on_older_servers() {
+    let newer = tokio::task::spawn_blocking(|| RedisServer::start_binary(common::newer_server("redis-8.6")))
+        .await
+        .unwrap();
+    let first = publish_with_the_example(&newer.url(), "pay-r", "3");
+    let retry = publish_with_the_example(&newer.url(), "pay-r", "3");
+    assert_eq!(first.1, "true", "Redis 8.6 deduplicates");
+    assert_eq!(retry.0, first.0, "the retry answers the first entry");
+    let length: u64 = common::client(&newer.url()).await.xlen("payments").await.unwrap();
+    assert_eq!(length, 1);
+
+    let streams = Streams::new(&[]).await;
+    let first = publish_with_the_example(&streams.url, "pay-r", "3");
+    let retry = publish_with_the_example(&streams.url, "pay-r", "3");
+    assert_eq!(first.1, "false", "Redis 7.0 does not");
+    assert_ne!(retry.0, first.0, "a second entry");
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    common::until_async("both settled", || streams.settled()).await;
+    assert!(consumer.terminate().success());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_final())
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["ran", "replayed"], "{}", log.dump());
+    assert_eq!(streams.effects().await.get("pay-r"), Some(&1));
+}

@@ -57,12 +57,15 @@ impl StreamPublisher {
     /// Adds an entry with `fields` under the idempotency id `id` (usually the value of the
     /// consumer's id field too), and answers its entry id: on a deduplicating server, the first
     /// entry's id if `id` was published before within the window.
-    pub async fn publish<F, V>(&self, id: &str, fields: F) -> Result<String, Error>
+    pub async fn publish<F, K, V>(&self, id: &str, fields: F) -> Result<String, Error>
     where
-        F: IntoIterator<Item = (String, V)>,
+        F: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
         V: Into<Value>,
     {
-        let fields = fields.into_iter().map(|(name, value)| (name, value.into()));
+        let fields = fields
+            .into_iter()
+            .map(|(name, value)| (name.into(), value.into()));
         if !self.deduplicates().await {
             let fields: Vec<(String, Value)> = fields.collect();
             return self.redis.xadd(&self.stream, false, None, "*", fields).await;
