@@ -73,6 +73,7 @@
 //! | `redis` | yes | [`RedisStore`], over the `fred` client: standalone, Sentinel and Cluster |
 //! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
 //! | `metrics` | yes | counters, a histogram and a gauge through the `metrics` facade ([guide](guide::metrics_and_tracing)) |
+//! | `streams` | no | `StreamConsumer`, a Redis Streams consumer group that runs each message's effect once ([guide](guide::queue_consumers)), and `StreamPublisher`; turns on `redis` |
 //! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
 //! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
