@@ -38,51 +38,24 @@ fn setting<T: std::str::FromStr<Err: std::fmt::Display>>(name: &str, default: T)
     })
 }
 
+/// One line per message on stdout (`StreamEvent`'s own format, `amount=` added to `ran`), the
+/// rest at debug level on stderr.
 fn log(event: &StreamEvent<'_>, applied: &Mutex<HashMap<String, Instant>>) {
-    let (message, outcome, took) = match event {
-        StreamEvent::Received(m) => {
-            return tracing::debug!(msg = m.entry(), id = ?m.field("id").unwrap_or_default(), deliveries = m.deliveries(), takeover = m.is_takeover(), "received")
-        }
-        StreamEvent::Handled {
-            message,
-            outcome,
-            took,
-        } => (message, outcome, took.as_millis()),
-        _ => return,
+    let StreamEvent::Handled { message, outcome, .. } = event else {
+        return tracing::debug!("{event}"); // received
     };
-    let what = format!(
-        "{} msg={} id={:?}",
-        outcome.label(),
-        message.entry(),
-        message.field("id").unwrap_or_default()
-    );
-    let applied = applied
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(message.entry());
+    let (entry, id) = (message.entry(), message.id().unwrap_or_default());
+    let applied = applied.lock().unwrap_or_else(|p| p.into_inner()).remove(entry);
     match outcome {
         StreamOutcome::Ran { not_stored, .. } => {
-            let amount = message.field("amount").unwrap_or_default();
-            match not_stored {
-                None => println!("{what} amount={amount} took_ms={took}"),
-                Some(error) => println!(
-                    "{what} amount={amount} took_ms={took} not_stored={:?}",
-                    error.to_string()
-                ),
-            }
+            println!("{event} amount={}", message.field("amount").unwrap_or_default());
             // From the effect's reply to the completion's: a crash in between runs it again.
             if let (None, Some(applied)) = (not_stored, applied) {
-                tracing::debug!(msg = message.entry(), id = ?message.field("id").unwrap_or_default(), window_us = applied.elapsed().as_micros(), "completed");
+                let window_us = applied.elapsed().as_micros();
+                tracing::debug!("completed msg={entry} id={id:?} window_us={window_us}");
             }
         }
-        StreamOutcome::Replayed(_) => println!("{what} took_ms={took}"),
-        StreamOutcome::InFlight { retry_after } => {
-            println!("{what} retry_after_ms={} (left pending)", retry_after.as_millis())
-        }
-        StreamOutcome::Failed(error) => println!("{what} error={:?} (left pending)", error.to_string()),
-        StreamOutcome::Unavailable(error) => println!("{what} error={:?} (left pending)", error.to_string()),
-        StreamOutcome::DeadLettered { reason } => println!("{what} reason={reason:?}"),
-        _ => println!("{what}"),
+        _ => println!("{event}"),
     }
 }
 

@@ -185,9 +185,10 @@ async fn kill_9_with_the_postgres_store() {
 }
 
 /// A consumer killed in the middle of a message, after its claim's lease was renewed: another
-/// takes the message over once it has been pending a lease, waits for the claim's lease to
-/// end, and runs it then: less than a lease after the kill, where leaving it pending once more
-/// would take two.
+/// takes the message over once it has been idle a lease (the dead consumer last reset its idle
+/// time with its renewal, a third of a lease after taking it), waits for the claim's lease to
+/// end, and runs it then: less than a lease after the kill (about 0.83 lease, plus up to 200 ms
+/// until the taker looks), where leaving it pending once more would take two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_consumers_message_is_processed_a_lease_later() {
     let streams = Streams::new(&[("WORK_MS", "800")]).await;

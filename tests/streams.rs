@@ -332,3 +332,48 @@ async fn on_standalone_one_of_each_counted_per_outcome() {
     ]);
     assert_eq!(counted, expected);
 }
+
+/// A live consumer keeps what it runs: an effect that takes four leases is not taken over by
+/// the other consumer (its entry's idle time is reset while it runs), so it is delivered once
+/// and received once, and the other consumer never meets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_consumers_slow_message_is_not_taken_over() {
+    let _turn = TURN.lock().await;
+    let server = RedisServer::start();
+    let client = common::client(&server.url()).await;
+    let stream = "slow";
+    let lease = Duration::from_millis(300);
+    let received = Arc::new(Mutex::new(Vec::new()));
+    let mut running = Vec::new();
+    for name in ["first", "second"] {
+        let seen = received.clone();
+        let consumer = consumer(&server.url(), stream, lease)
+            .await
+            .with_consumer_name(name)
+            .with_observer(move |event| {
+                if let tower_idempotency::StreamEvent::Received(message) = event {
+                    seen.lock().unwrap().push((name, message.deliveries()));
+                }
+            });
+        running.push(spawn(consumer, lease * 4));
+    }
+    publish(&client, stream, &[("id", "pay-slow"), ("amount", "1")]).await;
+    within("the slow message is done", async {
+        while running
+            .iter()
+            .all(|(_, _, effects)| effects.lock().unwrap().is_empty())
+            || pending(&client, stream).await > 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for (stop, task, _) in running {
+        let _ = stop.send(());
+        within("a consumer stops", task).await.unwrap();
+    }
+    let received = received.lock().unwrap().clone();
+    assert_eq!(received.len(), 1, "received once, by one consumer: {received:?}");
+    assert_eq!(received[0].1, 1, "one delivery");
+    counted();
+}

@@ -1,7 +1,7 @@
 //! The consumer: settings, and the loop that reads, takes over, runs each message once and
 //! disposes of it.
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,7 @@ pub struct StreamConsumer {
     redis: Client,
     coordinator: Coordinator,
     names: Names,
-    id_field: String,
+    id_field: Arc<str>,
     fingerprint_fields: Option<Vec<String>>,
     scope: Option<String>,
     max_deliveries: u64,
@@ -80,7 +80,7 @@ impl StreamConsumer {
                 group: group.into(),
                 consumer: default_consumer_name(),
             },
-            id_field: "id".into(),
+            id_field: Arc::from("id"),
             fingerprint_fields: None,
             scope: None,
             max_deliveries: 5,
@@ -105,7 +105,7 @@ impl StreamConsumer {
     /// The field whose value is the idempotency key (default `id`). A message without it, or
     /// whose value is not a valid key, is dead-lettered (`bad id: …`).
     pub fn with_id_field(mut self, field: impl Into<String>) -> Self {
-        self.id_field = field.into();
+        self.id_field = Arc::from(field.into());
         self
     }
 
@@ -130,8 +130,9 @@ impl StreamConsumer {
     }
 
     /// A message delivered more times than this is dead-lettered without running (default 5):
-    /// one that fails every time, or kills its consumer. A takeover counts as a delivery, so
-    /// keep `max_deliveries` × the lease above the longest effect. A store outage costs none.
+    /// one that fails every time, or kills its consumer. A live consumer keeps the entries it
+    /// runs from takeovers however long they take, so only a failure, a death or a stall of
+    /// more than a lease counts a delivery; a store outage costs none.
     pub fn with_max_deliveries(mut self, deliveries: u64) -> Self {
         self.max_deliveries = deliveries.max(1);
         self
@@ -203,6 +204,7 @@ impl StreamConsumer {
                     reading = None;
                     cursor = next_cursor;
                     for message in messages {
+                        let message = message.with_id_field(&self.id_field);
                         in_hand.push(self.handle(message, &effect, stopped.clone()));
                     }
                 }
@@ -228,6 +230,16 @@ impl StreamConsumer {
                 tokio::time::sleep(READ_RETRY).await;
                 (cursor, Vec::new())
             }
+        }
+    }
+
+    /// While a message runs (or waits for another consumer's claim), its entry's idle time is
+    /// reset every third of a lease, so that no live consumer's message is taken over: only a
+    /// dead or stalled consumer's is, and each delivery counted is a real one.
+    async fn keep_in_hand(&self, entry: &str, lease: Duration) -> std::convert::Infallible {
+        loop {
+            tokio::time::sleep(lease / 3).await;
+            commands::keep(&self.redis, &self.names, entry).await;
         }
     }
 
@@ -284,11 +296,11 @@ impl StreamConsumer {
                 self.max_deliveries
             ));
         }
-        let key = match message.key(&self.id_field, self.scope.as_deref()) {
+        let key = match message.key(self.scope.as_deref()) {
             Ok(key) => key,
             Err(reason) => return dead(reason),
         };
-        let fingerprint = message.fingerprint(&self.id_field, self.fingerprint_fields.as_deref());
+        let fingerprint = message.fingerprint(self.fingerprint_fields.as_deref());
         // Taken over from a consumer that may have died: wait for its claim's lease rather
         // than leave the message for another lease.
         let wait = if message.is_takeover() {
@@ -300,10 +312,13 @@ impl StreamConsumer {
         let mut pause = HOLD_PAUSE.min(lease / 3);
         let mut held = false;
         loop {
-            let answer = (self.coordinator)
+            let once = (self.coordinator)
                 .once_with_ticket(&key, &fingerprint, |ticket| effect(message.clone(), ticket))
-                .wait(wait)
-                .await;
+                .wait(wait);
+            let answer = tokio::select! {
+                answer = once.into_future() => answer,
+                never = self.keep_in_hand(message.entry(), lease) => match never {},
+            };
             let stopping = *stopped.borrow();
             match answer {
                 // While the store does not answer nothing can run: hold the message and try

@@ -14,6 +14,8 @@ use crate::key::{IdempotencyKey, RecordKey};
 #[derive(Clone, Debug)]
 pub struct StreamMessage {
     entry: Arc<str>,
+    /// The field whose value is the key (the consumer's `with_id_field`).
+    id_field: Arc<str>,
     fields: Arc<[(String, Bytes)]>,
     deliveries: u64,
     takeover: bool,
@@ -23,6 +25,7 @@ impl StreamMessage {
     pub(super) fn new(entry: String, fields: Vec<(String, Bytes)>, deliveries: u64, takeover: bool) -> Self {
         Self {
             entry: entry.into(),
+            id_field: Arc::from("id"),
             fields: fields.into(),
             deliveries,
             takeover,
@@ -32,6 +35,17 @@ impl StreamMessage {
     /// The entry id (`1700000000000-0`).
     pub fn entry(&self) -> &str {
         &self.entry
+    }
+
+    /// The same message, its key in the field `id_field`.
+    pub(super) fn with_id_field(mut self, id_field: &Arc<str>) -> Self {
+        self.id_field = id_field.clone();
+        self
+    }
+
+    /// The value of the id field (the idempotency key, if valid), as text.
+    pub fn id(&self) -> Option<&str> {
+        self.field(&self.id_field)
     }
 
     /// The entry's fields, in the order the producer wrote them.
@@ -58,11 +72,11 @@ impl StreamMessage {
         self.takeover
     }
 
-    /// The record key: the value of `id_field`, scoped by `scope`. Errs with the reason to
+    /// The record key: the value of the id field, scoped by `scope`. Errs with the reason to
     /// dead-letter the message under.
-    pub(super) fn key(&self, id_field: &str, scope: Option<&str>) -> Result<RecordKey, String> {
-        let Some(id) = self.field(id_field) else {
-            return Err(format!("bad id: no UTF-8 field `{id_field}`"));
+    pub(super) fn key(&self, scope: Option<&str>) -> Result<RecordKey, String> {
+        let Some(id) = self.id() else {
+            return Err(format!("bad id: no UTF-8 field `{}`", self.id_field));
         };
         match IdempotencyKey::parse(id) {
             Ok(key) => Ok(RecordKey::new(scope, key)),
@@ -73,7 +87,7 @@ impl StreamMessage {
     /// What makes two deliveries of one key the same message: by default every field but the
     /// id field, sorted by name, each name and value a part; or the fields named, in that order
     /// (a missing one counts as empty, so it still differs from a present empty one).
-    pub(super) fn fingerprint(&self, id_field: &str, only: Option<&[String]>) -> Fingerprint {
+    pub(super) fn fingerprint(&self, only: Option<&[String]>) -> Fingerprint {
         let mut builder = FingerprintBuilder::default();
         match only {
             Some(names) => {
@@ -89,8 +103,11 @@ impl StreamMessage {
                 }
             }
             None => {
-                let mut fields: Vec<&(String, Bytes)> =
-                    self.fields.iter().filter(|(name, _)| name != id_field).collect();
+                let mut fields: Vec<&(String, Bytes)> = self
+                    .fields
+                    .iter()
+                    .filter(|(name, _)| **name != *self.id_field)
+                    .collect();
                 fields.sort();
                 for (name, value) in fields {
                     builder.part(name.as_bytes());
@@ -165,9 +182,9 @@ mod tests {
         let b = message(&[("currency", "EUR"), ("id", "p1"), ("amount", "40")]);
         let c = message(&[("id", "p1"), ("amount", "41"), ("currency", "EUR")]);
         let renamed = message(&[("id", "p1"), ("amount", "40"), ("currencY", "EUR")]);
-        assert_eq!(a.fingerprint("id", None), b.fingerprint("id", None));
-        assert_ne!(a.fingerprint("id", None), c.fingerprint("id", None));
-        assert_ne!(a.fingerprint("id", None), renamed.fingerprint("id", None));
+        assert_eq!(a.fingerprint(None), b.fingerprint(None));
+        assert_ne!(a.fingerprint(None), c.fingerprint(None));
+        assert_ne!(a.fingerprint(None), renamed.fingerprint(None));
     }
 
     #[test]
@@ -175,27 +192,21 @@ mod tests {
         let only = ["amount".to_owned()];
         let a = message(&[("id", "p1"), ("amount", "40"), ("trace", "x")]);
         let b = message(&[("id", "p1"), ("amount", "40"), ("trace", "y")]);
-        assert_eq!(a.fingerprint("id", Some(&only)), b.fingerprint("id", Some(&only)));
+        assert_eq!(a.fingerprint(Some(&only)), b.fingerprint(Some(&only)));
         let empty = message(&[("id", "p1"), ("amount", "")]);
         let missing = message(&[("id", "p1")]);
-        assert_ne!(
-            empty.fingerprint("id", Some(&only)),
-            missing.fingerprint("id", Some(&only))
-        );
+        assert_ne!(empty.fingerprint(Some(&only)), missing.fingerprint(Some(&only)));
     }
 
     #[test]
     fn the_key_is_the_id_field_and_a_bad_one_says_why() {
-        assert_eq!(
-            message(&[("id", "p1")]).key("id", None).unwrap().key().as_str(),
-            "p1"
-        );
+        assert_eq!(message(&[("id", "p1")]).key(None).unwrap().key().as_str(), "p1");
         assert!(message(&[("amount", "1")])
-            .key("id", None)
+            .key(None)
             .unwrap_err()
             .starts_with("bad id"));
         assert!(message(&[("id", "not a key")])
-            .key("id", None)
+            .key(None)
             .unwrap_err()
             .starts_with("bad id"));
     }

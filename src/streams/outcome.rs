@@ -116,3 +116,49 @@ pub enum StreamEvent<'a> {
         took: Duration,
     },
 }
+
+/// One line per event, the consumer's log as the examples write it: `received msg=<entry>
+/// id="<id>" deliveries=<n> takeover=<bool>`, then `<outcome> msg=<entry> id="<id>"
+/// took_ms=<ms>` with `not_stored="…"`, `retry_after_ms=<ms> (left pending)`, `error="…" (left
+/// pending)` or `reason="…"` as the outcome has them.
+impl std::fmt::Display for StreamEvent<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (message, outcome, took) = match self {
+            StreamEvent::Received(message) => {
+                return write!(
+                    f,
+                    "received msg={} id={:?} deliveries={} takeover={}",
+                    message.entry(),
+                    message.id().unwrap_or_default(),
+                    message.deliveries(),
+                    message.is_takeover()
+                )
+            }
+            StreamEvent::Handled {
+                message,
+                outcome,
+                took,
+            } => (message, outcome, took),
+        };
+        let (entry, id) = (message.entry(), message.id().unwrap_or_default());
+        write!(
+            f,
+            "{} msg={entry} id={id:?} took_ms={}",
+            outcome.label(),
+            took.as_millis()
+        )?;
+        match outcome {
+            StreamOutcome::Ran {
+                not_stored: Some(error),
+                ..
+            } => write!(f, " not_stored={:?}", error.to_string()),
+            StreamOutcome::Ran { .. } | StreamOutcome::Replayed(_) => Ok(()),
+            StreamOutcome::InFlight { retry_after } => {
+                write!(f, " retry_after_ms={} (left pending)", retry_after.as_millis())
+            }
+            StreamOutcome::Failed(error) => write!(f, " error={:?} (left pending)", error.to_string()),
+            StreamOutcome::Unavailable(error) => write!(f, " error={:?} (left pending)", error.to_string()),
+            StreamOutcome::DeadLettered { reason } => write!(f, " reason={reason:?}"),
+        }
+    }
+}
