@@ -99,8 +99,8 @@ async fn apply(
                 .complete_in(&mut transaction, &ticket, receipt.clone())
                 .await?
             {
+                // Lost under us (its lease ran out): dropping the transaction rolls the row back.
                 return Err(Failure::retry("the claim was lost before the commit"));
-                // rolled back
             }
             transaction.commit().await?;
             Ok(receipt)

@@ -196,4 +196,5 @@ pub use store::{
     StoreError, StoreFuture, RECORD_VERSION,
 };
 #[cfg(feature = "streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
 pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};

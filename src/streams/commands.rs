@@ -1,6 +1,7 @@
 //! The stream's Redis commands: the group, reading new entries, taking over idle ones, keeping a
 //! held one, acknowledging and dead-lettering.
 
+use std::future::Future;
 use std::time::Duration;
 
 use fred::clients::Client;
@@ -10,6 +11,22 @@ use fred::types::Value;
 
 use super::message::{entries, StreamMessage};
 use crate::telemetry;
+
+/// How long any one command (or the group of commands of one step) may take: the client given
+/// may have no timeout of its own, and a consumer must not hang on a silent server, least of
+/// all while it stops. A blocking read waits 200 ms of it.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `command`, or a timeout error after [`COMMAND_TIMEOUT`].
+async fn bounded<T>(command: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+    match tokio::time::timeout(COMMAND_TIMEOUT, command).await {
+        Ok(answer) => answer,
+        Err(_) => Err(Error::new(
+            ErrorKind::Timeout,
+            format!("the stream's Redis did not answer in {COMMAND_TIMEOUT:?}"),
+        )),
+    }
+}
 
 /// The stream, its group, this consumer's name and the dead-letter stream: what every command
 /// names.
@@ -37,10 +54,7 @@ pub(super) async fn prepare(redis: &Client, names: &Names) -> Result<(), Error> 
             ),
         ));
     }
-    match redis
-        .xgroup_create::<Value, _, _, _>(&names.stream, &names.group, "0", true)
-        .await
-    {
+    match bounded(redis.xgroup_create::<Value, _, _, _>(&names.stream, &names.group, "0", true)).await {
         Err(error) if !error.details().starts_with("BUSYGROUP") => Err(error),
         _ => Ok(()),
     }
@@ -58,17 +72,16 @@ pub(super) async fn take_over(
     count: usize,
 ) -> Result<Vec<StreamMessage>, Error> {
     // Typed `xautoclaim_values` drops the third element: read the raw reply.
-    let reply: Value = redis
-        .xautoclaim(
-            &names.stream,
-            &names.group,
-            &names.consumer,
-            idle.as_millis() as u64,
-            cursor.as_str(),
-            Some(count as u64),
-            false,
-        )
-        .await?;
+    let reply: Value = bounded(redis.xautoclaim(
+        &names.stream,
+        &names.group,
+        &names.consumer,
+        idle.as_millis() as u64,
+        cursor.as_str(),
+        Some(count as u64),
+        false,
+    ))
+    .await?;
     let mut reply = reply.into_array().into_iter();
     let next = reply.next().and_then(|next| next.into_string());
     *cursor = next.unwrap_or_else(|| "0-0".to_owned());
@@ -95,9 +108,8 @@ pub(super) async fn take_over(
 
 /// The group's delivery count of `entry` (`XPENDING`), which `XAUTOCLAIM` has just raised.
 async fn deliveries(redis: &Client, names: &Names, entry: &str) -> Result<u64, Error> {
-    let pending: Vec<(String, String, u64, u64)> = redis
-        .xpending(&names.stream, &names.group, (entry, entry, 1))
-        .await?;
+    let pending: Vec<(String, String, u64, u64)> =
+        bounded(redis.xpending(&names.stream, &names.group, (entry, entry, 1))).await?;
     Ok(pending.first().map_or(1, |(_, _, _, count)| *count))
 }
 
@@ -108,17 +120,16 @@ pub(super) async fn read_new(
     count: usize,
     block: Duration,
 ) -> Result<Vec<StreamMessage>, Error> {
-    let reply: Value = redis
-        .xreadgroup(
-            &names.group,
-            &names.consumer,
-            Some(count as u64),
-            Some(block.as_millis() as u64),
-            false,
-            &names.stream,
-            ">",
-        )
-        .await?;
+    let reply: Value = bounded(redis.xreadgroup(
+        &names.group,
+        &names.consumer,
+        Some(count as u64),
+        Some(block.as_millis() as u64),
+        false,
+        &names.stream,
+        ">",
+    ))
+    .await?;
     // RESP2: [[stream, entries]]; RESP3: {stream: entries}. One stream was read.
     let list = match reply {
         Value::Null => return Ok(Vec::new()),
@@ -139,20 +150,19 @@ pub(super) async fn read_new(
 /// to itself resets the entry's idle time without counting a delivery, so no other consumer
 /// takes it over meanwhile. If the stream's Redis is down too, nobody can take it over anyway.
 pub(super) async fn keep(redis: &Client, names: &Names, entry: &str) {
-    let kept: Result<Value, Error> = redis
-        .xclaim(
-            &names.stream,
-            &names.group,
-            &names.consumer,
-            0,
-            entry,
-            None,
-            None,
-            None,
-            false,
-            true,
-        )
-        .await;
+    let kept: Result<Value, Error> = bounded(redis.xclaim(
+        &names.stream,
+        &names.group,
+        &names.consumer,
+        0,
+        entry,
+        None,
+        None,
+        None,
+        false,
+        true,
+    ))
+    .await;
     if let Err(error) = kept {
         tracing::debug!(msg = %entry, %error, "could not keep the held message (XCLAIM)");
     }
@@ -161,10 +171,7 @@ pub(super) async fn keep(redis: &Client, names: &Names, entry: &str) {
 /// `XACK`. A failure leaves the message pending: another consumer takes it over and gets the
 /// stored result.
 pub(super) async fn ack(redis: &Client, names: &Names, entry: &str) {
-    if let Err(error) = redis
-        .xack::<i64, _, _, _>(&names.stream, &names.group, entry)
-        .await
-    {
+    if let Err(error) = bounded(redis.xack::<i64, _, _, _>(&names.stream, &names.group, entry)).await {
         tracing::warn!(msg = %entry, %error, "XACK failed; the message will be delivered again");
     }
 }
@@ -188,7 +195,7 @@ pub(super) async fn dead_letter(redis: &Client, names: &Names, message: &StreamM
             .await?;
         transaction.exec::<Value>(true).await
     };
-    if let Err(error) = queued.await {
+    if let Err(error) = bounded(queued).await {
         tracing::warn!(msg = %message.entry(), %error, "could not dead-letter; the message will be delivered again");
     }
 }

@@ -32,8 +32,9 @@ const READ_RETRY: Duration = Duration::from_millis(200);
 type Observer = Arc<dyn Fn(&StreamEvent<'_>) + Send + Sync>;
 
 /// A Redis Streams consumer in a consumer group that applies each message's effect once per
-/// key, over a [`Coordinator`] (crate feature `streams`). See the [module docs](crate::streams)
-/// and the guide [Queue consumers](crate::guide::queue_consumers).
+/// key, over a [`Coordinator`] (crate feature `streams`): [`run`](StreamConsumer::run) it with
+/// the effect. The whole program, what it does with each message, the field mapping and what
+/// trimming costs: the guide [Queue consumers](crate::guide::queue_consumers).
 #[derive(Clone)]
 pub struct StreamConsumer {
     redis: Client,
@@ -164,8 +165,10 @@ impl StreamConsumer {
     /// `effect` gets the message and the claim's ticket (for
     /// `PostgresStore::complete_in`, ignore it otherwise), and answers the result to store
     /// (acknowledge; a duplicate gets it back without running), or a [`Failure`]. When
-    /// `shutdown` completes, nothing more is read; each message in hand finishes (a message
-    /// held through a store outage is left pending), then this returns. Nothing is acknowledged
+    /// `shutdown` completes, no new read starts (one under way, 200 ms at most, ends and what
+    /// it took is handled); each message in hand finishes (a message held through a store
+    /// outage is left pending), then this returns. Every command to the stream's Redis is
+    /// bounded (5 s), whatever the client's own timeout. Nothing is acknowledged
     /// before its effect finished. Errs only if the group cannot be made ready.
     pub async fn run<S, H, Fut>(&self, shutdown: S, effect: H) -> Result<(), RedisError>
     where
