@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::cluster::Cluster;
@@ -20,7 +20,10 @@ use common::RedisServer;
 use fred::prelude::*;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::oneshot;
-use tower_idempotency::{Coordinator, Failure, RedisStore, StreamConsumer, StreamOutcome};
+use tower_idempotency::{
+    Begin, Coordinator, Failure, Fingerprint, IdempotencyKey, RecordKey, RedisStore, StreamConsumer,
+    StreamOutcome,
+};
 
 /// The recorder is global, and every test here counts messages: they take turns.
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -375,5 +378,81 @@ async fn a_live_consumers_slow_message_is_not_taken_over() {
     let received = received.lock().unwrap().clone();
     assert_eq!(received.len(), 1, "received once, by one consumer: {received:?}");
     assert_eq!(received[0].1, 1, "one delivery");
+    counted();
+}
+
+/// A stop while a takeover waits for another consumer's claim (up to a lease: 5 s here) gives
+/// the message up at once, before its effect starts: `run` returns within a second or so
+/// rather than after the wait, the message is left pending, and nothing ran. (A liveness
+/// bound with a wide margin, seconds against the lease it would otherwise wait out, not a
+/// measure of speed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_takeovers_wait_gives_the_message_up_at_once() {
+    let _turn = TURN.lock().await;
+    let server = RedisServer::start();
+    let client = common::client(&server.url()).await;
+    let stream = "waiting";
+    let () = client.xgroup_create(stream, "workers", "$", true).await.unwrap();
+    let entry = publish(&client, stream, &[("id", "pay-w"), ("amount", "1")]).await;
+    // A consumer that read it long ago and is gone: pending, idle for 100 s.
+    let _: Value = (client
+        .xreadgroup("workers", "gone", Some(1), None, false, stream, ">")
+        .await)
+        .unwrap();
+    let _: Value = client
+        .xclaim(
+            stream,
+            "workers",
+            "gone",
+            0,
+            entry.as_str(),
+            Some(100_000),
+            None,
+            None,
+            false,
+            true,
+        )
+        .await
+        .unwrap();
+    // Its key still claimed, by a claim that lives (renewed) for the whole test.
+    let holder = Coordinator::new(RedisStore::connect(&server.url()).await.unwrap())
+        .with_lease(Duration::from_secs(30));
+    let key = RecordKey::new(None, IdempotencyKey::parse("pay-w").unwrap());
+    let fingerprint = Fingerprint::new([b"amount".as_slice(), b"1"]);
+    let Ok(Begin::Claimed(claim)) = holder.begin(&key, &fingerprint).await else {
+        panic!("claim the key");
+    };
+    let (consumer, outcomes) = observed(consumer(&server.url(), stream, Duration::from_secs(5)).await);
+    let (stop, task, effects) = spawn(consumer, Duration::ZERO);
+    within("the consumer takes the message over", async {
+        loop {
+            let pending: Vec<(String, String, u64, u64)> =
+                client.xpending(stream, "workers", ("-", "+", 10)).await.unwrap();
+            if pending
+                .first()
+                .is_some_and(|(_, _, _, deliveries)| *deliveries == 2)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = Instant::now();
+    let _ = stop.send(());
+    within("the consumer stops", task).await.unwrap();
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "stopped {took:?} after it was asked, not at once"
+    );
+    assert_eq!(
+        outcomes.lock().unwrap().get(&entry).map(String::as_str),
+        Some("unavailable")
+    );
+    assert!(effects.lock().unwrap().is_empty(), "nothing ran");
+    assert_eq!(pending(&client, stream).await, 1, "left pending");
+    claim.release().await.unwrap();
     counted();
 }

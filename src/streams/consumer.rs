@@ -2,6 +2,7 @@
 //! disposes of it.
 
 use std::future::{Future, IntoFuture};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +17,8 @@ use super::commands::{self, Names};
 use super::message::StreamMessage;
 use super::outcome::{Failure, StreamEvent, StreamOutcome};
 use crate::coordinator::{Coordinator, Error, Once};
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordKey;
 use crate::store::{ClaimTicket, StoreError};
 use crate::telemetry;
 
@@ -166,8 +169,9 @@ impl StreamConsumer {
     /// `PostgresStore::complete_in`, ignore it otherwise), and answers the result to store
     /// (acknowledge; a duplicate gets it back without running), or a [`Failure`]. When
     /// `shutdown` completes, no new read starts (one under way, 200 ms at most, ends and what
-    /// it took is handled); each message in hand finishes (a message held through a store
-    /// outage is left pending), then this returns. Every command to the stream's Redis is
+    /// it took is handled); each message in hand whose effect has started finishes, and one
+    /// not started yet (held through a store outage, or a takeover waiting for another
+    /// consumer's claim) is given up and left pending; then this returns. Every command to the stream's Redis is
     /// bounded (5 s), whatever the client's own timeout. Nothing is acknowledged
     /// before its effect finished. Errs only if the group cannot be made ready.
     pub async fn run<S, H, Fut>(&self, shutdown: S, effect: H) -> Result<(), RedisError>
@@ -246,6 +250,48 @@ impl StreamConsumer {
         }
     }
 
+    /// One `once` for the message, its entry kept in hand meanwhile. A stop while it waits for
+    /// another consumer's claim (a takeover's wait, up to a lease) gives the message up at
+    /// once, before its effect starts: nothing ran, a claim taken is released, and the message
+    /// is left pending. Once the effect has started, it is carried to its end.
+    async fn attempt<H, Fut>(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        message: &StreamMessage,
+        effect: &H,
+        wait: Duration,
+        stopped: &mut watch::Receiver<bool>,
+    ) -> Once<Bytes, Failure>
+    where
+        H: Fn(StreamMessage, ClaimTicket) -> Fut + Sync,
+        Fut: Future<Output = Result<Bytes, Failure>> + Send,
+    {
+        let started = AtomicBool::new(false);
+        let mut once = (self.coordinator)
+            .once_with_ticket(key, fingerprint, |ticket| {
+                started.store(true, Ordering::Release);
+                effect(message.clone(), ticket)
+            })
+            .wait(wait)
+            .into_future();
+        let keeping = self.keep_in_hand(message.entry(), self.coordinator.lease());
+        let mut keeping = std::pin::pin!(keeping);
+        let mut give_up_on_stop = !wait.is_zero();
+        loop {
+            tokio::select! {
+                answer = &mut once => return answer,
+                never = &mut keeping => match never {},
+                _ = stopped.wait_for(|stopping| *stopping), if give_up_on_stop => {
+                    if !started.load(Ordering::Acquire) {
+                        return Once::Unavailable(Error::ShuttingDown);
+                    }
+                    give_up_on_stop = false;
+                }
+            }
+        }
+    }
+
     fn observe(&self, event: StreamEvent<'_>) {
         if let Some(observer) = &self.observer {
             observer(&event);
@@ -315,13 +361,9 @@ impl StreamConsumer {
         let mut pause = HOLD_PAUSE.min(lease / 3);
         let mut held = false;
         loop {
-            let once = (self.coordinator)
-                .once_with_ticket(&key, &fingerprint, |ticket| effect(message.clone(), ticket))
-                .wait(wait);
-            let answer = tokio::select! {
-                answer = once.into_future() => answer,
-                never = self.keep_in_hand(message.entry(), lease) => match never {},
-            };
+            let answer = self
+                .attempt(&key, &fingerprint, message, effect, wait, &mut stopped)
+                .await;
             let stopping = *stopped.borrow();
             match answer {
                 // While the store does not answer nothing can run: hold the message and try
