@@ -163,17 +163,18 @@ impl StreamConsumer {
 
     /// Consumes until `shutdown` completes, running `effect` once per key for each message.
     ///
-    /// The group is created if missing (reading from the stream's start). Entries pending on
-    /// another consumer for longer than the lease are taken over first, then new ones read.
-    /// `effect` gets the message and the claim's ticket (for
-    /// `PostgresStore::complete_in`, ignore it otherwise), and answers the result to store
-    /// (acknowledge; a duplicate gets it back without running), or a [`Failure`]. When
-    /// `shutdown` completes, no new read starts (one under way, 200 ms at most, ends and what
-    /// it took is handled); each message in hand whose effect has started finishes, and one
-    /// not started yet (held through a store outage, or a takeover waiting for another
-    /// consumer's claim) is given up and left pending; then this returns. Every command to the stream's Redis is
-    /// bounded (5 s), whatever the client's own timeout. Nothing is acknowledged
-    /// before its effect finished. Errs only if the group cannot be made ready.
+    /// The group is created if missing (reading from the stream's start). Entries idle for
+    /// longer than the lease (their consumer dead or stalled) are taken over first, then new
+    /// ones read. `effect` gets the message and the claim's ticket (for
+    /// `PostgresStore::complete_in`; ignore it otherwise), and answers the result to store
+    /// (acknowledge; a duplicate gets it back without running), or a [`Failure`].
+    ///
+    /// When `shutdown` completes, no new read starts (one under way, 200 ms at most, ends and
+    /// what it took is handled); each message in hand whose effect has started finishes, and
+    /// one not started yet (held through a store outage, or a takeover waiting for another
+    /// consumer's claim) is given up and left pending; then this returns. Nothing is
+    /// acknowledged before its effect finished. Every command to the stream's Redis is bounded
+    /// (5 s), whatever the client's own timeout. Errs only if the group cannot be made ready.
     pub async fn run<S, H, Fut>(&self, shutdown: S, effect: H) -> Result<(), RedisError>
     where
         S: Future<Output = ()>,
