@@ -237,22 +237,39 @@ pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
     let _ = (rejection, named);
 }
 
-/// Counts what a stream consumer did with a message (`idempotency_stream_messages_total`),
-/// given the outcome's label (`StreamOutcome::label`: `ran`, `in-flight`, …; the metric's
-/// label has `_` for `-`).
+/// What a stream consumer did with a message: the `outcome` label of
+/// `idempotency_stream_messages_total`.
+#[cfg(feature = "streams")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamLabel {
+    /// Ran here, acknowledged.
+    Ran,
+    /// A duplicate, acknowledged.
+    Replayed,
+    /// Another consumer holds the key: left pending.
+    InFlight,
+    /// The effect failed: left pending.
+    Failed,
+    /// The store did not answer, or the consumer stopped first: left pending.
+    Unavailable,
+    /// Dead-lettered and acknowledged.
+    DeadLettered,
+}
+
+/// Counts what a stream consumer did with a message (`idempotency_stream_messages_total`).
 #[cfg(feature = "streams")]
 #[inline]
-pub(crate) fn stream_message(outcome: &'static str) {
+pub(crate) fn stream_message(outcome: StreamLabel) {
     #[cfg(feature = "metrics")]
     {
         const NAME: &str = "idempotency_stream_messages_total";
         let counter = match outcome {
-            "ran" => metrics::counter!(NAME, "outcome" => "ran"),
-            "replayed" => metrics::counter!(NAME, "outcome" => "replayed"),
-            "in-flight" => metrics::counter!(NAME, "outcome" => "in_flight"),
-            "failed" => metrics::counter!(NAME, "outcome" => "failed"),
-            "unavailable" => metrics::counter!(NAME, "outcome" => "unavailable"),
-            _ => metrics::counter!(NAME, "outcome" => "dead_lettered"),
+            StreamLabel::Ran => metrics::counter!(NAME, "outcome" => "ran"),
+            StreamLabel::Replayed => metrics::counter!(NAME, "outcome" => "replayed"),
+            StreamLabel::InFlight => metrics::counter!(NAME, "outcome" => "in_flight"),
+            StreamLabel::Failed => metrics::counter!(NAME, "outcome" => "failed"),
+            StreamLabel::Unavailable => metrics::counter!(NAME, "outcome" => "unavailable"),
+            StreamLabel::DeadLettered => metrics::counter!(NAME, "outcome" => "dead_lettered"),
         };
         counter.increment(1);
     }

@@ -308,7 +308,7 @@ impl StreamConsumer {
         let started = Instant::now();
         self.observe(StreamEvent::Received(&message));
         let outcome = self.outcome(&message, effect, stopped).await;
-        telemetry::stream_message(outcome.label());
+        telemetry::stream_message(outcome.metric());
         self.observe(StreamEvent::Handled {
             message: &message,
             outcome: &outcome,

@@ -6,6 +6,7 @@ use bytes::Bytes;
 
 use super::message::StreamMessage;
 use crate::coordinator::Error;
+use crate::telemetry::StreamLabel;
 
 /// An effect's error, boxed.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -88,6 +89,18 @@ impl StreamOutcome {
             StreamOutcome::Failed(_) => "failed",
             StreamOutcome::Unavailable(_) => "unavailable",
             StreamOutcome::DeadLettered { .. } => "dead-lettered",
+        }
+    }
+
+    /// How the metrics count it.
+    pub(super) fn metric(&self) -> StreamLabel {
+        match self {
+            StreamOutcome::Ran { .. } => StreamLabel::Ran,
+            StreamOutcome::Replayed(_) => StreamLabel::Replayed,
+            StreamOutcome::InFlight { .. } => StreamLabel::InFlight,
+            StreamOutcome::Failed(_) => StreamLabel::Failed,
+            StreamOutcome::Unavailable(_) => StreamLabel::Unavailable,
+            StreamOutcome::DeadLettered { .. } => StreamLabel::DeadLettered,
         }
     }
 
