@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use super::commands::{self, Names};
 use super::message::StreamMessage;
 use super::outcome::{Failure, StreamEvent, StreamOutcome};
-use crate::coordinator::{Coordinator, Error, Once};
+use crate::coordinator::{Coordinator, Disposition, Error, Once};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 use crate::store::{ClaimTicket, StoreError};
@@ -366,11 +366,13 @@ impl StreamConsumer {
                 .attempt(&key, &fingerprint, message, effect, wait, &mut stopped)
                 .await;
             let stopping = *stopped.borrow();
+            // What nothing can fix by trying again (an unreadable record) is not held.
+            let dead_letter = answer.disposition() == Disposition::DeadLetter;
             match answer {
                 // While the store does not answer nothing can run: hold the message and try
                 // again rather than leave it pending, where each takeover counts a delivery
                 // and an outage would dead-letter every message it meets.
-                Once::Unavailable(error) if !is_unreadable(&error) && !stopping => {
+                Once::Unavailable(error) if !dead_letter && !stopping => {
                     tracing::warn!(msg = %message.entry(), %error, ?pause, "the store is unavailable; holding the message and trying again");
                     held = true;
                 }
@@ -394,12 +396,9 @@ impl StreamConsumer {
     }
 }
 
-fn is_unreadable(error: &Error) -> bool {
-    matches!(error, Error::Store(StoreError::Corrupt(_)))
-}
-
 /// What `once` answered, as what becomes of the message.
 fn disposed(answer: Once<Bytes, Failure>) -> StreamOutcome {
+    let dead_letter = answer.disposition() == Disposition::DeadLetter;
     match answer {
         Once::Ran(result) => StreamOutcome::Ran {
             result,
@@ -416,8 +415,12 @@ fn disposed(answer: Once<Bytes, Failure>) -> StreamOutcome {
         },
         Once::Failed(Failure::Retry(error)) => StreamOutcome::Failed(error),
         Once::Failed(Failure::DeadLetter(reason)) => StreamOutcome::DeadLettered { reason },
-        Once::Unavailable(error) if is_unreadable(&error) => StreamOutcome::DeadLettered {
+        Once::Unavailable(error @ Error::Store(StoreError::Corrupt(_))) => StreamOutcome::DeadLettered {
             reason: format!("unreadable record: {error}"),
+        },
+        // Whatever else `Once::disposition` dead-letters, under the error's own words.
+        Once::Unavailable(error) if dead_letter => StreamOutcome::DeadLettered {
+            reason: error.to_string(),
         },
         Once::Unavailable(error) => StreamOutcome::Unavailable(error),
     }
