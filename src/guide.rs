@@ -81,7 +81,12 @@ page!(readme, "../README.md", "README", "redis");
 page!(with_axum, "../docs/with-axum.md");
 page!(waiting, "../docs/waiting.md");
 page!(grpc, "../docs/grpc.md");
-page!(queue_consumers, "../docs/queue-consumers.md");
+page!(
+    queue_consumers,
+    "../docs/queue-consumers.md",
+    "Queue consumers",
+    "streams"
+);
 page!(guarantees, "../docs/guarantees.md");
 page!(policy_file, "../docs/policy-file.md", "Policy file", "policy");
 page!(stores, "../docs/stores.md");

@@ -73,6 +73,7 @@
 //! | `redis` | yes | [`RedisStore`], over the `fred` client: standalone, Sentinel and Cluster |
 //! | `tls` | yes | `rediss://` URLs for the Redis store (rustls; the platform's trust store, or `SSL_CERT_FILE`) |
 //! | `metrics` | yes | counters, a histogram and a gauge through the `metrics` facade ([guide](guide::metrics_and_tracing)) |
+//! | `streams` | no | `StreamConsumer`, a Redis Streams consumer group that runs each message's effect once ([guide](guide::queue_consumers)), and `StreamPublisher`; turns on `redis` |
 //! | `postgres` | no | `PostgresStore`, over `sqlx`, with completions in the handler's own transaction |
 //! | `postgres-tls` | no | `sslmode=require` / `verify-full` in the PostgreSQL URL (rustls) |
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
@@ -100,6 +101,9 @@ mod store;
 mod telemetry;
 // The tower adapter over it.
 mod http;
+// Redis Streams consumers over the core.
+#[cfg(feature = "streams")]
+mod streams;
 // README and the guides of docs/, as pages of the documentation (no code).
 pub mod guide;
 
@@ -199,3 +203,6 @@ pub use store::{
     ClaimOutcome, ClaimTicket, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store,
     StoreError, StoreFuture, RECORD_VERSION,
 };
+#[cfg(feature = "streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
+pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};

@@ -237,6 +237,57 @@ pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
     let _ = (rejection, named);
 }
 
+/// What a stream consumer did with a message: the `outcome` label of
+/// `idempotency_stream_messages_total`.
+#[cfg(feature = "streams")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StreamLabel {
+    /// Ran here, acknowledged.
+    Ran,
+    /// A duplicate, acknowledged.
+    Replayed,
+    /// Another consumer holds the key: left pending.
+    InFlight,
+    /// The effect failed: left pending.
+    Failed,
+    /// The store did not answer, or the consumer stopped first: left pending.
+    Unavailable,
+    /// Dead-lettered and acknowledged.
+    DeadLettered,
+}
+
+/// Counts what a stream consumer did with a message (`idempotency_stream_messages_total`).
+#[cfg(feature = "streams")]
+#[inline]
+pub(crate) fn stream_message(outcome: StreamLabel) {
+    #[cfg(feature = "metrics")]
+    {
+        const NAME: &str = "idempotency_stream_messages_total";
+        let counter = match outcome {
+            StreamLabel::Ran => metrics::counter!(NAME, "outcome" => "ran"),
+            StreamLabel::Replayed => metrics::counter!(NAME, "outcome" => "replayed"),
+            StreamLabel::InFlight => metrics::counter!(NAME, "outcome" => "in_flight"),
+            StreamLabel::Failed => metrics::counter!(NAME, "outcome" => "failed"),
+            StreamLabel::Unavailable => metrics::counter!(NAME, "outcome" => "unavailable"),
+            StreamLabel::DeadLettered => metrics::counter!(NAME, "outcome" => "dead_lettered"),
+        };
+        counter.increment(1);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
+/// Counts entries a stream consumer found pending but deleted or trimmed from the stream before
+/// they were processed (`XAUTOCLAIM`'s third element; `idempotency_stream_entries_deleted_total`).
+#[cfg(feature = "streams")]
+#[inline]
+pub(crate) fn stream_entries_deleted(entries: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_stream_entries_deleted_total").increment(entries);
+    #[cfg(not(feature = "metrics"))]
+    let _ = entries;
+}
+
 /// Counts a request that carries an idempotency key but matches no endpoint of a
 /// `PolicyLayer`, passed through or refused (`idempotency_unmatched_requests_total`).
 #[inline]

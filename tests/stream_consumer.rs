@@ -185,9 +185,10 @@ async fn kill_9_with_the_postgres_store() {
 }
 
 /// A consumer killed in the middle of a message, after its claim's lease was renewed: another
-/// takes the message over once it has been pending a lease, waits for the claim's lease to
-/// end, and runs it then: less than a lease after the kill, where leaving it pending once more
-/// would take two.
+/// takes the message over once it has been idle a lease (the dead consumer last reset its idle
+/// time with its renewal, a third of a lease after taking it), waits for the claim's lease to
+/// end, and runs it then: less than a lease after the kill (about 0.83 lease, plus up to 200 ms
+/// until the taker looks), where leaving it pending once more would take two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_consumers_message_is_processed_a_lease_later() {
     let streams = Streams::new(&[("WORK_MS", "800")]).await;
@@ -385,4 +386,182 @@ async fn sigterm_finishes_the_message_in_hand() {
     assert_eq!(ran.map(|e| e.kind).as_deref(), Some("ran"), "{}", log.dump());
     assert_eq!(streams.pending().await, 0, "acknowledged before exiting");
     assert_eq!(streams.effects().await.get("pay-7"), Some(&1));
+}
+
+/// The guide's Redis Streams consumer (docs/queue-consumers.md) is `examples/guide_stream_consumer.rs`
+/// below its header, so the code that the next test runs is the code a reader copies.
+#[test]
+fn the_guides_consumer_is_the_example_run_here() {
+    let guide = include_str!("../docs/queue-consumers.md");
+    let example = include_str!("../examples/guide_stream_consumer.rs");
+    let code: Vec<&str> = example
+        .lines()
+        .skip_while(|l| l.starts_with("//!") || l.is_empty())
+        .collect();
+    let start = guide
+        .find("```rust,no_run\nuse std::time::Duration;")
+        .expect("the guide's consumer")
+        + 15;
+    let block: Vec<&str> = guide[start..].lines().take_while(|l| *l != "```").collect();
+    assert_eq!(
+        block, code,
+        "docs/queue-consumers.md and examples/guide_stream_consumer.rs differ"
+    );
+}
+
+/// Stops (`SIGSTOP`) or resumes (`SIGCONT`) a server: an outage without a lost connection.
+fn signal(server: &RedisServer, signal: &str) {
+    let pid = server.pid().expect("the store is running").to_string();
+    assert!(Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// The guide's consumer, as a new user would run it (records in a Redis of their own, so an
+/// outage of the store leaves the stream up): a duplicate is acknowledged without a second
+/// effect and a mismatch dead-lettered; a message that arrives while the store is stopped
+/// (`SIGSTOP`, for longer than a lease) is held and applied once the store is back; a consumer
+/// killed with `kill -9` while it holds a message leaves it to another consumer, which takes it
+/// over after the lease and applies it once; and SIGTERM while a message is held stops the
+/// consumer at once, exit 0, the message left pending, not acknowledged and not applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guides_consumer_handles_duplicates_mismatches_outages_kills_and_sigterm() {
+    let streams = Streams::new(&[]).await;
+    let store = RedisServer::start();
+    let command = || {
+        let mut command = Command::new(common::example_binary("guide_stream_consumer"));
+        command
+            .env("REDIS_URL", &streams.url)
+            .env("STORE_URL", store.url())
+            .env("LEASE_MS", LEASE_MS.to_string());
+        command
+    };
+    let client = &streams.client;
+    let balance = |id: &'static str| async move {
+        let balance: Option<i64> = client.get(format!("balance:{id}")).await.unwrap();
+        balance
+    };
+    let held = || async { streams.pending().await == 1 };
+    let log = Log::default();
+    let first = Consumer::start(0, command(), &log);
+
+    streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
+    streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
+    let reused = streams.publish_fields(&[("id", "pay-1"), ("amount", "41")]).await;
+    common::until_async("duplicate and mismatch settled", || streams.settled()).await;
+    assert_eq!(balance("pay-1").await, Some(40), "one effect for the duplicate");
+    let dead = streams.dead_letters().await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(
+        dead[0].0 == reused && dead[0].1.starts_with("mismatch"),
+        "{dead:?}"
+    );
+
+    // An outage of the store longer than a lease: held, then applied once.
+    signal(&store, "-STOP");
+    streams.publish_fields(&[("id", "pay-2"), ("amount", "5")]).await;
+    common::until_async("the consumer holds pay-2", held).await;
+    tokio::time::sleep(Duration::from_millis(LEASE_MS * 3)).await;
+    // Held in hand, not left to a takeover (by itself, or any consumer): still one delivery.
+    let pending: Vec<(String, String, u64, u64)> = client
+        .xpending(&streams.stream, "workers", ("-", "+", 10))
+        .await
+        .unwrap();
+    assert_eq!(
+        pending.iter().map(|p| p.3).collect::<Vec<_>>(),
+        [1],
+        "deliveries of the held message"
+    );
+    signal(&store, "-CONT");
+    common::until_async("pay-2 settled after the outage", || streams.settled()).await;
+    assert_eq!(balance("pay-2").await, Some(5));
+
+    // kill -9 while it holds pay-3: taken over by a new consumer after the lease.
+    signal(&store, "-STOP");
+    streams.publish_fields(&[("id", "pay-3"), ("amount", "7")]).await;
+    common::until_async("the consumer holds pay-3", held).await;
+    first.kill();
+    signal(&store, "-CONT");
+    let killed = Instant::now();
+    let second = Consumer::start(1, command(), &log);
+    common::until_async("pay-3 taken over and settled", || streams.settled()).await;
+    eprintln!("pay-3 settled {} ms after the kill", killed.elapsed().as_millis());
+    assert_eq!(balance("pay-3").await, Some(7));
+
+    // SIGTERM while it holds pay-4: exits 0 without acknowledging or applying it.
+    signal(&store, "-STOP");
+    streams.publish_fields(&[("id", "pay-4"), ("amount", "9")]).await;
+    common::until_async("the consumer holds pay-4", held).await;
+    let asked = Instant::now();
+    let status = second.terminate();
+    signal(&store, "-CONT");
+    eprintln!("exited {} ms after SIGTERM", asked.elapsed().as_millis());
+    assert!(status.success(), "exit status {status}\n{}", log.dump());
+    assert_eq!(streams.pending().await, 1, "left pending, not acknowledged");
+    assert_eq!(balance("pay-4").await, None, "not applied");
+    assert_eq!(streams.dead_letters().await.len(), 1);
+}
+
+/// Runs `stream_consumer publish <id> <amount>` against `url` and answers the entry id it
+/// printed and whether it said the server deduplicates.
+fn publish_with_the_example(url: &str, id: &str, amount: &str) -> (String, String) {
+    let output = Command::new(common::example_binary("stream_consumer"))
+        .args(["publish", id, amount])
+        .env("REDIS_URL", url)
+        .env("STREAM", "payments")
+        .env_remove("PRODUCER")
+        .output()
+        .expect("run the example's publisher");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let field = |name: &str| {
+        let start = stdout
+            .find(&format!("{name}="))
+            .unwrap_or_else(|| panic!("{name}= in {stdout}"));
+        stdout[start + name.len() + 1..]
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (field("msg"), field("deduplicated"))
+}
+
+/// A publish retried (the example's publisher run twice with one id, as a producer does after a
+/// timeout): on Redis 8.6 (`XADD … IDMP`) the retry answers the first entry and adds nothing; on
+/// the 7.0 of the other tests it adds a second entry, which the consumer acknowledges as a
+/// replay: one effect either way, end to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_publish_is_added_once_on_redis_8_6_and_applied_once_on_older_servers() {
+    let newer = tokio::task::spawn_blocking(|| RedisServer::start_binary(common::newer_server("redis-8.6")))
+        .await
+        .unwrap();
+    let first = publish_with_the_example(&newer.url(), "pay-r", "3");
+    let retry = publish_with_the_example(&newer.url(), "pay-r", "3");
+    assert_eq!(first.1, "true", "Redis 8.6 deduplicates");
+    assert_eq!(retry.0, first.0, "the retry answers the first entry");
+    let length: u64 = common::client(&newer.url()).await.xlen("payments").await.unwrap();
+    assert_eq!(length, 1);
+
+    let streams = Streams::new(&[]).await;
+    let first = publish_with_the_example(&streams.url, "pay-r", "3");
+    let retry = publish_with_the_example(&streams.url, "pay-r", "3");
+    assert_eq!(first.1, "false", "Redis 7.0 does not");
+    assert_ne!(retry.0, first.0, "a second entry");
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    common::until_async("both settled", || streams.settled()).await;
+    assert!(consumer.terminate().success());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_final())
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["ran", "replayed"], "{}", log.dump());
+    assert_eq!(streams.effects().await.get("pay-r"), Some(&1));
 }

@@ -1,0 +1,226 @@
+//! A stream entry as the consumer hands it to the effect, and the mapping of its fields to the
+//! idempotency key and the fingerprint.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fred::types::Value;
+
+use crate::fingerprint::{Fingerprint, FingerprintBuilder};
+use crate::key::{IdempotencyKey, RecordKey};
+
+/// One stream entry in a consumer's hands: its id, its fields, and how often the group has
+/// delivered it. Cheap to clone (the fields are shared).
+#[derive(Clone, Debug)]
+pub struct StreamMessage {
+    entry: Arc<str>,
+    /// The field whose value is the key (the consumer's `with_id_field`).
+    id_field: Arc<str>,
+    fields: Arc<[(String, Bytes)]>,
+    deliveries: u64,
+    takeover: bool,
+}
+
+impl StreamMessage {
+    pub(super) fn new(entry: String, fields: Vec<(String, Bytes)>, deliveries: u64, takeover: bool) -> Self {
+        Self {
+            entry: entry.into(),
+            id_field: Arc::from("id"),
+            fields: fields.into(),
+            deliveries,
+            takeover,
+        }
+    }
+
+    /// The entry id (`1700000000000-0`).
+    pub fn entry(&self) -> &str {
+        &self.entry
+    }
+
+    /// The same message, its key in the field `id_field`.
+    pub(super) fn with_id_field(mut self, id_field: &Arc<str>) -> Self {
+        self.id_field = id_field.clone();
+        self
+    }
+
+    /// The value of the id field (the idempotency key, if valid), as text.
+    pub fn id(&self) -> Option<&str> {
+        self.field(&self.id_field)
+    }
+
+    /// The entry's fields, in the order the producer wrote them.
+    pub fn fields(&self) -> &[(String, Bytes)] {
+        &self.fields
+    }
+
+    /// The first value of the field `name`, as text; `None` if the field is missing or its value
+    /// is not UTF-8.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        let (_, value) = self.fields.iter().find(|(field, _)| field == name)?;
+        std::str::from_utf8(value).ok()
+    }
+
+    /// How many times the group has delivered the entry, this time included (the group's
+    /// delivery count: a takeover counts one).
+    pub fn deliveries(&self) -> u64 {
+        self.deliveries
+    }
+
+    /// Whether this consumer took the entry over from another one (`XAUTOCLAIM`) rather than
+    /// reading it new.
+    pub fn is_takeover(&self) -> bool {
+        self.takeover
+    }
+
+    /// The record key: the value of the id field, scoped by `scope`. Errs with the reason to
+    /// dead-letter the message under.
+    pub(super) fn key(&self, scope: Option<&str>) -> Result<RecordKey, String> {
+        let Some(id) = self.id() else {
+            return Err(format!("bad id: no UTF-8 field `{}`", self.id_field));
+        };
+        match IdempotencyKey::parse(id) {
+            Ok(key) => Ok(RecordKey::new(scope, key)),
+            Err(error) => Err(format!("bad id: {error}")),
+        }
+    }
+
+    /// What makes two deliveries of one key the same message: by default every field but the
+    /// id field, sorted by name, each name and value a part; or the fields named, in that order
+    /// (a missing one counts as empty, so it still differs from a present empty one).
+    pub(super) fn fingerprint(&self, only: Option<&[String]>) -> Fingerprint {
+        let mut builder = FingerprintBuilder::default();
+        match only {
+            Some(names) => {
+                for name in names {
+                    builder.part(name.as_bytes());
+                    match self.fields.iter().find(|(field, _)| field == name) {
+                        Some((_, value)) => {
+                            builder.part(&[1]);
+                            builder.part(value);
+                        }
+                        None => builder.part(&[0]),
+                    }
+                }
+            }
+            None => {
+                let mut fields: Vec<&(String, Bytes)> = self
+                    .fields
+                    .iter()
+                    .filter(|(name, _)| **name != *self.id_field)
+                    .collect();
+                fields.sort();
+                for (name, value) in fields {
+                    builder.part(name.as_bytes());
+                    builder.part(value);
+                }
+            }
+        }
+        builder.finish()
+    }
+}
+
+/// The entries of an `XREADGROUP` or `XAUTOCLAIM` reply's list: `[[id, [field, value, …]], …]`.
+/// An entry deleted since it was delivered comes back as `[id, nil]` (or `nil`) on some
+/// servers: it is skipped here, and `XAUTOCLAIM`'s list of deleted ids counts it.
+pub(super) fn entries(list: Value) -> Vec<(String, Vec<(String, Bytes)>)> {
+    let mut entries = Vec::new();
+    for entry in list.into_array() {
+        let mut parts = entry.into_array().into_iter();
+        let (Some(id), Some(fields)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let (Some(id), false) = (id.into_string(), fields.is_null()) else {
+            continue;
+        };
+        entries.push((id, pairs(fields)));
+    }
+    entries
+}
+
+/// `[field, value, …]` (or a RESP3 map) as pairs; a field name that is not UTF-8 is kept lossily.
+fn pairs(fields: Value) -> Vec<(String, Bytes)> {
+    let flat: Vec<Value> = match fields {
+        Value::Map(map) => map
+            .inner()
+            .into_iter()
+            .flat_map(|(key, value)| [Value::from(key), value])
+            .collect(),
+        other => other.into_array(),
+    };
+    let mut pairs = Vec::with_capacity(flat.len() / 2);
+    let mut flat = flat.into_iter();
+    while let (Some(name), Some(value)) = (flat.next(), flat.next()) {
+        let name = match name.as_bytes() {
+            Some(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            None => name.as_string().unwrap_or_default(),
+        };
+        let value = value
+            .as_bytes()
+            .map(Bytes::copy_from_slice)
+            .or_else(|| value.as_string().map(Bytes::from))
+            .unwrap_or_default();
+        pairs.push((name, value));
+    }
+    pairs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(fields: &[(&str, &str)]) -> StreamMessage {
+        let fields = fields
+            .iter()
+            .map(|(name, value)| (name.to_string(), Bytes::copy_from_slice(value.as_bytes())))
+            .collect();
+        StreamMessage::new("1-0".into(), fields, 1, false)
+    }
+
+    #[test]
+    fn the_default_fingerprint_is_every_other_field_in_any_order() {
+        let a = message(&[("id", "p1"), ("amount", "40"), ("currency", "EUR")]);
+        let b = message(&[("currency", "EUR"), ("id", "p1"), ("amount", "40")]);
+        let c = message(&[("id", "p1"), ("amount", "41"), ("currency", "EUR")]);
+        let renamed = message(&[("id", "p1"), ("amount", "40"), ("currencY", "EUR")]);
+        assert_eq!(a.fingerprint(None), b.fingerprint(None));
+        assert_ne!(a.fingerprint(None), c.fingerprint(None));
+        assert_ne!(a.fingerprint(None), renamed.fingerprint(None));
+    }
+
+    #[test]
+    fn named_fingerprint_fields_ignore_the_others_and_tell_missing_from_empty() {
+        let only = ["amount".to_owned()];
+        let a = message(&[("id", "p1"), ("amount", "40"), ("trace", "x")]);
+        let b = message(&[("id", "p1"), ("amount", "40"), ("trace", "y")]);
+        assert_eq!(a.fingerprint(Some(&only)), b.fingerprint(Some(&only)));
+        let empty = message(&[("id", "p1"), ("amount", "")]);
+        let missing = message(&[("id", "p1")]);
+        assert_ne!(empty.fingerprint(Some(&only)), missing.fingerprint(Some(&only)));
+    }
+
+    #[test]
+    fn the_key_is_the_id_field_and_a_bad_one_says_why() {
+        assert_eq!(message(&[("id", "p1")]).key(None).unwrap().key().as_str(), "p1");
+        assert!(message(&[("amount", "1")])
+            .key(None)
+            .unwrap_err()
+            .starts_with("bad id"));
+        assert!(message(&[("id", "not a key")])
+            .key(None)
+            .unwrap_err()
+            .starts_with("bad id"));
+    }
+
+    #[test]
+    fn deleted_entries_in_a_reply_are_skipped() {
+        let reply = Value::Array(vec![
+            Value::Array(vec!["1-0".into(), Value::Array(vec!["id".into(), "p1".into()])]),
+            Value::Array(vec!["2-0".into(), Value::Null]),
+            Value::Null,
+        ]);
+        let entries = entries(reply);
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].0, "1-0");
+        assert_eq!(entries[0].1, vec![("id".to_owned(), Bytes::from("p1"))]);
+    }
+}
