@@ -237,6 +237,7 @@ fn append_line(path: &Path, line: &str) {
 fn node_app(topology: Topology, store: RedisStore, dir: &Path, process: &str) -> Router {
     let reports = dir.join(format!("reports-{process}.log"));
     let effects = dir.join(format!("effects-{process}.log"));
+    let node_name = process.to_owned();
     let process: Arc<str> = process.into();
     let mut layer = IdempotencyLayer::new(store).with_lease(topology.lease());
     if topology == Topology::Standalone {
@@ -270,7 +271,46 @@ fn node_app(topology: Topology, store: RedisStore, dir: &Path, process: &str) ->
             (StatusCode::CREATED, checker::effect_value(&scope, &key, &id))
         }
     };
-    Router::new().route("/payments", post(handler)).layer(layer)
+    // Every line the layer logs for this node carries its name (`node{name=a}`), background
+    // tasks' too (they are spawned in the request's span): nodes a and b share a process.
+    let span = tracing::info_span!("node", name = %node_name);
+    let in_span = tower::util::MapFutureLayer::new(move |request| {
+        tracing::Instrument::instrument(request, span.clone())
+    });
+    Router::new()
+        .route("/payments", post(handler))
+        .layer(layer)
+        .layer(in_span)
+}
+
+/// The in-process nodes' log (`warnings-local.txt` in the run's directory): the file of the run
+/// under way, for the test binary's one subscriber (its runs take turns).
+static LOCAL_LOG: Mutex<Option<std::fs::File>> = Mutex::new(None);
+
+struct LocalLog;
+
+impl std::io::Write for LocalLog {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if let Some(file) = LOCAL_LOG.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            std::io::Write::write_all(file, bytes)?;
+        }
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Logs the in-process nodes' warnings and the layer's notices to `dir`'s `warnings-local.txt`,
+/// as each child node logs to its own file.
+fn log_local_nodes(dir: &Path) {
+    let file = std::fs::File::create(dir.join("warnings-local.txt")).expect("the local nodes' log");
+    *LOCAL_LOG.lock().unwrap_or_else(|p| p.into_inner()) = Some(file);
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("warn,tower_idempotency=info")
+        .with_ansi(false)
+        .with_writer(|| LocalLog)
+        .try_init();
 }
 
 /// The child process's side: serves node `c` over HTTP until killed, or until the test that
@@ -935,6 +975,7 @@ async fn run(topology: Topology, seed: u64, duration: Duration) {
         }
     };
     std::fs::create_dir_all(&dir).expect("the run's directory");
+    log_local_nodes(&dir);
     let mut targets = Vec::new();
     for (n, node) in NODES[..2].iter().enumerate() {
         let store = topology.store(&urls[n]).await;
