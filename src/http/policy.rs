@@ -106,7 +106,9 @@ macro_rules! with_settings {
                     for header in &spec.headers {
                         policy = policy.with_header(header.0.clone());
                     }
-                    policy.body = spec.body.unwrap_or(true);
+                    if spec.body == Some(false) {
+                        policy = policy.without_body();
+                    }
                     layer = layer.with_fingerprint(policy);
                 }
                 layer

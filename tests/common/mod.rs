@@ -1080,7 +1080,12 @@ pub fn server_log_args(kind: &str, port: u16) -> Vec<String> {
             let dir = PathBuf::from(dir);
             let _ = std::fs::create_dir_all(&dir);
             let file = dir.join(format!("{kind}-{port}.log"));
-            vec!["--loglevel".into(), "notice".into(), "--logfile".into(), file.display().to_string()]
+            vec![
+                "--loglevel".into(),
+                "notice".into(),
+                "--logfile".into(),
+                file.display().to_string(),
+            ]
         }
         None => vec!["--loglevel".into(), "warning".into()],
     }
