@@ -216,10 +216,28 @@ impl FingerprintPolicy {
         self
     }
 
-    /// The fingerprint of a request with this policy. The default policy's parts are exactly
-    /// those of earlier releases, in the same order; the options only change a part's bytes
-    /// (`Content-Type`, body) or add parts after them (headers).
-    pub(crate) fn fingerprint(&self, parts: &request::Parts, body: &[u8]) -> Fingerprint {
+    /// The fingerprint of a request with this policy, as the layer computes it: to compute one
+    /// outside the layer (a test, a benchmark, a tool that checks a stored record).
+    ///
+    /// The default policy's parts are exactly those of earlier releases, in the same order;
+    /// the options only change a part's bytes (`Content-Type`, body) or add parts after them
+    /// (headers); a JSON policy's begin with parts that name it.
+    ///
+    /// ```
+    /// # use tower_idempotency::FingerprintPolicy;
+    /// let request = http::Request::post("/payments")
+    ///     .header("content-type", "application/json")
+    ///     .body(())?
+    ///     .into_parts()
+    ///     .0;
+    /// let json = FingerprintPolicy::new().json_body();
+    /// assert_eq!(
+    ///     json.fingerprint(&request, br#"{"amount":42,"currency":"EUR"}"#),
+    ///     json.fingerprint(&request, br#"{ "currency": "EUR", "amount": 42.0 }"#),
+    /// );
+    /// # Ok::<(), http::Error>(())
+    /// ```
+    pub fn fingerprint(&self, parts: &request::Parts, body: &[u8]) -> Fingerprint {
         let authority = match parts.uri.authority() {
             Some(authority) => authority.as_str().as_bytes(),
             None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
