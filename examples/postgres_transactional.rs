@@ -38,7 +38,9 @@ struct NewOrder {
 }
 
 /// Any failure: 500, which the layer does not store, so the key is released and a retry runs
-/// again; the transaction, dropped uncommitted, rolls back the order.
+/// again; the transaction, dropped uncommitted, rolls back the order. The error is logged, never
+/// sent: a database error names tables, constraints and values, none of which the client can
+/// act on (docs/postgresql.md shows the same pattern).
 struct Failed(Box<dyn std::error::Error + Send + Sync>);
 
 impl<E: std::error::Error + Send + Sync + 'static> From<E> for Failed {

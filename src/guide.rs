@@ -48,6 +48,7 @@ macro_rules! links {
          [queue-consumers]: crate::guide::queue_consumers\n\
          [running-redis]: crate::guide::running_redis\n\
          [with-axum-guide]: crate::guide::with_axum\n\
+         [json-fingerprints]: crate::guide::with_axum#json-bodies-by-their-meaning\n\
          [guarantees]: crate::guide::guarantees\n\
          [crate-features]: crate::guide::crate_features\n\
          [development]: crate::guide::development\n\

@@ -90,6 +90,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 // The HTTP-free core: keys, fingerprints, the claim protocol and the stores.
+mod canonical_json;
 mod coordinator;
 mod fingerprint;
 mod key;
@@ -142,6 +143,11 @@ pub mod __fuzz {
         crate::http::fingerprint::check(data);
     }
 
+    /// A JSON body's canonical form (RFC 8785) and the members JSON Pointers choose.
+    pub fn json_fingerprint(data: &[u8]) {
+        crate::canonical_json::check(data);
+    }
+
     /// A policy file, a path pattern, a duration or a size.
     #[cfg(feature = "policy")]
     pub fn policy(data: &[u8]) {
@@ -186,6 +192,7 @@ pub use self::http::response_body::ResponseBody;
 pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
+pub use canonical_json::{InvalidJsonPointer, JsonPointer};
 pub use coordinator::{
     Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle, ShutdownTimedOut,
 };

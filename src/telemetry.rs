@@ -396,13 +396,14 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
 
 /// Counts a setup that can only be unsafe, found at run time and logged once per layer
 /// (`idempotency_setup_warnings_total`): an unscoped layer whose requests carry credentials, a
-/// durability option that requires fewer replicas than the master has.
+/// durability option that requires fewer replicas than the master has. Under `named`'s name if
+/// given, as every metric of a named layer.
 #[inline]
-pub(crate) fn setup_warning(kind: SetupWarning) {
+pub(crate) fn setup_warning(kind: SetupWarning, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    recorded::setup_warning(kind);
+    recorded::setup_warning(kind, named);
     #[cfg(not(feature = "metrics"))]
-    let _ = kind;
+    let _ = (kind, named);
 }
 
 /// What a setup warning is about: the `kind` label of `idempotency_setup_warnings_total`.
@@ -735,16 +736,17 @@ mod recorded {
         }
     }
 
-    pub(super) fn setup_warning(kind: super::SetupWarning) {
-        match kind {
-            super::SetupWarning::UnscopedCredentials => {
-                counter!("idempotency_setup_warnings_total", "kind" => "unscoped_credentials").increment(1)
-            }
-            super::SetupWarning::FewerAcksThanReplicas => {
-                counter!("idempotency_setup_warnings_total", "kind" => "fewer_acks_than_replicas")
-                    .increment(1)
-            }
+    pub(super) fn setup_warning(kind: super::SetupWarning, named: Option<&Named>) {
+        let kind = match kind {
+            super::SetupWarning::UnscopedCredentials => "unscoped_credentials",
+            super::SetupWarning::FewerAcksThanReplicas => "fewer_acks_than_replicas",
+        };
+        // Once per layer at most: the name's label is built here, not kept among `Keys`.
+        match named {
+            Some(named) => counter!("idempotency_setup_warnings_total", "kind" => kind, "name" => named.name().to_owned()),
+            None => counter!("idempotency_setup_warnings_total", "kind" => kind),
         }
+        .increment(1)
     }
 
     pub(super) fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {

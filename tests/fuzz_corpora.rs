@@ -13,12 +13,13 @@ use tower_idempotency::__fuzz;
 /// A target's check: panics where a property fails.
 type Check = fn(&[u8]);
 
-const TARGETS: [(&str, Check); 6] = [
+const TARGETS: [(&str, Check); 7] = [
     ("key", __fuzz::key),
     ("redis_record", __fuzz::redis_record),
     ("stored_response", __fuzz::stored_response),
     ("prefer", __fuzz::prefer),
     ("fingerprint", __fuzz::fingerprint),
+    ("json_fingerprint", __fuzz::json_fingerprint),
     ("policy", __fuzz::policy),
 ];
 

@@ -121,6 +121,32 @@ async fn scenario(policy: &Policy) -> Vec<Answer> {
         Some("payment 1 Some(\"Some(\\\"t1\\\")/p1\")"),
         "payment retry",
     );
+    // The body counts as JSON but for `/sent_at`: re-spaced, with a timestamp, the same request;
+    // another member, another request.
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[t1, json, ("idempotency-key", "p1")],
+        "{ \"sent_at\": \"10:00:05\" }",
+    )
+    .await;
+    check(
+        a,
+        StatusCode::CREATED,
+        true,
+        Some("payment 1 Some(\"Some(\\\"t1\\\")/p1\")"),
+        "payment retry, re-spaced, with a timestamp",
+    );
+    let a = send(
+        &app,
+        "POST",
+        "/payments",
+        &[t1, json, ("idempotency-key", "p1")],
+        "{\"amount\": 1}",
+    )
+    .await;
+    check(a, StatusCode::CONFLICT, false, None, "payment with another body");
     // Full Content-Type counts here: a charset makes it another request; 409 (the top's status).
     let charset = ("content-type", "application/json; charset=utf-8");
     let a = send(
@@ -533,6 +559,30 @@ fn unknown_fields_and_bad_values_are_refused_by_name() {
             "  fingerprint: { content_type: charset }\n",
             "idempotency.fingerprint.content_type",
             "charset",
+            1,
+        ),
+        (
+            "  fingerprint: { json_only: [amount] }\n",
+            "idempotency.fingerprint",
+            "\"amount\" is not a JSON Pointer (RFC 6901): it must be empty or start with `/`",
+            1,
+        ),
+        (
+            "  fingerprint: { json_only: [/amount], json_except: [/sent_at] }\n",
+            "idempotency.fingerprint",
+            "json_only and json_except cannot both be given",
+            1,
+        ),
+        (
+            "  fingerprint: { body: false, json_except: [/sent_at] }\n",
+            "idempotency.fingerprint",
+            "they need `body: json`",
+            1,
+        ),
+        (
+            "  fingerprint: { body: jsno }\n",
+            "idempotency.fingerprint.body",
+            "expected true, false or json",
             1,
         ),
     ];

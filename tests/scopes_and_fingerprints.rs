@@ -12,8 +12,8 @@ use http::{HeaderName, Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 use tower_idempotency::{
-    Begin, Coordinator, Fingerprint, FingerprintPolicy, IdempotencyKey, IdempotencyLayer, MemoryStore,
-    RecordKey, Rejection, Scope,
+    Begin, Coordinator, Fingerprint, FingerprintPolicy, IdempotencyKey, IdempotencyLayer, JsonPointer,
+    MemoryStore, RecordKey, Rejection, Scope,
 };
 
 #[derive(Debug)]
@@ -219,6 +219,108 @@ async fn each_fingerprint_option_counts_what_it_says() {
         ("/payments?amount=2", &[json], "{\"signed_at\":1}"),
     )
     .await;
+}
+
+/// The issue's newcomer: `{"amount":42}` and `{"amount": 42}` under one key are one request
+/// when the body counts as JSON, and members chosen or left out count as they say.
+#[tokio::test]
+async fn json_fingerprints_count_the_meaning_and_the_chosen_members() {
+    let json = ("content-type", "application/json");
+    let pointer = |p: &str| JsonPointer::parse(p).unwrap();
+    check_policy(
+        FingerprintPolicy::new().json_body(),
+        ("/payments", &[json], r#"{"amount":42,"currency":"EUR"}"#),
+        (
+            "/payments",
+            &[json],
+            "{ \"currency\": \"\\u0045UR\",\n  \"amount\": 42.0 }",
+        ),
+        ("/payments", &[json], r#"{"amount":43,"currency":"EUR"}"#),
+    )
+    .await;
+    check_policy(
+        FingerprintPolicy::new().json_body_except([pointer("/sent_at")]),
+        ("/payments", &[json], r#"{"amount":42,"sent_at":"10:00:00"}"#),
+        ("/payments", &[json], r#"{"sent_at":"10:00:05","amount":42}"#),
+        (
+            "/payments",
+            &[json],
+            r#"{"amount":42,"sent_at":"10:00:00","memo":"x"}"#,
+        ),
+    )
+    .await;
+    check_policy(
+        FingerprintPolicy::new().json_body_only([pointer("/amount"), pointer("/to/iban")]),
+        (
+            "/payments",
+            &[json],
+            r#"{"amount":42,"to":{"iban":"DE1","name":"A"},"trace":1}"#,
+        ),
+        (
+            "/payments",
+            &[json],
+            r#"{"to":{"name":"B","iban":"DE1"},"amount":4.2e1,"trace":2}"#,
+        ),
+        (
+            "/payments",
+            &[json],
+            r#"{"amount":42,"to":{"iban":"DE2","name":"A"},"trace":1}"#,
+        ),
+    )
+    .await;
+    // Not JSON by its Content-Type: the bytes count, so a re-spaced body is another request.
+    check_policy(
+        FingerprintPolicy::new().json_body(),
+        ("/payments", &[("content-type", "text/plain")], r#"{"amount":42}"#),
+        ("/payments", &[("content-type", "text/plain")], r#"{"amount":42}"#),
+        (
+            "/payments",
+            &[("content-type", "text/plain")],
+            r#"{"amount": 42}"#,
+        ),
+    )
+    .await;
+}
+
+/// Instances of one fleet in the middle of a deploy that changes the fingerprint policy share a
+/// store: a record stored under one policy, read under another, is a mismatch (the policy is in
+/// the fingerprint), never a replay of a response to what may be another request, and never a
+/// second run.
+#[tokio::test]
+async fn a_record_stored_under_one_policy_is_a_mismatch_under_another() {
+    let json = ("content-type", "application/json");
+    let pointer = |p: &str| JsonPointer::parse(p).unwrap();
+    let policies = [
+        FingerprintPolicy::new(),
+        FingerprintPolicy::new().json_body(),
+        FingerprintPolicy::new().json_body_except([pointer("/sent_at")]),
+        FingerprintPolicy::new().json_body_only([pointer("/amount")]),
+    ];
+    for (i, stored_under) in policies.iter().enumerate() {
+        for (j, read_under) in policies.iter().enumerate() {
+            let store = MemoryStore::new();
+            let (old, old_runs) =
+                app(IdempotencyLayer::new(store.clone()).with_fingerprint(stored_under.clone()));
+            let (new, new_runs) = app(IdempotencyLayer::new(store).with_fingerprint(read_under.clone()));
+            let body = r#"{"amount":42,"sent_at":1}"#;
+            let first = send(&old, "/payments", &[json], body).await;
+            assert_eq!(first.status, StatusCode::CREATED);
+            let retry = send(&new, "/payments", &[json], body).await;
+            if i == j {
+                assert!(retry.replayed, "{read_under:?}: {retry:?}");
+            } else {
+                assert_eq!(
+                    retry.rejection,
+                    Some("Mismatch"),
+                    "stored under {stored_under:?}, read under {read_under:?}: {retry:?}"
+                );
+            }
+            assert_eq!(
+                old_runs.load(Ordering::SeqCst) + new_runs.load(Ordering::SeqCst),
+                1
+            );
+        }
+    }
 }
 
 /// A record claimed with the fingerprint earlier releases computed (the five parts, in order,

@@ -157,6 +157,41 @@ async fn an_unscoped_layer_that_sees_credentials_warns_once_and_counts_it() {
     assert_eq!(counted(SETUP_WARNINGS, "unscoped_credentials"), 1);
 }
 
+/// A named layer labels its setup warning with its name, as every metric it records (issue 38).
+#[tokio::test]
+async fn a_named_layer_counts_its_setup_warning_under_its_name() {
+    use metrics_util::debugging::DebugValue;
+    let _turn = turn().await;
+    let (app, _) = router(IdempotencyLayer::new(MemoryStore::new()).with_name("payments"));
+    send(&app, with_header("n1", "authorization", "Bearer alice")).await;
+    let named: Vec<_> = observed()
+        .snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| key.key().name() == SETUP_WARNINGS)
+        .map(|(key, .., value)| {
+            let labels: Vec<_> = key
+                .key()
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            (labels, matches!(value, DebugValue::Counter(1)))
+        })
+        .collect();
+    assert_eq!(
+        named,
+        [(
+            vec![
+                ("kind".to_owned(), "unscoped_credentials".to_owned()),
+                ("name".to_owned(), "payments".to_owned())
+            ],
+            true
+        )],
+        "one warning, labelled with the layer's name"
+    );
+}
+
 #[tokio::test]
 async fn a_scoped_or_declared_unscoped_layer_never_warns_of_credentials() {
     let _turn = turn().await;

@@ -67,6 +67,7 @@ async fn a_waiting_retry_gets_the_replay_as_soon_as_the_first_completes(backend:
     assert_eq!(retry.status, StatusCode::CREATED, "{}", backend.name);
     assert!(retry.is_replay());
     assert_eq!(retry.body, first.body, "byte-exact");
+    // The wait granted (as docs/waiting.md says), not the time waited, which was under a second.
     assert_eq!(applied(&retry), Some("wait=5"));
     assert_eq!(runs.get(), 1);
     // The lease (30 s) and the wait (5 s) are far off: only a notice answers this quickly.

@@ -6,6 +6,7 @@ use std::borrow::Cow;
 use http::header::{HeaderName, CONTENT_TYPE, HOST};
 use http::request;
 
+use crate::canonical_json::{self, JsonPointer};
 use crate::fingerprint::{Fingerprint, FingerprintBuilder};
 
 /// Which parts of a request count in its fingerprint, so that a retry that differs only in
@@ -28,14 +29,46 @@ use crate::fingerprint::{Fingerprint, FingerprintBuilder};
 /// # let _ = layer;
 /// ```
 ///
+/// A JSON body can count by its meaning rather than its bytes ([`json_body`](Self::json_body)),
+/// all of it or only some members ([`json_body_only`](Self::json_body_only),
+/// [`json_body_except`](Self::json_body_except)).
+///
 /// Changing an endpoint's policy changes the fingerprint of requests that differ in the parts
-/// changed: a retry across that deploy may then be answered as a mismatch.
+/// changed: a retry across that deploy may then be answered as a mismatch. A JSON policy's
+/// fingerprints carry the policy itself (which members count), so a record made under one JSON
+/// policy, or under a bytes policy, is a mismatch under another, never a replay.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FingerprintPolicy {
     pub(crate) content_type: ContentTypePart,
     pub(crate) headers: Vec<HeaderName>,
-    pub(crate) body: bool,
+    pub(crate) body: BodyPart,
 }
+
+/// How the body counts.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub(crate) enum BodyPart {
+    /// Its bytes as sent (the default, as earlier releases).
+    #[default]
+    Bytes,
+    /// Not at all.
+    Ignored,
+    /// By its meaning as JSON (RFC 8785), these members of it.
+    Json(JsonMembers),
+}
+
+/// Which members of a JSON body count; pointers sorted and without repeats, so that the order
+/// they were given in does not change the fingerprint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum JsonMembers {
+    All,
+    Only(Vec<JsonPointer>),
+    Except(Vec<JsonPointer>),
+}
+
+/// The first part of every JSON policy's fingerprint: a NUL cannot be in a method, the first
+/// part of every other fingerprint, so no JSON fingerprint's parts can be a bytes policy's.
+/// The `1` names this canonical form and layout: change either, and it must change too.
+const JSON_POLICY: &[u8] = b"\0json-jcs-1";
 
 /// How `Content-Type` counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -54,7 +87,7 @@ impl Default for FingerprintPolicy {
         Self {
             content_type: ContentTypePart::Full,
             headers: Vec::new(),
-            body: true,
+            body: BodyPart::Bytes,
         }
     }
 }
@@ -116,14 +149,95 @@ impl FingerprintPolicy {
     /// # let _ = policy;
     /// ```
     pub fn without_body(mut self) -> Self {
-        self.body = false;
+        self.body = BodyPart::Ignored;
         self
     }
 
-    /// The fingerprint of a request with this policy. The default policy's parts are exactly
-    /// those of earlier releases, in the same order; the options only change a part's bytes
-    /// (`Content-Type`, body) or add parts after them (headers).
-    pub(crate) fn fingerprint(&self, parts: &request::Parts, body: &[u8]) -> Fingerprint {
+    /// The body counts by its meaning as JSON, not its bytes: key order, whitespace, escapes
+    /// and the spelling of numbers (`1.50`, `15e-1`) do not matter. Two bodies count alike when
+    /// their RFC 8785 (JSON Canonicalization Scheme) forms are the same.
+    ///
+    /// Only a body whose `Content-Type` is JSON (`application/json`, or `+json` such as
+    /// `application/merge-patch+json`) and that is I-JSON (RFC 7493) counts this way. Any
+    /// other body counts by its bytes, all of them: one that is not UTF-8 or not JSON, names a
+    /// member twice (parsers disagree on which one a handler sees), nests deeper than 128, or
+    /// holds a number that a double does not hold exactly as written (JCS would round
+    /// `0.10000000000000000001` to `0.1`, and a handler reading decimals would see two requests
+    /// as one). Such a body is logged at `DEBUG`; it is never a pass.
+    ///
+    /// ```
+    /// # use tower_idempotency::{FingerprintPolicy, IdempotencyLayer, MemoryStore};
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .with_fingerprint(FingerprintPolicy::new().json_body());
+    /// # let _ = layer;
+    /// ```
+    pub fn json_body(mut self) -> Self {
+        self.body = BodyPart::Json(JsonMembers::All);
+        self
+    }
+
+    /// As [`json_body`](Self::json_body), but only the values these JSON Pointers (RFC 6901)
+    /// refer to count, each by its canonical form or its absence (a `null` is not an absent
+    /// member); nothing else in the body does. The order of the pointers does not matter.
+    ///
+    /// Choose every member that makes the operation what it is: a body that differs only in
+    /// members not chosen replays the first one's response.
+    ///
+    /// ```
+    /// # use tower_idempotency::{FingerprintPolicy, JsonPointer};
+    /// let policy = FingerprintPolicy::new().json_body_only([
+    ///     JsonPointer::parse("/amount")?,
+    ///     JsonPointer::parse("/currency")?,
+    ///     JsonPointer::parse("/beneficiary/iban")?,
+    /// ]);
+    /// # let _ = policy;
+    /// # Ok::<(), tower_idempotency::InvalidJsonPointer>(())
+    /// ```
+    pub fn json_body_only(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
+        self.body = BodyPart::Json(JsonMembers::Only(sorted(pointers)));
+        self
+    }
+
+    /// As [`json_body`](Self::json_body), but the values these JSON Pointers refer to do not
+    /// count (a client's timestamp, a trace id): a member is left out, an array's element is
+    /// left out in place (the elements after it keep their indices).
+    ///
+    /// ```
+    /// # use tower_idempotency::{FingerprintPolicy, JsonPointer};
+    /// let policy = FingerprintPolicy::new().json_body_except([
+    ///     JsonPointer::parse("/sent_at")?,
+    ///     JsonPointer::parse("/meta/trace_id")?,
+    /// ]);
+    /// # let _ = policy;
+    /// # Ok::<(), tower_idempotency::InvalidJsonPointer>(())
+    /// ```
+    pub fn json_body_except(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
+        self.body = BodyPart::Json(JsonMembers::Except(sorted(pointers)));
+        self
+    }
+
+    /// The fingerprint of a request with this policy, as the layer computes it: to compute one
+    /// outside the layer (a test, a benchmark, a tool that checks a stored record).
+    ///
+    /// The default policy's parts are exactly those of earlier releases, in the same order;
+    /// the options only change a part's bytes (`Content-Type`, body) or add parts after them
+    /// (headers); a JSON policy's begin with parts that name it.
+    ///
+    /// ```
+    /// # use tower_idempotency::FingerprintPolicy;
+    /// let request = http::Request::post("/payments")
+    ///     .header("content-type", "application/json")
+    ///     .body(())?
+    ///     .into_parts()
+    ///     .0;
+    /// let json = FingerprintPolicy::new().json_body();
+    /// assert_eq!(
+    ///     json.fingerprint(&request, br#"{"amount":42,"currency":"EUR"}"#),
+    ///     json.fingerprint(&request, br#"{ "currency": "EUR", "amount": 42.0 }"#),
+    /// );
+    /// # Ok::<(), http::Error>(())
+    /// ```
+    pub fn fingerprint(&self, parts: &request::Parts, body: &[u8]) -> Fingerprint {
         let authority = match parts.uri.authority() {
             Some(authority) => authority.as_str().as_bytes(),
             None => parts.headers.get(HOST).map_or(&[][..], |v| v.as_bytes()),
@@ -132,6 +246,9 @@ impl FingerprintPolicy {
         let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
         let content_type = parts.headers.get(CONTENT_TYPE).map_or(&[][..], |v| v.as_bytes());
         let mut fingerprint = FingerprintBuilder::default();
+        if let BodyPart::Json(members) = &self.body {
+            members.describe(&mut fingerprint);
+        }
         fingerprint.part(parts.method.as_str().as_bytes());
         fingerprint.part(&authority);
         fingerprint.part(path_and_query.as_bytes());
@@ -140,7 +257,11 @@ impl FingerprintPolicy {
             ContentTypePart::MediaType => fingerprint.part(&media_type(content_type)),
             ContentTypePart::Ignored => fingerprint.part(&[]),
         }
-        fingerprint.part(if self.body { body } else { &[] });
+        match &self.body {
+            BodyPart::Bytes => fingerprint.part(body),
+            BodyPart::Ignored => fingerprint.part(&[]),
+            BodyPart::Json(members) => members.digest(content_type, body, &mut fingerprint),
+        }
         for name in &self.headers {
             // The count of values first, so that values of one header can never read as the
             // name or values of the next.
@@ -153,6 +274,82 @@ impl FingerprintPolicy {
         }
         fingerprint.finish()
     }
+}
+
+fn sorted(pointers: impl IntoIterator<Item = JsonPointer>) -> Vec<JsonPointer> {
+    let mut pointers: Vec<_> = pointers.into_iter().collect();
+    pointers.sort();
+    pointers.dedup();
+    pointers
+}
+
+impl JsonMembers {
+    /// The policy, as the fingerprint's first parts: which members count.
+    fn describe(&self, fingerprint: &mut FingerprintBuilder) {
+        fingerprint.part(JSON_POLICY);
+        let (kind, pointers): (&[u8], &[JsonPointer]) = match self {
+            JsonMembers::All => (b"all", &[]),
+            JsonMembers::Only(pointers) => (b"only", pointers),
+            JsonMembers::Except(pointers) => (b"except", pointers),
+        };
+        fingerprint.part(kind);
+        fingerprint.part(&(pointers.len() as u64).to_be_bytes());
+        for pointer in pointers {
+            let tokens = pointer.tokens();
+            fingerprint.part(&(tokens.len() as u64).to_be_bytes());
+            for token in tokens {
+                fingerprint.part(token.as_bytes());
+            }
+        }
+    }
+
+    /// The body's parts: `jcs` and the canonical form of each value that counts, or `bytes`
+    /// and the body as sent when it has no canonical form (see `json_body`).
+    fn digest(&self, content_type: &[u8], body: &[u8], fingerprint: &mut FingerprintBuilder) {
+        let parsed = if is_json_media_type(content_type) {
+            canonical_json::parse(body, true).map_err(canonical_json::NotCanonical::as_str)
+        } else {
+            Err("its Content-Type is not JSON")
+        };
+        let mut json = match parsed {
+            Ok(json) => json,
+            Err(why) => {
+                tracing::debug!(target: "tower_idempotency", why, "the JSON fingerprint counts this body by its bytes");
+                fingerprint.part(b"bytes");
+                fingerprint.part(body);
+                return;
+            }
+        };
+        fingerprint.part(b"jcs");
+        let mut canonical = Vec::with_capacity(body.len());
+        match self {
+            JsonMembers::All => json.write_canonical(&mut canonical),
+            JsonMembers::Except(pointers) => {
+                for pointer in pointers {
+                    json.exclude(pointer);
+                }
+                json.write_canonical(&mut canonical);
+            }
+            JsonMembers::Only(pointers) => {
+                // An absent value is an empty part: every canonical form has a byte at least.
+                for pointer in pointers {
+                    canonical.clear();
+                    if let Some(value) = json.get(pointer) {
+                        value.write_canonical(&mut canonical);
+                    }
+                    fingerprint.part(&canonical);
+                }
+                return;
+            }
+        }
+        fingerprint.part(&canonical);
+    }
+}
+
+/// `application/json`, or a `+json` type (RFC 6839), in any case, with any parameters.
+fn is_json_media_type(content_type: &[u8]) -> bool {
+    let media = media_type(content_type);
+    &*media == b"application/json" || (media.ends_with(b"+json") && media.contains(&b'/'))
 }
 
 /// The media type of a `Content-Type` value: before any `;`, trimmed, lower-cased (RFC 9110
@@ -369,6 +566,121 @@ mod tests {
         ));
     }
 
+    fn json_request() -> request::Parts {
+        parts(
+            Request::post("/payments")
+                .header("content-type", "application/json")
+                .body(())
+                .unwrap(),
+        )
+    }
+
+    /// Two values the same as JSON: equal canonical forms (serde_json's `Value` tells `0` from
+    /// `0.0`).
+    fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+        let canonical =
+            |v: &serde_json::Value| crate::canonical_json::canonicalize(&serde_json::to_vec(v).unwrap());
+        canonical(a) == canonical(b)
+    }
+
+    #[test]
+    fn a_json_body_counts_by_its_meaning_and_other_bodies_by_their_bytes() {
+        let json = FingerprintPolicy::new().json_body();
+        let with = |content_type: &str, body: &str| {
+            let request = parts(
+                Request::post("/p")
+                    .header("content-type", content_type)
+                    .body(())
+                    .unwrap(),
+            );
+            json.fingerprint(&request, body.as_bytes())
+        };
+        let ct = "application/json";
+        assert_eq!(with(ct, r#"{"amount":42}"#), with(ct, r#"{ "amount": 42 }"#));
+        assert_eq!(
+            with(ct, r#"{"a":1.50,"b":"é"}"#),
+            with(ct, r#"{"b":"é","a":15e-1}"#)
+        );
+        assert_eq!(
+            with("application/merge-patch+json; charset=utf-8", "[1]"),
+            with("application/merge-patch+json; charset=utf-8", "[ 1 ]")
+        );
+        assert_ne!(with(ct, r#"{"amount":42}"#), with(ct, r#"{"amount":"42"}"#));
+        assert_ne!(
+            with(ct, r#"{"amount":42}"#),
+            with(ct, r#"{"amount":42,"x":null}"#)
+        );
+        // Not JSON by its Content-Type, or not I-JSON: the bytes count, all of them.
+        for (content_type, a, b) in [
+            ("text/plain", r#"{"amount":42}"#, r#"{"amount": 42}"#),
+            ("", r#"{"amount":42}"#, r#"{"amount": 42}"#),
+            (ct, r#"{"amount":42"#, r#"{"amount": 42"#),
+            (ct, r#"{"amount":1,"amount":2}"#, r#"{"amount": 1,"amount":2}"#),
+            (
+                ct,
+                r#"{"amount":0.10000000000000000001}"#,
+                r#"{"amount": 0.10000000000000000001}"#,
+            ),
+        ] {
+            assert_ne!(with(content_type, a), with(content_type, b), "{content_type} {a}");
+            assert_eq!(with(content_type, a), with(content_type, a));
+        }
+        // Duplicate members never read as either of the values they name.
+        assert_ne!(
+            with(ct, r#"{"amount":1,"amount":2}"#),
+            with(ct, r#"{"amount":2}"#)
+        );
+        assert_ne!(
+            with(ct, r#"{"amount":1,"amount":2}"#),
+            with(ct, r#"{"amount":1}"#)
+        );
+        assert_ne!(
+            with(ct, r#"{"amount":0.10000000000000000001}"#),
+            with(ct, r#"{"amount":0.1}"#)
+        );
+    }
+
+    /// A record made under one policy is a mismatch under another: the policy is in the
+    /// fingerprint, so no two policies share one for any body.
+    #[test]
+    fn every_json_policy_fingerprints_apart() {
+        let request = json_request();
+        let pointer = |p: &str| JsonPointer::parse(p).unwrap();
+        let body = br#"{"amount":42,"at":"now"}"#;
+        let policies = [
+            FingerprintPolicy::new(),
+            FingerprintPolicy::new().media_type_only(),
+            FingerprintPolicy::new().without_body(),
+            FingerprintPolicy::new().json_body(),
+            FingerprintPolicy::new().json_body_only([pointer("")]),
+            FingerprintPolicy::new().json_body_only([pointer("/amount")]),
+            FingerprintPolicy::new().json_body_only([pointer("/amount"), pointer("/at")]),
+            FingerprintPolicy::new().json_body_except([pointer("/at")]),
+            FingerprintPolicy::new().json_body_except([pointer("/a/t")]),
+            FingerprintPolicy::new().json_body_except([pointer("/a~1t")]),
+            FingerprintPolicy::new().json_body_except([]),
+        ];
+        let fingerprints: Vec<_> = policies.iter().map(|p| p.fingerprint(&request, body)).collect();
+        // The default's and media_type_only's agree on a bare `application/json`, as before.
+        for (i, a) in fingerprints.iter().enumerate().skip(2) {
+            for (j, b) in fingerprints.iter().enumerate().skip(i + 1) {
+                assert_ne!(a, b, "{:?} and {:?}", policies[i], policies[j]);
+            }
+            assert_ne!(*a, fingerprints[0], "{:?}", policies[i]);
+        }
+        // The order pointers are given in does not matter.
+        assert_eq!(
+            FingerprintPolicy::new().json_body_only([pointer("/at"), pointer("/amount"), pointer("/at")]),
+            FingerprintPolicy::new().json_body_only([pointer("/amount"), pointer("/at")])
+        );
+        // An absent member is not a null one.
+        let only = FingerprintPolicy::new().json_body_only([pointer("/x")]);
+        assert_ne!(
+            only.fingerprint(&request, b"{}"),
+            only.fingerprint(&request, br#"{"x":null}"#)
+        );
+    }
+
     use proptest::prelude::*;
 
     /// A host name (labels of letters in any case, digits and `-`, maybe a trailing dot), or
@@ -459,6 +771,63 @@ mod tests {
             prop_assert_eq!(policy.fingerprint(&moved, &body) == policy.fingerprint(&origin, &body), other == path);
             prop_assert_ne!(policy.fingerprint(&origin, &[&body[..], b"x"].concat()), policy.fingerprint(&origin, &body));
             check(format!("{authority}\napplication/json\nhttp://{authority}{path}").as_bytes());
+        }
+
+        /// Under `json_body`, any reordering, re-spacing or re-spelling of a body keeps its
+        /// fingerprint; under `json_body_except`, so does any change to the members left out;
+        /// and the fingerprint is never a bytes policy's.
+        #[test]
+        fn json_fingerprints_follow_the_meaning(
+            value in crate::canonical_json::tests::values(),
+            a in any::<u64>(),
+            b in any::<u64>(),
+            excluded in crate::canonical_json::tests::values(),
+            replaced in crate::canonical_json::tests::values(),
+        ) {
+            let (mut a, mut b) = (a, b);
+            let request = json_request();
+            let json = FingerprintPolicy::new().json_body();
+            let one = crate::canonical_json::tests::respelt(&value, &mut a);
+            let other = crate::canonical_json::tests::respelt(&value, &mut b);
+            prop_assert_eq!(json.fingerprint(&request, one.as_bytes()), json.fingerprint(&request, other.as_bytes()), "{} / {}", one, other);
+            prop_assert_ne!(json.fingerprint(&request, one.as_bytes()), FingerprintPolicy::new().fingerprint(&request, one.as_bytes()));
+
+            // One member left out: whatever it holds does not count; everything else does.
+            let body = |sent_at: &serde_json::Value, seed: &mut u64| {
+                let mut object = serde_json::Map::new();
+                object.insert("payload".into(), value.clone());
+                object.insert("sent_at".into(), sent_at.clone());
+                crate::canonical_json::tests::respelt(&serde_json::Value::Object(object), seed)
+            };
+            let except = FingerprintPolicy::new().json_body_except([JsonPointer::parse("/sent_at").unwrap()]);
+            let (x, y) = (body(&excluded, &mut a), body(&replaced, &mut b));
+            prop_assert_eq!(except.fingerprint(&request, x.as_bytes()), except.fingerprint(&request, y.as_bytes()), "{} / {}", x, y);
+            prop_assert_eq!(json.fingerprint(&request, x.as_bytes()) == json.fingerprint(&request, y.as_bytes()), same_json(&excluded, &replaced));
+        }
+
+        /// Under `json_body_only`, a change to a chosen value changes the fingerprint, and a
+        /// change anywhere else never does.
+        #[test]
+        fn only_the_chosen_json_members_count(
+            chosen in crate::canonical_json::tests::values(),
+            changed in crate::canonical_json::tests::values(),
+            rest in crate::canonical_json::tests::values(),
+            other_rest in crate::canonical_json::tests::values(),
+            seed in any::<u64>(),
+        ) {
+            let mut seed = seed;
+            let request = json_request();
+            let only = FingerprintPolicy::new().json_body_only([JsonPointer::parse("/order/amount").unwrap()]);
+            let body = |amount: &serde_json::Value, rest: &serde_json::Value, seed: &mut u64| {
+                let value = serde_json::json!({"order": {"amount": amount, "note": rest}, "rest": rest});
+                crate::canonical_json::tests::respelt(&value, seed)
+            };
+            let first = only.fingerprint(&request, body(&chosen, &rest, &mut seed).as_bytes());
+            prop_assert_eq!(first, only.fingerprint(&request, body(&chosen, &other_rest, &mut seed).as_bytes()));
+            prop_assert_eq!(
+                first == only.fingerprint(&request, body(&changed, &rest, &mut seed).as_bytes()),
+                same_json(&chosen, &changed)
+            );
         }
 
         /// Any bytes: the fuzz check.

@@ -640,7 +640,8 @@ impl IdempotencyLayer {
     /// of the 409 `InFlight` it gets at once (default: zero, no request waits).
     ///
     /// A client asks with `Prefer: wait=N` (RFC 7240; `N` whole seconds), honoured up to this
-    /// maximum and answered with `Preference-Applied: wait=<the seconds it got>`. A waiting
+    /// maximum and answered with `Preference-Applied: wait=<the seconds granted>` (what it
+    /// asked for, cut to the maximum; not the time it waited). A waiting
     /// request gets the replay as soon as the running one completes, on whichever instance it
     /// runs (the store notifies: see [`Store::watch`]); if the running request releases its key
     /// (an answer not stored, a panic), the waiting one claims it and runs the handler itself;

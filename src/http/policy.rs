@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
+use crate::canonical_json::JsonPointer;
 use crate::http::config::{handler_timeout_error, rejection_status_error};
 use crate::http::endpoints::{PathPattern, PolicyError, PolicyLayer};
 use crate::http::fingerprint::{ContentTypePart, FingerprintPolicy};
@@ -97,17 +98,7 @@ macro_rules! with_settings {
                     None => {}
                 }
                 if let Some(spec) = &s.fingerprint {
-                    let mut policy = FingerprintPolicy::new();
-                    policy.content_type = match spec.content_type {
-                        None | Some(ContentTypeSpec::Full) => ContentTypePart::Full,
-                        Some(ContentTypeSpec::MediaType) => ContentTypePart::MediaType,
-                        Some(ContentTypeSpec::Ignored) => ContentTypePart::Ignored,
-                    };
-                    for header in &spec.headers {
-                        policy = policy.with_header(header.0.clone());
-                    }
-                    policy.body = spec.body.unwrap_or(true);
-                    layer = layer.with_fingerprint(policy);
+                    layer = layer.with_fingerprint(spec.0.clone());
                 }
                 layer
             }
@@ -192,13 +183,93 @@ enum ScopeSpec {
     Header(Header),
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+/// `fingerprint`: a [`FingerprintPolicy`], its fields checked together at load.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "FingerprintFields")]
+struct FingerprintSpec(FingerprintPolicy);
+
+#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct FingerprintSpec {
+struct FingerprintFields {
     content_type: Option<ContentTypeSpec>,
     #[serde(default)]
     headers: Vec<Header>,
-    body: Option<bool>,
+    body: Option<BodySpec>,
+    /// `json_body_only`: implies `body: json`.
+    json_only: Option<Vec<JsonPointer>>,
+    /// `json_body_except`: implies `body: json`.
+    json_except: Option<Vec<JsonPointer>>,
+}
+
+/// `body`: `true` (its bytes), `false` (not at all) or `json` (by its meaning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodySpec {
+    Bytes,
+    Ignored,
+    Json,
+}
+
+impl<'de> Deserialize<'de> for BodySpec {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BodyVisitor;
+        impl Visitor<'_> for BodyVisitor {
+            type Value = BodySpec;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("true, false or json")
+            }
+            fn visit_bool<E: de::Error>(self, counted: bool) -> Result<BodySpec, E> {
+                Ok(if counted {
+                    BodySpec::Bytes
+                } else {
+                    BodySpec::Ignored
+                })
+            }
+            fn visit_str<E: de::Error>(self, value: &str) -> Result<BodySpec, E> {
+                match value {
+                    "json" => Ok(BodySpec::Json),
+                    other => Err(E::invalid_value(de::Unexpected::Str(other), &self)),
+                }
+            }
+        }
+        deserializer.deserialize_any(BodyVisitor)
+    }
+}
+
+impl TryFrom<FingerprintFields> for FingerprintSpec {
+    type Error = String;
+
+    fn try_from(fields: FingerprintFields) -> Result<Self, String> {
+        let mut policy = FingerprintPolicy::new();
+        policy.content_type = match fields.content_type {
+            None | Some(ContentTypeSpec::Full) => ContentTypePart::Full,
+            Some(ContentTypeSpec::MediaType) => ContentTypePart::MediaType,
+            Some(ContentTypeSpec::Ignored) => ContentTypePart::Ignored,
+        };
+        for header in fields.headers {
+            policy = policy.with_header(header.0);
+        }
+        let body = fields
+            .body
+            .unwrap_or(if fields.json_only.is_some() || fields.json_except.is_some() {
+                BodySpec::Json
+            } else {
+                BodySpec::Bytes
+            });
+        policy = match (body, fields.json_only, fields.json_except) {
+            (_, Some(_), Some(_)) => {
+                return Err("json_only and json_except cannot both be given: choose the members that count, or those that do not".into())
+            }
+            (BodySpec::Bytes | BodySpec::Ignored, Some(_), _) | (BodySpec::Bytes | BodySpec::Ignored, _, Some(_)) => {
+                return Err("json_only and json_except choose members of a JSON body: they need `body: json` (or no `body`)".into())
+            }
+            (BodySpec::Json, Some(only), None) => policy.json_body_only(only),
+            (BodySpec::Json, None, Some(except)) => policy.json_body_except(except),
+            (BodySpec::Json, None, None) => policy.json_body(),
+            (BodySpec::Ignored, None, None) => policy.without_body(),
+            (BodySpec::Bytes, None, None) => policy,
+        };
+        Ok(Self(policy))
+    }
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]

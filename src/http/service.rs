@@ -172,7 +172,7 @@ where
                     None
                 };
                 if let Some(header) = credentials {
-                    warn_unscoped_credentials(&parts, header, config);
+                    warn_unscoped_credentials(&parts, header, config, named);
                 }
             }
             None
@@ -202,11 +202,16 @@ where
 /// and the keys of every caller share one namespace.
 #[cold]
 #[inline(never)]
-fn warn_unscoped_credentials(parts: &request::Parts, header: http::HeaderName, config: &Config) {
+fn warn_unscoped_credentials(
+    parts: &request::Parts,
+    header: http::HeaderName,
+    config: &Config,
+    named: Option<&telemetry::Named>,
+) {
     if config.warned_unscoped_credentials.swap(true, Ordering::Relaxed) {
         return;
     }
-    telemetry::setup_warning(SetupWarning::UnscopedCredentials);
+    telemetry::setup_warning(SetupWarning::UnscopedCredentials, named);
     tracing::warn!(
         method = %parts.method,
         path = parts.uri.path(),

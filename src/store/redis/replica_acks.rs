@@ -438,7 +438,7 @@ async fn warn_if_fewer_than_the_replicas(client: &Client, required: u32) {
              key can run twice; require every replica (ReplicaAcks::new({replicas})) for any \
              promotion to keep it (docs/topologies-and-failover.md)"
         );
-        crate::telemetry::setup_warning(crate::telemetry::SetupWarning::FewerAcksThanReplicas);
+        crate::telemetry::setup_warning(crate::telemetry::SetupWarning::FewerAcksThanReplicas, None);
     }
 }
 
