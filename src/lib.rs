@@ -178,6 +178,7 @@ pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
 pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
+pub use self::http::outcome::RequestOutcome;
 #[cfg(feature = "policy")]
 pub use self::http::policy::Policy;
 pub use self::http::replay::IDEMPOTENT_REPLAYED;

@@ -30,7 +30,7 @@
 //!   one after the other.
 //! - The optional methods keep their meaning: a store that keeps the default of
 //!   [`Store::peek`] (`Ok(None)`), [`Store::watch`] (`Ok(None)`), [`Store::cached`] (`None`) or
-//!   [`Store::in_flight`] ([`StoreError::Unsupported`]) passes their rules, reported as
+//!   [`Store::in_flight`] ([`StoreError::Unsupported`](crate::StoreError::Unsupported)) passes their rules, reported as
 //!   [not offered](Report::not_offered); a store that answers them must answer right.
 //! - Leases and retentions are short (150 ms to 1 s), so a store must honour them to the
 //!   millisecond's order (a store whose expiry runs on a sweep every minute fails
