@@ -8,6 +8,8 @@
 //!   fingerprints
 //! - [Waiting for the first request](waiting)
 //! - [gRPC](grpc)
+//! - [For API clients](api_clients): what each rejection's `key_state`, `retryable` and
+//!   `retry_after` mean, and what a client should do
 //! - [Queue consumers](queue_consumers)
 //! - [Guarantees](guarantees), in full, and where they end
 //! - [Policy file](policy_file)
@@ -45,6 +47,7 @@ macro_rules! links {
          [stores]: crate::guide::stores\n\
          [operators]: crate::guide::operators\n\
          [grpc]: crate::guide::grpc\n\
+         [api-clients]: crate::guide::api_clients\n\
          [queue-consumers]: crate::guide::queue_consumers\n\
          [running-redis]: crate::guide::running_redis\n\
          [with-axum-guide]: crate::guide::with_axum\n\
@@ -82,6 +85,7 @@ page!(readme, "../README.md", "README", "redis");
 page!(with_axum, "../docs/with-axum.md");
 page!(waiting, "../docs/waiting.md");
 page!(grpc, "../docs/grpc.md");
+page!(api_clients, "../docs/api-clients.md");
 page!(
     queue_consumers,
     "../docs/queue-consumers.md",

@@ -79,6 +79,7 @@
 //! | `policy` | no | `Policy`: settings per method and path from a JSON file (the [`PolicyLayer`] itself needs no feature) |
 //! | `policy-yaml` | no | YAML policy files (`serde-saphyr`; needs Rust 1.89) |
 //! | `policy-toml` | no | TOML policy files (`toml`) |
+//! | `testing` | no | [`testing::conformance`]: the store suite as one call, for the tests of a store of your own |
 //! | `cli` | no | the `idempotency-admin` binary (`cargo install tower-idempotency --features cli`): inspect, purge and list records from a shell; turns on both stores and their TLS |
 //!
 //! With no feature at all the crate builds with the [`MemoryStore`] alone. The minimum supported
@@ -107,6 +108,9 @@ mod http;
 mod streams;
 // README and the guides of docs/, as pages of the documentation (no code).
 pub mod guide;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 /// Not an API: the fuzz targets' entry points (`fuzz/`), each the check of one parser or codec
 /// on one input, which panics where a property fails. Only with the crate feature `fuzzing`,
@@ -184,6 +188,7 @@ pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
 pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
+pub use self::http::outcome::RequestOutcome;
 #[cfg(feature = "policy")]
 pub use self::http::policy::Policy;
 pub use self::http::replay::IDEMPOTENT_REPLAYED;

@@ -221,11 +221,14 @@ pub(crate) fn outcome(outcome: Outcome, named: Option<&Named>) {
     let _ = (outcome, named);
 }
 
-/// Counts a request's outcome and writes it into its span.
+/// Counts a request's outcome and writes it into its span, and into an event of the span: a
+/// `fmt` subscriber shows a span's fields only on the span's events (or, with `FmtSpan::CLOSE`,
+/// when it closes), and a request answered at once has no other.
 #[inline]
 pub(crate) fn finish(span: &Span, outcome: Outcome, named: Option<&Named>) {
     self::outcome(outcome, named);
     span.record("outcome", outcome.as_str());
+    tracing::debug!(target: TARGET, parent: span, outcome = %outcome.as_str(), "idempotency outcome");
 }
 
 /// Counts a rejection sent, by kind (`idempotency_rejections_total`).

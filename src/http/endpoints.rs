@@ -15,6 +15,7 @@ use crate::http::body::{BoxError, RequestBody};
 use crate::http::future::ResponseFuture;
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
+use crate::http::outcome;
 use crate::http::response::Rejection;
 use crate::http::response_body::ResponseBody;
 use crate::http::service::{call_with, Guarded};
@@ -266,7 +267,8 @@ impl PolicyLayer {
         let named = self.base.coordinator.named();
         telemetry::outcome(Outcome::Rejected, named);
         let grpc = grpc::is_grpc_request(request.headers());
-        Some(Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc, named))
+        let rejection = Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc, named);
+        Some(outcome::mark(rejection, Outcome::Rejected))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Rejections: every answer the layer gives instead of the handler's, as RFC 9457 problem+json
 //! (to a gRPC client, in gRPC's own form: see `grpc.rs`).
 
+use std::io::Write as _;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -243,6 +244,78 @@ impl Rejection {
         }
     }
 
+    /// The problem document's `key_state`: what the server holds for the key, so a client can
+    /// decide without reading `detail` (the table for API-client authors is in the guide
+    /// [for API clients](crate::guide::api_clients)).
+    ///
+    /// | `key_state` | rejections |
+    /// |---|---|
+    /// | `in_flight` | `InFlight` |
+    /// | `mismatch` | `Mismatch` |
+    /// | `not_replayable` | `ResponseNotStored`, `HandlerTimedOut` (its key kept) |
+    /// | `released` | `HandlerPanicked`, `HandlerTimedOut` on a layer that releases such keys |
+    /// | `store_unavailable` | `StoreUnavailable` |
+    /// | `unreadable` | `UnreadableRecord` |
+    /// | `not_claimed` | `BodyTooLarge`, `BodyUnreadable`, `Overloaded`, `MissingScope`, `NoEndpoint` |
+    /// | `absent` / `invalid` | `MissingKey` / `InvalidKey` |
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::Rejection;
+    /// let running = Rejection::InFlight { retry_after: Duration::from_secs(3) };
+    /// assert_eq!((running.key_state(), running.retryable()), ("in_flight", true));
+    /// ```
+    pub fn key_state(&self) -> &'static str {
+        self.key_state_given(false)
+    }
+
+    /// The problem document's `retryable`: whether sending the same request with the same key
+    /// again, later, can succeed (after `retry_after` seconds where the document has it). `false`
+    /// means the request as sent will not: change it, or its key, or ask a person.
+    pub fn retryable(&self) -> bool {
+        self.retryable_given(false)
+    }
+
+    /// The key's state, `key_released` telling whether the layer released the key of a handler
+    /// that timed out (`with_release_not_stored`), which only the layer knows.
+    fn key_state_given(&self, key_released: bool) -> &'static str {
+        match self {
+            Rejection::MissingKey => "absent",
+            Rejection::InvalidKey(_) => "invalid",
+            Rejection::InFlight { .. } => "in_flight",
+            Rejection::Mismatch { .. } => "mismatch",
+            Rejection::StoreUnavailable => "store_unavailable",
+            Rejection::UnreadableRecord => "unreadable",
+            Rejection::HandlerPanicked => "released",
+            Rejection::HandlerTimedOut { .. } if key_released => "released",
+            Rejection::ResponseNotStored { .. } | Rejection::HandlerTimedOut { .. } => "not_replayable",
+            Rejection::BodyTooLarge { .. }
+            | Rejection::BodyUnreadable
+            | Rejection::Overloaded
+            | Rejection::MissingScope
+            | Rejection::NoEndpoint => "not_claimed",
+        }
+    }
+
+    fn retryable_given(&self, key_released: bool) -> bool {
+        match self {
+            Rejection::InFlight { .. }
+            | Rejection::StoreUnavailable
+            | Rejection::Overloaded
+            | Rejection::BodyUnreadable
+            | Rejection::HandlerPanicked => true,
+            Rejection::HandlerTimedOut { .. } => key_released,
+            Rejection::MissingKey
+            | Rejection::InvalidKey(_)
+            | Rejection::BodyTooLarge { .. }
+            | Rejection::Mismatch { .. }
+            | Rejection::UnreadableRecord
+            | Rejection::MissingScope
+            | Rejection::ResponseNotStored { .. }
+            | Rejection::NoEndpoint => false,
+        }
+    }
+
     pub(crate) fn retry_after_seconds(&self) -> Option<u64> {
         match self {
             Rejection::InFlight { retry_after } => Some(retry_after.as_secs().max(1)),
@@ -261,13 +334,22 @@ impl Rejection {
     /// Like [`into_response`](Rejection::into_response), naming `key_header` in the detail of
     /// key problems (the layer's configured header).
     pub(crate) fn into_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
+        self.into_problem_response(key_header, false)
+    }
+
+    /// The problem+json response; `key_released`: see [`key_state_given`](Self::key_state_given).
+    fn into_problem_response<B>(
+        self,
+        key_header: &HeaderName,
+        key_released: bool,
+    ) -> Response<ResponseBody<B>> {
         let status = self.status();
         let detail = self.detail_for(key_header);
         // Members in RFC 9457's order, written into one buffer: a retry storm on a key in flight
         // is answered with these, and every allocation made here on one worker thread and freed
         // on the other after the write can take the lock of a malloc arena both threads use.
         let (name, title) = (self.name(), self.title());
-        let mut body = Vec::with_capacity(64 + TYPE_BASE.len() + name.len() + title.len() + detail.len());
+        let mut body = Vec::with_capacity(128 + TYPE_BASE.len() + name.len() + title.len() + detail.len());
         body.extend_from_slice(b"{\"type\":\"");
         // Both parts are fixed ASCII with nothing to escape (a test checks every kind).
         body.extend_from_slice(TYPE_BASE.as_bytes());
@@ -278,12 +360,25 @@ impl Rejection {
         body.extend_from_slice(status.as_str().as_bytes());
         body.extend_from_slice(b",\"detail\":");
         push_json_string(&mut body, &detail);
+        // Extension members (RFC 9457 section 3.2), after the standard ones so that a client
+        // that compared the document's start keeps working: fixed ASCII, nothing to escape.
+        body.extend_from_slice(b",\"key_state\":\"");
+        body.extend_from_slice(self.key_state_given(key_released).as_bytes());
+        body.extend_from_slice(b"\",\"retryable\":");
+        let retryable = self.retryable_given(key_released);
+        body.extend_from_slice(if retryable { b"true" } else { b"false" });
+        let retry_after = self.retry_after_seconds();
+        if let Some(seconds) = retry_after {
+            body.extend_from_slice(b",\"retry_after\":");
+            // Into the buffer itself: writing to a `Vec` cannot fail.
+            let _ = write!(body, "{seconds}");
+        }
         body.push(b'}');
         let mut response = Response::new(ResponseBody::full(Bytes::from(body)));
         *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        if let Some(seconds) = self.retry_after_seconds() {
+        if let Some(seconds) = retry_after {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         response.extensions_mut().insert(self);
@@ -308,11 +403,23 @@ impl Rejection {
         grpc: bool,
         named: Option<&crate::telemetry::Named>,
     ) -> Response<ResponseBody<B>> {
+        self.respond_released(key_header, grpc, named, false)
+    }
+
+    /// [`respond`](Self::respond), for a rejection whose key the layer released
+    /// (`key_released`) where it is kept by default (a handler that timed out).
+    pub(crate) fn respond_released<B>(
+        self,
+        key_header: &HeaderName,
+        grpc: bool,
+        named: Option<&crate::telemetry::Named>,
+        key_released: bool,
+    ) -> Response<ResponseBody<B>> {
         crate::telemetry::rejection(self.kind(), named);
         if grpc {
             self.into_grpc_response_naming(key_header)
         } else {
-            self.into_response_naming(key_header)
+            self.into_problem_response(key_header, key_released)
         }
     }
 }
@@ -495,7 +602,13 @@ mod tests {
                 "title": rejection.title(),
                 "status": rejection.status().as_u16(),
                 "detail": rejection.detail_for(&header),
+                "key_state": rejection.key_state(),
+                "retryable": rejection.retryable(),
             });
+            let mut expected = expected;
+            if let Some(seconds) = rejection.retry_after_seconds() {
+                expected["retry_after"] = seconds.into();
+            }
             let response = rejection
                 .clone()
                 .into_response_naming::<http_body_util::Empty<Bytes>>(&header);
@@ -508,7 +621,14 @@ mod tests {
             assert_eq!(parsed, expected, "{rejection:?}");
             assert!(body.starts_with(b"{\"type\":"), "RFC 9457's order: {body:?}");
             let position_of = |member: &str| body.windows(member.len()).position(|w| w == member.as_bytes());
-            let order = ["\"type\":", "\"title\":", "\"status\":", "\"detail\":"].map(position_of);
+            let order = [
+                "\"type\":",
+                "\"title\":",
+                "\"status\":",
+                "\"detail\":",
+                "\"key_state\":",
+            ]
+            .map(position_of);
             assert!(
                 order.windows(2).all(|pair| pair[0] < pair[1]),
                 "{rejection:?}: {body:?}"

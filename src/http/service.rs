@@ -23,6 +23,7 @@ use crate::http::config::Config;
 use crate::http::future::{Answer, BoxFuture, ResponseFuture, Step};
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
+use crate::http::outcome;
 use crate::http::prefer::Wait;
 use crate::http::replay;
 use crate::http::response::Rejection;
@@ -139,13 +140,14 @@ where
         Ok(None) => {
             telemetry::outcome(Outcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
-            return ResponseFuture::ready(Rejection::MissingKey.respond(&config.key_header, grpc, named));
+            let rejection = Rejection::MissingKey.respond(&config.key_header, grpc, named);
+            return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
         }
         Err(error) => {
             telemetry::outcome(Outcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
             let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc, named);
-            return ResponseFuture::ready(rejection);
+            return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
         }
     };
     let (mut parts, body) = request.into_parts();
@@ -157,7 +159,7 @@ where
                 telemetry::outcome(Outcome::Rejected, named);
                 let grpc = grpc::is_grpc_request(&parts.headers);
                 let rejection = Rejection::MissingScope.respond(&config.key_header, grpc, named);
-                return ResponseFuture::ready(rejection);
+                return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
             }
         },
         None => {
@@ -273,11 +275,8 @@ where
         let reject = |outcome: Outcome, rejection: Rejection| {
             let named = coordinator.named();
             telemetry::finish(&span, outcome, named);
-            Step::Done(Ok(rejection.respond(
-                &config.key_header,
-                is_grpc(&parts.headers),
-                named,
-            )))
+            let response = rejection.respond(&config.key_header, is_grpc(&parts.headers), named);
+            Step::Done(Ok(outcome::mark(response, outcome)))
         };
         let too_large = Rejection::BodyTooLarge {
             limit: config.body_limit,
@@ -381,7 +380,8 @@ where
     let named = coordinator.named();
     let reject = |outcome: Outcome, rejection: Rejection| {
         telemetry::finish(&span, outcome, named);
-        Step::Done(Ok(rejection.respond(&config.key_header, grpc, named)))
+        let response = rejection.respond(&config.key_header, grpc, named);
+        Step::Done(Ok(outcome::mark(response, outcome)))
     };
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
@@ -425,7 +425,7 @@ where
             let run = async move {
                 let answer = inner.call(request).await;
                 drop(slot);
-                answer.map(|response| response.map(ResponseBody::streaming))
+                answer.map(|response| outcome::mark(response.map(ResponseBody::streaming), Outcome::FailOpen))
             };
             return Step::Unprotected(Box::pin(run.instrument(span)));
         }
@@ -446,9 +446,9 @@ where
         let handed = TransactionalClaim::new(claim.ticket(), config.clone());
         request.extensions_mut().insert(handed);
     }
-    Step::Run(Box::pin(
-        run_claimed(inner, claim, config, request, grpc).instrument(span),
-    ))
+    let run = run_claimed(inner, claim, config, request, grpc)
+        .map(|answer| answer.map(|response| outcome::mark(response, Outcome::Executed)));
+    Step::Run(Box::pin(run.instrument(span)))
 }
 
 /// The stored response, replayed. A key whose response was not stored is answered so; a
@@ -472,7 +472,8 @@ fn replay_stored<B, E>(
                     stored.headers.remove(name);
                 }
             }
-            return (Outcome::Replayed, Step::Done(Ok(replay::into_response(stored))));
+            let replayed = outcome::mark(replay::into_response(stored), Outcome::Replayed);
+            return (Outcome::Replayed, Step::Done(Ok(replayed)));
         }
         Ok(Decoded::NotStored { why, .. }) => (
             Outcome::NotStored,
@@ -495,10 +496,8 @@ fn replay_stored<B, E>(
             (Outcome::Unreadable, Rejection::UnreadableRecord)
         }
     };
-    (
-        outcome,
-        Step::Done(Ok(rejection.respond(&config.key_header, grpc, named))),
-    )
+    let response = rejection.respond(&config.key_header, grpc, named);
+    (outcome, Step::Done(Ok(outcome::mark(response, outcome))))
 }
 
 /// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its
@@ -579,7 +578,8 @@ where
                 release_not_stored,
             ))
             .await;
-            Ok(Rejection::HandlerTimedOut { after }.respond(&config.key_header, grpc, named.as_deref()))
+            let timed_out = Rejection::HandlerTimedOut { after };
+            Ok(timed_out.respond_released(&config.key_header, grpc, named.as_deref(), release_not_stored))
         }
     }
 }

@@ -24,7 +24,8 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>>
 
 ///
 /// The built-in stores, [`MemoryStore`](crate::MemoryStore), `RedisStore` and `PostgresStore`,
-/// pass one shared behaviour suite (`tests/store_suite.rs`); a custom store should pass it too.
+/// pass one shared behaviour suite, the conformance kit; a custom store should pass it too:
+/// `tower_idempotency::testing::conformance` (crate feature `testing`) runs it in one call.
 ///
 /// ```
 /// use std::time::Duration;

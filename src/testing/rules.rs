@@ -1,0 +1,710 @@
+//! The rules of the kit: one `async fn` each, over a store the kit was handed, answering a
+//! [`Verdict`]. A rule never panics on a store's answer: `ensure!` and `answer` turn a wrong
+//! answer or an error into `Verdict::Failed`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::listing::{
+    in_flight_lists_running_records_oldest_first, in_flight_pages_through_many_records,
+    watch_wakes_on_every_settling,
+};
+use super::Verdict;
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, RecordKey};
+use crate::store::{ClaimOutcome, OwnerToken, RecordState, Store, StoreError};
+
+pub(super) const LEASE: Duration = Duration::from_secs(30);
+pub(super) const RETENTION: Duration = Duration::from_secs(3600);
+
+/// What a rule's check is: a store in, a verdict out.
+type Check = fn(Run, Arc<dyn Store>) -> Pin<Box<dyn Future<Output = Verdict> + Send>>;
+
+/// One rule of the kit: its name (a [`Report`](super::Report) names it) and what it asks.
+#[derive(Clone, Copy)]
+pub struct Rule {
+    /// The rule's name, as a sentence in snake case.
+    pub name: &'static str,
+    /// What the store must do to keep it, in a line.
+    pub asks: &'static str,
+    /// Run after the others, one at a time (the listings see every record in flight).
+    pub(super) alone: bool,
+    pub(super) check: Check,
+}
+
+impl std::fmt::Debug for Rule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rule")
+            .field("name", &self.name)
+            .field("asks", &self.asks)
+            .finish()
+    }
+}
+
+/// Declares a rule whose body is `async fn name(run: Run, store: Arc<dyn Store>) -> Outcome`.
+macro_rules! rule {
+    ($name:ident, $asks:expr) => {
+        rule!($name, $asks, false)
+    };
+    ($name:ident, $asks:expr, $alone:expr) => {
+        Rule {
+            name: stringify!($name),
+            asks: $asks,
+            alone: $alone,
+            check: |run, store| Box::pin(async move { verdict($name(run, store).await) }),
+        }
+    };
+}
+
+/// Every rule the kit checks, in the order a [`Report`](super::Report) lists them.
+pub const RULES: &[Rule] = &[
+    rule!(claim_then_in_flight_then_completed, "a claim takes a free key; another owner then finds it in flight with the lease left, and the payload once it is completed"),
+    rule!(a_claim_sent_twice_does_not_conflict_with_itself, "a claim or a completion re-sent by the same owner succeeds again"),
+    rule!(a_different_fingerprint_is_a_mismatch_in_either_state, "another fingerprint under a key in flight or completed is a mismatch"),
+    rule!(transitions_are_owner_checked, "complete, release and renew by anyone but the owner answer false and change nothing; a completed record can be neither released nor renewed"),
+    rule!(release_lets_the_next_claim_in, "a release deletes the record, and the key then takes any request"),
+    rule!(an_expired_lease_frees_the_key_and_fences_the_old_owner, "a lapsed lease frees the key, and the old owner can then neither complete, release nor renew"),
+    rule!(renew_extends_the_lease, "a renewal extends the lease from now"),
+    rule!(retention_ends, "a completed record is gone once its retention ends"),
+    rule!(inspect_and_purge, "inspect reports state, payload and time left; purge deletes a record in any state and says whether there was one"),
+    rule!(payloads_are_binary_safe, "every byte value, and the empty payload, replay unchanged"),
+    rule!(scopes_are_separate_records, "one key in two scopes is two records"),
+    rule!(absent_keys_are_answered_not_failed, "complete, release, renew, inspect, purge and peek of a key that holds nothing answer no, without an error, and create nothing"),
+    rule!(concurrent_claims_admit_one_owner, "of many claims of one key at once, exactly one is claimed and every other finds it in flight"),
+    rule!(claim_waiting_answers_as_claim, "claim_waiting gives claim's answers"),
+    rule!(peek_reports_what_a_claim_would_find_and_writes_nothing, "peek (optional) answers what a claim would find, and claims nothing"),
+    rule!(cached_answers_agree_with_the_record, "cached (optional) answers only a completion or a mismatch that the record holds"),
+    rule!(watch_wakes_on_every_settling, "watch (optional) wakes on a completion, a release and a purge of the key"),
+    rule!(in_flight_lists_running_records_oldest_first, "in_flight (optional) lists records in flight, unknown age first then the oldest, by older_than and limit; never completed, released or lapsed ones", true),
+    rule!(in_flight_pages_through_many_records, "in_flight (optional) finds every record in flight among 1,500, and its limit keeps the oldest", true),
+];
+
+/// What a rule's body answers: `Ok(true)` kept, `Ok(false)` not offered, `Err` broken.
+pub(super) type Outcome = Result<bool, String>;
+
+fn verdict(outcome: Outcome) -> Verdict {
+    match outcome {
+        Ok(true) => Verdict::Passed,
+        Ok(false) => Verdict::NotOffered,
+        Err(reason) => Verdict::Failed(reason),
+    }
+}
+
+/// Fails the rule with a message unless `cond` holds.
+macro_rules! ensure {
+    ($cond:expr, $($message:tt)+) => {
+        if !$cond {
+            return Err(format!($($message)+));
+        }
+    };
+}
+pub(super) use ensure;
+
+/// A store's answer, or the rule's failure naming the call that erred.
+pub(super) fn answer<T>(result: Result<T, StoreError>, call: &str) -> Result<T, String> {
+    result.map_err(|error| format!("{call} failed: {error}"))
+}
+
+/// One run of the kit: the scope every key it writes lives in, fresh for each run, so a run
+/// never meets the records of an earlier one (or of anyone else) in a shared store.
+#[derive(Clone)]
+pub(super) struct Run {
+    scope: Arc<str>,
+}
+
+impl Run {
+    pub(super) fn new() -> Self {
+        Self {
+            scope: format!("tower-idempotency-kit/{}", OwnerToken::generate().as_str()).into(),
+        }
+    }
+
+    /// The record of `name` in this run's scope.
+    pub(super) fn key(&self, name: &str) -> RecordKey {
+        self.key_in("", name)
+    }
+
+    /// The record of `name` in this run's sub-scope `within`.
+    pub(super) fn key_in(&self, within: &str, name: &str) -> RecordKey {
+        let scope = format!("{}/{within}", self.scope);
+        // The names are the kit's own, all visible ASCII, so this cannot fail; a fallback
+        // key keeps the rule from panicking anyway.
+        let key = IdempotencyKey::parse(name).or_else(|_| IdempotencyKey::parse("kit-key"));
+        match key {
+            Ok(key) => RecordKey::new(Some(&scope), key),
+            Err(_) => unreachable!("`kit-key` is a valid key"),
+        }
+    }
+}
+
+pub(super) fn fingerprint(body: &str) -> Fingerprint {
+    Fingerprint::new([body.as_bytes()])
+}
+
+pub(super) async fn claim(
+    store: &dyn Store,
+    key: &RecordKey,
+    body: &str,
+    owner: &OwnerToken,
+    lease: Duration,
+) -> Result<ClaimOutcome, String> {
+    answer(store.claim(key, &fingerprint(body), owner, lease).await, "claim")
+}
+
+pub(super) async fn complete(
+    store: &dyn Store,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    payload: &'static [u8],
+    retention: Duration,
+) -> Result<bool, String> {
+    answer(
+        store
+            .complete(key, owner, Bytes::from_static(payload), retention)
+            .await,
+        "complete",
+    )
+}
+
+/// The first claim of a key the rule just made up, which must be claimed.
+pub(super) async fn first_claim(
+    store: &dyn Store,
+    key: &RecordKey,
+    body: &str,
+    owner: &OwnerToken,
+    lease: Duration,
+) -> Result<(), String> {
+    let outcome = claim(store, key, body, owner, lease).await?;
+    ensure!(
+        outcome == ClaimOutcome::Claimed,
+        "the first claim of a free key answered {outcome:?}"
+    );
+    Ok(())
+}
+
+/// The owner's completion of its claim, which must succeed.
+pub(super) async fn completed(
+    store: &dyn Store,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    payload: &'static [u8],
+    retention: Duration,
+) -> Result<(), String> {
+    ensure!(
+        complete(store, key, owner, payload, retention).await?,
+        "the owner's completion of its claim answered false"
+    );
+    Ok(())
+}
+
+fn in_flight_near(outcome: &ClaimOutcome, lease: Duration) -> bool {
+    matches!(outcome, ClaimOutcome::InFlight { lease_left } if *lease_left <= lease && *lease_left > lease.saturating_sub(Duration::from_secs(5)))
+}
+
+async fn claim_then_in_flight_then_completed(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, other) = (
+        &*store,
+        run.key("k1"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    let first = claim(s, &k, "body", &a, LEASE).await?;
+    ensure!(
+        first == ClaimOutcome::Claimed,
+        "the first claim of a free key answered {first:?}"
+    );
+    let second = claim(s, &k, "body", &other, LEASE).await?;
+    ensure!(in_flight_near(&second, LEASE), "another owner's claim of a key in flight (30 s lease) answered {second:?}, not in flight with about 30 s left");
+    completed(s, &k, &a, b"result", RETENTION).await?;
+    let third = claim(s, &k, "body", &other, LEASE).await?;
+    ensure!(
+        third == ClaimOutcome::Completed(Bytes::from_static(b"result")),
+        "a claim of a completed key answered {third:?}, not its payload"
+    );
+    Ok(true)
+}
+
+async fn a_claim_sent_twice_does_not_conflict_with_itself(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a) = (&*store, run.key("k2"), OwnerToken::generate());
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    let again = claim(s, &k, "body", &a, LEASE).await?;
+    ensure!(
+        again == ClaimOutcome::Claimed,
+        "the same owner's claim sent again answered {again:?}, not claimed"
+    );
+    completed(s, &k, &a, b"r", RETENTION).await?;
+    ensure!(
+        complete(s, &k, &a, b"r", RETENTION).await?,
+        "the owner's completion sent again answered false"
+    );
+    Ok(true)
+}
+
+async fn a_different_fingerprint_is_a_mismatch_in_either_state(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, other) = (
+        &*store,
+        run.key("k3"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "one", &a, LEASE).await?;
+    let running = claim(s, &k, "two", &other, LEASE).await?;
+    ensure!(
+        running == ClaimOutcome::Mismatch,
+        "another fingerprint under a key in flight answered {running:?}"
+    );
+    completed(s, &k, &a, b"r", RETENTION).await?;
+    let done = claim(s, &k, "two", &other, LEASE).await?;
+    ensure!(
+        done == ClaimOutcome::Mismatch,
+        "another fingerprint under a completed key answered {done:?}"
+    );
+    Ok(true)
+}
+
+async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, intruder) = (
+        &*store,
+        run.key("k4"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    ensure!(
+        !complete(s, &k, &intruder, b"evil", RETENTION).await?,
+        "a completion by another owner answered true"
+    );
+    ensure!(
+        !answer(s.release(&k, &intruder).await, "release")?,
+        "a release by another owner answered true"
+    );
+    ensure!(
+        !answer(s.renew(&k, &intruder, LEASE).await, "renew")?,
+        "a renewal by another owner answered true"
+    );
+    let state = answer(s.inspect(&k).await, "inspect")?.map(|info| info.state);
+    ensure!(
+        state == Some(RecordState::InFlight),
+        "after another owner's refused calls the record is {state:?}, not in flight"
+    );
+    ensure!(
+        answer(s.renew(&k, &a, LEASE).await, "renew")?,
+        "the owner's renewal answered false"
+    );
+    completed(s, &k, &a, b"good", RETENTION).await?;
+    ensure!(
+        !answer(s.release(&k, &a).await, "release")?,
+        "a release of a completed record answered true"
+    );
+    ensure!(
+        !answer(s.renew(&k, &a, LEASE).await, "renew")?,
+        "a renewal of a completed record answered true"
+    );
+    let after = claim(s, &k, "body", &intruder, LEASE).await?;
+    ensure!(
+        after == ClaimOutcome::Completed(Bytes::from_static(b"good")),
+        "the completed record then answered {after:?}, not the owner's payload"
+    );
+    Ok(true)
+}
+
+async fn release_lets_the_next_claim_in(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, next) = (
+        &*store,
+        run.key("k5"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    ensure!(
+        answer(s.release(&k, &a).await, "release")?,
+        "the owner's release answered false"
+    );
+    let left = answer(s.inspect(&k).await, "inspect")?;
+    ensure!(left.is_none(), "a released record is still there: {left:?}");
+    let again = claim(s, &k, "other", &next, LEASE).await?;
+    ensure!(
+        again == ClaimOutcome::Claimed,
+        "a claim of a released key (another fingerprint) answered {again:?}"
+    );
+    Ok(true)
+}
+
+async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, slow, next) = (
+        &*store,
+        run.key("k6"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &slow, Duration::from_millis(150)).await?;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let taken = claim(s, &k, "body", &next, LEASE).await?;
+    ensure!(
+        taken == ClaimOutcome::Claimed,
+        "250 ms after a 150 ms lease ended, a claim answered {taken:?}"
+    );
+    ensure!(
+        !complete(s, &k, &slow, b"late", RETENTION).await?,
+        "the lapsed owner's completion overwrote the new owner's claim"
+    );
+    ensure!(
+        !answer(s.release(&k, &slow).await, "release")?,
+        "the lapsed owner's release answered true"
+    );
+    ensure!(
+        !answer(s.renew(&k, &slow, LEASE).await, "renew")?,
+        "the lapsed owner's renewal answered true"
+    );
+    ensure!(
+        complete(s, &k, &next, b"new", RETENTION).await?,
+        "the new owner's completion answered false"
+    );
+    let after = claim(s, &k, "body", &slow, LEASE).await?;
+    ensure!(
+        after == ClaimOutcome::Completed(Bytes::from_static(b"new")),
+        "the record then answered {after:?}, not the new owner's payload"
+    );
+    Ok(true)
+}
+
+async fn renew_extends_the_lease(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, other) = (
+        &*store,
+        run.key("k7"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    // Renewed every 400 ms, 600 ms before each lease would end: room for a slow machine.
+    let lease = Duration::from_millis(1000);
+    first_claim(s, &k, "body", &a, lease).await?;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        ensure!(
+            answer(s.renew(&k, &a, lease).await, "renew")?,
+            "the owner's renewal, within its lease, answered false"
+        );
+    }
+    let held = claim(s, &k, "body", &other, LEASE).await?;
+    ensure!(
+        matches!(held, ClaimOutcome::InFlight { .. }),
+        "1.6 s after a renewed 1 s lease began, another claim answered {held:?}"
+    );
+    Ok(true)
+}
+
+async fn retention_ends(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, next) = (
+        &*store,
+        run.key("k8"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    completed(s, &k, &a, b"r", Duration::from_secs(1)).await?;
+    let info = answer(s.inspect(&k).await, "inspect")?;
+    let fits = info.as_ref().is_some_and(|info| {
+        info.state == RecordState::Completed && info.expires_in <= Duration::from_secs(1)
+    });
+    ensure!(fits, "a record completed for 1 s inspects as {info:?}");
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let gone = answer(s.inspect(&k).await, "inspect")?;
+    ensure!(
+        gone.is_none(),
+        "300 ms after its 1 s retention ended, the record is still there: {gone:?}"
+    );
+    let again = claim(s, &k, "body", &next, LEASE).await?;
+    ensure!(
+        again == ClaimOutcome::Claimed,
+        "a claim after the retention ended answered {again:?}"
+    );
+    Ok(true)
+}
+
+async fn inspect_and_purge(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a) = (&*store, run.key("k9"), OwnerToken::generate());
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    let info = answer(s.inspect(&k).await, "inspect")?;
+    let fits = info.as_ref().is_some_and(|info| {
+        info.state == RecordState::InFlight
+            && info.payload.is_none()
+            && info.expires_in > LEASE - Duration::from_secs(5)
+    });
+    ensure!(fits, "a record in flight (30 s lease) inspects as {info:?}");
+    completed(s, &k, &a, b"payload", RETENTION).await?;
+    let info = answer(s.inspect(&k).await, "inspect")?;
+    let fits = info.as_ref().is_some_and(|info| {
+        info.state == RecordState::Completed
+            && info.payload.as_deref() == Some(&b"payload"[..])
+            && info.expires_in > RETENTION - Duration::from_secs(5)
+    });
+    ensure!(fits, "a completed record (1 h retention) inspects as {info:?}");
+    ensure!(
+        answer(s.purge(&k).await, "purge")?,
+        "the purge of a completed record answered false"
+    );
+    let gone = answer(s.inspect(&k).await, "inspect")?;
+    ensure!(gone.is_none(), "a purged record is still there: {gone:?}");
+    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
+    ensure!(
+        again == ClaimOutcome::Claimed,
+        "a claim of a purged key answered {again:?}"
+    );
+    ensure!(
+        answer(s.purge(&k).await, "purge")?,
+        "the purge of a record in flight answered false"
+    );
+    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
+    ensure!(
+        again == ClaimOutcome::Claimed,
+        "a claim of a key purged in flight answered {again:?}"
+    );
+    Ok(true)
+}
+
+async fn payloads_are_binary_safe(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let s = &*store;
+    let every_byte: Bytes = (0..=255u8).chain((0..=255u8).rev()).collect::<Vec<_>>().into();
+    for (name, payload) in [("k10", every_byte), ("k10-empty", Bytes::new())] {
+        let (k, a) = (run.key(name), OwnerToken::generate());
+        first_claim(s, &k, "body", &a, LEASE).await?;
+        ensure!(
+            answer(s.complete(&k, &a, payload.clone(), RETENTION).await, "complete")?,
+            "the owner's completion answered false"
+        );
+        let replay = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
+        ensure!(
+            replay == ClaimOutcome::Completed(payload.clone()),
+            "a payload of {} bytes replayed as {replay:?}",
+            payload.len()
+        );
+        let inspected = answer(s.inspect(&k).await, "inspect")?.and_then(|info| info.payload);
+        ensure!(
+            inspected.as_ref() == Some(&payload),
+            "a payload of {} bytes inspects as {inspected:?}",
+            payload.len()
+        );
+    }
+    Ok(true)
+}
+
+async fn scopes_are_separate_records(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let s = &*store;
+    let (alice, bob) = (run.key_in("alice", "shared-key"), run.key_in("bob", "shared-key"));
+    let a = OwnerToken::generate();
+    first_claim(s, &alice, "body", &a, LEASE).await?;
+    completed(s, &alice, &a, b"alice's", RETENTION).await?;
+    let other = claim(s, &bob, "body", &OwnerToken::generate(), LEASE).await?;
+    ensure!(
+        other == ClaimOutcome::Claimed,
+        "the same key in another scope answered {other:?}"
+    );
+    Ok(true)
+}
+
+async fn absent_keys_are_answered_not_failed(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, nobody) = (&*store, run.key("absent"), OwnerToken::generate());
+    ensure!(
+        !complete(s, &k, &nobody, b"r", RETENTION).await?,
+        "a completion of a key never claimed answered true"
+    );
+    ensure!(
+        !answer(s.release(&k, &nobody).await, "release")?,
+        "a release of a key never claimed answered true"
+    );
+    ensure!(
+        !answer(s.renew(&k, &nobody, LEASE).await, "renew")?,
+        "a renewal of a key never claimed answered true"
+    );
+    ensure!(
+        !answer(s.purge(&k).await, "purge")?,
+        "a purge of a key never claimed answered true"
+    );
+    let peeked = answer(s.peek(&k, &fingerprint("body")).await, "peek")?;
+    ensure!(
+        peeked.is_none(),
+        "a peek at a key never claimed answered {peeked:?}"
+    );
+    let left = answer(s.inspect(&k).await, "inspect")?;
+    ensure!(left.is_none(), "those calls left a record: {left:?}");
+    let claimed = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
+    ensure!(
+        claimed == ClaimOutcome::Claimed,
+        "after them, a claim answered {claimed:?}"
+    );
+    Ok(true)
+}
+
+async fn concurrent_claims_admit_one_owner(run: Run, store: Arc<dyn Store>) -> Outcome {
+    const CLAIMS: usize = 16;
+    for round in 0..4 {
+        let k = Arc::new(run.key(&format!("race-{round}")));
+        let claims: Vec<_> = (0..CLAIMS)
+            .map(|_| {
+                let (store, k) = (store.clone(), k.clone());
+                tokio::spawn(async move {
+                    store
+                        .claim(&k, &fingerprint("body"), &OwnerToken::generate(), LEASE)
+                        .await
+                })
+            })
+            .collect();
+        let mut claimed = 0;
+        for handle in claims {
+            match handle.await {
+                Ok(Ok(ClaimOutcome::Claimed)) => claimed += 1,
+                Ok(Ok(ClaimOutcome::InFlight { .. })) => {}
+                Ok(Ok(other)) => {
+                    return Err(format!(
+                        "a claim racing {CLAIMS} others for a free key answered {other:?}"
+                    ))
+                }
+                Ok(Err(error)) => return Err(format!("claim failed: {error}")),
+                Err(panicked) => return Err(format!("a claim panicked: {panicked}")),
+            }
+        }
+        ensure!(
+            claimed == 1,
+            "{CLAIMS} claims of one free key at once: {claimed} were claimed, not one"
+        );
+    }
+    Ok(true)
+}
+
+async fn claim_waiting_answers_as_claim(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, other) = (
+        &*store,
+        run.key("waiting"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    let first = answer(
+        s.claim_waiting(&k, &fingerprint("body"), &a, LEASE).await,
+        "claim_waiting",
+    )?;
+    ensure!(
+        first == ClaimOutcome::Claimed,
+        "claim_waiting of a free key answered {first:?}"
+    );
+    let running = answer(
+        s.claim_waiting(&k, &fingerprint("body"), &other, LEASE).await,
+        "claim_waiting",
+    )?;
+    ensure!(
+        in_flight_near(&running, LEASE),
+        "claim_waiting of another owner's key in flight answered {running:?}"
+    );
+    let mismatch = answer(
+        s.claim_waiting(&k, &fingerprint("other"), &other, LEASE).await,
+        "claim_waiting",
+    )?;
+    ensure!(
+        mismatch == ClaimOutcome::Mismatch,
+        "claim_waiting with another fingerprint answered {mismatch:?}"
+    );
+    completed(s, &k, &a, b"result", RETENTION).await?;
+    let done = answer(
+        s.claim_waiting(&k, &fingerprint("body"), &other, LEASE).await,
+        "claim_waiting",
+    )?;
+    ensure!(
+        done == ClaimOutcome::Completed(Bytes::from_static(b"result")),
+        "claim_waiting of a completed key answered {done:?}"
+    );
+    Ok(true)
+}
+
+async fn peek_reports_what_a_claim_would_find_and_writes_nothing(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, owner) = (&*store, run.key("peeked"), OwnerToken::generate());
+    let (body, other) = (fingerprint("body"), fingerprint("other"));
+    let before = answer(s.peek(&k, &body).await, "peek")?;
+    ensure!(before.is_none(), "a peek at a free key answered {before:?}");
+    let first = claim(s, &k, "body", &owner, LEASE).await?;
+    ensure!(
+        first == ClaimOutcome::Claimed,
+        "after a peek, the first claim answered {first:?}: the peek wrote"
+    );
+    let running = answer(s.peek(&k, &body).await, "peek")?;
+    if running.is_none() {
+        // The trait's default: this store does not offer `peek`.
+        return Ok(false);
+    }
+    ensure!(
+        running
+            .as_ref()
+            .is_some_and(|outcome| in_flight_near(outcome, LEASE)),
+        "a peek at a key in flight answered {running:?}"
+    );
+    let mismatch = answer(s.peek(&k, &other).await, "peek")?;
+    ensure!(
+        mismatch == Some(ClaimOutcome::Mismatch),
+        "a peek with another fingerprint answered {mismatch:?}"
+    );
+    completed(s, &k, &owner, b"result", RETENTION).await?;
+    let done = answer(s.peek(&k, &body).await, "peek")?;
+    ensure!(
+        done == Some(ClaimOutcome::Completed(Bytes::from_static(b"result"))),
+        "a peek at a completed key answered {done:?}"
+    );
+    let mismatch = answer(s.peek(&k, &other).await, "peek")?;
+    ensure!(
+        mismatch == Some(ClaimOutcome::Mismatch),
+        "a peek at a completed key with another fingerprint answered {mismatch:?}"
+    );
+    Ok(true)
+}
+
+async fn cached_answers_agree_with_the_record(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, owner) = (&*store, run.key("cached"), OwnerToken::generate());
+    let (body, other) = (fingerprint("body"), fingerprint("other"));
+    ensure!(
+        s.cached(&k, &body).is_none(),
+        "cached answered {:?} for a free key",
+        s.cached(&k, &body)
+    );
+    first_claim(s, &k, "body", &owner, LEASE).await?;
+    ensure!(
+        s.cached(&k, &body).is_none(),
+        "cached answered {:?} for a key in flight",
+        s.cached(&k, &body)
+    );
+    completed(s, &k, &owner, b"result", RETENTION).await?;
+    // A store may cache a completion when it reads it back (read it once), or fill its cache
+    // a moment later, from a notice (`RedisStore`'s replay cache): ask for up to a second. The
+    // rules run side by side, so a store without a cache adds no time to the run.
+    let _ = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
+    let mut asked = 0;
+    let (same, different) = loop {
+        let answers = (s.cached(&k, &body), s.cached(&k, &other));
+        asked += 1;
+        if answers.0.is_some() || answers.1.is_some() || asked == 20 {
+            break answers;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    if same.is_none() && different.is_none() {
+        return Ok(false);
+    }
+    ensure!(
+        same.is_none() || same == Some(ClaimOutcome::Completed(Bytes::from_static(b"result"))),
+        "cached answered {same:?} for the completed record"
+    );
+    ensure!(
+        different.is_none() || different == Some(ClaimOutcome::Mismatch),
+        "cached answered {different:?} for another fingerprint"
+    );
+    ensure!(
+        answer(s.purge(&k).await, "purge")?,
+        "the purge of a completed record answered false"
+    );
+    let purged = s.cached(&k, &body);
+    ensure!(
+        purged.is_none(),
+        "cached answered {purged:?} for a record this store purged"
+    );
+    Ok(true)
+}
