@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
 
-use super::rules::{
+use super::support::{
     answer, claim, complete, completed, ensure, fingerprint, first_claim, Outcome, Run, LEASE, RETENTION,
 };
 use crate::key::RecordKey;

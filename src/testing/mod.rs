@@ -47,6 +47,7 @@
 
 mod listing;
 mod rules;
+mod support;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -54,18 +55,7 @@ use std::sync::Arc;
 use crate::store::Store;
 
 pub use self::rules::RULES;
-
-/// What one rule found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
-    /// The store kept the rule.
-    Passed,
-    /// The store does not offer the optional method the rule checks (it keeps the trait's
-    /// default), which the trait allows.
-    NotOffered,
-    /// The store broke the rule: what it answered, and what the rule expected.
-    Failed(String),
-}
+pub use self::support::Verdict;
 
 /// The verdict of every rule of [`RULES`], from [`check`].
 #[derive(Debug, Clone, Default)]
@@ -157,7 +147,7 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = S>,
 {
-    let run = rules::Run::new();
+    let run = support::Run::new();
     let mut side_by_side = Vec::new();
     let mut last = Vec::new();
     for rule in RULES {
