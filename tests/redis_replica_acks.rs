@@ -948,7 +948,14 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
     let snapshotter = recorder.snapshotter();
     let store = {
         let _on_this_thread = metrics::set_default_local_recorder(&recorder);
-        durable_store(&proxy.url(), ReplicaAcks::new(replicas).timeout(WAIT_TIMEOUT)).await
+        // A wait long enough that replica a's acknowledgement is counted however loaded the
+        // machine (200 ms was not, in CI's newer servers' lanes: the completion then went to
+        // the background and landed on b after all), under a store timeout that outlasts it.
+        durable_store(
+            &proxy.url(),
+            ReplicaAcks::new(replicas).timeout(Duration::from_millis(1500)),
+        )
+        .await
     };
     let warned = (snapshotter.snapshot().into_vec().into_iter()).any(|(key, _, _, _)| {
         key.key().name() == "idempotency_setup_warnings_total"
@@ -962,7 +969,9 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
         replicas == 1,
         "the setup warning is counted with fewer acknowledgements than replicas, only then"
     );
-    let layer = IdempotencyLayer::new(store.clone()).with_lease(Duration::from_secs(30));
+    let layer = IdempotencyLayer::new(store.clone())
+        .with_lease(Duration::from_secs(30))
+        .with_store_timeout(Duration::from_secs(5));
     let (app, runs) = router(layer.clone());
 
     let running = spawn_send(&app, payment_with("lagging", &[("x-delay-ms", "500")]));
