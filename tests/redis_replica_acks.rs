@@ -948,15 +948,19 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
     let snapshotter = recorder.snapshotter();
     let store = {
         let _on_this_thread = metrics::set_default_local_recorder(&recorder);
-        // A wait long enough that replica a's acknowledgement is counted however loaded the
-        // machine (200 ms was not, in CI's newer servers' lanes: the completion then went to
-        // the background and landed on b after all), under a store timeout that outlasts it.
-        durable_store(
-            &proxy.url(),
-            ReplicaAcks::new(replicas).timeout(Duration::from_millis(1500)),
-        )
-        .await
+        // Requiring one, the wait ends as soon as replica a acknowledges: a long bound costs
+        // nothing and keeps a loaded machine from sending the completion to the background
+        // (200 ms and then 1.5 s did, in CI: it then landed on b after all). Requiring both,
+        // b never answers and the bound is what the request waits.
+        let wait = match replicas {
+            1 => Duration::from_secs(10),
+            _ => Duration::from_millis(1500),
+        };
+        durable_store(&proxy.url(), ReplicaAcks::new(replicas).timeout(wait)).await
     };
+    // Else the first completion answers NOSCRIPT with its WAIT and is sent again: a second
+    // round of waiting that a loaded machine may not fit in the bound.
+    store.load_scripts().await.expect("load the scripts");
     let warned = (snapshotter.snapshot().into_vec().into_iter()).any(|(key, _, _, _)| {
         key.key().name() == "idempotency_setup_warnings_total"
             && key
@@ -971,7 +975,7 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
     );
     let layer = IdempotencyLayer::new(store.clone())
         .with_lease(Duration::from_secs(30))
-        .with_store_timeout(Duration::from_secs(5));
+        .with_store_timeout(Duration::from_secs(15));
     let (app, runs) = router(layer.clone());
 
     let running = spawn_send(&app, payment_with("lagging", &[("x-delay-ms", "500")]));
