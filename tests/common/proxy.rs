@@ -51,6 +51,8 @@ struct Counts {
     dropped_replies: AtomicU64,
     /// What the clients sent since [`FaultProxy::keep_sent`], while it keeps it.
     sent: Mutex<Option<Vec<u8>>>,
+    /// What the clients were delivered since [`FaultProxy::keep_received`], while it keeps it.
+    received: Mutex<Option<Vec<u8>>>,
     /// The armed cut of [`FaultProxy::cut_after_sending`] or [`FaultProxy::cut_after_answering`].
     cut: Mutex<Option<Cut>>,
     /// Connections cut by it so far.
@@ -125,10 +127,27 @@ impl FaultProxy {
         }
     }
 
-    /// Black-holes the connections open now, for good; new ones pass (as set by [`set`]).
+    /// Black-holes the connections open now, until [`release_black_holed`]; new ones pass (as
+    /// set by [`set`]).
     pub fn black_hole_open_connections(&self) {
         let open = self.counts.connections.load(Ordering::SeqCst);
         self.counts.black_holed_below.store(open, Ordering::SeqCst);
+    }
+
+    /// Lets the connections [`black_hole_open_connections`] held pass again: what they held is
+    /// delivered then, late.
+    pub fn release_black_holed(&self) {
+        self.counts.black_holed_below.store(0, Ordering::SeqCst);
+    }
+
+    /// Keeps what the clients are delivered from now on ([`received`](Self::received)).
+    pub fn keep_received(&self) {
+        *self.counts.received.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// What the clients were delivered since [`keep_received`](Self::keep_received).
+    pub fn received(&self) -> Vec<u8> {
+        self.counts.received.lock().unwrap().clone().unwrap_or_default()
     }
 
     /// Connections accepted so far.
@@ -354,6 +373,9 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                     answered.store(true, Ordering::SeqCst);
                     if client_write.write_all(&bytes).await.is_err() {
                         return;
+                    }
+                    if let Some(received) = faults.counts.received.lock().unwrap().as_mut() {
+                        received.extend_from_slice(&bytes);
                     }
                     if cut_after_answer.swap(false, Ordering::SeqCst) {
                         return;

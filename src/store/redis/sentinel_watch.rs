@@ -29,7 +29,13 @@
 //!   (`-failover-abort-*`, or, unheard, nothing changed after twice their `failover-timeout`,
 //!   the longest a failover can take, with its two timed phases) lowers it once the store is
 //!   confirmed on the master they name. A fence that stands is logged every
-//!   [`LONG_FENCE_REPORT`], and every claim it refuses is counted `fenced`.
+//!   [`LONG_FENCE_REPORT`], and every claim it refuses is counted `fenced`;
+//! - an announcement is news only once: one that came before the sentinels last answered that
+//!   no failover is under way (it waited behind others), a switch whose new master is a replica
+//!   by now (a sentinel's link to the store was slow), and the other sentinels' announcements of
+//!   a switch already tried are not acted on. Acting on them fenced a store that was on the
+//!   right master, and moved its clients back and forth, holding its owners' renewals past their
+//!   leases (a 30-minute run of tests/history.rs, issue 36).
 //!
 //! The watch is only as good as its subscriptions, which sit idle between failovers and can die
 //! without a word. Each is pinged by a heartbeat (`liveness`) and replaced when silent. While no
@@ -225,7 +231,7 @@ pub(super) async fn watch(
     }
     let targets = Arc::new(Mutex::new(vec![client.clone()]));
     let fence = Arc::new(Fence::default());
-    let (events, announced) = tokio::sync::mpsc::unbounded_channel();
+    let (events, announced) = tokio::sync::mpsc::unbounded_channel::<Announcement>();
     let watcher = Watcher {
         subscribed: Arc::default(),
         targets: targets.clone(),
@@ -240,6 +246,8 @@ pub(super) async fn watch(
         fenced: None,
         followed: String::new(),
         switch_seen: String::new(),
+        attempted: String::new(),
+        confirmed_at: None,
         url_subscribers: subscribers.clone(),
         url_addresses: hosts
             .iter()
@@ -262,6 +270,12 @@ pub(super) async fn watch(
         targets,
         fence,
     }))
+}
+
+/// What a sentinel announced, and when the watch received it.
+struct Announcement {
+    event: Event,
+    received: Instant,
 }
 
 /// What a sentinel announced about some service.
@@ -395,11 +409,24 @@ struct Watcher {
     /// The last `+switch-master` followed, and the last heard.
     followed: String,
     switch_seen: String,
+    /// The last `+switch-master` whose following did not confirm the store there. Every sentinel
+    /// announces a switch: one round of reconnections per switch is enough, and the looks, once
+    /// a second, go on from there. Before, each announcement ran a round of its own, seconds
+    /// each when the switch had been overtaken by another failover, while the announcements
+    /// behind it waited: a 30-minute run of tests/history.rs (issue 36) acted on some 28 s late,
+    /// raising the fence again over a store already on the right master, and holding its
+    /// owners' renewals past their leases (keys ran twice).
+    attempted: String,
+    /// When the sentinels last answered that no failover is under way and named the master the
+    /// store was then confirmed on. A promotion or a switch announced before it is one those
+    /// answers already reflect (or one that was given up): acting on it late would only fence
+    /// the store again, or send it back to a master since replaced.
+    confirmed_at: Option<Instant>,
     /// The URL's sentinels, and their subscribers.
     url_addresses: Vec<(String, u16)>,
     url_subscribers: Vec<Client>,
     factory: SentinelClients,
-    events: UnboundedSender<Event>,
+    events: UnboundedSender<Announcement>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
     /// The sentinels the URL's told of, listened to as well.
     discovered: Vec<Discovered>,
@@ -452,7 +479,7 @@ impl SentinelClients {
 }
 
 impl Watcher {
-    async fn run(mut self, mut announced: UnboundedReceiver<Event>) {
+    async fn run(mut self, mut announced: UnboundedReceiver<Announcement>) {
         for subscriber in self.subscribers.clone() {
             self.listeners.push(tokio::spawn(listen(
                 subscriber,
@@ -485,8 +512,10 @@ impl Watcher {
         let mut beats = 0u8;
         loop {
             tokio::select! {
-                event = announced.recv() => match event {
-                    Some(event) if event.names(&self.service) => self.on_event(event).await,
+                announcement = announced.recv() => match announcement {
+                    Some(announcement) if announcement.event.names(&self.service) => {
+                        self.on_announcement(announcement).await
+                    }
                     Some(_) => {}
                     None => return,
                 },
@@ -499,6 +528,22 @@ impl Watcher {
                 }
             }
         }
+    }
+
+    /// Acts on an announcement, unless the sentinels answered since that no failover is under
+    /// way (see [`confirmed_at`](Self::confirmed_at)): an announcement that waited behind others
+    /// is news no longer.
+    async fn on_announcement(&mut self, announcement: Announcement) {
+        let superseded = !matches!(announcement.event, Event::Aborted(_))
+            && (self.confirmed_at).is_some_and(|confirmed| announcement.received < confirmed);
+        if superseded {
+            tracing::debug!(
+                waited = ?announcement.received.elapsed(),
+                "an announcement the sentinels' answers since superseded; not acted on"
+            );
+            return;
+        }
+        self.on_event(announcement.event).await;
     }
 
     async fn on_event(&mut self, event: Event) {
@@ -516,7 +561,7 @@ impl Watcher {
                 }
             }
             // "<service> <old ip> <old port> <new ip> <new port>", from every sentinel.
-            Event::Switched(switch) if switch != self.followed => {
+            Event::Switched(switch) if switch != self.followed && switch != self.attempted => {
                 tracing::info!(%switch, "the sentinels switched the master; reconnecting to the new one");
                 // The sentinels that did not lead the failover name the old master at the old
                 // epoch until they hear of the switch: never follow them back. Once per switch:
@@ -540,6 +585,14 @@ impl Watcher {
                     return;
                 };
                 if self.fenced.is_none() {
+                    // A sentinel's announcement can come late (a slow link to it): one whose new
+                    // master is a replica now was overtaken by a later failover, which the store
+                    // followed already. Acting on it would fence the store and reconnect it in
+                    // vain, holding its owners' writes meanwhile.
+                    if self.now_a_replica(&master).await {
+                        tracing::info!(%switch, "a late announcement of a switch since overtaken (its new master is a replica now); not acted on");
+                        return;
+                    }
                     // The promotion went unheard: fenced until the store is confirmed there.
                     self.raise(announced_old(&switch));
                 }
@@ -554,6 +607,7 @@ impl Watcher {
                         "after {FOLLOW_ATTEMPTS} reconnections the store is not confirmed on the announced master; \
                          claims stay refused and the sentinels are asked again every second"
                     );
+                    self.attempted = switch;
                 }
             }
             Event::Switched(_) => {}
@@ -634,7 +688,7 @@ impl Watcher {
     /// one started in the second before a failover missed its announcement and claimed on the
     /// old master (keys ran twice with the durability option: a replica not promoted still
     /// acknowledged there).
-    async fn start_listening(&mut self, announced: &mut UnboundedReceiver<Event>) {
+    async fn start_listening(&mut self, announced: &mut UnboundedReceiver<Announcement>) {
         let deadline = Instant::now() + START_BOUND;
         while self.subscribed.load(Ordering::Acquire) < self.subscribers.len() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -645,9 +699,9 @@ impl Watcher {
             self.raise(None);
         }
         // What was announced meanwhile is followed before the first claim goes through.
-        while let Ok(event) = announced.try_recv() {
-            if event.names(&self.service) {
-                self.on_event(event).await;
+        while let Ok(announcement) = announced.try_recv() {
+            if announcement.event.names(&self.service) {
+                self.on_announcement(announcement).await;
             }
         }
         self.fence.start_listening();
@@ -786,7 +840,12 @@ impl Watcher {
             return;
         }
         let master = latest.master.clone();
+        let quiet = !views.iter().any(|view| view.in_failover);
+        let asked = views.iter().map(|view| view.asked).min();
         if self.follow(&master).await && self.master_confirmed().await {
+            if quiet {
+                self.confirmed_at = asked;
+            }
             if switched {
                 self.lower(&format!(
                     "the sentinels name the new master {master}, and the store is on it"
@@ -812,6 +871,9 @@ impl Watcher {
     }
 
     fn lower(&mut self, why: &str) {
+        // A switch whose following failed is over with the failover: the same pair of
+        // addresses announced again later is a new switch.
+        self.attempted.clear();
         if let Some(fenced) = self.fenced.take() {
             tracing::info!(
                 "{why}: taking writes again, {:?} after the fence was raised",
@@ -890,10 +952,50 @@ impl Watcher {
     }
 }
 
+impl Watcher {
+    /// Whether the server at `address` answers `ROLE` as a replica, asked on a connection of
+    /// its own (the store's clients are on the master: moving one would move its commands), with
+    /// the store's credentials and TLS. `false` when it answers anything else or nothing within
+    /// [`ASK_TIMEOUT`]: only a replica is certain proof that a switch to it was overtaken.
+    async fn now_a_replica(&self, address: &Address) -> bool {
+        let Some(store) = self.clients().into_iter().next() else {
+            return false;
+        };
+        let config = Config {
+            server: ServerConfig::Centralized {
+                server: Server::new(address.host.clone(), address.port),
+            },
+            ..store.client_config()
+        };
+        let Ok(client) = Builder::from_config(config)
+            .set_connection_config(self.factory.connection.clone())
+            .build()
+        else {
+            return false;
+        };
+        let role = async {
+            client.init().await?;
+            let command = CustomCommand::new_static("ROLE", ClusterHash::Random, false);
+            client.custom::<Value, Value>(command, vec![]).await
+        };
+        let answer = tokio::time::timeout(ASK_TIMEOUT, role).await;
+        let _ = tokio::time::timeout(ASK_TIMEOUT, client.quit()).await;
+        match answer {
+            Ok(Ok(Value::Array(role))) => {
+                matches!(
+                    role.first().and_then(Value::as_str).as_deref(),
+                    Some("slave" | "replica")
+                )
+            }
+            _ => false,
+        }
+    }
+}
+
 /// Listens on one sentinel and hands its events for any service to the watch.
 async fn listen(
     subscriber: Client,
-    events: tokio::sync::mpsc::UnboundedSender<Event>,
+    events: tokio::sync::mpsc::UnboundedSender<Announcement>,
     subscribed_count: Arc<std::sync::atomic::AtomicUsize>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
@@ -916,7 +1018,10 @@ async fn listen(
                         channel if channel.starts_with("-failover-abort-") => Event::Aborted(text),
                         _ => continue,
                     };
-                    let _ = events.send(event);
+                    let _ = events.send(Announcement {
+                        event,
+                        received: Instant::now(),
+                    });
                 }
                 Err(RecvError::Lagged(_)) => {}
                 Err(RecvError::Closed) => return,
