@@ -18,11 +18,13 @@
 //! reason="…"` (`bad id: …`, `bad amount: …`, `mismatch: this id came before with another
 //! amount`, `unreadable record: …`, `delivered N times, …`); `tests/stream_consumer.rs` holds
 //! them to these shapes. With `RUST_LOG=stream_consumer=debug`, `received`, `running`, `effect`
-//! and (Redis store) `completed … window_us=` on stderr. SIGTERM or Ctrl-C: the message in hand
-//! finishes, exit 0; a bad setting or a stream that cannot be consumed: exit 1. The guide
-//! (docs/queue-consumers.md) has what each outcome does to the message. `stream_consumer publish
-//! ID AMOUNT` publishes one message (`PRODUCER`, default `publisher`), once on Redis 8.6 however
-//! often it is retried, and prints `published msg=<entry> id="<id>" deduplicated=<bool>`.
+//! and (Redis store) `completed … window_us=` on stderr; the consumer's warnings (a message held
+//! through a store outage, a failed read) are the crate's, `RUST_LOG=stream_consumer=debug,warn`
+//! keeps them. SIGTERM or Ctrl-C: the message in hand finishes, exit 0; a bad setting or a
+//! stream that cannot be consumed: exit 1. The guide (docs/queue-consumers.md) has what each
+//! outcome does to the message. `stream_consumer publish ID AMOUNT` publishes one message
+//! (`PRODUCER`, default `publisher`), once on Redis 8.6 however often it is retried, and prints
+//! `published msg=<entry> id="<id>" deduplicated=<bool>`.
 
 use std::time::Duration;
 
