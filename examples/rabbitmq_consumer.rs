@@ -444,16 +444,6 @@ where
     }
 }
 
-fn default_consumer() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|host| host.trim().to_owned())
-        .filter(|host| !host.is_empty())
-        .unwrap_or_else(|| "consumer".into());
-    format!("{host}-{}", std::process::id())
-}
-
 /// `publish ID AMOUNT [MESSAGE_ID]`: one message, persistent, confirmed by the broker.
 async fn publish(channel: &Channel, queue: &str, args: &[String]) -> Result<(), BoxError> {
     let [id, amount, rest @ ..] = args else {
@@ -509,7 +499,7 @@ async fn main() -> Result<(), BoxError> {
     let amqp_url = std::env::var("AMQP_URL").map_err(|_| "set AMQP_URL to the broker (amqp://…)")?;
     let settings = Settings {
         queue: setting("QUEUE", "payments".to_owned())?,
-        consumer: setting("CONSUMER", default_consumer())?,
+        consumer: setting("CONSUMER", tower_idempotency::default_consumer_name())?,
         work: Duration::from_millis(setting("WORK_MS", 0)?),
         lease: Duration::from_millis(setting("LEASE_MS", 30_000)?),
         max_deliveries: setting("MAX_DELIVERIES", 5)?,

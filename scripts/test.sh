@@ -7,7 +7,8 @@
 # and RabbitMQ tests start their own redis-server, postgres and rabbitmq-server processes on
 # free loopback ports (never 6379, 5432, 5672 or 4369); on a machine without redis-server,
 # PostgreSQL's server binaries or rabbitmq-server this installs them with apt-get first. With
-# arguments, it runs `cargo test --all-features <arguments>` alone (one suite, say).
+# arguments, it runs `cargo test --all-features <arguments>` alone (one suite, say), after
+# building the example binaries that suite runs.
 # Nothing passes by running nothing: each test binary (and the doctests) must run at least one
 # test, each name filter a lane gives a binary must match at least one, and each binary a lane
 # names must be built, or the run fails.
@@ -30,8 +31,34 @@ if [ -z "${RABBITMQ_SERVER_BIN:-}" ] && [ ! -x /usr/lib/rabbitmq/bin/rabbitmq-se
 fi
 echo "using RabbitMQ $(dpkg-query -W -f '${Version}' rabbitmq-server 2>/dev/null || echo "from ${RABBITMQ_SERVER_BIN:-?}")"
 
-# One suite (arguments for cargo test): as asked.
+# One suite (arguments for cargo test): as asked. The consumer suites run example binaries
+# (`common::example_binary`), which `cargo test --test NAME` does not build: the examples a
+# suite named here runs (its own `example_binary("…")`, and those of the tests/common modules
+# it uses) are built first, so a stale example is never the one tested.
 if [ "$#" -gt 0 ]; then
+  suites=() previous=
+  for arg in "$@"; do
+    case "$arg" in
+      --test=*) suites+=("${arg#--test=}") ;;
+      *) [ "$previous" = --test ] && suites+=("$arg") ;;
+    esac
+    previous=$arg
+  done
+  examples=()
+  for suite in "${suites[@]}"; do
+    [ -f "tests/$suite.rs" ] || continue
+    sources=("tests/$suite.rs")
+    for module in tests/common/*.rs; do
+      name=$(basename "$module" .rs)
+      grep -q "common::$name\b\|$name::" "tests/$suite.rs" && sources+=("$module")
+    done
+    while read -r example; do examples+=(--example "$example"); done < <(
+      grep -oh 'example_binary("[a-z_]*")' "${sources[@]}" | sed 's/.*("\(.*\)")/\1/' | sort -u
+    )
+  done
+  if [ "${#examples[@]}" -gt 0 ]; then
+    cargo build --all-features "${examples[@]}"
+  fi
   exec cargo test --all-features "$@"
 fi
 

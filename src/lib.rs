@@ -199,7 +199,8 @@ pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
 pub use canonical_json::{InvalidJsonPointer, JsonPointer};
 pub use coordinator::{
-    Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle, ShutdownTimedOut,
+    default_consumer_name, Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle,
+    ShutdownTimedOut,
 };
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};

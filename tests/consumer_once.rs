@@ -710,7 +710,8 @@ async fn a_completion_held_at_a_failovers_fence_goes_on_when_the_caller_gives_up
 
 /// `Once::hold_through_outage`: the call is made again while the store is unavailable, 0.5 s
 /// then 1 s apart, until another answer; an answer to dead-letter and a coordinator shutting
-/// down are not held; a done `stop` ends the hold with the last `Unavailable`. (Paused time: the pauses cost nothing.)
+/// down are not held; a done `stop` ends the hold with the last `Unavailable`; an `InFlight`
+/// is held after an outage, not before one. (Paused time: the pauses cost nothing.)
 #[tokio::test(start_paused = true)]
 async fn a_consumer_holds_a_message_through_a_store_outage() {
     let calls = std::cell::Cell::new(0);
@@ -757,6 +758,36 @@ async fn a_consumer_holds_a_message_through_a_store_outage() {
         matches!(answer, Once::Unavailable(Error::ShuttingDown)),
         "not held: {answer:?}"
     );
+
+    // An `InFlight` right after an outage is held (it may be the call's own claim, which timed
+    // out and landed once the store came back); one with no outage before it is answered.
+    calls.set(0);
+    let outage_then_in_flight = || {
+        calls.set(calls.get() + 1);
+        std::future::ready(match calls.get() {
+            1 => Once::Unavailable(Error::AtCapacity),
+            2 => Once::InFlight {
+                retry_after: Duration::from_secs(1),
+            },
+            _ => Once::<Bytes, String>::Replayed(Bytes::from("receipt")),
+        })
+    };
+    let answer = Once::hold_through_outage(outage_then_in_flight, std::future::pending()).await;
+    assert!(
+        matches!(&answer, Once::Replayed(r) if r == "receipt"),
+        "{answer:?}"
+    );
+    assert_eq!(calls.get(), 3);
+    calls.set(0);
+    let in_flight = || {
+        calls.set(calls.get() + 1);
+        std::future::ready(Once::<Bytes, String>::InFlight {
+            retry_after: Duration::from_secs(1),
+        })
+    };
+    let answer = Once::hold_through_outage(in_flight, std::future::pending()).await;
+    assert!(matches!(answer, Once::InFlight { .. }), "{answer:?}");
+    assert_eq!(calls.get(), 1, "not held without an outage");
 }
 
 /// Issue 37, on the Redis store's coalescer: 200 messages at once, each call dropped as soon as

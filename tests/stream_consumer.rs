@@ -15,9 +15,121 @@ use std::time::{Duration, Instant};
 use common::consumers::{self, Broker, Consumer, Log, Message};
 use common::RedisServer;
 use fred::prelude::*;
+use tower_idempotency::{Begin, Coordinator, Fingerprint, IdempotencyKey, RecordKey, RedisStore};
 
 /// A lease short enough for a test: a killed consumer's message waits this long.
 const LEASE_MS: u64 = 1000;
+
+/// The example's contract for its log lines (its header lists them), so they cannot drift:
+/// every line on stdout has one of these shapes, and so does every line of the example's own
+/// on stderr (`RUST_LOG=stream_consumer=debug`), after the time and level. `{entry}` is a
+/// stream entry id, `{n}` a number, `{int}` one with an optional sign, `{bool}` `true` or
+/// `false`, `{q}` a quoted string (Rust's `{:?}` of a `&str`). Dead-letter reasons are held to
+/// their wording by `poisoned_messages_are_dead_lettered`.
+const OUTCOME_LINES: &[&str] = &[
+    "ran msg={entry} id={q} amount={int} took_ms={n}",
+    "ran msg={entry} id={q} amount={int} took_ms={n} not_stored={q}",
+    "replayed msg={entry} id={q} took_ms={n}",
+    "in-flight msg={entry} id={q} retry_after_ms={n} (left pending)",
+    "failed msg={entry} id={q} error={q} (left pending)",
+    "unavailable msg={entry} id={q} error={q} (left pending)",
+    "dead-lettered msg={entry} id={q} reason={q}",
+];
+const DEBUG_LINES: &[&str] = &[
+    "DEBUG stream_consumer: received msg={entry} id={q} deliveries={n} takeover={bool}",
+    "DEBUG stream_consumer: running msg={entry} id={q}",
+    "DEBUG stream_consumer: effect msg={entry} id={q}",
+    "DEBUG stream_consumer: completed msg={entry} id={q} window_us={n}",
+    " INFO stream_consumer: consuming consumer={q} group={q} stream={q} store={q}",
+    " INFO stream_consumer: stopped",
+];
+
+/// Whether `line` has the shape `shape` (placeholders as in [`OUTCOME_LINES`]).
+fn fits(line: &str, shape: &str) -> bool {
+    let (mut line, mut shape) = (line, shape);
+    while let Some(start) = shape.find('{') {
+        let Some(rest) = line.strip_prefix(&shape[..start]) else {
+            return false;
+        };
+        let end = start + shape[start..].find('}').expect("a closed placeholder");
+        let taken = match &shape[start + 1..end] {
+            "n" => rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len()),
+            "int" => {
+                let sign = usize::from(rest.starts_with('-'));
+                sign + rest[sign..]
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(rest.len() - sign)
+            }
+            "entry" => rest
+                .find(|c: char| !c.is_ascii_digit() && c != '-')
+                .unwrap_or(rest.len()),
+            "bool" if rest.starts_with("true") => 4,
+            "bool" if rest.starts_with("false") => 5,
+            "q" if rest.starts_with('"') => {
+                // To the closing quote, past escaped ones.
+                let mut escaped = false;
+                match rest[1..].char_indices().find(|&(_, c)| {
+                    let closes = c == '"' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    closes
+                }) {
+                    Some((at, _)) => at + 2,
+                    None => return false,
+                }
+            }
+            _ => return false,
+        };
+        if taken == 0 {
+            return false;
+        }
+        line = &rest[taken..];
+        shape = &shape[end + 1..];
+    }
+    line == shape
+}
+
+/// Panics unless every line the example wrote (stdout) and every line of its own on stderr
+/// has one of the contract's shapes.
+fn assert_lines_keep_their_shape(log: &Log) {
+    for event in log.events() {
+        let line = event.text.as_str();
+        let ok = if !event.debug {
+            OUTCOME_LINES.iter().any(|shape| fits(line, shape))
+        } else {
+            // "<time> LEVEL target: …" (the level padded to 5): the example's own lines are
+            // its contract, the crate's and fred's are not.
+            let rest = line.split_once(' ').map_or(line, |(_, rest)| rest);
+            !rest.contains(" stream_consumer: ") || DEBUG_LINES.iter().any(|shape| fits(rest, shape))
+        };
+        assert!(
+            ok,
+            "a line of the example out of its contract's shape: {line:?}\n{}",
+            log.dump()
+        );
+    }
+}
+
+#[test]
+fn the_shapes_tell_a_line_that_drifted() {
+    let ran = "ran msg=1700000000000-0 id=\"pay-1\" amount=40 took_ms=3";
+    assert!(fits(ran, OUTCOME_LINES[0]));
+    assert!(!fits(
+        "ran msg=1700000000000-0 id=\"pay-1\" took_ms=3 amount=40",
+        OUTCOME_LINES[0]
+    ));
+    assert!(!fits(
+        "failed msg=1-0 id=\"p\" took_ms=1 error=\"x\" (left pending)",
+        OUTCOME_LINES[4]
+    ));
+    assert!(fits(
+        "failed msg=1-0 id=\"p\" error=\"a \\\"b\\\" c\" (left pending)",
+        OUTCOME_LINES[4]
+    ));
+    assert!(fits(
+        "dead-lettered msg=1-0 id=\"\" reason=\"bad id: no UTF-8 field `id`\"",
+        OUTCOME_LINES[6]
+    ));
+}
 
 /// A stream on a `redis-server` of the test's own, and how its consumers are started.
 struct Streams {
@@ -247,13 +359,22 @@ async fn a_killed_consumers_message_is_processed_a_lease_later() {
     assert!(survivor.terminate().success());
     assert_eq!(streams.effects().await.get("pay-held"), Some(&1));
     assert!(streams.settled().await);
+    assert_lines_keep_their_shape(&log);
 }
 
 /// What cannot succeed is dead-lettered with its fields and a reason, and acknowledged: an id
-/// that is not a key, an amount that is not a number, an id reused with another amount.
+/// that is not a key, an amount that is not a number, an id reused with another amount. A bad
+/// amount is found before its key is claimed: dead-lettered even while another consumer holds
+/// that key (claimed first, it would be `in-flight` and left pending).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poisoned_messages_are_dead_lettered() {
     let streams = Streams::new(&[]).await;
+    let holder = Coordinator::new(RedisStore::connect(&streams.url).await.unwrap())
+        .with_lease(Duration::from_secs(30));
+    let key = RecordKey::new(None, IdempotencyKey::parse("pay-2").unwrap());
+    let Ok(Begin::Claimed(claim)) = holder.begin(&key, &Fingerprint::new([b"1".as_slice()])).await else {
+        panic!("claim the key");
+    };
     let good = streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
     let again = streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
     let reused = streams.publish_fields(&[("id", "pay-1"), ("amount", "41")]).await;
@@ -276,10 +397,20 @@ async fn poisoned_messages_are_dead_lettered() {
     assert_eq!(outcomes[&again], "replayed", "{}", log.dump());
     let dead: BTreeMap<String, String> = streams.dead_letters().await.into_iter().collect();
     assert_eq!(dead.len(), 4, "{dead:?}");
-    assert!(dead[&reused].starts_with("mismatch"), "{dead:?}");
-    assert!(dead[&bad_id].starts_with("bad id"), "{dead:?}");
-    assert!(dead[&bad_amount].starts_with("bad amount"), "{dead:?}");
-    assert!(dead[&no_id].starts_with("bad id"), "{dead:?}");
+    assert_eq!(dead[&reused], "mismatch: this id came before with another amount");
+    assert!(dead[&bad_id].starts_with("bad id: "), "{dead:?}");
+    assert_eq!(dead[&bad_amount], "bad amount: \"lots\" is not an integer");
+    assert_eq!(dead[&no_id], "bad id: no UTF-8 field `id`");
+    // Each dead-lettered line says the reason the dead letter keeps.
+    for (entry, reason) in &dead {
+        let line = (log.events().into_iter()).find(|e| e.kind == "dead-lettered" && e.msg == *entry);
+        assert_eq!(
+            line.and_then(|e| e.fields.get("reason").cloned()).as_ref(),
+            Some(reason)
+        );
+    }
+    assert_lines_keep_their_shape(&log);
+    claim.release().await.unwrap();
     // The dead letter keeps the message's own fields.
     let entries: Vec<(String, HashMap<String, String>)> = streams
         .client
@@ -315,7 +446,11 @@ async fn a_message_that_always_fails_is_dead_lettered_after_max_deliveries() {
     let dead = streams.dead_letters().await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0, entry);
-    assert!(dead[0].1.contains("delivered 3 times"), "{dead:?}");
+    assert_eq!(
+        dead[0].1,
+        "delivered 3 times, more than the bound on deliveries (2)"
+    );
+    assert_lines_keep_their_shape(&log);
 }
 
 /// A store outage costs no delivery: the consumer holds the message and tries again until the
@@ -365,6 +500,7 @@ async fn a_store_outage_holds_the_message_rather_than_dead_lettering_it() {
     assert_eq!(kinds, ["ran"], "{}", log.dump());
     assert!(streams.dead_letters().await.is_empty());
     assert_eq!(streams.effects().await.get("pay-o"), Some(&1));
+    assert_lines_keep_their_shape(&log);
 }
 
 /// SIGTERM in the middle of a message: the consumer finishes it, acknowledges it, and exits 0.
@@ -386,6 +522,43 @@ async fn sigterm_finishes_the_message_in_hand() {
     assert_eq!(ran.map(|e| e.kind).as_deref(), Some("ran"), "{}", log.dump());
     assert_eq!(streams.pending().await, 0, "acknowledged before exiting");
     assert_eq!(streams.effects().await.get("pay-7"), Some(&1));
+    assert_lines_keep_their_shape(&log);
+}
+
+/// A message whose key another consumer holds is left pending (`in-flight`) and taken over by
+/// the consumer itself once idle a lease; SIGTERM while that takeover waits for the claim gives
+/// it up (`unavailable`, left pending), exit 0, nothing applied. About 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_key_is_in_flight_and_a_stop_during_the_takeovers_wait_leaves_it_pending() {
+    // A lease of 2 s: the takeover waits up to that for the claim, time enough for SIGTERM.
+    let streams = Streams::new(&[("LEASE_MS", "2000")]).await;
+    let holder = Coordinator::new(RedisStore::connect(&streams.url).await.unwrap())
+        .with_lease(Duration::from_secs(30));
+    let key = RecordKey::new(None, IdempotencyKey::parse("pay-h").unwrap());
+    // The consumer's fingerprint of `amount=4` (the field named, present, its value), or the
+    // message would be a mismatch rather than in flight.
+    let fingerprint = Fingerprint::new([b"amount".as_slice(), &[1], b"4"]);
+    let Ok(Begin::Claimed(claim)) = holder.begin(&key, &fingerprint).await else {
+        panic!("claim the key");
+    };
+    let log = Log::default();
+    let consumer = Consumer::start(0, streams.consumer(), &log);
+    let entry = streams.publish_fields(&[("id", "pay-h"), ("amount", "4")]).await;
+    log.wait_for("taken over", Duration::from_secs(10), |e| {
+        e.kind == "received" && e.msg == entry && e.fields.get("takeover").map(String::as_str) == Some("true")
+    })
+    .await;
+    let status = consumer.terminate();
+    assert!(status.success(), "exit status {status}\n{}", log.dump());
+    let kinds: Vec<String> = (log.events().into_iter())
+        .filter(|e| e.is_outcome() && e.msg == entry)
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["in-flight", "unavailable"], "{}", log.dump());
+    assert_eq!(streams.pending().await, 1, "left pending");
+    assert!(streams.effects().await.is_empty());
+    assert_lines_keep_their_shape(&log);
+    claim.release().await.unwrap();
 }
 
 /// The guide's Redis Streams consumer (docs/queue-consumers.md) is `examples/guide_stream_consumer.rs`
@@ -564,4 +737,5 @@ async fn a_retried_publish_is_added_once_on_redis_8_6_and_applied_once_on_older_
         .collect();
     assert_eq!(kinds, ["ran", "replayed"], "{}", log.dump());
     assert_eq!(streams.effects().await.get("pay-r"), Some(&1));
+    assert_lines_keep_their_shape(&log);
 }

@@ -3,7 +3,8 @@
 //! acknowledges nothing unfinished, and the consumer works on Sentinel and on a Cluster, where
 //! the stream's hash tag keeps its dead-letter stream in its slot (an untagged stream is refused
 //! at the start, with the fix in the message). `StreamPublisher` adds a retried publish once on
-//! Redis 8.6 (`XADD … IDMP`) and falls back on older servers.
+//! Redis 8.6 (`XADD … IDMP`), falls back on older servers, and errs within its bound on a
+//! frozen server.
 
 mod common;
 
@@ -22,7 +23,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::oneshot;
 use tower_idempotency::{
     Begin, Coordinator, Failure, Fingerprint, IdempotencyKey, RecordKey, RedisStore, StreamConsumer,
-    StreamOutcome,
+    StreamOutcome, StreamPublisher,
 };
 
 /// The recorder is global, and every test here counts messages: they take turns.
@@ -455,4 +456,36 @@ async fn a_stop_during_a_takeovers_wait_gives_the_message_up_at_once() {
     assert_eq!(pending(&client, stream).await, 1, "left pending");
     claim.release().await.unwrap();
     counted();
+}
+
+/// A publish to a stream's Redis that stopped answering (every connection black-holed by a
+/// proxy, the client with no timeout of its own) errs within the publisher's bound (5 s, the
+/// consumer's) instead of hanging: one publisher already past its first publish (its `XADD`
+/// bounded), one new (the question whether the server deduplicates bounded too, and not
+/// remembered as a "no"). About 5 s, both at once. A liveness bound with a wide margin (15 s
+/// against a wait without end), not a measure of speed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_to_a_frozen_server_errs_within_the_bound() {
+    let server = RedisServer::start();
+    let proxy = common::proxy::FaultProxy::start(server.addr()).await;
+    let client = Client::new(Config::from_url(&proxy.url()).unwrap(), None, None, None);
+    client.init().await.unwrap();
+    let warm = StreamPublisher::new(client.clone(), "frozen", "warm");
+    warm.publish("pay-1", [("id", "pay-1")]).await.unwrap();
+    let cold = StreamPublisher::new(client, "frozen", "cold");
+    proxy.set(common::proxy::Fault::BlackHole);
+    let asked = Instant::now();
+    let (warm, cold) = within("both publishes answer", async {
+        tokio::join!(
+            warm.publish("pay-2", [("id", "pay-2")]),
+            cold.publish("pay-3", [("id", "pay-3")])
+        )
+    })
+    .await;
+    let took = asked.elapsed();
+    let timed_out = |answer: Result<String, fred::error::Error>| {
+        answer.expect_err("no answer from a frozen server").kind() == &fred::error::ErrorKind::Timeout
+    };
+    assert!(timed_out(warm) && timed_out(cold), "both time out");
+    assert!(took < Duration::from_secs(15), "answered after {took:?}");
 }

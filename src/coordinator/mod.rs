@@ -23,7 +23,7 @@ use bytes::Bytes;
 pub use self::claim::Claim;
 use self::claim::Renewal;
 pub use self::error::Error;
-pub use self::once::{Disposition, Once, OnceCall};
+pub use self::once::{default_consumer_name, Disposition, Once, OnceCall};
 pub(crate) use self::running::Slot;
 pub use self::running::{ShutdownHandle, ShutdownTimedOut};
 use self::running::{Tracker, MAX_DURATION};

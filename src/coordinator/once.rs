@@ -125,10 +125,13 @@ impl<T, E> Once<T, E> {
     /// fence, the coordinator at capacity), pausing 0.5 s, then doubling up to 5 s, between
     /// tries, and answers the first other answer: a consumer holds the message in hand through
     /// a store outage instead of returning it to the broker, where each return counts as a
-    /// delivery and an outage would dead-letter every message it meets. When `stop` is done (a
-    /// shutdown), or the coordinator is shutting down ([`Error::ShuttingDown`]), it answers the
-    /// last `Unavailable` at once, for the message to go back; an answer to dead-letter is not
-    /// held either.
+    /// delivery and an outage would dead-letter every message it meets. An
+    /// [`InFlight`](Once::InFlight) right after an outage is held the same way: a claim of this
+    /// call's that timed out may have landed once the store came back, and its key is in flight
+    /// until it is released in the background or its lease ends; returned to the broker, the
+    /// message would cost a delivery for nothing. When `stop` is done (a shutdown), or the
+    /// coordinator is shutting down ([`Error::ShuttingDown`]), it answers the last answer at
+    /// once, for the message to go back; an answer to dead-letter is not held either.
     ///
     /// ```
     /// use std::time::Duration;
@@ -149,23 +152,45 @@ impl<T, E> Once<T, E> {
     /// assert!(matches!(answer, Once::Ran(_)));
     /// # }
     /// ```
-    pub async fn hold_through_outage<Call, Fut>(mut call: Call, stop: impl Future<Output = ()>) -> Self
+    pub async fn hold_through_outage<Call, Fut>(call: Call, stop: impl Future<Output = ()>) -> Self
+    where
+        Call: FnMut() -> Fut,
+        Fut: IntoFuture<Output = Self>,
+    {
+        let held = |answer: &Self, pause: Duration| match answer {
+            Once::Unavailable(error) => {
+                tracing::warn!(%error, ?pause, "the store is unavailable; holding the message and trying again")
+            }
+            _ => tracing::debug!(?pause, "in flight after the outage; holding the message"),
+        };
+        Self::hold(call, stop, held).await
+    }
+
+    /// [`Once::hold_through_outage`], telling `held` of each answer held and the pause before
+    /// the next try (so that a consumer's log names the message): the one hold loop of the
+    /// crate, the streams consumer's too.
+    pub(crate) async fn hold<Call, Fut>(
+        mut call: Call,
+        stop: impl Future<Output = ()>,
+        mut held: impl FnMut(&Self, Duration),
+    ) -> Self
     where
         Call: FnMut() -> Fut,
         Fut: IntoFuture<Output = Self>,
     {
         let mut stop = std::pin::pin!(stop);
         let mut pause = HOLD_FIRST;
+        let mut outage = false;
         loop {
             let answer = call().await;
-            let Once::Unavailable(error) = &answer else {
-                return answer;
-            };
-            // A shutdown of the coordinator would refuse every try: the message goes back.
-            if matches!(error, Error::ShuttingDown) || answer.disposition() == Disposition::DeadLetter {
-                return answer;
+            match &answer {
+                // A shutdown of the coordinator would refuse every try: the message goes back.
+                Once::Unavailable(Error::ShuttingDown) => return answer,
+                Once::Unavailable(_) if answer.disposition() != Disposition::DeadLetter => outage = true,
+                Once::InFlight { .. } if outage => {}
+                _ => return answer,
             }
-            tracing::warn!(%error, ?pause, "the store is unavailable; holding the message and trying again");
+            held(&answer, pause);
             tokio::select! {
                 biased;
                 () = &mut stop => return answer,
@@ -188,6 +213,25 @@ impl<T, E> Once<T, E> {
 /// last, so a store back from an outage is found within seconds without a message hammering it.
 const HOLD_FIRST: Duration = Duration::from_millis(500);
 const HOLD_MAX: Duration = Duration::from_secs(5);
+
+/// A name for a queue consumer that no other live consumer shares: the host name and the
+/// process id (`worker-3-4711`), `consumer-4711` where no host name can be read. What a
+/// [`StreamConsumer`](crate::StreamConsumer) names itself in its group unless told otherwise,
+/// and what `examples/rabbitmq_consumer.rs` tags its consumer with.
+///
+/// ```
+/// let name = tower_idempotency::default_consumer_name();
+/// assert!(name.ends_with(&format!("-{}", std::process::id())));
+/// ```
+pub fn default_consumer_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|host| host.trim().to_owned())
+        .filter(|host| !host.is_empty())
+        .unwrap_or_else(|| "consumer".into());
+    format!("{host}-{}", std::process::id())
+}
 
 /// How a result is stored and read back: as its bytes, or as JSON.
 struct Codec<T> {

@@ -12,13 +12,14 @@ use fred::types::Value;
 use super::message::{entries, StreamMessage};
 use crate::telemetry;
 
-/// How long any one command (or the group of commands of one step) may take: the client given
-/// may have no timeout of its own, and a consumer must not hang on a silent server, least of
-/// all while it stops. A blocking read waits 200 ms of it.
+/// How long any one command to the stream's Redis (or the group of commands of one step) may
+/// take, the consumer's and the publisher's: the client given may have no timeout of its own,
+/// and neither may hang on a silent server, a consumer least of all while it stops. A blocking
+/// read waits 200 ms of it.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// `command`, or a timeout error after [`COMMAND_TIMEOUT`].
-async fn bounded<T>(command: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
+pub(super) async fn bounded<T>(command: impl Future<Output = Result<T, Error>>) -> Result<T, Error> {
     match tokio::time::timeout(COMMAND_TIMEOUT, command).await {
         Ok(answer) => answer,
         Err(_) => Err(Error::new(

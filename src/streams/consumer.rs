@@ -3,7 +3,7 @@
 
 use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -22,10 +22,6 @@ use crate::key::RecordKey;
 use crate::store::{ClaimTicket, StoreError};
 use crate::telemetry;
 
-/// The first pause before a message held through a store outage is tried again; it doubles up
-/// to `MAX_HOLD_PAUSE`, and stays under a third of the lease so the entry is kept in time.
-const HOLD_PAUSE: Duration = Duration::from_millis(500);
-const MAX_HOLD_PAUSE: Duration = Duration::from_secs(5);
 /// How long one `XREADGROUP` waits for new entries: how soon a takeover or a free place is
 /// looked at again when the stream is quiet.
 const READ_BLOCK: Duration = Duration::from_millis(200);
@@ -33,6 +29,7 @@ const READ_BLOCK: Duration = Duration::from_millis(200);
 const READ_RETRY: Duration = Duration::from_millis(200);
 
 type Observer = Arc<dyn Fn(&StreamEvent<'_>) + Send + Sync>;
+type Validation = Arc<dyn Fn(&StreamMessage) -> Result<(), String> + Send + Sync>;
 
 /// A Redis Streams consumer in a consumer group that applies each message's effect once per
 /// key, over a [`Coordinator`] (crate feature `streams`): [`run`](StreamConsumer::run) it with
@@ -48,6 +45,7 @@ pub struct StreamConsumer {
     scope: Option<String>,
     max_deliveries: u64,
     in_hand: usize,
+    validation: Option<Validation>,
     observer: Option<Observer>,
 }
 
@@ -82,19 +80,21 @@ impl StreamConsumer {
                 dead_letter: format!("{stream}:dead"),
                 stream,
                 group: group.into(),
-                consumer: default_consumer_name(),
+                consumer: crate::coordinator::default_consumer_name(),
             },
             id_field: Arc::from("id"),
             fingerprint_fields: None,
             scope: None,
             max_deliveries: 5,
             in_hand: 1,
+            validation: None,
             observer: None,
         }
     }
 
-    /// This consumer's name in the group (default: the host name and the process id). Two
-    /// live consumers must not share one.
+    /// This consumer's name in the group (default:
+    /// [`default_consumer_name`](crate::default_consumer_name), the host name and the process
+    /// id). Two live consumers must not share one.
     pub fn with_consumer_name(mut self, name: impl Into<String>) -> Self {
         self.names.consumer = name.into();
         self
@@ -115,8 +115,9 @@ impl StreamConsumer {
 
     /// The fields that make two messages with one key the same message, in this order
     /// (default: every field but the id field, in any order). A key seen again with other
-    /// values there is dead-lettered (`mismatch: …`); fields left out (a trace id, a timestamp)
-    /// may differ between duplicates.
+    /// values there is dead-lettered (`mismatch: this id came before with another amount`,
+    /// naming the fields named here; `… with other fields` by default); fields left out (a
+    /// trace id, a timestamp) may differ between duplicates.
     pub fn with_fingerprint_fields<I, S>(mut self, fields: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -149,6 +150,27 @@ impl StreamConsumer {
         self
     }
 
+    /// A check of each message's fields before its key is claimed (default: none): a message
+    /// it refuses is dead-lettered at once with the reason it gives, without a round trip to
+    /// the store, even while the store is down, and without running, replaying or holding
+    /// anything under its key. Checked after the bound on deliveries and the id field.
+    ///
+    /// ```no_run
+    /// # fn consumer(consumer: tower_idempotency::StreamConsumer) -> tower_idempotency::StreamConsumer {
+    /// consumer.with_validation(|message| match message.field("amount").map(str::parse::<i64>) {
+    ///     Some(Ok(_)) => Ok(()),
+    ///     _ => Err("bad amount: not an integer".into()),
+    /// })
+    /// # }
+    /// ```
+    pub fn with_validation(
+        mut self,
+        validation: impl Fn(&StreamMessage) -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
+        self.validation = Some(Arc::new(validation));
+        self
+    }
+
     /// Called for each message taken in hand and for what became of it (default: none), on
     /// the consumer's task: keep it short. For logs of your own; metrics are recorded anyway.
     pub fn with_observer(mut self, observer: impl Fn(&StreamEvent<'_>) + Send + Sync + 'static) -> Self {
@@ -159,6 +181,14 @@ impl StreamConsumer {
     /// The consumer's name in the group.
     pub fn consumer_name(&self) -> &str {
         &self.names.consumer
+    }
+
+    /// Makes the group ready, as [`run`](StreamConsumer::run) does first: creates it if missing
+    /// (reading from the stream's start); on a Cluster, refuses a stream and a dead-letter
+    /// stream in different slots. For a program that reports itself started only once it can
+    /// consume; calling it is optional.
+    pub async fn prepare(&self) -> Result<(), RedisError> {
+        commands::prepare(&self.redis, &self.names).await
     }
 
     /// Consumes until `shutdown` completes, running `effect` once per key for each message.
@@ -181,7 +211,7 @@ impl StreamConsumer {
         H: Fn(StreamMessage, ClaimTicket) -> Fut + Sync,
         Fut: Future<Output = Result<Bytes, Failure>> + Send,
     {
-        commands::prepare(&self.redis, &self.names).await?;
+        self.prepare().await?;
         let (stop, stopped) = watch::channel(false);
         let mut shutdown = std::pin::pin!(shutdown.fuse());
         let mut in_hand = FuturesUnordered::new();
@@ -241,9 +271,10 @@ impl StreamConsumer {
         }
     }
 
-    /// While a message runs (or waits for another consumer's claim), its entry's idle time is
-    /// reset every third of a lease, so that no live consumer's message is taken over: only a
-    /// dead or stalled consumer's is, and each delivery counted is a real one.
+    /// While a message runs, waits for another consumer's claim or is held through a store
+    /// outage, its entry's idle time is reset every third of a lease, so that no live
+    /// consumer's message is taken over: only a dead or stalled consumer's is, and each delivery
+    /// counted is a real one.
     async fn keep_in_hand(&self, entry: &str, lease: Duration) -> std::convert::Infallible {
         loop {
             tokio::time::sleep(lease / 3).await;
@@ -251,18 +282,18 @@ impl StreamConsumer {
         }
     }
 
-    /// One `once` for the message, its entry kept in hand meanwhile. A stop while it waits for
-    /// another consumer's claim (a takeover's wait, up to a lease) gives the message up at
-    /// once, before its effect starts: nothing ran, a claim taken is released, and the message
-    /// is left pending. Once the effect has started, it is carried to its end.
+    /// One `once` for the message. A stop while it waits for another consumer's claim (a
+    /// takeover's wait, up to a lease) gives the message up at once, before its effect starts:
+    /// nothing ran, a claim taken is released, and the message is left pending. Once the effect
+    /// has started, it is carried to its end.
     async fn attempt<H, Fut>(
         &self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
+        (key, fingerprint): (&RecordKey, &Fingerprint),
         message: &StreamMessage,
         effect: &H,
         wait: Duration,
-        stopped: &mut watch::Receiver<bool>,
+        mut stopped: watch::Receiver<bool>,
+        returned: &OnceLock<Instant>,
     ) -> Once<Bytes, Failure>
     where
         H: Fn(StreamMessage, ClaimTicket) -> Fut + Sync,
@@ -272,22 +303,29 @@ impl StreamConsumer {
         let mut once = (self.coordinator)
             .once_with_ticket(key, fingerprint, |ticket| {
                 started.store(true, Ordering::Release);
-                effect(message.clone(), ticket)
+                let effect = effect(message.clone(), ticket);
+                async move {
+                    let result = effect.await;
+                    let _ = returned.set(Instant::now());
+                    result
+                }
             })
             .wait(wait)
             .into_future();
-        let keeping = self.keep_in_hand(message.entry(), self.coordinator.lease());
-        let mut keeping = std::pin::pin!(keeping);
-        let mut give_up_on_stop = !wait.is_zero();
-        loop {
-            tokio::select! {
-                answer = &mut once => return answer,
-                never = &mut keeping => match never {},
-                _ = stopped.wait_for(|stopping| *stopping), if give_up_on_stop => {
-                    if !started.load(Ordering::Acquire) {
-                        return Once::Unavailable(Error::ShuttingDown);
-                    }
-                    give_up_on_stop = false;
+        if wait.is_zero() {
+            return once.await;
+        }
+        // The guard `wait_for` answers is dropped at once: it must not live across an await.
+        let stop = async {
+            let _ = stopped.wait_for(|stopping| *stopping).await;
+        };
+        tokio::select! {
+            answer = &mut once => answer,
+            () = stop => {
+                if started.load(Ordering::Acquire) {
+                    once.await
+                } else {
+                    Once::Unavailable(Error::ShuttingDown)
                 }
             }
         }
@@ -332,7 +370,7 @@ impl StreamConsumer {
         &self,
         message: &StreamMessage,
         effect: &H,
-        mut stopped: watch::Receiver<bool>,
+        stopped: watch::Receiver<bool>,
     ) -> StreamOutcome
     where
         H: Fn(StreamMessage, ClaimTicket) -> Fut + Sync,
@@ -350,6 +388,9 @@ impl StreamConsumer {
             Ok(key) => key,
             Err(reason) => return dead(reason),
         };
+        if let Some(Err(reason)) = self.validation.as_ref().map(|validate| validate(message)) {
+            return dead(reason);
+        }
         let fingerprint = message.fingerprint(self.fingerprint_fields.as_deref());
         // Taken over from a consumer that may have died: wait for its claim's lease rather
         // than leave the message for another lease.
@@ -358,61 +399,73 @@ impl StreamConsumer {
         } else {
             Duration::ZERO
         };
-        let lease = self.coordinator.lease();
-        let mut pause = HOLD_PAUSE.min(lease / 3);
-        let mut held = false;
-        loop {
-            let answer = self
-                .attempt(&key, &fingerprint, message, effect, wait, &mut stopped)
-                .await;
-            let stopping = *stopped.borrow();
-            // What nothing can fix by trying again (an unreadable record) is not held.
-            let dead_letter = answer.disposition() == Disposition::DeadLetter;
-            match answer {
-                // While the store does not answer nothing can run: hold the message and try
-                // again rather than leave it pending, where each takeover counts a delivery
-                // and an outage would dead-letter every message it meets.
-                Once::Unavailable(error) if !dead_letter && !stopping => {
-                    tracing::warn!(msg = %message.entry(), %error, ?pause, "the store is unavailable; holding the message and trying again");
-                    held = true;
-                }
-                // A claim of ours that timed out may have landed once the store came back: the
-                // key is in flight until it is released in the background or its lease ends.
-                Once::InFlight { .. } if held && !stopping => {
-                    tracing::debug!(msg = %message.entry(), "in flight after the outage; holding the message");
-                }
-                answer => return disposed(answer),
+        // While the store does not answer nothing can run: the message is held in hand and
+        // tried again (`Once::hold_through_outage`'s loop) rather than left pending, where each
+        // takeover counts a delivery and an outage would dead-letter every message it meets.
+        // Its entry is kept from takeovers meanwhile, pauses included.
+        let entry = message.entry();
+        let id = message.id().unwrap_or_default();
+        let stop = {
+            let mut stopped = stopped.clone();
+            async move {
+                let _ = stopped.wait_for(|stopping| *stopping).await;
             }
-            // The entry's idle time is reset before and after each pause, so that no other
-            // consumer takes it over while it is held.
-            commands::keep(&self.redis, &self.names, message.entry()).await;
-            tokio::select! {
-                () = tokio::time::sleep(pause) => {}
-                _ = stopped.wait_for(|stopping| *stopping) => {}
+        };
+        let held = |answer: &Once<Bytes, Failure>, pause: Duration| match answer {
+            Once::Unavailable(error) => {
+                tracing::warn!(msg = %entry, id = ?id, %error, ?pause, "the store is unavailable; holding the message and trying again")
             }
-            pause = (pause * 2).min(MAX_HOLD_PAUSE).min(lease / 3);
-            commands::keep(&self.redis, &self.names, message.entry()).await;
-        }
+            _ => tracing::debug!(msg = %entry, id = ?id, "in flight after the outage; holding the message"),
+        };
+        let returned = OnceLock::new();
+        let try_once = || {
+            let stopped = stopped.clone();
+            self.attempt((&key, &fingerprint), message, effect, wait, stopped, &returned)
+        };
+        let holding = Once::hold(try_once, stop, held);
+        let keeping = self.keep_in_hand(entry, self.coordinator.lease());
+        let answer = tokio::select! {
+            answer = holding => answer,
+            never = keeping => match never {},
+        };
+        let stored_in = returned.get().map_or(Duration::ZERO, Instant::elapsed);
+        disposed(answer, stored_in, || self.mismatch())
+    }
+
+    /// The dead-letter reason of a mismatch, naming the fingerprint's fields when they were
+    /// named (`with another amount`).
+    fn mismatch(&self) -> String {
+        let what = match self.fingerprint_fields.as_deref() {
+            Some([field]) => format!("another {field}"),
+            Some(fields) if !fields.is_empty() => format!("other values of {}", fields.join(", ")),
+            _ => "other fields".to_owned(),
+        };
+        format!("mismatch: this id came before with {what}")
     }
 }
 
-/// What `once` answered, as what becomes of the message.
-fn disposed(answer: Once<Bytes, Failure>) -> StreamOutcome {
+/// What `once` answered, as what becomes of the message; `stored_in` is the time from the
+/// effect's return to now, `mismatch` the reason to dead-letter a mismatch under.
+fn disposed(
+    answer: Once<Bytes, Failure>,
+    stored_in: Duration,
+    mismatch: impl FnOnce() -> String,
+) -> StreamOutcome {
     let dead_letter = answer.disposition() == Disposition::DeadLetter;
     match answer {
         Once::Ran(result) => StreamOutcome::Ran {
             result,
             not_stored: None,
+            stored_in,
         },
         Once::NotStored { result, error } => StreamOutcome::Ran {
             result,
             not_stored: Some(error),
+            stored_in,
         },
         Once::Replayed(result) => StreamOutcome::Replayed(result),
         Once::InFlight { retry_after } => StreamOutcome::InFlight { retry_after },
-        Once::Mismatch => StreamOutcome::DeadLettered {
-            reason: "mismatch: this id came before with other fields".into(),
-        },
+        Once::Mismatch => StreamOutcome::DeadLettered { reason: mismatch() },
         Once::Failed(Failure::Retry(error)) => StreamOutcome::Failed(error),
         Once::Failed(Failure::DeadLetter(reason)) => StreamOutcome::DeadLettered { reason },
         Once::Unavailable(error @ Error::Store(StoreError::Corrupt(_))) => StreamOutcome::DeadLettered {
@@ -424,15 +477,4 @@ fn disposed(answer: Once<Bytes, Failure>) -> StreamOutcome {
         },
         Once::Unavailable(error) => StreamOutcome::Unavailable(error),
     }
-}
-
-/// The host name and the process id, unique among live consumers.
-fn default_consumer_name() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|host| host.trim().to_owned())
-        .filter(|host| !host.is_empty())
-        .unwrap_or_else(|| "consumer".into());
-    format!("{host}-{}", std::process::id())
 }

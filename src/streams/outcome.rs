@@ -57,6 +57,10 @@ pub enum StreamOutcome {
         result: Bytes,
         /// Why the result was not stored, if it was not.
         not_stored: Option<Error>,
+        /// From the effect's return to its result stored (or given up): on a store apart
+        /// from the effect's data, the window in which a crash applies the effect again on
+        /// redelivery (scripts/stream-window.sh measures it).
+        stored_in: Duration,
     },
     /// A duplicate: the effect ran before (here or elsewhere); acknowledged without running.
     Replayed(Bytes),
@@ -130,10 +134,11 @@ pub enum StreamEvent<'a> {
     },
 }
 
-/// One line per event, the consumer's log as the examples write it: `received msg=<entry>
-/// id="<id>" deliveries=<n> takeover=<bool>`, then `<outcome> msg=<entry> id="<id>"
-/// took_ms=<ms>` with `not_stored="…"`, `retry_after_ms=<ms> (left pending)`, `error="…" (left
-/// pending)` or `reason="…"` as the outcome has them.
+/// One line per event, the consumer's log as `examples/stream_consumer.rs` writes it:
+/// `received msg=<entry> id="<id>" deliveries=<n> takeover=<bool>`, then one of `ran msg=<entry>
+/// id="<id>" took_ms=<ms>` (and `not_stored="…"` when it was not stored), `replayed … took_ms=<ms>`,
+/// `in-flight … retry_after_ms=<ms> (left pending)`, `failed … error="…" (left pending)`,
+/// `unavailable … error="…" (left pending)` or `dead-lettered … reason="…"`.
 impl std::fmt::Display for StreamEvent<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (message, outcome, took) = match self {
@@ -154,18 +159,14 @@ impl std::fmt::Display for StreamEvent<'_> {
             } => (message, outcome, took),
         };
         let (entry, id) = (message.entry(), message.id().unwrap_or_default());
-        write!(
-            f,
-            "{} msg={entry} id={id:?} took_ms={}",
-            outcome.label(),
-            took.as_millis()
-        )?;
+        write!(f, "{} msg={entry} id={id:?}", outcome.label())?;
+        let took_ms = took.as_millis();
         match outcome {
             StreamOutcome::Ran {
                 not_stored: Some(error),
                 ..
-            } => write!(f, " not_stored={:?}", error.to_string()),
-            StreamOutcome::Ran { .. } | StreamOutcome::Replayed(_) => Ok(()),
+            } => write!(f, " took_ms={took_ms} not_stored={:?}", error.to_string()),
+            StreamOutcome::Ran { .. } | StreamOutcome::Replayed(_) => write!(f, " took_ms={took_ms}"),
             StreamOutcome::InFlight { retry_after } => {
                 write!(f, " retry_after_ms={} (left pending)", retry_after.as_millis())
             }
