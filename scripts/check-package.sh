@@ -26,5 +26,7 @@ tar -xzf "$target/package/$name-$version.crate" -C "$target/package"
 export CARGO_TARGET_DIR="$target" RUSTC_BOOTSTRAP=1
 echo "== the package's docs, as docs.rs builds them (in $unpacked)"
 RUSTDOCFLAGS="--cfg docsrs -D warnings" cargo doc --locked --no-deps --all-features --manifest-path "$unpacked/Cargo.toml"
+echo "== the links of the rendered guide pages (as docs.rs shows them)"
+python3 scripts/check-rendered-links.py "$target/doc"
 echo "== the package, checked with every feature"
 cargo check --locked --all-features --manifest-path "$unpacked/Cargo.toml"

@@ -57,7 +57,9 @@ macro_rules! links {
          [development]: crate::guide::development\n\
          [readme]: crate::guide::readme\n\
          [changelog]: https://docs.rs/crate/tower-idempotency/latest/source/CHANGELOG.md\n\
-         [architecture]: https://docs.rs/crate/tower-idempotency/latest/source/ARCHITECTURE.md\n\n"
+         [architecture]: https://docs.rs/crate/tower-idempotency/latest/source/ARCHITECTURE.md\n\
+         [bench-chart]: https://docs.rs/crate/tower-idempotency/latest/source/bench/chart.svg\n\
+         [bench-servers]: https://docs.rs/crate/tower-idempotency/latest/source/bench/servers.md\n\n"
     };
 }
 
