@@ -4,9 +4,11 @@
 //! land late or twice, connections replaced under a `WAIT`, and a failover that takes time.
 //!
 //! - the promises hold in bounded configurations: with the durability option across a slow
-//!   failover, lost calls and reconnects; without it, up to what the promoted replica lacked;
+//!   failover, lost calls and reconnects, and with two replicas, both required, whichever a
+//!   failover promotes; without it, up to what the promoted replica lacked;
 //! - every run after a key's first is excused by a limit met, counted where it happens; each
-//!   limit is found, with its shortest trace printed;
+//!   limit is found, with its shortest trace printed, and so is the double run of requiring
+//!   fewer replicas than run, which no limit excuses;
 //! - protocol and machinery bugs put into the model on purpose are caught (the fence removed, a
 //!   `WAIT` answering for another connection's writes, owner checks dropped, …).
 //!
@@ -21,7 +23,8 @@ use std::time::Instant;
 
 use model::explore::{done_reachable_from_everywhere, shortest, trace};
 use model::system::{
-    Excuse, ANSWERS_AGREE, AT_MOST_ONCE, EVENTUALLY_DONE, NEVER_CHANGED, OWN_RECORD, RUN_AGAIN_AFTER_A_DEATH,
+    at_most_once, Excuse, ANSWERS_AGREE, AT_MOST_ONCE, EVENTUALLY_DONE, NEVER_CHANGED, OWN_RECORD,
+    RUN_AGAIN_AFTER_A_DEATH,
 };
 use model::{Config, Mutation, System};
 use stateright::{Checker, HasDiscoveries, Model};
@@ -91,6 +94,27 @@ fn failover_bounded(replica_acks: bool) -> Config {
         replica_acks,
         hang_ups: 0,
         ..one_key_bounded()
+    }
+}
+
+/// One key, a master with two replicas that lag each on its own, and a failover that may
+/// promote either (the other then follows it), with the durability option requiring `acks`
+/// replicas (`None`: both). (The long configuration: two failovers in a row.)
+fn two_replicas(acks: Option<u8>) -> Config {
+    let mut config = two_replicas_bounded(acks);
+    if long() {
+        config.failovers = 2;
+    }
+    config
+}
+
+fn two_replicas_bounded(acks: Option<u8>) -> Config {
+    Config {
+        replicas: 2,
+        acks,
+        crashes: 0,
+        failures: 0,
+        ..failover_bounded(true)
     }
 }
 
@@ -292,6 +316,76 @@ fn every_promise_holds_with_two_scopes() {
 fn with_the_durability_option_a_failover_runs_no_key_twice() {
     let name = format!("durability option, {} failover(s)", failover(true).failovers);
     every_promise_holds(&name, failover(true));
+}
+
+/// With two replicas, both required: whichever a failover promotes has every claim and
+/// completion a `WAIT` acknowledged, so no key runs twice.
+#[test]
+fn with_every_replica_required_a_failover_to_either_of_two_replicas_runs_no_key_twice() {
+    let config = two_replicas(None);
+    let name = format!("two replicas, both required, {} failover(s)", config.failovers);
+    every_promise_holds(&name, config);
+    // The long configuration also crashes a server and fails a handler, through one failover:
+    // a run again after a crash is excused only if the result was not on every replica that
+    // could be promoted.
+    if long() {
+        every_promise_holds(
+            "two replicas, both required, a crash, a handler failure",
+            Config {
+                crashes: 1,
+                failures: 1,
+                ..two_replicas_bounded(None)
+            },
+        );
+    }
+}
+
+/// docs/guarantees.md's limit: with two replicas and one required, a `WAIT` is answered by the
+/// replica that has the record, the failover promotes the other, and the key runs twice with no
+/// limit of the model's to excuse it (the configuration of the test above, but for `acks`).
+#[test]
+fn limit_requiring_fewer_acknowledgements_than_replicas_runs_a_key_twice() {
+    let config = two_replicas_bounded(Some(1));
+    let checker = checked("two replicas, one required", config.clone(), Some(AT_MOST_ONCE));
+    found(&checker, AT_MOST_ONCE);
+    let model = System::new(config.clone());
+    let path = shortest_to("two replicas, one required", config, |state| !at_most_once(state));
+    // Replay the trace: at the promotion, the replica not promoted holds a record a `WAIT`
+    // acknowledged (a claim its server holds past its `WAIT`, or the acknowledged completion),
+    // and the promoted one lacks it.
+    let mut state = model.initial();
+    let mut promoted_lacked_it = false;
+    for &action in &path {
+        if action == model::Action::Promote {
+            let window = state.window.expect("a failover announced before the promotion");
+            let (from, to) = (usize::from(window.from), usize::from(window.to));
+            let other = (0..state.nodes.len())
+                .find(|&n| n != from && n != to)
+                .expect("a second replica");
+            let acknowledged = |rec: model::store::Rec| match rec.state {
+                model::store::RecState::InFlight => state.servers.iter().any(|server| {
+                    matches!(
+                        server.phase,
+                        model::system::Phase::Claimed { token, .. } | model::system::Phase::Ran { token, .. }
+                            if token == rec.owner
+                    )
+                }),
+                model::store::RecState::Completed(payload) => state.ghosts[0].acknowledged == Some(payload),
+            };
+            let kept = state.nodes[other].records[0];
+            promoted_lacked_it = kept.is_some_and(acknowledged) && state.nodes[to].records[0] != kept;
+        }
+        state = model.step(&state, action).0;
+    }
+    assert!(
+        promoted_lacked_it,
+        "the promoted replica did not lack an acknowledged record"
+    );
+    assert_eq!(
+        (state.ghosts[0].runs, state.ghosts[0].excuses),
+        (2, 0),
+        "not a second run without an excuse"
+    );
 }
 
 /// Store calls that fail, time out, land with their answer lost, land late or twice, with the

@@ -58,6 +58,8 @@ fn config() -> Config {
         live_lapses: 2,
         failovers: 0,
         replica_acks: false,
+        replicas: 1,
+        acks: None,
         hang_ups: 2,
         // Calls that land late or twice reach the store as the model says, in that order.
         call_faults: 2,

@@ -88,8 +88,8 @@ pub fn done_reachable_from_everywhere(model: &System) -> Result<Explored, Vec<Ac
     })
 }
 
-/// A state in one line: the primary's and the replica's records, each server's phase, each
-/// client's status.
+/// A state in one line: each node's role and records, each server's phase, each client's
+/// status.
 pub fn short(state: &State) -> String {
     use super::store::{Node, RecState};
     use super::system::{Answer, Client, Phase};

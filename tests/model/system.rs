@@ -1,6 +1,7 @@
 //! The whole protocol: clients that retry a key, server instances that claim, renew, run,
-//! complete, release and crash at any step, and a store of one or two nodes (a master and a
-//! replica fed by an asynchronous replication step) whose failover takes time.
+//! complete, release and crash at any step, and a store of one to three nodes (a master and one
+//! or two replicas, each fed by an asynchronous replication step of its own) whose failover
+//! takes time.
 //!
 //! Servers follow `Coordinator::begin` and `Claim` (src/coordinator/mod.rs, claim.rs) as the HTTP
 //! layer drives them (src/http/service.rs): one claim, then run, then complete (or release if the
@@ -17,9 +18,10 @@
 //! - a connection may be replaced under a server at any step (the heartbeat, a drop), and the
 //!   durability option's `WAIT` then counts the new connection's writes, not the old one's;
 //! - a failover takes time: the sentinels announce it (every server raises its fence: claims
-//!   refused, other writes held), the replica is promoted while the old master still takes
+//!   refused, other writes held), a replica is promoted while the old master still takes
 //!   writes, each server switches to the new master on its own (and lowers its fence there),
-//!   and the old master is demoted, losing what it took since the promotion.
+//!   the old master is demoted, losing what it took since the promotion, and with two
+//!   replicas the one not promoted follows the new master, losing what it had beyond it.
 
 use std::fmt;
 
@@ -44,10 +46,16 @@ pub struct Config {
     /// blocked thread: README's limit). Leases of dead owners always may, and so may a live
     /// owner's that cannot reach the node (held at a fence, or pointed at another node).
     pub live_lapses: u8,
-    /// How many failovers may happen (each promotes the replica, losing what it lacks).
+    /// How many failovers may happen (each promotes a replica, losing what it lacks).
     pub failovers: u8,
-    /// The durability option: claims and completions wait for the replica.
+    /// The durability option: claims and completions wait for replicas (`WAIT`).
     pub replica_acks: bool,
+    /// How many replicas the master has when there are any (a failover or the durability
+    /// option): 1 or 2. With two, each lags on its own and a failover may promote either.
+    pub replicas: u8,
+    /// With the durability option, how many replicas a `WAIT` must count
+    /// (`ReplicaAcks::new(n)`); `None`: every replica, as docs/guarantees.md requires.
+    pub acks: Option<u8>,
     /// How many times a client may hang up on a request in progress (and retry).
     pub hang_ups: u8,
     /// How many store calls may fail, time out, lose their answer, land late or land twice.
@@ -71,6 +79,8 @@ impl Config {
             live_lapses: 0,
             failovers: 0,
             replica_acks: false,
+            replicas: 1,
+            acks: None,
             hang_ups: 0,
             call_faults: 0,
             reconnects: 0,
@@ -81,6 +91,20 @@ impl Config {
 
     fn has_replica(&self) -> bool {
         self.failovers > 0 || self.replica_acks
+    }
+
+    /// How many store nodes there are: the master and its replicas.
+    fn nodes(&self) -> usize {
+        if self.has_replica() {
+            1 + usize::from(self.replicas)
+        } else {
+            1
+        }
+    }
+
+    /// How many replicas a `WAIT` must count to acknowledge a write.
+    fn acks_required(&self) -> usize {
+        usize::from(self.acks.unwrap_or(self.replicas))
     }
 
     fn fenced_on_announcement(&self) -> bool {
@@ -452,15 +476,22 @@ pub enum Action {
     Expire { node: u8, slot: u8 },
     /// Asynchronous replication of one record to a replica (Redis's replication stream).
     Replicate { node: u8, slot: u8 },
-    /// The sentinels announce a failover (`+failover-state-send-slaveof-noone`): every server
-    /// raises its fence (src/store/redis/sentinel: claims refused, writes held), assumed heard
-    /// before the promotion, which follows about 100 ms later.
-    Announce,
+    /// The sentinels announce a failover (`+failover-state-send-slaveof-noone`) of replica `to`,
+    /// any replica of the master (the sentinels pick by replication offsets they may have read
+    /// seconds earlier): every server raises its fence (src/store/redis/sentinel: claims
+    /// refused, writes held), assumed heard before the promotion, which follows about 100 ms
+    /// later.
+    Announce { to: u8 },
     /// The replica takes writes; the old master still does too, until it is demoted.
     Promote,
     /// A server follows `+switch-master`: its connections move to the new master, confirmed by
     /// `ROLE`, and its fence comes down.
     Switch { server: u8 },
+    /// A replica of the old master that was not promoted is made a replica of the new one
+    /// (`+slave-reconf-sent`) and takes its records: what it had beyond them is lost (a full
+    /// resynchronisation; a partial one ends the same, the new master's stream being the
+    /// one kept).
+    Follow { node: u8 },
     /// The old master becomes a replica of the new one and takes its records: what it took
     /// since the promotion is lost.
     Demote,
@@ -512,9 +543,10 @@ impl fmt::Debug for Action {
             Action::Land { index } => write!(f, "a call on its way lands (#{index})"),
             Action::Expire { node, slot } => write!(f, "lease of record {slot} runs out on node {node}"),
             Action::Replicate { node, slot } => write!(f, "replicate record {slot} to node {node}"),
-            Action::Announce => write!(f, "FAILOVER announced"),
+            Action::Announce { to } => write!(f, "FAILOVER announced, of node {to}"),
             Action::Promote => write!(f, "FAILOVER: replica promoted"),
             Action::Switch { server } => write!(f, "S{server} switches to the new master"),
+            Action::Follow { node } => write!(f, "FAILOVER: node {node} replicates the new master"),
             Action::Demote => write!(f, "FAILOVER: old master demoted"),
         }
     }
@@ -568,7 +600,7 @@ impl System {
 
     pub fn initial(&self) -> State {
         let c = &self.config;
-        let nodes = if c.has_replica() { 2 } else { 1 };
+        let nodes = c.nodes();
         State {
             nodes: vec![Node::new(self.slots()); nodes],
             follows: (0..nodes).map(|n| (n > 0).then_some(0)).collect(),
@@ -859,7 +891,14 @@ impl System {
             }
         }
         match state.window {
-            None if state.budget.failovers > 0 && state.nodes.len() > 1 => actions.push(Action::Announce),
+            None if state.budget.failovers > 0 => {
+                let master = state.master();
+                for to in 0..state.nodes.len() as u8 {
+                    if state.follows[usize::from(to)] == Some(master) {
+                        actions.push(Action::Announce { to });
+                    }
+                }
+            }
             Some(Window { promoted: false, .. }) => actions.push(Action::Promote),
             Some(Window {
                 promoted: true,
@@ -867,6 +906,16 @@ impl System {
                 ..
             }) => actions.push(Action::Demote),
             _ => {}
+        }
+        if let Some(Window {
+            promoted: true, from, ..
+        }) = state.window
+        {
+            for node in 0..state.nodes.len() as u8 {
+                if state.follows[usize::from(node)] == Some(from) {
+                    actions.push(Action::Follow { node });
+                }
+            }
         }
     }
 
@@ -888,10 +937,12 @@ impl System {
         (state.budget.live_lapses > 0).then_some(Some(Excuse::LapsedUnderLiveOwner))
     }
 
-    /// Whether a `WAIT` of server `s` answers that a replica has `token`'s record (in flight, or
-    /// completed with `payload`). The name behind the `WAIT` proves the `WAIT` ran on the
-    /// connection that wrote it; with [`Mutation::WaitOnAnotherConnection`], a `WAIT` on a
-    /// replaced connection counts that connection's writes (none) and answers enough at once.
+    /// Whether a `WAIT` of server `s` answers that as many replicas as it requires (of the node
+    /// the server is on) have `token`'s record (in flight, or completed with `payload`). The
+    /// name behind the `WAIT` proves the `WAIT` ran on the connection that wrote it; with
+    /// [`Mutation::WaitOnAnotherConnection`], a `WAIT` on a replaced connection counts that
+    /// connection's writes (none), so every replica attached, and answers enough at once if
+    /// there are as many as it requires.
     fn acknowledged(
         &self,
         state: &State,
@@ -904,18 +955,25 @@ impl System {
         let record = server.record;
         let slot = self.config.slot(record);
         let replicas = (0..state.nodes.len()).filter(|&n| state.follows[n] == Some(server.node));
-        if moved {
-            return self.config.mutation == Some(Mutation::WaitOnAnotherConnection) && replicas.count() > 0;
+        let required = self.config.acks_required();
+        // Redis refuses a `WAIT` on a replica ("WAIT cannot be used with replica instances"):
+        // with two replicas, the one not promoted may still follow a demoted master.
+        if !state.takes_writes(server.node) {
+            return false;
         }
-        let holds = |n: usize| holds(&state.nodes[n], slot, token, payload);
-        holds(usize::from(server.node)) && replicas.into_iter().any(holds)
+        if moved {
+            return self.config.mutation == Some(Mutation::WaitOnAnotherConnection)
+                && replicas.count() >= required;
+        }
+        let holds = |n: &usize| holds(&state.nodes[*n], slot, token, payload);
+        holds(&usize::from(server.node)) && replicas.filter(holds).count() >= required
     }
 
     /// Whether `token`'s result `payload` can no longer be lost: without the durability option,
     /// completed on the master (a failover may still lose it: that limit is counted at the
     /// promotion); with it, completed on every node a failover could promote, that is every
-    /// node but an old master promoted over and not yet demoted (its records are replaced by
-    /// the new master's then).
+    /// node but an old master promoted over and not yet demoted, and its replicas not yet
+    /// following the new master (their records are replaced by the new master's then).
     fn durable(&self, state: &State, record: u8, token: Token, payload: Payload) -> bool {
         let slot = self.config.slot(record);
         if !self.config.replica_acks {
@@ -926,17 +984,17 @@ impl System {
                 Some(payload),
             );
         }
-        let replaced = match state.window {
+        let replaced = |n: usize| match state.window {
             Some(Window {
                 promoted: true,
-                demoted: false,
+                demoted,
                 from,
                 ..
-            }) => Some(usize::from(from)),
-            _ => None,
+            }) => (n == usize::from(from) && !demoted) || state.follows[n] == Some(from),
+            _ => false,
         };
         (0..state.nodes.len())
-            .filter(|&n| Some(n) != replaced)
+            .filter(|&n| !replaced(n))
             .all(|n| holds(&state.nodes[n], slot, token, Some(payload)))
     }
 
@@ -1426,12 +1484,9 @@ impl System {
                     state.nodes[node].records[slot] = state.nodes[usize::from(master)].records[slot];
                 }
             }
-            Action::Announce => {
+            Action::Announce { to } => {
                 state.budget.failovers -= 1;
                 let from = state.master();
-                let to = (0..state.nodes.len() as u8)
-                    .find(|&n| state.follows[usize::from(n)] == Some(from))
-                    .unwrap_or(from);
                 state.window = Some(Window {
                     from,
                     to,
@@ -1471,6 +1526,12 @@ impl System {
                     server.phase.move_connection();
                 }
             }
+            Action::Follow { node } => {
+                if let Some(window) = state.window {
+                    state.follows[usize::from(node)] = Some(window.to);
+                    state.nodes[usize::from(node)] = state.nodes[usize::from(window.to)].clone();
+                }
+            }
             Action::Demote => {
                 if let Some(window) = &mut state.window {
                     window.demoted = true;
@@ -1480,9 +1541,13 @@ impl System {
                 }
             }
         }
-        // The failover ends once every server is on the new master and the old one is demoted.
+        // The failover ends once every server is on the new master, the old one is demoted, and
+        // every replica follows the new one.
         if let Some(window) = state.window {
-            if window.demoted && state.servers.iter().all(|server| server.node == window.to) {
+            if window.demoted
+                && state.servers.iter().all(|server| server.node == window.to)
+                && !state.follows.contains(&Some(window.from))
+            {
                 state.window = None;
             }
         }
