@@ -30,6 +30,8 @@ enum Flaw {
     /// Keeps the payload as text, as a store with a string column might.
     ReplayChangesBytes,
     FingerprintIgnored,
+    /// Keeps the digest but not the policy tag: a policy change reads as another request.
+    PolicyTagDropped,
     ClaimConflictsWithItself,
     RenewDoesNotExtend,
     PurgeSparesInFlight,
@@ -106,13 +108,17 @@ impl PageStore {
         owner: &OwnerToken,
     ) -> Option<ClaimOutcome> {
         let same = |stored: &Fingerprint| stored == fingerprint || self.flaw == Flaw::FingerprintIgnored;
+        let mismatch = |stored: &Fingerprint| match self.flaw {
+            Flaw::PolicyTagDropped => ClaimOutcome::Mismatch,
+            _ => ClaimOutcome::mismatch(fingerprint, stored.policy()),
+        };
         match record? {
             Record::InFlight {
                 fingerprint: stored, ..
-            } if !same(stored) => Some(ClaimOutcome::Mismatch),
+            } if !same(stored) => Some(mismatch(stored)),
             Record::Completed {
                 fingerprint: stored, ..
-            } if !same(stored) => Some(ClaimOutcome::Mismatch),
+            } if !same(stored) => Some(mismatch(stored)),
             Record::InFlight { owner: holder, .. }
                 if holder == owner && self.flaw != Flaw::ClaimConflictsWithItself =>
             {
@@ -433,6 +439,7 @@ const BROKEN: &[(Flaw, &str)] = &[
         Flaw::FingerprintIgnored,
         "a_different_fingerprint_is_a_mismatch_in_either_state",
     ),
+    (Flaw::PolicyTagDropped, "a_fingerprint_of_another_policy_says_so"),
     (
         Flaw::ClaimConflictsWithItself,
         "a_claim_sent_twice_does_not_conflict_with_itself",
