@@ -66,6 +66,7 @@ pub const RULES: &[Rule] = &[
     rule!(a_different_fingerprint_is_a_mismatch_in_either_state, "another fingerprint under a key in flight or completed is a mismatch"),
     rule!(a_fingerprint_of_another_policy_says_so, "another fingerprint made under another policy tag is a policy mismatch, in either state; the same tag, or a record or request without one, a plain mismatch; a tag never stops a replay"),
     rule!(transitions_are_owner_checked, "complete, release and renew by anyone but the owner answer false and change nothing; a completed record can be neither released nor renewed"),
+    rule!(a_completed_record_never_changes, "a completion of a completed record answers true for its owner (sent again) and false for anyone else, and leaves the stored payload as it was"),
     rule!(release_lets_the_next_claim_in, "a release deletes the record, and the key then takes any request"),
     rule!(an_expired_lease_frees_the_key_and_fences_the_old_owner, "a lapsed lease frees the key, and the old owner can then neither complete, release nor renew"),
     rule!(renew_extends_the_lease, "a renewal extends the lease from now"),
@@ -267,6 +268,34 @@ async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outco
     ensure!(
         after == ClaimOutcome::Completed(Bytes::from_static(b"good")),
         "the completed record then answered {after:?}, not the owner's payload"
+    );
+    Ok(true)
+}
+
+async fn a_completed_record_never_changes(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, intruder) = (
+        &*store,
+        run.key("settled"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    completed(s, &k, &a, b"first", RETENTION).await?;
+    // A completion re-sent by its owner (its answer lost, a background retry) with another
+    // payload, say a response re-encoded: done already, and the record stays as it was.
+    ensure!(
+        complete(s, &k, &a, b"second", RETENTION).await?,
+        "the owner's completion of its completed record answered false"
+    );
+    // Anyone else's (a lapsed owner whose key was claimed and completed since): refused.
+    ensure!(
+        !complete(s, &k, &intruder, b"evil", RETENTION).await?,
+        "another owner's completion of a completed record answered true"
+    );
+    let replay = claim(s, &k, "body", &intruder, LEASE).await?;
+    ensure!(
+        replay == ClaimOutcome::Completed(Bytes::from_static(b"first")),
+        "after completions sent again, the record replayed {replay:?}, not the first payload"
     );
     Ok(true)
 }
