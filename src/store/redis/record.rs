@@ -137,8 +137,6 @@ fn in_flight_until(
 
 /// A record as read back.
 pub(super) struct Parsed {
-    /// The layout: 3, or 2 (an earlier release's, without a policy tag).
-    pub(super) version: u8,
     pub(super) state: u8,
     pub(super) owner: Bytes,
     pub(super) fingerprint: [u8; 32],
@@ -265,7 +263,6 @@ fn parse_at(record: &Bytes, now: SystemTime) -> Result<Parsed, String> {
         return Err("an in-flight record with a payload".into());
     }
     Ok(Parsed {
-        version,
         state,
         owner,
         fingerprint,
@@ -315,7 +312,9 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     // and the fuzzer failed on every waited-for record within seconds).
     let state = keeping_mark(&state_at(parsed.state, deadline), data, 6 + parsed.owner.len());
     let tag = PolicyTag::stored(parsed.policy);
-    let tagged = u32::from(parsed.version) == RECORD_VERSION;
+    // A record read has its layout's version at its fourth byte: 3, or 2 (no policy tag).
+    let version = data[3];
+    let tagged = u32::from(version) == RECORD_VERSION;
     let encoded: Vec<u8> = match std::str::from_utf8(&parsed.owner) {
         Ok(owner) if tagged => {
             let owner = OwnerToken::from_string(owner);
@@ -337,7 +336,7 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
             let owner_len = u16::try_from(parsed.owner.len()).ok()?;
             [
                 &MAGIC[..],
-                &[parsed.version],
+                &[version],
                 &owner_len.to_be_bytes(),
                 &parsed.owner,
                 &state,
@@ -355,9 +354,9 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     let head = parse_head_at(&record.slice(..needed), UNIX_EPOCH).expect("its head reads");
     assert_eq!(
         (head.version, head.state, &head.owner, head.time_left),
-        (parsed.version, parsed.state, &parsed.owner, parsed.time_left)
+        (version, parsed.state, &parsed.owner, parsed.time_left)
     );
-    let fixed = needed + fingerprint_len(parsed.version);
+    let fixed = needed + fingerprint_len(version);
     for cut in 0..data.len() {
         match parse_at(&record.slice(..cut), UNIX_EPOCH) {
             Err(_) => assert!(cut < fixed, "a record cut at {cut} of {} not read", data.len()),
@@ -486,7 +485,7 @@ mod tests {
         let kept = at(1_764_201_600_000);
 
         let record = parse_at(&Bytes::from_static(IN_FLIGHT_V3), UNIX_EPOCH).unwrap();
-        assert_eq!((record.version, record.state), (3, IN_FLIGHT));
+        assert_eq!(record.state, IN_FLIGHT);
         assert_eq!(&record.owner[..], OWNER.as_bytes());
         assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, Some(tag)));
         assert_eq!(UNIX_EPOCH + record.time_left, claimed);
@@ -542,13 +541,13 @@ mod tests {
     #[test]
     fn records_of_the_layout_before_tags_read_untagged() {
         let record = parse_at(&Bytes::from_static(IN_FLIGHT_V2), UNIX_EPOCH).unwrap();
-        assert_eq!((record.version, record.state), (2, IN_FLIGHT));
+        assert_eq!(record.state, IN_FLIGHT);
         assert_eq!(&record.owner[..], OWNER.as_bytes());
         assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, None));
         assert_eq!(UNIX_EPOCH + record.time_left, at(1_764_115_230_000));
         assert!(record.payload.is_empty());
         let record = parse_at(&Bytes::from_static(COMPLETED_V2), UNIX_EPOCH).unwrap();
-        assert_eq!((record.version, record.state), (2, COMPLETED));
+        assert_eq!(record.state, COMPLETED);
         assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, None));
         assert_eq!(&record.payload[..], &COMPLETED_V2[PAYLOAD_AT_V2..]);
         assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V2)), None);
@@ -648,14 +647,22 @@ mod tests {
         /// A bit flipped anywhere in a completed record (its stored response included) never
         /// panics, and whatever still reads is exactly the bytes it was read from (the fuzz
         /// check): a flipped body byte replays as stored, nothing is skipped or guessed. A
-        /// flip in the magic, version, owner length or state makes the record unreadable.
+        /// flip in the magic, version, owner length or state makes the record unreadable, but a
+        /// version flipped from 3 to 2 (the layout before tags): read as that layout, the record's
+        /// payload then starts with the tag, which no stored response does (the check below
+        /// decodes it, and a replay answers the record unreadable).
         #[test]
         fn bit_flips_are_errors_or_read_exactly(owner in "[a-z0-9@-]{0,60}", flip in any::<prop::sample::Index>(), bit in 0..8u8) {
             let owner = OwnerToken::from_string(owner);
             let mut record = completed_until(&owner, &Fingerprint::from_digest([9; 32]), at(77), &COMPLETED_V3[PAYLOAD_AT..]).to_vec();
             let at = flip.index(record.len());
             record[at] ^= 1 << bit;
-            let structural = at < 6 || at == 6 + owner.as_str().len();
+            let earlier_layout = at == 3 && u32::from(record[3]) == UNTAGGED_RECORD_VERSION;
+            let structural = (at < 6 && !earlier_layout) || at == 6 + owner.as_str().len();
+            if earlier_layout {
+                let read = parse(&Bytes::from(record.clone())).expect("a layout 2 record");
+                prop_assert!(crate::http::stored::decode(&read.payload).is_err());
+            }
             if structural {
                 prop_assert!(parse(&Bytes::from(record.clone())).is_err(), "flip at {}", at);
             }
