@@ -2,7 +2,8 @@
 --
 -- A record is one string (layout in src/store/redis/record.rs): a head of magic, layout version and
 -- owner; a state byte ('F' in flight, 'C' completed) and a deadline (the lease's end in flight,
--- the retention's end once completed); the fingerprint; and, once completed, the stored payload.
+-- the retention's end once completed); the fingerprint and its policy tag (32 and 8 bytes); and,
+-- once completed, the stored payload.
 -- The claim itself is not a script: it is `SET key <in-flight record> NX PX <lease> GET`.
 --
 -- KEYS[i]    a record; one or many (completions sent together are one call: see
@@ -10,8 +11,9 @@
 -- ARGV[j+1]  the in-flight record the caller wrote last (its claim's, or its last renewal's), or ''
 --            when the caller does not remember it
 -- ARGV[j+2]  the completed record: with the in-flight record, the whole of it, which the caller
---            builds (the head, 'C' and the retention deadline, the fingerprint, the payload);
---            without, the head, 'C' and the retention deadline, and the payload (no fingerprint)
+--            builds (the head, 'C' and the retention deadline, the fingerprint and its policy tag,
+--            the payload); without, the head, 'C' and the retention deadline, and the payload (no
+--            fingerprint)
 -- ARGV[j+3]  retention (ms)
 --
 -- The head is the layout's magic and version (4 bytes), the owner's length (2 bytes, big-endian)
@@ -43,7 +45,7 @@ local function complete_found(key, found, head, state, payload, retention)
     redis.call('PEXPIRE', key, retention)
     return 1
   end
-  if current ~= 70 or #found ~= n + 41 then -- not 'F', or not an in-flight record's length
+  if current ~= 70 or #found ~= n + 49 then -- not 'F', or not an in-flight record's length
     return 0
   end
   -- One SET of the whole completed record, the bytes the native path (SET … IFEQ) writes: a
@@ -59,10 +61,10 @@ end
 local function complete(key, claimed, written, retention)
   if claimed == '' then
     -- Not remembered: read as much of the record as an in-flight one has (the head, 9 bytes of
-    -- state and deadline, the 32-byte fingerprint), so a large record of another owner is not
-    -- copied.
+    -- state and deadline, the 32-byte fingerprint and 8-byte policy tag), so a large record of
+    -- another owner is not copied.
     local n = 6 + string.byte(written, 5) * 256 + string.byte(written, 6)
-    local ok, found = pcall(redis.call, 'GETRANGE', key, 0, n + 40)
+    local ok, found = pcall(redis.call, 'GETRANGE', key, 0, n + 48)
     if not ok then -- not a string: not a record of this owner's
       return 0
     end
@@ -78,13 +80,13 @@ local function complete(key, claimed, written, retention)
   -- completed record: one SET, and no string built here.
   if found == claimed then
     redis.call('SET', key, written, 'PX', retention)
-    if string.byte(found, #found - 32) % 2 == 1 then -- the deadline's last byte (wait.lua)
+    if string.byte(found, #found - 40) % 2 == 1 then -- the deadline's last byte (wait.lua)
       redis.call('SPUBLISH', key .. ':settled', '')
     end
     return 1
   end
   -- Changed since (a waiter's mark, a renewal whose answer was lost), completed, or lost.
-  local n = #claimed - 41
+  local n = #claimed - 49
   if #found < #claimed then
     -- Shorter than an in-flight record: not one of this owner's.
     return 0
@@ -93,7 +95,7 @@ local function complete(key, claimed, written, retention)
   if string.byte(found, n + 1) == 67 then -- 'C'
     return complete_found(key, found, string.sub(claimed, 1, n), completed, '', retention)
   end
-  return complete_found(key, found, string.sub(claimed, 1, n), completed, string.sub(written, n + 42),
+  return complete_found(key, found, string.sub(claimed, 1, n), completed, string.sub(written, n + 50),
     retention)
 end
 

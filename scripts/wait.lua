@@ -8,6 +8,8 @@
 -- KEYS[1]  the record
 -- ARGV[1]  the new in-flight record    ARGV[2]  lease (ms)
 -- ARGV[3]  the layout's magic and version (4 bytes; src/store/redis/record.rs)
+-- ARGV[4]  the same of the layout before policy tags (an earlier release's records, whose head,
+--          state and deadline are where this layout has them: marked alike)
 --
 -- The mark is the lowest bit of the in-flight deadline, which owners write even: a reader of any
 -- release sees a lease 1 ms longer; complete.lua and release.lua publish when it is set, and
@@ -19,7 +21,8 @@ local found = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2], 'GET')
 if not found then
   return false
 end
-if #found < 6 or string.sub(found, 1, 4) ~= ARGV[3] then
+local layout = string.sub(found, 1, 4)
+if #found < 6 or (layout ~= ARGV[3] and layout ~= ARGV[4]) then
   return found
 end
 -- The head: magic, version, owner length (u16 BE), owner; then the state and 8 deadline bytes.

@@ -8,8 +8,10 @@
 //! `serde_json`'s `arbitrary_precision`, which feature unification would impose on the whole
 //! application. A small parser of our own refuses both and sees each number's text (below).
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::fmt;
+use std::io::Write as _;
 use std::str::FromStr;
 
 /// The deepest nesting of arrays and objects canonicalised: a deeper body counts by its bytes
@@ -18,14 +20,15 @@ const MAX_DEPTH: usize = 128;
 
 /// A parsed JSON value, as JCS sees it: numbers are IEEE 754 doubles, and an object's members
 /// are sorted by their names' UTF-16 code units (RFC 8785 §3.2.3), with no name twice.
+/// Strings and names without escapes borrow from the text (most of them): no allocation each.
 #[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Json {
+pub(crate) enum Json<'a> {
     Null,
     Bool(bool),
     Number(f64),
-    String(String),
-    Array(Vec<Json>),
-    Object(Vec<(String, Json)>),
+    String(Cow<'a, str>),
+    Array(Vec<Json<'a>>),
+    Object(Vec<(Cow<'a, str>, Json<'a>)>),
     /// What a pointer of `except` took out of an array: kept in place so that the elements
     /// after it keep their indices. Written as a byte no JSON text holds outside a string.
     Excluded,
@@ -62,10 +65,11 @@ impl NotCanonical {
 /// Parses a JSON text (RFC 8259, UTF-8, no byte order mark) into the value JCS canonicalises;
 /// refuses what I-JSON refuses and, with `exact_numbers`, numbers that a double does not hold
 /// as written (JCS itself rounds them: the RFC's vectors need that off).
-pub(crate) fn parse(text: &[u8], exact_numbers: bool) -> Result<Json, NotCanonical> {
+pub(crate) fn parse(text: &[u8], exact_numbers: bool) -> Result<Json<'_>, NotCanonical> {
     let text = std::str::from_utf8(text).map_err(|_| NotCanonical::Syntax)?;
     let mut parser = Parser {
         text: text.as_bytes(),
+        str: text,
         at: 0,
         exact_numbers,
     };
@@ -79,18 +83,21 @@ pub(crate) fn parse(text: &[u8], exact_numbers: bool) -> Result<Json, NotCanonic
 
 struct Parser<'a> {
     text: &'a [u8],
+    /// The same text, whose slices between ASCII bytes are whole characters: sliced, not
+    /// validated again.
+    str: &'a str,
     at: usize,
     exact_numbers: bool,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn whitespace(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.text.get(self.at) {
             self.at += 1;
         }
     }
 
-    fn literal(&mut self, word: &[u8], value: Json) -> Result<Json, NotCanonical> {
+    fn literal(&mut self, word: &[u8], value: Json<'a>) -> Result<Json<'a>, NotCanonical> {
         if self.text[self.at..].starts_with(word) {
             self.at += word.len();
             Ok(value)
@@ -99,7 +106,7 @@ impl Parser<'_> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Result<Json, NotCanonical> {
+    fn value(&mut self, depth: usize) -> Result<Json<'a>, NotCanonical> {
         self.whitespace();
         match self.text.get(self.at) {
             Some(b'n') => self.literal(b"null", Json::Null),
@@ -174,24 +181,23 @@ impl Parser<'_> {
         }
     }
 
-    /// A string, at its opening quote; the text is valid UTF-8 already.
-    fn string(&mut self) -> Result<String, NotCanonical> {
+    /// A string, at its opening quote; the text is valid UTF-8 already. Borrowed when it has
+    /// no escape, as most have.
+    fn string(&mut self) -> Result<Cow<'a, str>, NotCanonical> {
         self.at += 1;
-        let mut out = String::new();
+        let start = self.at;
+        self.plain();
+        if self.text.get(self.at) == Some(&b'"') {
+            let plain = self.slice(start)?;
+            self.at += 1;
+            return Ok(Cow::Borrowed(plain));
+        }
+        let mut out = String::from(self.slice(start)?);
         loop {
-            let start = self.at;
-            while let Some(&b) = self.text.get(self.at) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.at += 1;
-            }
-            // Both ends sit on ASCII bytes, so the slice is whole characters.
-            out.push_str(std::str::from_utf8(&self.text[start..self.at]).map_err(|_| NotCanonical::Syntax)?);
             match self.text.get(self.at) {
                 Some(b'"') => {
                     self.at += 1;
-                    return Ok(out);
+                    return Ok(Cow::Owned(out));
                 }
                 Some(b'\\') => {
                     self.at += 1;
@@ -229,11 +235,30 @@ impl Parser<'_> {
                         }
                         _ => return Err(NotCanonical::Syntax),
                     }
+                    let start = self.at;
+                    self.plain();
+                    out.push_str(self.slice(start)?);
                 }
                 // A control character unescaped, or the text ends inside the string.
                 _ => return Err(NotCanonical::Syntax),
             }
         }
+    }
+
+    /// Moves past the characters a string holds as they are, up to a quote, a backslash or a
+    /// control character (or the end).
+    fn plain(&mut self) {
+        let rest = &self.text[self.at..];
+        self.at += rest
+            .iter()
+            .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+            .unwrap_or(rest.len());
+    }
+
+    /// The text from `start` to here: both ends sit on ASCII bytes (or the text's end), so the
+    /// slice is whole characters and needs no validation again.
+    fn slice(&self, start: usize) -> Result<&'a str, NotCanonical> {
+        self.str.get(start..self.at).ok_or(NotCanonical::Syntax)
     }
 
     fn hex4(&mut self) -> Result<u32, NotCanonical> {
@@ -248,7 +273,7 @@ impl Parser<'_> {
 
     /// A number (RFC 8259 §6): `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`, held as
     /// the double nearest to it, which must be its value exactly as written.
-    fn number(&mut self) -> Result<Json, NotCanonical> {
+    fn number(&mut self) -> Result<Json<'a>, NotCanonical> {
         let start = self.at;
         let digits = |parser: &mut Self| {
             let from = parser.at;
@@ -283,7 +308,7 @@ impl Parser<'_> {
             }
         }
         // ASCII by construction.
-        let written = std::str::from_utf8(&self.text[start..self.at]).map_err(|_| NotCanonical::Syntax)?;
+        let written = self.slice(start)?;
         // Rust's parser rounds correctly (to the nearest double), as JCS requires.
         let number: f64 = written.parse().map_err(|_| NotCanonical::Syntax)?;
         if !number.is_finite() {
@@ -381,19 +406,41 @@ fn write_number(number: f64, out: &mut Vec<u8>) {
     // double next to it is at least 1 away, so no shorter digits read back as it.
     const EXACT_INTEGERS: f64 = 9_007_199_254_740_992.0;
     if number.abs() < EXACT_INTEGERS && number.fract() == 0.0 {
-        out.extend_from_slice((number.abs() as u64).to_string().as_bytes());
+        write_integer(number.abs() as u64, out);
         return;
     }
-    let shortest = format!("{:e}", number.abs());
-    let (mantissa, exponent) = shortest.split_once('e').unwrap_or((&shortest, "0"));
-    let mut digits: Vec<u8> = mantissa.bytes().filter(|b| *b != b'.').collect();
-    let exponent = exponent.parse::<i64>().unwrap_or(0);
-    round_half_to_even(number.abs(), &mut digits, exponent);
+    // The shortest digits, written on the stack: `{:e}` of a double is at most 24 bytes
+    // (`d.` 16 more digits, `e-324`).
+    let mut buffer = [0u8; 32];
+    let mut cursor = &mut buffer[..];
+    let written = match write!(cursor, "{:e}", number.abs()) {
+        Ok(()) => 32 - cursor.len(),
+        Err(_) => 0,
+    };
+    let shortest = &buffer[..written];
+    let (mantissa, exponent) = match shortest.iter().position(|b| *b == b'e') {
+        Some(e) => (&shortest[..e], &shortest[e + 1..]),
+        None => (shortest, &b"0"[..]),
+    };
+    let mut digits = [0u8; 24];
+    let mut k = 0;
+    for &b in mantissa.iter().filter(|b| **b != b'.') {
+        if let Some(slot) = digits.get_mut(k) {
+            *slot = b;
+            k += 1;
+        }
+    }
+    let digits = &mut digits[..k];
+    let exponent = std::str::from_utf8(exponent)
+        .ok()
+        .and_then(|e| e.parse::<i64>().ok())
+        .unwrap_or(0);
+    round_half_to_even(number.abs(), digits, exponent);
     let k = digits.len() as i64;
     // The value is 0.d1 d2 ... dk × 10^n.
     let n = exponent + 1;
     if k <= n && n <= 21 {
-        out.extend_from_slice(&digits);
+        out.extend_from_slice(digits);
         out.extend(std::iter::repeat_n(b'0', (n - k) as usize));
     } else if 0 < n && n <= 21 {
         out.extend_from_slice(&digits[..n as usize]);
@@ -402,7 +449,7 @@ fn write_number(number: f64, out: &mut Vec<u8>) {
     } else if -6 < n && n <= 0 {
         out.extend_from_slice(b"0.");
         out.extend(std::iter::repeat_n(b'0', (-n) as usize));
-        out.extend_from_slice(&digits);
+        out.extend_from_slice(digits);
     } else {
         out.push(digits[0]);
         if k > 1 {
@@ -411,8 +458,14 @@ fn write_number(number: f64, out: &mut Vec<u8>) {
         }
         out.push(b'e');
         out.push(if n - 1 < 0 { b'-' } else { b'+' });
-        out.extend_from_slice((n - 1).unsigned_abs().to_string().as_bytes());
+        write_integer((n - 1).unsigned_abs(), out);
     }
+}
+
+/// `n` in decimal digits, formatted straight into `out`: no `String` between.
+fn write_integer(n: u64, out: &mut Vec<u8>) {
+    // Writing to a `Vec` cannot fail.
+    let _ = write!(out, "{n}");
 }
 
 /// ECMA-262 §6.1.6.1.20 step 5: of two shortest spellings equally near the double, the even
@@ -487,7 +540,12 @@ fn utf16_order(a: &str, b: &str) -> Ordering {
 
 fn write_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
-    for &b in s.as_bytes() {
+    let mut bytes = s.as_bytes();
+    // Runs of bytes written as they are, copied whole: most strings are one run.
+    while let Some(special) = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.extend_from_slice(&bytes[..special]);
+        let b = bytes[special];
+        bytes = &bytes[special + 1..];
         match b {
             b'"' => out.extend_from_slice(b"\\\""),
             b'\\' => out.extend_from_slice(b"\\\\"),
@@ -505,10 +563,11 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
             _ => out.push(b),
         }
     }
+    out.extend_from_slice(bytes);
     out.push(b'"');
 }
 
-impl Json {
+impl<'a> Json<'a> {
     /// The RFC 8785 canonical form (for [`Json::Excluded`], a NUL byte, which no JSON text
     /// holds outside a string, where it is escaped).
     pub(crate) fn write_canonical(&self, out: &mut Vec<u8>) {
@@ -545,14 +604,14 @@ impl Json {
     }
 
     /// The value `pointer` refers to, if there is one.
-    pub(crate) fn get(&self, pointer: &JsonPointer) -> Option<&Json> {
+    pub(crate) fn get(&self, pointer: &JsonPointer) -> Option<&Json<'a>> {
         pointer
             .tokens
             .iter()
             .try_fold(self, |value, token| value.child(token))
     }
 
-    fn child(&self, token: &str) -> Option<&Json> {
+    fn child(&self, token: &str) -> Option<&Json<'a>> {
         match self {
             Json::Object(members) => members
                 .binary_search_by(|(name, _)| utf16_order(name, token))
@@ -740,7 +799,7 @@ pub(crate) fn check(data: &[u8]) {
         if let Json::Object(members) = &value {
             for (name, member) in members {
                 let pointer = JsonPointer {
-                    tokens: vec![name.clone()],
+                    tokens: vec![name.to_string()],
                 };
                 assert_eq!(value.get(&pointer), Some(member));
                 assert_eq!(JsonPointer::parse(&pointer.to_string()).as_ref(), Ok(&pointer));

@@ -15,8 +15,87 @@ use sha2::{Digest, Sha256};
 /// let b = Fingerprint::new([b"POST".as_slice(), b"/payments", b"{\"amount\":2}"]);
 /// assert_ne!(a, b);
 /// ```
+///
+/// A fingerprint may carry the [`PolicyTag`] of the policy it was made under
+/// ([`FingerprintPolicy::fingerprint`](crate::FingerprintPolicy::fingerprint)'s do). The tag
+/// never makes two fingerprints differ: two fingerprints are equal when their digests are. It
+/// says why they differ: a store keeps it beside the digest, so that a request whose fingerprint
+/// differs from the stored one, under another policy's tag, is answered
+/// [`ClaimOutcome::PolicyMismatch`](crate::ClaimOutcome::PolicyMismatch) ("stored under another
+/// fingerprint policy") rather than [`ClaimOutcome::Mismatch`](crate::ClaimOutcome::Mismatch)
+/// ("another request").
+#[derive(Clone, Copy, Debug)]
+pub struct Fingerprint {
+    digest: [u8; 32],
+    /// The policy's tag, eight zeros for none: an `Option` would be a byte longer, and every
+    /// keyed request's state holds a fingerprint (`http/service.rs` keeps that state under 1 KiB).
+    policy: [u8; 8],
+}
+
+/// Equal digests are the same request, whatever policies made them: two policies that count
+/// the same bytes of a request (the default and `media_type_only` on a bare
+/// `application/json`) replay each other's records, as before tags existed.
+impl PartialEq for Fingerprint {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest
+    }
+}
+
+impl Eq for Fingerprint {}
+
+impl std::hash::Hash for Fingerprint {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.digest.hash(state);
+    }
+}
+
+/// Eight bytes naming the policy a [`Fingerprint`] was made under (which parts of a request
+/// count, and how), kept beside the fingerprint in the record: a store compares the tags of two
+/// fingerprints that differ, to tell a request stored under another policy from another request.
+///
+/// ```
+/// use tower_idempotency::{Fingerprint, PolicyTag};
+///
+/// let v1 = PolicyTag::new([b"orders-v1".as_slice()]);
+/// let v2 = PolicyTag::new([b"orders-v2".as_slice()]);
+/// assert_ne!(v1, v2);
+/// let fingerprint = Fingerprint::new([b"payload".as_slice()]).with_policy(v1);
+/// assert_eq!(fingerprint.policy(), Some(v1));
+/// // The tag explains a difference, it never makes one.
+/// assert_eq!(fingerprint, Fingerprint::new([b"payload".as_slice()]).with_policy(v2));
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct Fingerprint([u8; 32]);
+pub struct PolicyTag([u8; 8]);
+
+impl PolicyTag {
+    /// The tag of a policy described by `parts` (length-prefixed, as a fingerprint's): the
+    /// first 8 bytes of their SHA-256. Never all zeros, which stores write for "no tag".
+    pub fn new<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Self {
+        Self::of(&Fingerprint::new(parts))
+    }
+
+    /// The tag of a policy whose description's digest is `description`.
+    pub(crate) fn of(description: &Fingerprint) -> Self {
+        let mut tag = [0; 8];
+        tag.copy_from_slice(&description.digest[..8]);
+        Self::from_bytes(tag).unwrap_or(Self([0, 0, 0, 0, 0, 0, 0, 1]))
+    }
+
+    /// A tag as a store kept it; `None` for the eight zeros that stand for no tag.
+    pub fn from_bytes(bytes: [u8; 8]) -> Option<Self> {
+        (bytes != [0; 8]).then_some(Self(bytes))
+    }
+
+    /// The tag's bytes, as a store keeps them.
+    pub fn as_bytes(&self) -> &[u8; 8] {
+        &self.0
+    }
+
+    /// The bytes a store keeps for `tag`: its own, or eight zeros for none.
+    pub fn stored(tag: Option<PolicyTag>) -> [u8; 8] {
+        tag.map_or([0; 8], |tag| tag.0)
+    }
+}
 
 impl Fingerprint {
     /// Digests the parts in order. Each part is length-prefixed, so moving bytes from one part
@@ -29,14 +108,36 @@ impl Fingerprint {
         builder.finish()
     }
 
-    /// Wraps a digest computed elsewhere (for example a stored one).
+    /// Wraps a digest computed elsewhere (for example a stored one), with no policy tag.
     pub fn from_digest(digest: [u8; 32]) -> Self {
-        Self(digest)
+        Self {
+            digest,
+            policy: [0; 8],
+        }
+    }
+
+    /// The same fingerprint, made under the policy `tag` names.
+    pub fn with_policy(mut self, tag: PolicyTag) -> Self {
+        self.policy = tag.0;
+        self
+    }
+
+    /// The policy this fingerprint was made under, if it says.
+    pub fn policy(&self) -> Option<PolicyTag> {
+        PolicyTag::from_bytes(self.policy)
+    }
+
+    /// Whether a record stored with `stored` (its fingerprint's tag) and a fingerprint other
+    /// than this one was made under another policy than this one: both carry a tag, and the
+    /// tags differ. A record without one (written before tags, or by a caller that gives none)
+    /// is never said to be: the plain mismatch stays.
+    pub fn policy_differs(&self, stored: Option<PolicyTag>) -> bool {
+        matches!((self.policy(), stored), (Some(ours), Some(theirs)) if ours != theirs)
     }
 
     /// The raw digest.
     pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
+        &self.digest
     }
 }
 
@@ -53,7 +154,7 @@ impl FingerprintBuilder {
     }
 
     pub(crate) fn finish(self) -> Fingerprint {
-        Fingerprint(self.0.finalize().into())
+        Fingerprint::from_digest(self.0.finalize().into())
     }
 }
 

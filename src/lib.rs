@@ -202,7 +202,7 @@ pub use coordinator::{
     default_consumer_name, Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle,
     ShutdownTimedOut,
 };
-pub use fingerprint::Fingerprint;
+pub use fingerprint::{Fingerprint, PolicyTag};
 pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use reconciliation::{NotStored, ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;

@@ -22,6 +22,7 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use crate::fingerprint::Fingerprint;
 use crate::key::DigestHashing;
 
 /// What an entry costs beyond its payload: key, fingerprint, bookkeeping.
@@ -29,7 +30,8 @@ const ENTRY_OVERHEAD: usize = 128;
 
 /// A copy of a completed record.
 pub(crate) struct Cached {
-    pub(crate) fingerprint: [u8; 32],
+    /// The record's fingerprint, with its policy tag.
+    pub(crate) fingerprint: Fingerprint,
     pub(crate) payload: Bytes,
 }
 
@@ -61,7 +63,7 @@ struct Entries {
 }
 
 struct Entry {
-    fingerprint: [u8; 32],
+    fingerprint: Fingerprint,
     payload: Bytes,
     /// The end of the copy's life by the monotonic clock, which no clock step moves.
     expires_at: Instant,
@@ -156,7 +158,7 @@ impl ReplayCache {
         &self,
         epoch: u64,
         digest: [u8; 32],
-        fingerprint: [u8; 32],
+        fingerprint: Fingerprint,
         payload: Bytes,
         retention_left: Duration,
     ) {
@@ -265,7 +267,13 @@ mod tests {
 
     /// Keeps a copy of record `n` with `payload`, as if fetched just now.
     fn keep(cache: &ReplayCache, n: u8, payload: Bytes, retention_left: Duration) {
-        cache.insert(cache.epoch(), digest(n), [n; 32], payload, retention_left);
+        cache.insert(
+            cache.epoch(),
+            digest(n),
+            Fingerprint::from_digest([n; 32]),
+            payload,
+            retention_left,
+        );
     }
 
     fn live(max_bytes: usize) -> ReplayCache {
@@ -354,7 +362,7 @@ mod tests {
         cache.insert(
             before,
             digest(1),
-            [1; 32],
+            Fingerprint::from_digest([1; 32]),
             Bytes::from_static(b"stale"),
             Duration::from_secs(60),
         );

@@ -42,6 +42,8 @@ pub(crate) enum Outcome {
     InFlight,
     /// The key was used with a different request.
     Mismatch,
+    /// The key's record was stored under another fingerprint policy (`Rejection::PolicyMismatch`).
+    PolicyMismatch,
     /// The key ran before but its response was not stored (`Rejection::ResponseNotStored`).
     NotStored,
     /// Refused before the store was asked: no key, an invalid key, no scope, a body too large or
@@ -66,11 +68,12 @@ pub(crate) enum Outcome {
 impl Outcome {
     /// Every outcome, in declaration order (`outcome as usize` indexes it).
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const ALL: [Outcome; 12] = [
+    const ALL: [Outcome; 13] = [
         Outcome::Executed,
         Outcome::Replayed,
         Outcome::InFlight,
         Outcome::Mismatch,
+        Outcome::PolicyMismatch,
         Outcome::NotStored,
         Outcome::Rejected,
         Outcome::StoreError,
@@ -88,6 +91,7 @@ impl Outcome {
             Outcome::Replayed => "replayed",
             Outcome::InFlight => "in_flight",
             Outcome::Mismatch => "mismatch",
+            Outcome::PolicyMismatch => "policy_mismatch",
             Outcome::NotStored => "not_stored",
             Outcome::Rejected => "rejected",
             Outcome::StoreError => "store_error",
@@ -110,6 +114,7 @@ pub(crate) enum RejectionKind {
     BodyUnreadable,
     InFlight,
     Mismatch,
+    PolicyMismatch,
     StoreUnavailable,
     UnreadableRecord,
     Overloaded,
@@ -597,13 +602,14 @@ mod recorded {
     }
 
     /// The `kind` labels of rejections, in `RejectionKind` order.
-    const REJECTION_KINDS: [&str; 14] = [
+    const REJECTION_KINDS: [&str; 15] = [
         "MissingKey",
         "InvalidKey",
         "BodyTooLarge",
         "BodyUnreadable",
         "InFlight",
         "Mismatch",
+        "PolicyMismatch",
         "StoreUnavailable",
         "UnreadableRecord",
         "Overloaded",
@@ -643,6 +649,7 @@ mod recorded {
             Replayed => "replayed",
             InFlight => "in_flight",
             Mismatch => "mismatch",
+            PolicyMismatch => "policy_mismatch",
             NotStored => "not_stored",
             Rejected => "rejected",
             StoreError => "store_error",
@@ -672,6 +679,7 @@ mod recorded {
             RejectionKind::BodyUnreadable => "BodyUnreadable",
             RejectionKind::InFlight => "InFlight",
             RejectionKind::Mismatch => "Mismatch",
+            RejectionKind::PolicyMismatch => "PolicyMismatch",
             RejectionKind::StoreUnavailable => "StoreUnavailable",
             RejectionKind::UnreadableRecord => "UnreadableRecord",
             RejectionKind::Overloaded => "Overloaded",
@@ -812,6 +820,7 @@ mod tests {
             (Outcome::Replayed, "replayed"),
             (Outcome::InFlight, "in_flight"),
             (Outcome::Mismatch, "mismatch"),
+            (Outcome::PolicyMismatch, "policy_mismatch"),
             (Outcome::NotStored, "not_stored"),
             (Outcome::Rejected, "rejected"),
             (Outcome::StoreError, "store_error"),

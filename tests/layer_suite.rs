@@ -335,6 +335,48 @@ async fn a_different_request_with_the_same_key_is_a_mismatch(b: Backend) {
     assert_problem(&answer, StatusCode::UNPROCESSABLE_ENTITY, "Mismatch");
 }
 
+// Row 10: a record stored under another fingerprint policy (a policy rolled out, say) is a
+// mismatch that says so, never a replay nor a second run; another request under the same
+// policy stays the plain one. A few requests: milliseconds per store.
+async fn a_record_stored_under_another_fingerprint_policy_says_so(b: Backend) {
+    let (old, old_runs) = router(layer(&b));
+    let json = tower_idempotency::FingerprintPolicy::new().json_body();
+    let (new, new_runs) = router(layer(&b).with_fingerprint(json));
+    assert_eq!(
+        send(&old, payment("pol", "{\"amount\":1}")).await.status,
+        StatusCode::CREATED
+    );
+    // The same request re-spelt, and another one: the new policy cannot compare either with
+    // what the old one stored.
+    for body in ["{ \"amount\": 1 }", "{\"amount\":2}"] {
+        let answer = send(&new, payment("pol", body)).await;
+        assert_problem(&answer, StatusCode::CONFLICT, "PolicyMismatch");
+        let json: serde_json::Value = serde_json::from_slice(&answer.body).unwrap();
+        assert_eq!(json["key_state"], "policy_mismatch", "{json}");
+        assert_eq!(json["retryable"], false, "{json}");
+        assert!(
+            json["detail"]
+                .as_str()
+                .unwrap()
+                .contains("another fingerprint policy"),
+            "{json}"
+        );
+        assert!(answer.headers.get("retry-after").is_none());
+        assert_eq!(
+            answer
+                .extensions
+                .get::<tower_idempotency::RequestOutcome>()
+                .map(|o| o.as_str()),
+            Some("policy_mismatch")
+        );
+    }
+    // Under the policy that stored it, another request is the plain mismatch.
+    let answer = send(&old, payment("pol", "{\"amount\":2}")).await;
+    assert_problem(&answer, StatusCode::CONFLICT, "Mismatch");
+    assert!(send(&old, payment("pol", "{\"amount\":1}")).await.is_replay());
+    assert_eq!(old_runs.get() + new_runs.get(), 1);
+}
+
 // Row 10: the host is compared as DNS and HTTP compare it.
 async fn a_host_spelled_another_way_is_the_same_request(b: Backend) {
     let (app, runs) = router(layer(&b));
@@ -1063,6 +1105,7 @@ on_every_store!(
     stored_headers_are_configurable,
     a_running_request_answers_409_with_a_retry_after_that_fits_the_handler,
     a_different_request_with_the_same_key_is_a_mismatch,
+    a_record_stored_under_another_fingerprint_policy_says_so,
     a_host_spelled_another_way_is_the_same_request,
     answers_that_are_not_cacheable_release_the_key,
     responses_over_the_storage_cap_are_kept_as_not_replayable,

@@ -1017,7 +1017,8 @@ fn holds(state: &State, running: bool) -> Step {
 
 /// A record as read from a node: owner, fingerprint, state byte and payload. The layout
 /// (`src/store/redis/record.rs`): `TIR`, a version byte, the owner's length (u16, big-endian),
-/// the owner, the state (`F` or `C`), the deadline (8 bytes), the fingerprint (32), the payload.
+/// the owner, the state (`F` or `C`), the deadline (8 bytes), the fingerprint (32), its policy
+/// tag (8), the payload.
 type Stored = (String, [u8; 32], u8, Bytes);
 
 fn parse_stored(record: &Bytes) -> Stored {
@@ -1028,7 +1029,7 @@ fn parse_stored(record: &Bytes) -> Stored {
         String::from_utf8_lossy(&record[6..state_at]).into_owned(),
         fingerprint,
         record[state_at],
-        record.slice(state_at + 41..),
+        record.slice(state_at + 49..),
     )
 }
 

@@ -53,7 +53,8 @@ async fn rows_this_release_cannot_read_are_corrupt_never_a_panic_nor_a_run() {
             "INSERT INTO {{t}} VALUES ($1, {version}, 'someone', {fingerprint}, '{state}', now() + interval '1 hour', {payload})"
         )
     };
-    let good_fp = "decode(repeat('ab', 32), 'hex')";
+    // Layout 3's: the digest and the policy tag.
+    let good_fp = "decode(repeat('ab', 40), 'hex')";
     let cases = [
         (
             "unknown state",
@@ -62,6 +63,19 @@ async fn rows_this_release_cannot_read_are_corrupt_never_a_panic_nor_a_run() {
         (
             "short fingerprint",
             insert(RECORD_VERSION as i16, "F", "'\\x01'", "NULL"),
+        ),
+        (
+            "a fingerprint of layout 2 in layout 3 (no tag)",
+            insert(
+                RECORD_VERSION as i16,
+                "F",
+                "decode(repeat('ab', 32), 'hex')",
+                "NULL",
+            ),
+        ),
+        (
+            "a fingerprint of layout 3 in layout 2",
+            insert(2, "F", good_fp, "NULL"),
         ),
         (
             "in flight with a payload",
@@ -104,6 +118,35 @@ async fn rows_this_release_cannot_read_are_corrupt_never_a_panic_nor_a_run() {
         Some(&Rejection::UnreadableRecord)
     );
     assert_eq!(runs.get(), 0);
+}
+
+/// A row as the previous release wrote it (layout 2: the digest alone in `fingerprint`, no
+/// policy tag) replays, and another request under its key is the plain mismatch, under any
+/// policy: nothing says which policy made it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_of_the_layout_before_policy_tags_replays_and_mismatches_plainly() {
+    let store = shared_store().await;
+    let (app, runs) = router(IdempotencyLayer::new(store.clone()));
+    assert_eq!(
+        send(&app, payment("layout-2", "{}")).await.status,
+        StatusCode::CREATED
+    );
+    poke(
+        &store,
+        "UPDATE {t} SET version = 2, fingerprint = substring(fingerprint FROM 1 FOR 32) WHERE key = $1",
+        &key("layout-2"),
+    )
+    .await;
+    assert!(send(&app, payment("layout-2", "{}")).await.is_replay());
+    let json = IdempotencyLayer::new(store.clone())
+        .with_fingerprint(tower_idempotency::FingerprintPolicy::new().json_body());
+    let (json, json_runs) = router(json);
+    for app in [&app, &json] {
+        let other = send(app, payment("layout-2", "{\"amount\":1}")).await;
+        let state = other.extensions.get::<Rejection>().map(Rejection::key_state);
+        assert_eq!(state, Some("mismatch"), "{:?}", other.body);
+    }
+    assert_eq!(runs.get() + json_runs.get(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,7 +204,7 @@ async fn the_sweep_deletes_expired_rows_in_batches_and_nothing_live() {
     // 2500 expired rows (more than two batches), 10 live ones.
     let fill = format!(
         "INSERT INTO {table}
-         SELECT sha256(n::text::bytea), {RECORD_VERSION}, 'o', sha256(''::bytea), 'C',
+         SELECT sha256(n::text::bytea), {RECORD_VERSION}, 'o', sha256(''::bytea) || decode(repeat('00', 8), 'hex'), 'C',
                 now() - interval '1 second' * (CASE WHEN n <= 2500 THEN 1 ELSE -3600 END), '\\x00'
            FROM generate_series(1, 2510) AS n"
     );
@@ -416,7 +459,7 @@ async fn a_claim_racing_an_uncommitted_insert_waits_for_it_and_answers_from_what
         );
         sqlx::query(&insert)
             .bind(&k.digest()[..])
-            .bind(&fp("x").as_bytes()[..])
+            .bind([&fp("x").as_bytes()[..], &[0; 8]].concat())
             .execute(&mut *other)
             .await
             .unwrap();

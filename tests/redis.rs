@@ -9,7 +9,9 @@ use common::app::{payment, payment_with, router, send};
 use common::{admin, client, command_calls, round_trips, RedisServer};
 use fred::prelude::*;
 use http::StatusCode;
-use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore, Rejection};
+use tower_idempotency::{
+    FingerprintPolicy, IdempotencyKey, IdempotencyLayer, RecordKey, RedisStore, Rejection,
+};
 
 async fn setup() -> (RedisServer, Client, RedisStore) {
     let server = RedisServer::start();
@@ -177,10 +179,11 @@ async fn foreign_or_corrupt_data_is_a_clear_error_never_a_replay() {
         .unwrap();
     expect_unreadable(send(&app, payment("c-short", "{}")).await);
     // A record whose stored response is garbage: the record's own fields intact, the payload
-    // (after the owner, the state byte, the 8-byte deadline and the 32-byte fingerprint) replaced.
+    // (after the owner, the state byte, the 8-byte deadline, the 32-byte fingerprint and the
+    // 8-byte policy tag) replaced.
     send(&app, payment("c-payload", "{}")).await;
     let stored: Vec<u8> = client.get(redis_key("c-payload")).await.unwrap();
-    let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32;
+    let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32 + 8;
     let garbled = [&stored[..payload_at], b"not a stored response"].concat();
     let _: () = client
         .set(redis_key("c-payload"), garbled, None, None, false)
@@ -216,7 +219,7 @@ async fn records_of_the_previous_and_of_a_newer_release_are_never_called_corrupt
         async move {
             assert_eq!(send(&app, payment(key, "{}")).await.status, StatusCode::CREATED);
             let mut stored: Vec<u8> = client.get(&redis_key).await.unwrap();
-            let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32;
+            let payload_at = 6 + usize::from(u16::from_be_bytes([stored[4], stored[5]])) + 1 + 8 + 32 + 8;
             edit(&mut stored, payload_at);
             let _: () = client.set(&redis_key, stored, None, None, false).await.unwrap();
         }
@@ -253,7 +256,7 @@ async fn records_of_the_previous_and_of_a_newer_release_are_never_called_corrupt
 
     // A record in a newer record layout, and a newer response layout in a record this release
     // reads: both "in flight, retry in 1 s".
-    rewrite("from-newer-record", |record, _| record[3] = 3).await;
+    rewrite("from-newer-record", |record, _| record[3] = 4).await;
     expect_in_flight(send(&app, payment("from-newer-record", "{}")).await);
     rewrite("from-newer-response", |record, at| {
         record.truncate(at);
@@ -262,6 +265,28 @@ async fn records_of_the_previous_and_of_a_newer_release_are_never_called_corrupt
     .await;
     expect_in_flight(send(&app, payment("from-newer-response", "{}")).await);
     assert_eq!(runs.get(), 3, "no handler ran for a record it could not read");
+
+    // The previous release's record layout (2: no policy tag after the fingerprint) replays,
+    // and another request under its key is the plain mismatch, under any policy: nothing says
+    // which policy made it.
+    rewrite("from-layout-2", |record, at| {
+        record[3] = 2;
+        record.drain(at - 8..at);
+    })
+    .await;
+    assert!(send(&app, payment("from-layout-2", "{}")).await.is_replay());
+    let (json, json_runs) =
+        router(IdempotencyLayer::new(store.clone()).with_fingerprint(FingerprintPolicy::new().json_body()));
+    for app in [&app, &json] {
+        let other = send(app, payment("from-layout-2", "{\"amount\":1}")).await;
+        assert_eq!(
+            other.extensions.get::<Rejection>().map(Rejection::key_state),
+            Some("mismatch"),
+            "{:?}",
+            other.body
+        );
+    }
+    assert_eq!(runs.get() + json_runs.get(), 4);
 }
 
 /// After a rollback, a record of the newer release is not "in flight, retry in 1 s" for the rest
@@ -284,10 +309,10 @@ async fn a_newer_release_record_past_the_upgrade_window_is_reported_not_looped_o
         ),
         ("claimed-at-an-unknown-time", "worker-7".to_owned(), true),
     ] {
-        let mut record = b"TIR\x03".to_vec();
+        let mut record = b"TIR\x04".to_vec();
         record.extend_from_slice(&(owner.len() as u16).to_be_bytes());
         record.extend_from_slice(owner.as_bytes());
-        record.extend_from_slice(b"C and whatever layout 3 holds");
+        record.extend_from_slice(b"C and whatever layout 4 holds");
         let redis_key = store.redis_key(&RecordKey::new(None, IdempotencyKey::parse(key).unwrap()));
         let _: () = client
             .set(

@@ -119,7 +119,7 @@ async fn reset_stats(stats: &Client) {
     admin(stats, &["CONFIG", "RESETSTAT"]).await;
 }
 
-/// A raw record: its owner, state, deadline (ms), fingerprint and payload.
+/// A raw record: its owner, state, deadline (ms), fingerprint, policy tag and payload.
 #[derive(Debug, PartialEq, Eq)]
 struct Raw {
     owner: Bytes,
@@ -127,6 +127,9 @@ struct Raw {
     deadline: u64,
     rest: Bytes,
 }
+
+/// The fingerprint and its policy tag: what follows the deadline, before the payload.
+const FINGERPRINT_AND_TAG: usize = 32 + 8;
 
 impl Raw {
     fn parse(record: &Bytes) -> Self {
@@ -704,11 +707,11 @@ async fn complete_lua_is_given_the_record_the_store_remembers(server: &'static s
             "{server}"
         );
         assert_eq!(
-            completed.rest[..32],
+            completed.rest[..FINGERPRINT_AND_TAG],
             in_flight.rest[..],
             "{server}: the claim's fingerprint"
         );
-        assert_eq!(&completed.rest[32..], payload, "{server}");
+        assert_eq!(&completed.rest[FINGERPRINT_AND_TAG..], payload, "{server}");
     };
 
     // Remembered and untouched since: both records go with the call.
@@ -1212,7 +1215,7 @@ async fn a_completed_record_takes_the_memory_of_one_set(server: &'static str, na
         let parsed = Raw::parse(&record);
         assert_eq!(parsed.state, b'C', "{server}");
         assert_eq!(
-            parsed.rest.slice(32..),
+            parsed.rest.slice(FINGERPRINT_AND_TAG..),
             payload,
             "{server}: the payload after the fingerprint"
         );

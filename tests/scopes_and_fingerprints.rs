@@ -58,6 +58,7 @@ async fn send(app: &Router, uri: &str, headers: &[(&str, &str)], body: &str) -> 
         .unwrap();
     let rejection = response.extensions().get::<Rejection>().map(|r| match r {
         Rejection::Mismatch { .. } => "Mismatch",
+        Rejection::PolicyMismatch { .. } => "PolicyMismatch",
         Rejection::InFlight { .. } => "InFlight",
         Rejection::MissingScope => "MissingScope",
         _ => "other",
@@ -311,7 +312,7 @@ async fn a_record_stored_under_one_policy_is_a_mismatch_under_another() {
             } else {
                 assert_eq!(
                     retry.rejection,
-                    Some("Mismatch"),
+                    Some("PolicyMismatch"),
                     "stored under {stored_under:?}, read under {read_under:?}: {retry:?}"
                 );
             }

@@ -555,11 +555,11 @@ async fn a_newer_release_record_past_its_window_logs_an_error_naming_the_layout(
         .as_millis() as u64;
     for (key, claimed_ms_ago) in [("newer-recent", 60_000), ("newer-rolled-back", 16 * 60_000)] {
         let owner = format!("n-1@{}", now_ms - claimed_ms_ago);
-        // Layout 3's first bytes: `TIR`, the version, the owner's length and the owner.
-        let mut record = b"TIR\x03".to_vec();
+        // Layout 4's first bytes: `TIR`, the version, the owner's length and the owner.
+        let mut record = b"TIR\x04".to_vec();
         record.extend_from_slice(&(owner.len() as u16).to_be_bytes());
         record.extend_from_slice(owner.as_bytes());
-        record.extend_from_slice(b"C and whatever layout 3 holds");
+        record.extend_from_slice(b"C and whatever layout 4 holds");
         let record_key = RecordKey::new(None, IdempotencyKey::parse(key).unwrap());
         let _: () = client
             .set(
@@ -578,7 +578,7 @@ async fn a_newer_release_record_past_its_window_logs_an_error_naming_the_layout(
     assert_eq!(errors.len(), 1, "only the record past its window: {errors:?}");
     let digest = RecordKey::new(None, IdempotencyKey::parse("newer-rolled-back").unwrap()).digest_hex();
     assert!(errors[0]["key"].contains(&digest[..16]), "{errors:?}");
-    assert!(errors[0]["reason"].contains("layout version 3"), "{errors:?}");
+    assert!(errors[0]["reason"].contains("layout version 4"), "{errors:?}");
 }
 
 // Settings that can only hurt are refused when the layer is configured.

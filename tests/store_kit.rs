@@ -30,6 +30,8 @@ enum Flaw {
     /// Keeps the payload as text, as a store with a string column might.
     ReplayChangesBytes,
     FingerprintIgnored,
+    /// Keeps the digest but not the policy tag: a policy change reads as another request.
+    PolicyTagDropped,
     ClaimConflictsWithItself,
     RenewDoesNotExtend,
     PurgeSparesInFlight,
@@ -37,6 +39,11 @@ enum Flaw {
     ScopeIgnored,
     /// Answers an error for a key that holds nothing.
     ErrorOnAbsentKey,
+    /// Takes any completion of a completed record for its owner's, sent again: answers `true`
+    /// to a lapsed owner whose key another owner completed since.
+    CompletedRecordNotOwnerChecked,
+    /// A completion sent again writes its payload over the one stored.
+    CompletionRewritesTheRecord,
 }
 
 enum Record {
@@ -46,6 +53,7 @@ enum Record {
         until: Instant,
     },
     Completed {
+        owner: OwnerToken,
         fingerprint: Fingerprint,
         payload: Bytes,
         until: Instant,
@@ -106,13 +114,17 @@ impl PageStore {
         owner: &OwnerToken,
     ) -> Option<ClaimOutcome> {
         let same = |stored: &Fingerprint| stored == fingerprint || self.flaw == Flaw::FingerprintIgnored;
+        let mismatch = |stored: &Fingerprint| match self.flaw {
+            Flaw::PolicyTagDropped => ClaimOutcome::Mismatch,
+            _ => ClaimOutcome::mismatch(fingerprint, stored.policy()),
+        };
         match record? {
             Record::InFlight {
                 fingerprint: stored, ..
-            } if !same(stored) => Some(ClaimOutcome::Mismatch),
+            } if !same(stored) => Some(mismatch(stored)),
             Record::Completed {
                 fingerprint: stored, ..
-            } if !same(stored) => Some(ClaimOutcome::Mismatch),
+            } if !same(stored) => Some(mismatch(stored)),
             Record::InFlight { owner: holder, .. }
                 if holder == owner && self.flaw != Flaw::ClaimConflictsWithItself =>
             {
@@ -180,8 +192,16 @@ impl Store for PageStore {
         };
         ready(self.live(key, |records, address| {
             let fingerprint = match records.get(&address) {
-                Some(Record::Completed { .. }) if self.flaw != Flaw::CompleteWithoutOwnerCheck => {
-                    return Ok(true)
+                Some(Record::Completed {
+                    owner: holder,
+                    fingerprint,
+                    ..
+                }) if holder == owner && self.flaw == Flaw::CompletionRewritesTheRecord => *fingerprint,
+                Some(Record::Completed { owner: holder, .. })
+                    if self.flaw != Flaw::CompleteWithoutOwnerCheck =>
+                {
+                    // Sent again by its owner: done already, and left as it was.
+                    return Ok(holder == owner || self.flaw == Flaw::CompletedRecordNotOwnerChecked);
                 }
                 Some(Record::InFlight {
                     owner: holder,
@@ -195,6 +215,7 @@ impl Store for PageStore {
             records.insert(
                 address,
                 Record::Completed {
+                    owner: owner.clone(),
                     fingerprint,
                     payload,
                     until: Instant::now() + retention,
@@ -433,6 +454,7 @@ const BROKEN: &[(Flaw, &str)] = &[
         Flaw::FingerprintIgnored,
         "a_different_fingerprint_is_a_mismatch_in_either_state",
     ),
+    (Flaw::PolicyTagDropped, "a_fingerprint_of_another_policy_says_so"),
     (
         Flaw::ClaimConflictsWithItself,
         "a_claim_sent_twice_does_not_conflict_with_itself",
@@ -441,6 +463,14 @@ const BROKEN: &[(Flaw, &str)] = &[
     (Flaw::PurgeSparesInFlight, "inspect_and_purge"),
     (Flaw::ScopeIgnored, "scopes_are_separate_records"),
     (Flaw::ErrorOnAbsentKey, "absent_keys_are_answered_not_failed"),
+    (
+        Flaw::CompletedRecordNotOwnerChecked,
+        "a_completed_record_never_changes",
+    ),
+    (
+        Flaw::CompletionRewritesTheRecord,
+        "a_completed_record_never_changes",
+    ),
 ];
 
 const BROKEN_OPTIONAL: &[(OptionalFlaw, &str)] = &[

@@ -66,7 +66,7 @@ use crate::telemetry::{self, Named, Outcome, StoreOp};
 /// match coordinator.begin(&key, &fingerprint).await? {
 ///     Begin::Claimed(claim) => claim.complete(Bytes::from("done")).await?,
 ///     Begin::Completed(stored) => assert_eq!(stored, "done"),
-///     Begin::InFlight { .. } | Begin::Mismatch => {}
+///     Begin::InFlight { .. } | Begin::Mismatch | Begin::PolicyMismatch => {}
 /// }
 /// # Ok(()) }
 /// ```
@@ -114,6 +114,9 @@ pub enum Begin {
     },
     /// The key was used before with a different fingerprint.
     Mismatch,
+    /// The key was used before with a different fingerprint, made under another fingerprint
+    /// policy ([`ClaimOutcome::PolicyMismatch`]): the two cannot be compared.
+    PolicyMismatch,
 }
 
 impl Begin {
@@ -124,6 +127,7 @@ impl Begin {
             Ok(Begin::Completed(_)) => Outcome::Replayed,
             Ok(Begin::InFlight { .. }) => Outcome::InFlight,
             Ok(Begin::Mismatch) => Outcome::Mismatch,
+            Ok(Begin::PolicyMismatch) => Outcome::PolicyMismatch,
             Err(error) => error.outcome(),
         }
     }
@@ -540,6 +544,7 @@ impl Coordinator {
         match self.settings.store.cached(key, fingerprint) {
             Some(ClaimOutcome::Completed(payload)) => return Ok(Begin::Completed(payload)),
             Some(ClaimOutcome::Mismatch) => return Ok(Begin::Mismatch),
+            Some(ClaimOutcome::PolicyMismatch) => return Ok(Begin::PolicyMismatch),
             Some(ClaimOutcome::Claimed | ClaimOutcome::InFlight { .. }) | None => {}
         }
         let slot = match Slot::take(&self.settings.tracker, self.settings.named.as_ref()) {
@@ -581,6 +586,7 @@ impl Coordinator {
             ClaimOutcome::Completed(payload) => Ok(Begin::Completed(payload)),
             ClaimOutcome::InFlight { lease_left } => Ok(Begin::InFlight { lease_left }),
             ClaimOutcome::Mismatch => Ok(Begin::Mismatch),
+            ClaimOutcome::PolicyMismatch => Ok(Begin::PolicyMismatch),
         }
     }
 
@@ -601,6 +607,7 @@ impl Coordinator {
             Ok(Some(ClaimOutcome::Completed(payload))) => Ok(Begin::Completed(payload)),
             Ok(Some(ClaimOutcome::InFlight { lease_left })) => Ok(Begin::InFlight { lease_left }),
             Ok(Some(ClaimOutcome::Mismatch)) => Ok(Begin::Mismatch),
+            Ok(Some(ClaimOutcome::PolicyMismatch)) => Ok(Begin::PolicyMismatch),
             Err(StoreError::Corrupt(reason)) => Err(Error::Store(StoreError::Corrupt(reason))),
             // A store failure here must not become a fail-open run past the bound.
             Ok(Some(ClaimOutcome::Claimed) | None) | Err(_) => Err(refusal),

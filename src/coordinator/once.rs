@@ -382,7 +382,9 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
                     retry_after: lease_left,
                 }
             }
-            Ok(Begin::Mismatch) => return Once::Mismatch,
+            // A consumer's message under a key stored under another policy is as poisoned as
+            // one with another payload: dead-lettered alike.
+            Ok(Begin::Mismatch | Begin::PolicyMismatch) => return Once::Mismatch,
             Err(error) => return Once::Unavailable(error),
         };
         // A panic in the operation, or in the closure before it returns the operation's future,

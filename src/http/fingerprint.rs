@@ -7,7 +7,7 @@ use http::header::{HeaderName, CONTENT_TYPE, HOST};
 use http::request;
 
 use crate::canonical_json::{self, JsonPointer};
-use crate::fingerprint::{Fingerprint, FingerprintBuilder};
+use crate::fingerprint::{Fingerprint, FingerprintBuilder, PolicyTag};
 
 /// Which parts of a request count in its fingerprint, so that a retry that differs only in
 /// parts that do not count replays, and one that differs in a counted part is a mismatch.
@@ -37,11 +37,20 @@ use crate::fingerprint::{Fingerprint, FingerprintBuilder};
 /// changed: a retry across that deploy may then be answered as a mismatch. A JSON policy's
 /// fingerprints carry the policy itself (which members count), so a record made under one JSON
 /// policy, or under a bytes policy, is a mismatch under another, never a replay.
+///
+/// Every fingerprint also carries the policy's [`PolicyTag`], which stores keep beside it: a
+/// request whose fingerprint differs from a record's stored under another policy is answered
+/// [`Rejection::PolicyMismatch`](crate::Rejection::PolicyMismatch) ("stored under another
+/// fingerprint policy"), not [`Rejection::Mismatch`](crate::Rejection::Mismatch) ("another
+/// request"). The tag never decides a replay: equal fingerprints replay whatever their tags.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FingerprintPolicy {
     pub(crate) content_type: ContentTypePart,
     pub(crate) headers: Vec<HeaderName>,
     pub(crate) body: BodyPart,
+    /// The tag of the three fields above, made again by every builder method: a request pays
+    /// for none.
+    tag: PolicyTag,
 }
 
 /// How the body counts.
@@ -84,13 +93,20 @@ pub(crate) enum ContentTypePart {
 
 impl Default for FingerprintPolicy {
     fn default() -> Self {
+        let (content_type, headers, body) = (ContentTypePart::Full, Vec::new(), BodyPart::Bytes);
         Self {
-            content_type: ContentTypePart::Full,
-            headers: Vec::new(),
-            body: BodyPart::Bytes,
+            tag: tag_of(content_type, &headers, &body),
+            content_type,
+            headers,
+            body,
         }
     }
 }
+
+/// The first part of every policy's description, for its tag: the `1` names this description's
+/// layout, which must change with it (a changed description changes every tag, and records
+/// stored before would then read as made under another policy).
+const POLICY_DESCRIPTION: &[u8] = b"tower-idempotency-fingerprint-policy-1";
 
 impl FingerprintPolicy {
     /// The default: method, authority, path and query, `Content-Type` as sent, and the body.
@@ -108,7 +124,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn media_type_only(mut self) -> Self {
         self.content_type = ContentTypePart::MediaType;
-        self
+        self.retagged()
     }
 
     /// `Content-Type` does not count at all.
@@ -120,7 +136,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn without_content_type(mut self) -> Self {
         self.content_type = ContentTypePart::Ignored;
-        self
+        self.retagged()
     }
 
     /// Counts a request header too: its absence, and each of its values in order. Headers
@@ -136,7 +152,7 @@ impl FingerprintPolicy {
         if !self.headers.contains(&name) {
             self.headers.push(name);
         }
-        self
+        self.retagged()
     }
 
     /// The body does not count (it is still read, up to the body limit, and handed on). For
@@ -150,7 +166,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn without_body(mut self) -> Self {
         self.body = BodyPart::Ignored;
-        self
+        self.retagged()
     }
 
     /// The body counts by its meaning as JSON, not its bytes: key order, whitespace, escapes
@@ -173,7 +189,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn json_body(mut self) -> Self {
         self.body = BodyPart::Json(JsonMembers::All);
-        self
+        self.retagged()
     }
 
     /// As [`json_body`](Self::json_body), but only the values these JSON Pointers (RFC 6901)
@@ -195,7 +211,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn json_body_only(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
         self.body = BodyPart::Json(JsonMembers::Only(sorted(pointers)));
-        self
+        self.retagged()
     }
 
     /// As [`json_body`](Self::json_body), but the values these JSON Pointers refer to do not
@@ -213,7 +229,7 @@ impl FingerprintPolicy {
     /// ```
     pub fn json_body_except(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
         self.body = BodyPart::Json(JsonMembers::Except(sorted(pointers)));
-        self
+        self.retagged()
     }
 
     /// The fingerprint of a request with this policy, as the layer computes it: to compute one
@@ -272,8 +288,41 @@ impl FingerprintPolicy {
                 fingerprint.part(value.as_bytes());
             }
         }
-        fingerprint.finish()
+        fingerprint.finish().with_policy(self.tag)
     }
+
+    /// The tag of this policy, kept beside every fingerprint made under it.
+    pub fn tag(&self) -> PolicyTag {
+        self.tag
+    }
+
+    /// This policy with its tag made again from what counts.
+    fn retagged(mut self) -> Self {
+        self.tag = tag_of(self.content_type, &self.headers, &self.body);
+        self
+    }
+}
+
+/// The tag of a policy: every part of it, in a fixed order (headers in the order they count,
+/// pointers sorted).
+fn tag_of(content_type: ContentTypePart, headers: &[HeaderName], body: &BodyPart) -> PolicyTag {
+    let mut description = FingerprintBuilder::default();
+    description.part(POLICY_DESCRIPTION);
+    description.part(match content_type {
+        ContentTypePart::Full => b"content-type",
+        ContentTypePart::MediaType => b"media-type",
+        ContentTypePart::Ignored => b"no-content-type",
+    });
+    match body {
+        BodyPart::Bytes => description.part(b"body-bytes"),
+        BodyPart::Ignored => description.part(b"no-body"),
+        BodyPart::Json(members) => members.describe(&mut description),
+    }
+    description.part(&(headers.len() as u64).to_be_bytes());
+    for name in headers {
+        description.part(name.as_str().as_bytes());
+    }
+    PolicyTag::of(&description.finish())
 }
 
 fn sorted(pointers: impl IntoIterator<Item = JsonPointer>) -> Vec<JsonPointer> {

@@ -279,6 +279,12 @@ mod tests {
                 },
                 10,
             ),
+            (
+                Rejection::PolicyMismatch {
+                    status: http::StatusCode::CONFLICT,
+                },
+                10,
+            ),
             (Rejection::StoreUnavailable, 14),
             (Rejection::Overloaded, 14),
             (Rejection::UnreadableRecord, 13),

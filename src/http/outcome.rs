@@ -47,6 +47,9 @@ pub enum RequestOutcome {
     InFlight,
     /// The key was used with a different request.
     Mismatch,
+    /// The key's record was stored under another fingerprint policy: the two requests cannot
+    /// be compared, and nothing was replayed or run.
+    PolicyMismatch,
     /// The key ran before, but its response was not stored: it is not replayable.
     NotStored,
     /// Refused before the store was asked: no key, an invalid key, no scope, a body too large
@@ -67,7 +70,7 @@ pub enum RequestOutcome {
 
 impl RequestOutcome {
     /// The outcome's name, as metrics and the request span spell it: `executed`, `replayed`,
-    /// `in_flight`, `mismatch`, `not_stored`, `rejected`, `store_error`, `fenced`,
+    /// `in_flight`, `mismatch`, `policy_mismatch`, `not_stored`, `rejected`, `store_error`, `fenced`,
     /// `fail_open`, `overloaded`, `unreadable`.
     pub fn as_str(self) -> &'static str {
         self.counted().as_str()
@@ -80,6 +83,7 @@ impl RequestOutcome {
             RequestOutcome::Replayed => Outcome::Replayed,
             RequestOutcome::InFlight => Outcome::InFlight,
             RequestOutcome::Mismatch => Outcome::Mismatch,
+            RequestOutcome::PolicyMismatch => Outcome::PolicyMismatch,
             RequestOutcome::NotStored => Outcome::NotStored,
             RequestOutcome::Rejected => Outcome::Rejected,
             RequestOutcome::StoreError => Outcome::StoreError,
@@ -92,11 +96,12 @@ impl RequestOutcome {
 
     /// The outcome a request ended with, if `counted` is one (`Waited` is counted besides).
     fn of(counted: Outcome) -> Option<Self> {
-        const ALL: [RequestOutcome; 11] = [
+        const ALL: [RequestOutcome; 12] = [
             RequestOutcome::Executed,
             RequestOutcome::Replayed,
             RequestOutcome::InFlight,
             RequestOutcome::Mismatch,
+            RequestOutcome::PolicyMismatch,
             RequestOutcome::NotStored,
             RequestOutcome::Rejected,
             RequestOutcome::StoreError,
@@ -134,6 +139,7 @@ mod tests {
             Outcome::Replayed,
             Outcome::InFlight,
             Outcome::Mismatch,
+            Outcome::PolicyMismatch,
             Outcome::NotStored,
             Outcome::Rejected,
             Outcome::StoreError,

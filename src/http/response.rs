@@ -61,6 +61,16 @@ pub enum Rejection {
         /// The status sent.
         status: StatusCode,
     },
+    /// The status of [`Mismatch`](Rejection::Mismatch): the key's record was stored under
+    /// another fingerprint policy than the endpoint's now (its policy changed since, during a
+    /// roll-out say, or the key was used on an endpoint with another policy), so this request
+    /// cannot be compared with the stored one. Nothing was replayed or run; the operation ran
+    /// once under that key. Do not send it again under a new key without knowing that it must
+    /// run again: look its outcome up by other means.
+    PolicyMismatch {
+        /// The status sent.
+        status: StatusCode,
+    },
     /// 503 with `Retry-After`: the store did not answer; nothing was run.
     StoreUnavailable,
     /// 500: the store holds something at this key that cannot be read; nothing was run.
@@ -109,6 +119,7 @@ impl Rejection {
             Rejection::BodyUnreadable => RejectionKind::BodyUnreadable,
             Rejection::InFlight { .. } => RejectionKind::InFlight,
             Rejection::Mismatch { .. } => RejectionKind::Mismatch,
+            Rejection::PolicyMismatch { .. } => RejectionKind::PolicyMismatch,
             Rejection::StoreUnavailable => RejectionKind::StoreUnavailable,
             Rejection::UnreadableRecord => RejectionKind::UnreadableRecord,
             Rejection::Overloaded => RejectionKind::Overloaded,
@@ -128,7 +139,7 @@ impl Rejection {
             }
             Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Rejection::InFlight { .. } => StatusCode::CONFLICT,
-            Rejection::Mismatch { status } => *status,
+            Rejection::Mismatch { status } | Rejection::PolicyMismatch { status } => *status,
             Rejection::StoreUnavailable | Rejection::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
                 StatusCode::INTERNAL_SERVER_ERROR
@@ -147,6 +158,7 @@ impl Rejection {
             Rejection::BodyUnreadable => "BodyUnreadable",
             Rejection::InFlight { .. } => "InFlight",
             Rejection::Mismatch { .. } => "Mismatch",
+            Rejection::PolicyMismatch { .. } => "PolicyMismatch",
             Rejection::StoreUnavailable => "StoreUnavailable",
             Rejection::UnreadableRecord => "UnreadableRecord",
             Rejection::Overloaded => "Overloaded",
@@ -172,6 +184,7 @@ impl Rejection {
             Rejection::BodyUnreadable => "Request body unreadable",
             Rejection::InFlight { .. } => "Request with this Idempotency-Key is in progress",
             Rejection::Mismatch { .. } => "Idempotency-Key reused with a different request",
+            Rejection::PolicyMismatch { .. } => "Idempotency-Key stored under another fingerprint policy",
             Rejection::StoreUnavailable => "Idempotency store unavailable",
             Rejection::UnreadableRecord => "Stored record unreadable",
             Rejection::Overloaded => "Too many requests in progress",
@@ -213,6 +226,12 @@ impl Rejection {
             Rejection::Mismatch { .. } => "This Idempotency-Key was used with a different request \
                 (method, host, path, query, Content-Type or body). Use a new key for a new request."
                 .into(),
+            Rejection::PolicyMismatch { .. } => "A request with this Idempotency-Key was processed under \
+                another fingerprint policy (the server changed which parts of a request count), so this \
+                request cannot be compared with it, and its response is not replayed. It will not be \
+                processed again with this key: look up its outcome, and use a new key only for a \
+                request that must run again."
+                .into(),
             Rejection::StoreUnavailable => {
                 "The idempotency store did not answer; the request was not processed. Retry with the same key.".into()
             }
@@ -252,6 +271,7 @@ impl Rejection {
     /// |---|---|
     /// | `in_flight` | `InFlight` |
     /// | `mismatch` | `Mismatch` |
+    /// | `policy_mismatch` | `PolicyMismatch` |
     /// | `not_replayable` | `ResponseNotStored`, `HandlerTimedOut` (its key kept) |
     /// | `released` | `HandlerPanicked`, `HandlerTimedOut` on a layer that releases such keys |
     /// | `store_unavailable` | `StoreUnavailable` |
@@ -284,6 +304,7 @@ impl Rejection {
             Rejection::InvalidKey(_) => "invalid",
             Rejection::InFlight { .. } => "in_flight",
             Rejection::Mismatch { .. } => "mismatch",
+            Rejection::PolicyMismatch { .. } => "policy_mismatch",
             Rejection::StoreUnavailable => "store_unavailable",
             Rejection::UnreadableRecord => "unreadable",
             Rejection::HandlerPanicked => "released",
@@ -309,6 +330,7 @@ impl Rejection {
             | Rejection::InvalidKey(_)
             | Rejection::BodyTooLarge { .. }
             | Rejection::Mismatch { .. }
+            | Rejection::PolicyMismatch { .. }
             | Rejection::UnreadableRecord
             | Rejection::MissingScope
             | Rejection::ResponseNotStored { .. }
@@ -437,7 +459,7 @@ impl Rejection {
     /// | `MissingKey`, `InvalidKey` | 3 `INVALID_ARGUMENT` |
     /// | `BodyTooLarge` | 8 `RESOURCE_EXHAUSTED` |
     /// | `BodyUnreadable` | 1 `CANCELLED` |
-    /// | `InFlight`, `Mismatch` | 10 `ABORTED` |
+    /// | `InFlight`, `Mismatch`, `PolicyMismatch` | 10 `ABORTED` |
     /// | `StoreUnavailable`, `Overloaded` | 14 `UNAVAILABLE` |
     /// | `UnreadableRecord`, `HandlerPanicked`, `MissingScope` | 13 `INTERNAL` |
     /// | `ResponseNotStored` | 9 `FAILED_PRECONDITION` |
@@ -457,7 +479,9 @@ impl Rejection {
             // The request stream did not arrive whole: nearly always a client that went away,
             // which gRPC servers report as CANCELLED.
             Rejection::BodyUnreadable => code::CANCELLED,
-            Rejection::InFlight { .. } | Rejection::Mismatch { .. } => code::ABORTED,
+            Rejection::InFlight { .. } | Rejection::Mismatch { .. } | Rejection::PolicyMismatch { .. } => {
+                code::ABORTED
+            }
             Rejection::StoreUnavailable | Rejection::Overloaded => code::UNAVAILABLE,
             Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
                 code::INTERNAL
@@ -575,6 +599,9 @@ mod tests {
             },
             Rejection::Mismatch {
                 status: StatusCode::UNPROCESSABLE_ENTITY,
+            },
+            Rejection::PolicyMismatch {
+                status: StatusCode::CONFLICT,
             },
             Rejection::StoreUnavailable,
             Rejection::UnreadableRecord,

@@ -271,25 +271,30 @@ where
 {
     async move {
         // Whether this is a gRPC call (its rejections must speak gRPC) is looked up where it is
-        // needed, not kept across the awaits: that byte would cost this state 16.
-        let reject = |outcome: Outcome, rejection: Rejection| {
-            let named = coordinator.named();
-            telemetry::finish(&span, outcome, named);
-            let response = rejection.respond(&config.key_header, is_grpc(&parts.headers), named);
-            Step::Done(Ok(outcome::mark(response, outcome)))
+        // needed, not kept across the awaits: that byte would cost this state 16. The rejections
+        // of a body are made in a block of their own, which ends before the claim: what it holds
+        // (the closure's references) is then not kept beside the claim's state.
+        let (body, fingerprint) = {
+            let reject = |outcome: Outcome, rejection: Rejection| {
+                let named = coordinator.named();
+                telemetry::finish(&span, outcome, named);
+                let response = rejection.respond(&config.key_header, is_grpc(&parts.headers), named);
+                Step::Done(Ok(outcome::mark(response, outcome)))
+            };
+            let too_large = Rejection::BodyTooLarge {
+                limit: config.body_limit,
+            };
+            if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
+                return reject(Outcome::Rejected, too_large);
+            }
+            let body = match collect_limited(body, config.body_limit).await {
+                Collected::Complete { data, .. } => data,
+                Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
+                Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
+            };
+            let fingerprint = config.fingerprint.fingerprint(&parts, &body);
+            (body, fingerprint)
         };
-        let too_large = Rejection::BodyTooLarge {
-            limit: config.body_limit,
-        };
-        if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-            return reject(Outcome::Rejected, too_large);
-        }
-        let body = match collect_limited(body, config.body_limit).await {
-            Collected::Complete { data, .. } => data,
-            Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
-            Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
-        };
-        let fingerprint = config.fingerprint.fingerprint(&parts, &body);
 
         let mut begun = coordinator.begin_driven(&key, &fingerprint).await;
         // Only a request that found its key in flight looks for a wish to wait: a fresh claim, a
@@ -397,6 +402,10 @@ where
         Ok(Begin::Mismatch) => {
             let status = config.mismatch_status;
             return reject(Outcome::Mismatch, Rejection::Mismatch { status });
+        }
+        Ok(Begin::PolicyMismatch) => {
+            let status = config.mismatch_status;
+            return reject(Outcome::PolicyMismatch, Rejection::PolicyMismatch { status });
         }
         Err(Error::Store(StoreError::Corrupt(reason))) => {
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");

@@ -52,7 +52,11 @@ pub trait Store: Send + Sync + 'static {
     ///   answer [`ClaimOutcome::Claimed`];
     /// - in flight for `owner` itself (a claim sent twice): renew the lease and answer `Claimed`,
     ///   so a claim re-sent after a dropped connection never conflicts with itself;
-    /// - a different fingerprint: answer [`ClaimOutcome::Mismatch`];
+    /// - a different fingerprint: answer [`ClaimOutcome::Mismatch`], or
+    ///   [`ClaimOutcome::PolicyMismatch`] when the record's fingerprint was made under another
+    ///   policy: keep the fingerprint's [`policy`](Fingerprint::policy) tag beside it, and answer
+    ///   [`ClaimOutcome::mismatch`] (a store that keeps no tag answers the plain mismatch, and its
+    ///   clients are not told that a policy change is the cause);
     /// - in flight for another owner: answer [`ClaimOutcome::InFlight`] with the lease left;
     /// - completed: answer [`ClaimOutcome::Completed`] with the payload.
     fn claim<'a>(
@@ -102,7 +106,8 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Answers a claim from a copy this process already holds, with no round trip:
-    /// `Some(`[`ClaimOutcome::Completed`]`)` or `Some(`[`ClaimOutcome::Mismatch`]`)` for a
+    /// `Some(`[`ClaimOutcome::Completed`]`)` or `Some(`[`ClaimOutcome::Mismatch`]`)` (or
+    /// [`PolicyMismatch`](ClaimOutcome::PolicyMismatch)) for a
     /// completed record held in a local cache, `None` to ask the store with
     /// [`claim`](Store::claim) (which does not look in the cache again).
     ///
@@ -117,7 +122,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Reports what [`claim`](Store::claim) would find at `key`, without claiming it: the answer
     /// a claim would give for the record there ([`ClaimOutcome::Completed`],
-    /// [`ClaimOutcome::InFlight`] or [`ClaimOutcome::Mismatch`]), or `None` when there is no live
+    /// [`ClaimOutcome::InFlight`], [`ClaimOutcome::Mismatch`] or
+    /// [`ClaimOutcome::PolicyMismatch`]), or `None` when there is no live
     /// record. One round trip, and nothing written.
     ///
     /// [`Coordinator`](crate::Coordinator) asks this instead of `claim` when it may not take new

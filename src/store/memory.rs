@@ -441,7 +441,9 @@ impl Store for MemoryStore {
                     records.set_expiry(digest, now + lease);
                     Ok(ClaimOutcome::Claimed)
                 }
-                _ if entry.fingerprint != *fingerprint => Ok(ClaimOutcome::Mismatch),
+                _ if entry.fingerprint != *fingerprint => {
+                    Ok(ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy()))
+                }
                 State::InFlight { .. } => Ok(ClaimOutcome::InFlight {
                     lease_left: entry.expires_at - now,
                 }),
@@ -469,7 +471,9 @@ impl Store for MemoryStore {
         }
         match &entry.state {
             State::InFlight { .. } => None,
-            State::Completed { .. } if entry.fingerprint != *fingerprint => Some(ClaimOutcome::Mismatch),
+            State::Completed { .. } if entry.fingerprint != *fingerprint => {
+                Some(ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy()))
+            }
             State::Completed { payload, .. } => Some(ClaimOutcome::Completed(payload.clone())),
         }
     }
@@ -482,7 +486,9 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut records = self.lock();
         let found = records.live(key.digest(), now).map(|entry| match &entry.state {
-            _ if entry.fingerprint != *fingerprint => ClaimOutcome::Mismatch,
+            _ if entry.fingerprint != *fingerprint => {
+                ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy())
+            }
             State::InFlight { .. } => ClaimOutcome::InFlight {
                 lease_left: entry.expires_at - now,
             },

@@ -9,6 +9,7 @@ use bytes::Bytes;
 
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use super::error::StoreError;
+use crate::fingerprint::{Fingerprint, PolicyTag};
 #[cfg(any(feature = "redis", feature = "postgres"))]
 use crate::key::RecordKey;
 
@@ -28,9 +29,17 @@ use crate::key::RecordKey;
 /// this version too.
 ///
 /// ```
-/// assert_eq!(tower_idempotency::RECORD_VERSION, 2);
+/// assert_eq!(tower_idempotency::RECORD_VERSION, 3);
 /// ```
-pub const RECORD_VERSION: u32 = 2;
+///
+/// Layout 3 added the fingerprint's [`PolicyTag`] (8 bytes; Redis: after the fingerprint;
+/// PostgreSQL: in the `fingerprint` column, after the digest). This release reads layout 2's
+/// records too, as records without a tag.
+pub const RECORD_VERSION: u32 = 3;
+
+/// The layout before policy tags, which this release still reads (its records have none).
+#[cfg(any(feature = "redis", feature = "postgres"))]
+pub(crate) const UNTAGGED_RECORD_VERSION: u32 = 2;
 
 /// What a claim found; see [`Store::claim`](crate::Store::claim) for an example.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,6 +55,35 @@ pub enum ClaimOutcome {
     },
     /// The key was used with a different fingerprint.
     Mismatch,
+    /// The key was used with a different fingerprint, made under another fingerprint policy:
+    /// both fingerprints carry a [`PolicyTag`] and the tags differ (the endpoint's policy
+    /// changed since the record was stored, or the key was used on an endpoint with another
+    /// policy). The two requests cannot be compared; the stored one is never replayed.
+    PolicyMismatch,
+}
+
+impl ClaimOutcome {
+    /// What a store answers for a record whose fingerprint differs from `fingerprint`, the
+    /// record's kept with the tag `stored`: [`PolicyMismatch`](Self::PolicyMismatch) when both
+    /// carry a tag and the tags differ, else [`Mismatch`](Self::Mismatch) (a record stored
+    /// without a tag, by an earlier release, stays a plain mismatch).
+    ///
+    /// ```
+    /// use tower_idempotency::{ClaimOutcome, Fingerprint, PolicyTag};
+    /// let v1 = PolicyTag::new([b"v1".as_slice()]);
+    /// let v2 = PolicyTag::new([b"v2".as_slice()]);
+    /// let request = Fingerprint::new([b"body".as_slice()]).with_policy(v2);
+    /// assert_eq!(ClaimOutcome::mismatch(&request, Some(v1)), ClaimOutcome::PolicyMismatch);
+    /// assert_eq!(ClaimOutcome::mismatch(&request, Some(v2)), ClaimOutcome::Mismatch);
+    /// assert_eq!(ClaimOutcome::mismatch(&request, None), ClaimOutcome::Mismatch);
+    /// ```
+    pub fn mismatch(fingerprint: &Fingerprint, stored: Option<PolicyTag>) -> Self {
+        if fingerprint.policy_differs(stored) {
+            Self::PolicyMismatch
+        } else {
+            Self::Mismatch
+        }
+    }
 }
 
 /// The state of a record, for operators.

@@ -14,7 +14,9 @@
 //! [`conformance`] panics, listing every rule the store broke and why; [`check`] answers the
 //! same as a [`Report`], for a caller that wants to look at it. Each rule is named in
 //! [`RULES`]; together they cover every transition of the record's two states (claim, complete,
-//! release, renew, purge, and the lapse of a lease or of a retention), the owner checks,
+//! release, renew, purge, and the lapse of a lease or of a retention; every transition of the
+//! model in the crate's `tests/model/store.rs`, a completion of a completed record included),
+//! the owner checks, a mismatch's reason (another request, or another fingerprint policy),
 //! concurrent claims, the waiting methods (`claim_waiting`, `watch`), the optional ones
 //! (`peek`, `cached`, `in_flight`), and the error contract (a question about a key that holds
 //! nothing is answered, not failed).

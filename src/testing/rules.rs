@@ -14,9 +14,10 @@ use super::listing::{
     watch_wakes_on_every_settling,
 };
 use super::support::{
-    answer, claim, complete, completed, ensure, fingerprint, first_claim, Outcome, Run, Verdict, LEASE,
-    RETENTION,
+    answer, claim, claim_with, complete, completed, ensure, fingerprint, first_claim, Outcome, Run, Verdict,
+    LEASE, RETENTION,
 };
+use crate::fingerprint::PolicyTag;
 use crate::store::{ClaimOutcome, OwnerToken, RecordState, Store};
 
 /// What a rule's check is: a store in, a verdict out.
@@ -63,7 +64,9 @@ pub const RULES: &[Rule] = &[
     rule!(claim_then_in_flight_then_completed, "a claim takes a free key; another owner then finds it in flight with the lease left, and the payload once it is completed"),
     rule!(a_claim_sent_twice_does_not_conflict_with_itself, "a claim or a completion re-sent by the same owner succeeds again"),
     rule!(a_different_fingerprint_is_a_mismatch_in_either_state, "another fingerprint under a key in flight or completed is a mismatch"),
+    rule!(a_fingerprint_of_another_policy_says_so, "another fingerprint made under another policy tag is a policy mismatch, in either state; the same tag, or a record or request without one, a plain mismatch; a tag never stops a replay"),
     rule!(transitions_are_owner_checked, "complete, release and renew by anyone but the owner answer false and change nothing; a completed record can be neither released nor renewed"),
+    rule!(a_completed_record_never_changes, "a completion of a completed record answers true for its owner (sent again) and false for anyone else, and leaves the stored payload as it was"),
     rule!(release_lets_the_next_claim_in, "a release deletes the record, and the key then takes any request"),
     rule!(an_expired_lease_frees_the_key_and_fences_the_old_owner, "a lapsed lease frees the key, and the old owner can then neither complete, release nor renew"),
     rule!(renew_extends_the_lease, "a renewal extends the lease from now"),
@@ -155,6 +158,74 @@ async fn a_different_fingerprint_is_a_mismatch_in_either_state(run: Run, store: 
     Ok(true)
 }
 
+async fn a_fingerprint_of_another_policy_says_so(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, other) = (
+        &*store,
+        run.key("policy"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    let (v1, v2) = (
+        PolicyTag::new([b"kit-policy-1".as_slice()]),
+        PolicyTag::new([b"kit-policy-2".as_slice()]),
+    );
+    let one = fingerprint("one").with_policy(v1);
+    let claimed = claim_with(s, &k, &one, &a, LEASE).await?;
+    ensure!(
+        claimed == ClaimOutcome::Claimed,
+        "the first claim of a free key answered {claimed:?}"
+    );
+    // Each of these, in flight and once completed: (what a claim presents, what it must find).
+    let differing = [
+        (
+            fingerprint("two").with_policy(v2),
+            ClaimOutcome::PolicyMismatch,
+            "another fingerprint under another policy",
+        ),
+        (
+            fingerprint("two").with_policy(v1),
+            ClaimOutcome::Mismatch,
+            "another fingerprint under the same policy",
+        ),
+        (
+            fingerprint("two"),
+            ClaimOutcome::Mismatch,
+            "another fingerprint without a policy",
+        ),
+    ];
+    for state in ["in flight", "completed"] {
+        for (presented, expected, what) in &differing {
+            let found = claim_with(s, &k, presented, &other, LEASE).await?;
+            ensure!(
+                found == *expected,
+                "{what}, under a key {state} (stored under a policy), answered {found:?}, not {expected:?}"
+            );
+        }
+        if state == "in flight" {
+            completed(s, &k, &a, b"result", RETENTION).await?;
+        }
+    }
+    let replay = claim_with(s, &k, &fingerprint("one").with_policy(v2), &other, LEASE).await?;
+    ensure!(
+        replay == ClaimOutcome::Completed(Bytes::from_static(b"result")),
+        "the same fingerprint under another policy's tag answered {replay:?}, not the replay (a tag explains a difference, it never makes one)"
+    );
+    let peeked = answer(s.peek(&k, &fingerprint("two").with_policy(v2)).await, "peek")?;
+    ensure!(
+        peeked.is_none() || peeked == Some(ClaimOutcome::PolicyMismatch),
+        "a peek with another fingerprint under another policy answered {peeked:?}"
+    );
+    // A record stored without a tag (by an earlier release, say) stays a plain mismatch.
+    let (untagged, b) = (run.key("policy-untagged"), OwnerToken::generate());
+    first_claim(s, &untagged, "one", &b, LEASE).await?;
+    let found = claim_with(s, &untagged, &fingerprint("two").with_policy(v2), &other, LEASE).await?;
+    ensure!(
+        found == ClaimOutcome::Mismatch,
+        "another fingerprint under a policy, at a key stored without one, answered {found:?}, not a plain mismatch"
+    );
+    Ok(true)
+}
+
 async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k, a, intruder) = (
         &*store,
@@ -197,6 +268,34 @@ async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outco
     ensure!(
         after == ClaimOutcome::Completed(Bytes::from_static(b"good")),
         "the completed record then answered {after:?}, not the owner's payload"
+    );
+    Ok(true)
+}
+
+async fn a_completed_record_never_changes(run: Run, store: Arc<dyn Store>) -> Outcome {
+    let (s, k, a, intruder) = (
+        &*store,
+        run.key("settled"),
+        OwnerToken::generate(),
+        OwnerToken::generate(),
+    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
+    completed(s, &k, &a, b"first", RETENTION).await?;
+    // A completion re-sent by its owner (its answer lost, a background retry) with another
+    // payload, say a response re-encoded: done already, and the record stays as it was.
+    ensure!(
+        complete(s, &k, &a, b"second", RETENTION).await?,
+        "the owner's completion of its completed record answered false"
+    );
+    // Anyone else's (a lapsed owner whose key was claimed and completed since): refused.
+    ensure!(
+        !complete(s, &k, &intruder, b"evil", RETENTION).await?,
+        "another owner's completion of a completed record answered true"
+    );
+    let replay = claim(s, &k, "body", &intruder, LEASE).await?;
+    ensure!(
+        replay == ClaimOutcome::Completed(Bytes::from_static(b"first")),
+        "after completions sent again, the record replayed {replay:?}, not the first payload"
     );
     Ok(true)
 }

@@ -88,7 +88,18 @@ pub(super) async fn claim(
     owner: &OwnerToken,
     lease: Duration,
 ) -> Result<ClaimOutcome, String> {
-    answer(store.claim(key, &fingerprint(body), owner, lease).await, "claim")
+    claim_with(store, key, &fingerprint(body), owner, lease).await
+}
+
+/// A claim presenting `fingerprint` as it is (a policy tag, say).
+pub(super) async fn claim_with(
+    store: &dyn Store,
+    key: &RecordKey,
+    fingerprint: &Fingerprint,
+    owner: &OwnerToken,
+    lease: Duration,
+) -> Result<ClaimOutcome, String> {
+    answer(store.claim(key, fingerprint, owner, lease).await, "claim")
 }
 
 pub(super) async fn complete(

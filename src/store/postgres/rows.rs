@@ -8,10 +8,19 @@ use sqlx::postgres::PgRow;
 use sqlx::Row;
 
 use super::sql::{COMPLETED, IN_FLIGHT};
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, PolicyTag};
 use crate::key::RecordKey;
 use crate::store::error::StoreError;
-use crate::store::record::{newer_record, ClaimOutcome, OwnerToken, RECORD_VERSION};
+use crate::store::record::{newer_record, ClaimOutcome, OwnerToken, RECORD_VERSION, UNTAGGED_RECORD_VERSION};
+
+/// The `fingerprint` column of a row this release writes: the digest, then the policy tag
+/// (eight zeros for none). Layout 2's rows hold the digest alone.
+pub(super) fn fingerprint_column(fingerprint: &Fingerprint) -> [u8; 40] {
+    let mut column = [0; 40];
+    column[..32].copy_from_slice(fingerprint.as_bytes());
+    column[32..].copy_from_slice(&PolicyTag::stored(fingerprint.policy()));
+    column
+}
 
 /// How often a statement that lost a race to a concurrent one (see [`Sql::claim`](super::sql::Sql::claim)) is sent again.
 pub(super) const RACE_ATTEMPTS: usize = 3;
@@ -129,14 +138,22 @@ impl Found {
     /// The row's fields checked for what this release writes.
     pub(super) fn checked(&self) -> Result<(), StoreError> {
         let corrupt = |why: &str| Err(StoreError::Corrupt(why.to_owned()));
-        if self.version != RECORD_VERSION as i16 {
+        let fingerprint_len = match u32::try_from(self.version) {
+            Ok(RECORD_VERSION) => 40,
+            Ok(UNTAGGED_RECORD_VERSION) => 32,
+            _ => {
+                return corrupt(&format!(
+                "record layout version {}, this release reads {UNTAGGED_RECORD_VERSION} and {RECORD_VERSION}",
+                self.version
+            ))
+            }
+        };
+        if self.fingerprint.len() != fingerprint_len {
             return corrupt(&format!(
-                "record layout version {}, this release reads {RECORD_VERSION}",
+                "a fingerprint of {} bytes in layout {}, which has {fingerprint_len}",
+                self.fingerprint.len(),
                 self.version
             ));
-        }
-        if self.fingerprint.len() != 32 {
-            return corrupt("a fingerprint that is not 32 bytes");
         }
         match (self.state.as_str(), &self.payload) {
             (IN_FLIGHT, None) | (COMPLETED, Some(_)) => Ok(()),
@@ -144,6 +161,12 @@ impl Found {
             (COMPLETED, None) => corrupt("a completed record without a payload"),
             _ => corrupt("unknown record state"),
         }
+    }
+
+    /// The policy tag kept after the digest, if the row has one (layout 2's have none).
+    fn policy(&self) -> Option<PolicyTag> {
+        let tag: [u8; 8] = self.fingerprint.get(32..40)?.try_into().ok()?;
+        PolicyTag::from_bytes(tag)
     }
 
     pub(super) fn is_newer(&self) -> bool {
@@ -167,8 +190,8 @@ impl Found {
         Ok(
             if in_flight && owner.is_some_and(|owner| owner.as_str() == self.owner) {
                 ClaimOutcome::Claimed
-            } else if self.fingerprint != fingerprint.as_bytes() {
-                ClaimOutcome::Mismatch
+            } else if self.fingerprint.get(..32) != Some(&fingerprint.as_bytes()[..]) {
+                ClaimOutcome::mismatch(fingerprint, self.policy())
             } else if in_flight {
                 ClaimOutcome::InFlight {
                     lease_left: self.left.min(lease),
@@ -188,10 +211,20 @@ mod tests {
 
     fn found() -> impl Strategy<Value = Found> {
         (
-            prop_oneof![Just(RECORD_VERSION as i16), any::<i16>()],
+            prop_oneof![
+                Just(RECORD_VERSION as i16),
+                Just(UNTAGGED_RECORD_VERSION as i16),
+                any::<i16>()
+            ],
             prop_oneof!["[a-z0-9-]{1,20}@1764115200000", "[a-z]{0,8}"],
             prop_oneof![Just(IN_FLIGHT.to_owned()), Just(COMPLETED.to_owned()), ".{0,2}"],
-            prop_oneof![Just(vec![7u8; 32]), proptest::collection::vec(any::<u8>(), 0..40)],
+            prop_oneof![
+                Just(vec![7u8; 32]),
+                Just([[7u8; 32].as_slice(), b"policy-1"].concat()),
+                Just([[7u8; 32].as_slice(), b"policy-2"].concat()),
+                Just([[7u8; 32].as_slice(), &[0; 8]].concat()),
+                proptest::collection::vec(any::<u8>(), 0..48)
+            ],
             proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)),
             0u64..100_000,
         )
@@ -215,15 +248,20 @@ mod tests {
         #[test]
         fn a_row_is_answered_as_it_says_or_refused(row in found(), mine in any::<bool>(), same in any::<bool>()) {
             let key = RecordKey::new(None, IdempotencyKey::parse("k").unwrap());
-            let request = Fingerprint::from_digest(if same { [7; 32] } else { [8; 32] });
+            let request = Fingerprint::from_digest(if same { [7; 32] } else { [8; 32] })
+                .with_policy(PolicyTag::from_bytes(*b"policy-1").unwrap());
             let owner = OwnerToken::from_string(if mine { row.owner.clone() } else { "other".to_owned() });
             let lease = Duration::from_secs(30);
             let (version, state, payload) = (row.version, row.state.clone(), row.payload.clone());
-            let valid = version == RECORD_VERSION as i16
-                && row.fingerprint.len() == 32
+            let tagged = version == RECORD_VERSION as i16;
+            let valid = (tagged || version == UNTAGGED_RECORD_VERSION as i16)
+                && row.fingerprint.len() == if tagged { 40 } else { 32 }
                 && matches!((state.as_str(), &payload), (IN_FLIGHT, None) | (COMPLETED, Some(_)));
-            let matches = row.fingerprint == request.as_bytes();
+            let matches = row.fingerprint.get(..32) == Some(&request.as_bytes()[..]);
+            // Stored under another policy's tag: eight bytes, not zeros, not the request's.
+            let other_policy = tagged && row.fingerprint.get(32..).is_some_and(|tag| tag != b"policy-1" && tag != [0; 8]);
             let owned = mine && row.owner != "other";
+            let differs = valid && !matches && !(state == IN_FLIGHT && owned);
             let left = row.left;
             match row.outcome(&key, &request, Some(&owner), lease) {
                 Ok(ClaimOutcome::Completed(replayed)) => {
@@ -231,7 +269,8 @@ mod tests {
                     prop_assert_eq!(Some(replayed.to_vec()), payload);
                 }
                 Ok(ClaimOutcome::Claimed) => prop_assert!(valid && state == IN_FLIGHT && owned),
-                Ok(ClaimOutcome::Mismatch) => prop_assert!(valid && !matches && !(state == IN_FLIGHT && owned)),
+                Ok(ClaimOutcome::Mismatch) => prop_assert!(differs && !other_policy),
+                Ok(ClaimOutcome::PolicyMismatch) => prop_assert!(differs && other_policy),
                 Ok(ClaimOutcome::InFlight { lease_left }) => {
                     if version > RECORD_VERSION as i16 {
                         prop_assert_eq!(lease_left, Duration::from_secs(1));

@@ -147,7 +147,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     version     smallint NOT NULL,
     -- The claim's owner token: every transition but the claim checks it.
     owner       text NOT NULL,
-    -- SHA-256 of the request (method, authority, path and query, content type, body).
+    -- SHA-256 of the request (method, authority, path and query, content type, body), then
+    -- (layout 3) the 8-byte tag of the fingerprint policy it was made under, zeros for none.
     fingerprint bytea NOT NULL,
     -- 'F' in flight, 'C' completed.
     state       text NOT NULL,

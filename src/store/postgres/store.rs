@@ -11,7 +11,9 @@ use sqlx::query::Query;
 use sqlx::Postgres;
 
 use super::connections::Connections;
-use super::rows::{column, completed, failed, interval, is_race, unavailable, Found, Race, RACE_ATTEMPTS};
+use super::rows::{
+    column, completed, failed, fingerprint_column, interval, is_race, unavailable, Found, Race, RACE_ATTEMPTS,
+};
 use super::sql::{migration_sql, valid_table_name, Sql, IN_FLIGHT};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
@@ -19,6 +21,7 @@ use crate::store::contract::{Store, StoreFuture};
 use crate::store::error::StoreError;
 use crate::store::record::{
     ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState, RECORD_VERSION,
+    UNTAGGED_RECORD_VERSION,
 };
 
 const DEFAULT_TABLE: &str = "idempotency_records";
@@ -377,11 +380,12 @@ impl PostgresStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let stored_fingerprint = fingerprint_column(fingerprint);
         let statement = sqlx::query(&self.sql.claim)
             .bind(&key.digest()[..])
             .bind(RECORD_VERSION as i16)
             .bind(owner.as_str())
-            .bind(&fingerprint.as_bytes()[..])
+            .bind(&stored_fingerprint[..])
             .bind(interval(lease));
         let row = self.fetch_one(statement).await?;
         if column::<bool>(&row, "claimed")? {
@@ -562,7 +566,7 @@ impl Store for PostgresStore {
                     let Ok(digest) = <[u8; 32]>::try_from(key.as_slice()) else {
                         continue;
                     };
-                    if version != RECORD_VERSION as i16 {
+                    if version != RECORD_VERSION as i16 && version != UNTAGGED_RECORD_VERSION as i16 {
                         tracing::debug!(version, "not listed: a record in another layout");
                         continue;
                     }

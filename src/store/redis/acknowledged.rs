@@ -115,6 +115,7 @@ impl RedisStore {
                     Value::Bytes(record.clone()),
                     millis(lease),
                     Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
+                    Value::Bytes(Bytes::from_static(&record::UNTAGGED_LAYOUT_PREFIX)),
                 ];
                 ScriptCall::new(text, Value::from(redis_key.clone()), &args, false).into_parts()
             }

@@ -52,7 +52,7 @@ impl RedisStore {
             // This claim, re-sent by the client library after a dropped connection.
             ClaimOutcome::Claimed
         } else if found.fingerprint != *fingerprint.as_bytes() {
-            ClaimOutcome::Mismatch
+            ClaimOutcome::mismatch(fingerprint, found.policy)
         } else if found.state == record::IN_FLIGHT {
             ClaimOutcome::InFlight {
                 lease_left: found.time_left.min(lease),
@@ -60,7 +60,8 @@ impl RedisStore {
         } else {
             if let (Some(cache), Some(epoch)) = (&self.cache, epoch) {
                 let payload = found.payload.clone();
-                cache.insert(epoch, *key.digest(), found.fingerprint, payload, found.time_left);
+                let stored = found.stored_fingerprint();
+                cache.insert(epoch, *key.digest(), stored, payload, found.time_left);
                 self.bound_copy(cache, key);
             }
             ClaimOutcome::Completed(found.payload)
@@ -145,6 +146,7 @@ impl RedisStore {
                 Value::Bytes(record),
                 millis(lease),
                 Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
+                Value::Bytes(Bytes::from_static(&record::UNTAGGED_LAYOUT_PREFIX)),
             ];
             return self.run_on(client, &WAIT, key, &args).await;
         }
@@ -194,10 +196,11 @@ impl RedisStore {
             Ok(value) => {
                 let start = into_bytes(value).unwrap_or_default();
                 // A record: up to the end of its owner, which a completion since leaves as it is.
-                let owner_ends = (start.starts_with(&record::LAYOUT_PREFIX))
-                    .then(|| record::head_len(&start).map(|len| len - 9))
-                    .flatten()
-                    .filter(|&end| end <= start.len());
+                let owner_ends = (start.starts_with(&record::LAYOUT_PREFIX)
+                    || start.starts_with(&record::UNTAGGED_LAYOUT_PREFIX))
+                .then(|| record::head_len(&start).map(|len| len - 9))
+                .flatten()
+                .filter(|&end| end <= start.len());
                 (
                     "string",
                     owner_ends.map_or(start.clone(), |end| start.slice(..end)),
@@ -250,10 +253,10 @@ impl RedisStore {
 impl Store for RedisStore {
     fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
         let copy = self.cache.as_deref()?.get(key.digest())?;
-        Some(if copy.fingerprint == *fingerprint.as_bytes() {
+        Some(if copy.fingerprint == *fingerprint {
             ClaimOutcome::Completed(copy.payload)
         } else {
-            ClaimOutcome::Mismatch
+            ClaimOutcome::mismatch(fingerprint, copy.fingerprint.policy())
         })
     }
 

@@ -455,9 +455,11 @@ pub(super) fn found(answer: Option<&Bytes>, head: &[u8], expected: &[u8], writte
 
 /// `record` (this owner's, starting with its `head`) with its state and deadline replaced by
 /// `state` (a state byte and a deadline, [`record::state_until`]) and `payload` after the
-/// fingerprint: what the scripts write in place, as one new value.
+/// fingerprint and its policy tag: what the scripts write in place, as one new value.
 pub(super) fn rewritten(record: &Bytes, head_len: usize, state: &[u8], payload: &[u8]) -> Bytes {
-    let fingerprint = record.get(head_len + 9..head_len + 9 + 32).unwrap_or_default();
+    let fingerprint = record
+        .get(head_len + 9..head_len + 9 + record::FINGERPRINT_LEN)
+        .unwrap_or_default();
     let mut written = BytesMut::with_capacity(head_len + state.len() + fingerprint.len() + payload.len());
     written.put_slice(&record[..head_len.min(record.len())]);
     written.put_slice(state);
@@ -469,7 +471,9 @@ pub(super) fn rewritten(record: &Bytes, head_len: usize, state: &[u8], payload: 
 /// A completed record of this owner with its retention restarted: `state` (`'C'` and the new
 /// deadline) in place of its own, its payload kept.
 pub(super) fn restarted(record: &Bytes, head_len: usize, state: &[u8]) -> Bytes {
-    let payload = record.get(head_len + 9 + 32..).unwrap_or_default();
+    let payload = record
+        .get(head_len + 9 + record::FINGERPRINT_LEN..)
+        .unwrap_or_default();
     rewritten(record, head_len, state, payload)
 }
 

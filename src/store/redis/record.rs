@@ -2,8 +2,12 @@
 //!
 //! ```text
 //! "TIR" version(u8) | owner length (u16 BE) | owner | state: 'F' in flight, 'C' completed
-//!   | deadline (u64 BE, ms since the Unix epoch) | fingerprint (32 bytes) | payload
+//!   | deadline (u64 BE, ms since the Unix epoch) | fingerprint (32 bytes)
+//!   | policy tag (8 bytes, zeros for none) | payload
 //! ```
+//!
+//! Layout 2, before policy tags, had no tag: this release reads its records (as untagged) and
+//! writes none.
 //!
 //! The head (through the owner) is what the scripts compare, with the state byte after it, to
 //! check ownership. The deadline is the lease's end in flight and the retention's end once
@@ -23,9 +27,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, PolicyTag};
 use crate::store::error::StoreError;
-use crate::store::record::{OwnerToken, RECORD_VERSION};
+use crate::store::record::{OwnerToken, RECORD_VERSION, UNTAGGED_RECORD_VERSION};
 
 const MAGIC: &[u8; 3] = b"TIR";
 pub(super) const IN_FLIGHT: u8 = b'F';
@@ -88,6 +92,25 @@ pub(super) fn keeping_mark(state: &Bytes, record: &[u8], head_len: usize) -> Byt
 /// what `wait.lua` checks before it reads a record's owner length.
 pub(super) const LAYOUT_PREFIX: [u8; 4] = [MAGIC[0], MAGIC[1], MAGIC[2], RECORD_VERSION as u8];
 
+/// The first 4 bytes of a record of layout 2 (an earlier release's, without a policy tag), whose
+/// head, state and deadline are where this layout has them: a waiter marks it too, and a purge
+/// reads its owner.
+pub(super) const UNTAGGED_LAYOUT_PREFIX: [u8; 4] =
+    [MAGIC[0], MAGIC[1], MAGIC[2], UNTAGGED_RECORD_VERSION as u8];
+
+/// What follows the deadline in every record this release writes, before the payload: the
+/// fingerprint and its policy tag.
+pub(super) const FINGERPRINT_LEN: usize = 32 + 8;
+
+/// The bytes after the deadline, before the payload, in a record of layout `version` (2 or 3).
+fn fingerprint_len(version: u8) -> usize {
+    if u32::from(version) == UNTAGGED_RECORD_VERSION {
+        32
+    } else {
+        FINGERPRINT_LEN
+    }
+}
+
 /// A new in-flight record.
 pub(super) fn in_flight(
     owner: &OwnerToken,
@@ -104,10 +127,11 @@ fn in_flight_until(
     deadline: SystemTime,
 ) -> Result<Bytes, StoreError> {
     let head = head(owner)?;
-    let mut record = BytesMut::with_capacity(head.len() + 9 + 32);
+    let mut record = BytesMut::with_capacity(head.len() + 9 + FINGERPRINT_LEN);
     record.put_slice(&head);
     record.put_slice(&state_at(IN_FLIGHT, deadline));
     record.put_slice(fingerprint.as_bytes());
+    record.put_slice(&PolicyTag::stored(fingerprint.policy()));
     Ok(record.freeze())
 }
 
@@ -116,10 +140,23 @@ pub(super) struct Parsed {
     pub(super) state: u8,
     pub(super) owner: Bytes,
     pub(super) fingerprint: [u8; 32],
+    /// The policy the fingerprint was made under, if the record says.
+    pub(super) policy: Option<PolicyTag>,
     /// Time to the deadline by this instance's clock: lease left (in flight) or retention
     /// left (completed).
     pub(super) time_left: Duration,
     pub(super) payload: Bytes,
+}
+
+impl Parsed {
+    /// The stored fingerprint, with its policy tag if the record has one.
+    pub(super) fn stored_fingerprint(&self) -> Fingerprint {
+        let digest = Fingerprint::from_digest(self.fingerprint);
+        match self.policy {
+            Some(policy) => digest.with_policy(policy),
+            None => digest,
+        }
+    }
 }
 
 /// The layout version of a record written by a newer release than this one, if it is one.
@@ -138,6 +175,7 @@ pub(super) fn owner(record: &Bytes) -> Option<&[u8]> {
 /// The state, owner and deadline of a record: what a listing needs, readable from the
 /// record's first [`head_len`] bytes.
 pub(super) struct Head {
+    pub(super) version: u8,
     pub(super) state: u8,
     pub(super) owner: Bytes,
     /// Time to the deadline by this instance's clock.
@@ -166,9 +204,9 @@ fn parse_head_at(record: &Bytes, now: SystemTime) -> Result<Head, String> {
         return Err("the key holds a string that is not a record".into());
     }
     let version = take(3, 1)?[0];
-    if u32::from(version) != RECORD_VERSION {
+    if u32::from(version) != RECORD_VERSION && u32::from(version) != UNTAGGED_RECORD_VERSION {
         return Err(format!(
-            "record layout version {version}, this version reads {RECORD_VERSION}"
+            "record layout version {version}, this version reads {UNTAGGED_RECORD_VERSION} and {RECORD_VERSION}"
         ));
     }
     let owner_len = usize::from(u16::from_be_bytes([take(4, 1)?[0], take(5, 1)?[0]]));
@@ -186,6 +224,7 @@ fn parse_head_at(record: &Bytes, now: SystemTime) -> Result<Head, String> {
     // replay cache keeps a copy, never the record's own expiry (Redis's TTL).
     let time_left = deadline.duration_since(now).unwrap_or_default();
     Ok(Head {
+        version,
         state,
         owner,
         time_left,
@@ -199,18 +238,27 @@ pub(super) fn parse(record: &Bytes) -> Result<Parsed, String> {
 /// [`parse`], its time left counted from `now`.
 fn parse_at(record: &Bytes, now: SystemTime) -> Result<Parsed, String> {
     let Head {
+        version,
         state,
         owner,
         time_left,
     } = parse_head_at(record, now)?;
     let at = 6 + owner.len() + 9;
+    let len = fingerprint_len(version);
+    let fixed = record
+        .get(at..at + len)
+        .ok_or_else(|| "a truncated record".to_string())?;
     let mut fingerprint = [0; 32];
-    fingerprint.copy_from_slice(
-        record
-            .get(at..at + 32)
-            .ok_or_else(|| "a truncated record".to_string())?,
-    );
-    let payload = record.slice(at + 32..);
+    fingerprint.copy_from_slice(&fixed[..32]);
+    let policy = match fixed.get(32..) {
+        Some(tag) if tag.len() == 8 => {
+            let mut bytes = [0; 8];
+            bytes.copy_from_slice(tag);
+            PolicyTag::from_bytes(bytes)
+        }
+        _ => None,
+    };
+    let payload = record.slice(at + len..);
     if state == IN_FLIGHT && !payload.is_empty() {
         return Err("an in-flight record with a payload".into());
     }
@@ -218,6 +266,7 @@ fn parse_at(record: &Bytes, now: SystemTime) -> Result<Parsed, String> {
         state,
         owner,
         fingerprint,
+        policy,
         time_left,
         payload,
     })
@@ -262,10 +311,17 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     // record: encoded again, the state keeps the mark the bytes carry (it was cleared here once,
     // and the fuzzer failed on every waited-for record within seconds).
     let state = keeping_mark(&state_at(parsed.state, deadline), data, 6 + parsed.owner.len());
+    let tag = PolicyTag::stored(parsed.policy);
+    // A record read has its layout's version at its fourth byte: 3, or 2 (no policy tag).
+    let version = data[3];
+    let tagged = u32::from(version) == RECORD_VERSION;
     let encoded: Vec<u8> = match std::str::from_utf8(&parsed.owner) {
-        Ok(owner) => {
+        Ok(owner) if tagged => {
             let owner = OwnerToken::from_string(owner);
-            let fingerprint = Fingerprint::from_digest(parsed.fingerprint);
+            let mut fingerprint = Fingerprint::from_digest(parsed.fingerprint);
+            if let Some(policy) = parsed.policy {
+                fingerprint = fingerprint.with_policy(policy);
+            }
             let fresh = in_flight_until(&owner, &fingerprint, deadline).ok()?;
             let head_len = head(&owner).ok()?.len();
             // What the completion script makes of it: the state and deadline rewritten in
@@ -275,15 +331,17 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
             record.extend_from_slice(&parsed.payload);
             record
         }
-        Err(_) => {
+        // An owner that is not UTF-8 (no token is), or an earlier release's layout (no tag).
+        _ => {
             let owner_len = u16::try_from(parsed.owner.len()).ok()?;
             [
                 &MAGIC[..],
-                &[RECORD_VERSION as u8],
+                &[version],
                 &owner_len.to_be_bytes(),
                 &parsed.owner,
                 &state,
                 &parsed.fingerprint,
+                if tagged { &tag[..] } else { &[] },
                 &parsed.payload,
             ]
             .concat()
@@ -295,10 +353,10 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     let needed = head_len(data).expect("a record has a head");
     let head = parse_head_at(&record.slice(..needed), UNIX_EPOCH).expect("its head reads");
     assert_eq!(
-        (head.state, &head.owner, head.time_left),
-        (parsed.state, &parsed.owner, parsed.time_left)
+        (head.version, head.state, &head.owner, head.time_left),
+        (version, parsed.state, &parsed.owner, parsed.time_left)
     );
-    let fixed = needed + 32;
+    let fixed = needed + fingerprint_len(version);
     for cut in 0..data.len() {
         match parse_at(&record.slice(..cut), UNIX_EPOCH) {
             Err(_) => assert!(cut < fixed, "a record cut at {cut} of {} not read", data.len()),
@@ -309,9 +367,16 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
                         shorter.state,
                         &shorter.owner,
                         shorter.fingerprint,
+                        shorter.policy,
                         shorter.time_left
                     ),
-                    (parsed.state, &parsed.owner, parsed.fingerprint, parsed.time_left)
+                    (
+                        parsed.state,
+                        &parsed.owner,
+                        parsed.fingerprint,
+                        parsed.policy,
+                        parsed.time_left
+                    )
                 );
                 assert_eq!(shorter.payload, parsed.payload.slice(..cut - fixed));
             }
@@ -375,7 +440,8 @@ mod tests {
         record.into()
     }
 
-    // Today's layout (RECORD_VERSION 2), byte for byte: the next release must read these.
+    // The layout before policy tags (RECORD_VERSION 2), byte for byte: this release must read
+    // what the previous one wrote.
     const OWNER: &str = "0123456789abcdef0123456789abcdef-2a@1764115200000";
     const FINGERPRINT: [u8; 32] = *b"\x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f";
     /// Claimed by `OWNER`, its lease ending at 1 764 115 230 000 ms (30 s after the claim).
@@ -389,7 +455,23 @@ mod tests {
         \x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\
         TIR\x02R\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json\
         \x00\x00\x00\x00\x00\x00\x00\x0e{\"id\":\"pay_1\"}\x00\x00\x00\x00";
-    const PAYLOAD_AT: usize = 6 + OWNER.len() + 9 + 32;
+    const PAYLOAD_AT_V2: usize = 6 + OWNER.len() + 9 + 32;
+
+    // Today's layout (RECORD_VERSION 3), byte for byte: the next release must read these.
+    const TAG: [u8; 8] = *b"\xa1\xa2\xa3\xa4\xa5\xa6\xa7\xa8";
+    /// As `IN_FLIGHT_V2`, in layout 3, its fingerprint made under the policy `TAG`.
+    const IN_FLIGHT_V3: &[u8] = b"TIR\x03\x00\x310123456789abcdef0123456789abcdef-2a@1764115200000\
+        F\x00\x00\x01\x9a\xbd\x76\x2d\x30\
+        \x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\
+        \xa1\xa2\xa3\xa4\xa5\xa6\xa7\xa8";
+    /// As `COMPLETED_V2`, in layout 3.
+    const COMPLETED_V3: &[u8] = b"TIR\x03\x00\x310123456789abcdef0123456789abcdef-2a@1764115200000\
+        C\x00\x00\x01\x9a\xc2\x9c\x14\x00\
+        \x00\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a\x0b\x0c\x0d\x0e\x0f\x10\x11\x12\x13\x14\x15\x16\x17\x18\x19\x1a\x1b\x1c\x1d\x1e\x1f\
+        \xa1\xa2\xa3\xa4\xa5\xa6\xa7\xa8\
+        TIR\x02R\x00\xc9\x00\x00\x00\x01\x00\x00\x00\x0ccontent-type\x00\x00\x00\x10application/json\
+        \x00\x00\x00\x00\x00\x00\x00\x0e{\"id\":\"pay_1\"}\x00\x00\x00\x00";
+    const PAYLOAD_AT: usize = 6 + OWNER.len() + 9 + FINGERPRINT_LEN;
 
     /// The upgrade promise (each release reads the previous release's records) starts from
     /// today's bytes: read field by field, and written back to exactly these bytes. A change of
@@ -397,17 +479,18 @@ mod tests {
     #[test]
     fn todays_records_are_pinned_byte_for_byte() {
         let owner = OwnerToken::from_string(OWNER);
-        let fingerprint = Fingerprint::from_digest(FINGERPRINT);
+        let tag = PolicyTag::from_bytes(TAG).unwrap();
+        let fingerprint = Fingerprint::from_digest(FINGERPRINT).with_policy(tag);
         let claimed = at(1_764_115_230_000);
         let kept = at(1_764_201_600_000);
 
-        let record = parse_at(&Bytes::from_static(IN_FLIGHT_V2), UNIX_EPOCH).unwrap();
+        let record = parse_at(&Bytes::from_static(IN_FLIGHT_V3), UNIX_EPOCH).unwrap();
         assert_eq!(record.state, IN_FLIGHT);
         assert_eq!(&record.owner[..], OWNER.as_bytes());
-        assert_eq!(record.fingerprint, FINGERPRINT);
+        assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, Some(tag)));
         assert_eq!(UNIX_EPOCH + record.time_left, claimed);
         assert!(record.payload.is_empty());
-        let later = parse_at(&Bytes::from_static(IN_FLIGHT_V2), at(1_764_115_200_000)).unwrap();
+        let later = parse_at(&Bytes::from_static(IN_FLIGHT_V3), at(1_764_115_200_000)).unwrap();
         assert_eq!(
             later.time_left,
             Duration::from_secs(30),
@@ -415,37 +498,65 @@ mod tests {
         );
         assert_eq!(
             &in_flight_until(&owner, &fingerprint, claimed).unwrap()[..],
-            IN_FLIGHT_V2
+            IN_FLIGHT_V3
         );
 
-        let record = parse_at(&Bytes::from_static(COMPLETED_V2), UNIX_EPOCH).unwrap();
+        let record = parse_at(&Bytes::from_static(COMPLETED_V3), UNIX_EPOCH).unwrap();
         assert_eq!(record.state, COMPLETED);
         assert_eq!(&record.owner[..], OWNER.as_bytes());
-        assert_eq!(record.fingerprint, FINGERPRINT);
+        assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, Some(tag)));
         assert_eq!(UNIX_EPOCH + record.time_left, kept);
-        assert_eq!(&record.payload[..], &COMPLETED_V2[PAYLOAD_AT..]);
+        assert_eq!(&record.payload[..], &COMPLETED_V3[PAYLOAD_AT..]);
         // What the completion script is sent (head, then state and deadline), and what it makes.
-        assert_eq!(&head(&owner).unwrap()[..], &COMPLETED_V2[..6 + OWNER.len()]);
+        assert_eq!(&head(&owner).unwrap()[..], &COMPLETED_V3[..6 + OWNER.len()]);
         assert_eq!(
             &state_at(COMPLETED, kept)[..],
-            &COMPLETED_V2[6 + OWNER.len()..6 + OWNER.len() + 9]
+            &COMPLETED_V3[6 + OWNER.len()..6 + OWNER.len() + 9]
         );
-        let completed = completed_until(&owner, &fingerprint, kept, &COMPLETED_V2[PAYLOAD_AT..]);
-        assert_eq!(&completed[..], COMPLETED_V2);
+        let completed = completed_until(&owner, &fingerprint, kept, &COMPLETED_V3[PAYLOAD_AT..]);
+        assert_eq!(&completed[..], COMPLETED_V3);
 
         let head = parse_head_at(
-            &Bytes::from_static(&IN_FLIGHT_V2[..head_len(IN_FLIGHT_V2).unwrap()]),
+            &Bytes::from_static(&IN_FLIGHT_V3[..head_len(IN_FLIGHT_V3).unwrap()]),
             UNIX_EPOCH,
         )
         .unwrap();
         assert_eq!((head.state, &head.owner[..]), (IN_FLIGHT, OWNER.as_bytes()));
-        assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V2)), None);
+        assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V3)), None);
         assert_eq!(
-            super::owner(&Bytes::from_static(COMPLETED_V2)),
+            super::owner(&Bytes::from_static(COMPLETED_V3)),
             Some(OWNER.as_bytes())
         );
+        check(IN_FLIGHT_V3);
+        assert_eq!(check(COMPLETED_V3).as_deref(), Some(&COMPLETED_V3[PAYLOAD_AT..]));
+        // Untagged: eight zeros, read as no tag.
+        let untagged = Fingerprint::from_digest(FINGERPRINT);
+        let record = in_flight_until(&owner, &untagged, claimed).unwrap();
+        assert_eq!(&record[PAYLOAD_AT - 8..], &[0; 8]);
+        assert_eq!(parse_at(&record, UNIX_EPOCH).unwrap().policy, None);
+    }
+
+    /// The previous release's records (layout 2, no tag) read as they were written, untagged:
+    /// a mismatch with one of them stays the plain one.
+    #[test]
+    fn records_of_the_layout_before_tags_read_untagged() {
+        let record = parse_at(&Bytes::from_static(IN_FLIGHT_V2), UNIX_EPOCH).unwrap();
+        assert_eq!(record.state, IN_FLIGHT);
+        assert_eq!(&record.owner[..], OWNER.as_bytes());
+        assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, None));
+        assert_eq!(UNIX_EPOCH + record.time_left, at(1_764_115_230_000));
+        assert!(record.payload.is_empty());
+        let record = parse_at(&Bytes::from_static(COMPLETED_V2), UNIX_EPOCH).unwrap();
+        assert_eq!(record.state, COMPLETED);
+        assert_eq!((record.fingerprint, record.policy), (FINGERPRINT, None));
+        assert_eq!(&record.payload[..], &COMPLETED_V2[PAYLOAD_AT_V2..]);
+        assert_eq!(newer_version(&Bytes::from_static(COMPLETED_V2)), None);
+        assert!(COMPLETED_V2.starts_with(&UNTAGGED_LAYOUT_PREFIX));
         check(IN_FLIGHT_V2);
-        assert_eq!(check(COMPLETED_V2).as_deref(), Some(&COMPLETED_V2[PAYLOAD_AT..]));
+        assert_eq!(
+            check(COMPLETED_V2).as_deref(),
+            Some(&COMPLETED_V2[PAYLOAD_AT_V2..])
+        );
     }
 
     /// A sign is not a hex digit: `u8::from_str_radix` took `+f` for `0f`, so a key name
@@ -477,11 +588,16 @@ mod tests {
         fn records_round_trip(
             owner in owners(),
             fingerprint in any::<[u8; 32]>(),
+            tag in any::<[u8; 8]>(),
             deadline in any::<u64>(),
             payload in proptest::collection::vec(any::<u8>(), 0..200),
             completed in any::<bool>(),
         ) {
-            let fingerprint = Fingerprint::from_digest(fingerprint);
+            let policy = PolicyTag::from_bytes(tag);
+            let mut fingerprint = Fingerprint::from_digest(fingerprint);
+            if let Some(policy) = policy {
+                fingerprint = fingerprint.with_policy(policy);
+            }
             let record = if completed {
                 completed_until(&owner, &fingerprint, at(deadline), &payload)
             } else {
@@ -491,6 +607,7 @@ mod tests {
             prop_assert_eq!(read.state, if completed { COMPLETED } else { IN_FLIGHT });
             prop_assert_eq!(&read.owner[..], owner.as_str().as_bytes());
             prop_assert_eq!(&read.fingerprint, fingerprint.as_bytes());
+            prop_assert_eq!(read.policy, policy);
             // In flight, the owner's deadline is even (the lowest bit is the waiters' mark).
             let written = if completed { deadline } else { deadline & !u64::from(WAITED) };
             prop_assert_eq!(read.time_left, Duration::from_millis(written));
@@ -516,6 +633,7 @@ mod tests {
             let mut other = record.to_vec();
             other[3] = version;
             let other = Bytes::from(other);
+            // Read as layout 2 (8 bytes shorter), this in-flight record has a payload: an error.
             prop_assert_eq!(parse(&other).is_ok(), u32::from(version) == RECORD_VERSION);
             prop_assert_eq!(newer_version(&other).is_some(), u32::from(version) > RECORD_VERSION);
             let mut other = record.to_vec();
@@ -529,14 +647,22 @@ mod tests {
         /// A bit flipped anywhere in a completed record (its stored response included) never
         /// panics, and whatever still reads is exactly the bytes it was read from (the fuzz
         /// check): a flipped body byte replays as stored, nothing is skipped or guessed. A
-        /// flip in the magic, version, owner length or state makes the record unreadable.
+        /// flip in the magic, version, owner length or state makes the record unreadable, but a
+        /// version flipped from 3 to 2 (the layout before tags): read as that layout, the record's
+        /// payload then starts with the tag, which no stored response does (the check below
+        /// decodes it, and a replay answers the record unreadable).
         #[test]
         fn bit_flips_are_errors_or_read_exactly(owner in "[a-z0-9@-]{0,60}", flip in any::<prop::sample::Index>(), bit in 0..8u8) {
             let owner = OwnerToken::from_string(owner);
-            let mut record = completed_until(&owner, &Fingerprint::from_digest([9; 32]), at(77), &COMPLETED_V2[PAYLOAD_AT..]).to_vec();
+            let mut record = completed_until(&owner, &Fingerprint::from_digest([9; 32]), at(77), &COMPLETED_V3[PAYLOAD_AT..]).to_vec();
             let at = flip.index(record.len());
             record[at] ^= 1 << bit;
-            let structural = at < 6 || at == 6 + owner.as_str().len();
+            let earlier_layout = at == 3 && u32::from(record[3]) == UNTAGGED_RECORD_VERSION;
+            let structural = (at < 6 && !earlier_layout) || at == 6 + owner.as_str().len();
+            if earlier_layout {
+                let read = parse(&Bytes::from(record.clone())).expect("a layout 2 record");
+                prop_assert!(crate::http::stored::decode(&read.payload).is_err());
+            }
             if structural {
                 prop_assert!(parse(&Bytes::from(record.clone())).is_err(), "flip at {}", at);
             }
@@ -550,9 +676,11 @@ mod tests {
         #[test]
         fn any_bytes_pass_the_fuzz_check(data in proptest::collection::vec(any::<u8>(), 0..120)) {
             check(&data);
-            let mut record = IN_FLIGHT_V2.to_vec();
-            record.extend_from_slice(&data);
-            check(&record);
+            for layout in [IN_FLIGHT_V2, IN_FLIGHT_V3] {
+                let mut record = layout.to_vec();
+                record.extend_from_slice(&data);
+                check(&record);
+            }
         }
 
         /// A digest in hex reads back to the same hex, in either case; anything else is none.
