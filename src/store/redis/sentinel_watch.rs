@@ -550,13 +550,6 @@ impl Watcher {
         match event {
             Event::Promoting(text) => {
                 tracing::info!(replica = %text, "the sentinels are promoting a replica; refusing new claims until the new master is confirmed");
-                // A new failover: the switch it ends in is news even if its text is one the
-                // watch followed or tried before (failovers cycle among the same nodes: A to B,
-                // then B back to A). Before, a double failover back to the master followed
-                // before was taken for that old switch and not followed: the fence stood until
-                // the next failover, 15 s in a run of tests/history.rs (issue 36).
-                self.followed.clear();
-                self.attempted.clear();
                 self.raise(announced_old_master(&text));
             }
             Event::Aborted(text) => {
@@ -614,6 +607,13 @@ impl Watcher {
                         "after {FOLLOW_ATTEMPTS} reconnections the store is not confirmed on the announced master; \
                          claims stay refused and the sentinels are asked again every second"
                     );
+                    // Overtaken by another failover: the switch followed before is no longer
+                    // where the store is, and the next one may repeat its text (failovers cycle
+                    // among the same nodes: A to B, then B back to A). Before, a double failover
+                    // back to the master followed before was taken for that old switch and not
+                    // followed: the fence stood until the next failover, 15 s in a run of
+                    // tests/history.rs (issue 36).
+                    self.followed.clear();
                     self.attempted = switch;
                 }
             }
@@ -834,15 +834,12 @@ impl Watcher {
         // The leader bumps the master's config epoch when the replica takes the promotion, but
         // names the old master until the switch, its replicas' reconfiguration done: a view
         // still failing over names no new master yet.
-        // A switch is also one back to the master the fence was raised from (a double failover,
-        // A to B to A): the sentinels' epoch has moved past the fence's, with no failover under
-        // way now.
         let quiet = !views.iter().any(|view| view.in_failover);
         let switched = !latest.in_failover
-            && (match &fenced.from {
+            && match &fenced.from {
                 Some(from) => *from != latest.master,
                 None => latest.epoch > fenced.epoch,
-            } || (quiet && latest.epoch > fenced.epoch));
+            };
         let failover_timeout = self.failover_timeout.unwrap_or(DEFAULT_FAILOVER_TIMEOUT);
         let given_up = !switched
             && !views.iter().any(|view| view.in_failover)
