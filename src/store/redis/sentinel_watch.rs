@@ -30,8 +30,8 @@
 //!   the longest a failover can take, with its two timed phases) lowers it once the store is
 //!   confirmed on the master they name. A fence that stands is logged every
 //!   [`LONG_FENCE_REPORT`], and every claim it refuses is counted `fenced`;
-//! - an announcement is news only once: one that came before the sentinels last answered that
-//!   no failover is under way (it waited behind others), a switch whose new master is a replica
+//! - an announcement is news only once: a switch that came before the sentinels last answered
+//!   that no failover is under way (it waited behind others), a switch whose new master is a replica
 //!   by now (a sentinel's link to the store was slow), and the other sentinels' announcements of
 //!   a switch already tried are not acted on. Acting on them fenced a store that was on the
 //!   right master, and moved its clients back and forth, holding its owners' renewals past their
@@ -418,9 +418,9 @@ struct Watcher {
     /// owners' renewals past their leases (keys ran twice).
     attempted: String,
     /// When the sentinels last answered that no failover is under way and named the master the
-    /// store was then confirmed on. A promotion or a switch announced before it is one those
-    /// answers already reflect (or one that was given up): acting on it late would only fence
-    /// the store again, or send it back to a master since replaced.
+    /// store was then confirmed on. A switch announced before it is one those answers already
+    /// reflect: acting on it late would only fence the store again, or send it back to a master
+    /// since replaced.
     confirmed_at: Option<Instant>,
     /// The URL's sentinels, and their subscribers.
     url_addresses: Vec<(String, u16)>,
@@ -530,11 +530,14 @@ impl Watcher {
         }
     }
 
-    /// Acts on an announcement, unless the sentinels answered since that no failover is under
-    /// way (see [`confirmed_at`](Self::confirmed_at)): an announcement that waited behind others
-    /// is news no longer.
+    /// Acts on an announcement, unless it is a switch and the sentinels answered since that no
+    /// failover is under way (see [`confirmed_at`](Self::confirmed_at)): a switch that waited
+    /// behind other announcements is news no longer. A promotion is always acted on: a fence
+    /// raised for one already over costs a second at most (the next look lowers it), while one
+    /// missed, if the sentinels that would show it did not answer, would let claims go to a
+    /// master being replaced.
     async fn on_announcement(&mut self, announcement: Announcement) {
-        let superseded = !matches!(announcement.event, Event::Aborted(_))
+        let superseded = matches!(announcement.event, Event::Switched(_))
             && (self.confirmed_at).is_some_and(|confirmed| announcement.received < confirmed);
         if superseded {
             tracing::debug!(
