@@ -482,11 +482,12 @@ def check_counting(redis, inner, capabilities):
     in scripts/ (each of their branches) and by native commands where the server has them, and
     checks the count against the commands sent. Raises BenchError if they disagree."""
     client = redis.client
-    head = b"TIR\x01\x00\x0bbench-owner"
+    head = b"TIR\x03\x00\x0bbench-owner"
     # Even, as an owner writes it: odd is the waiters' mark (src/store/redis/record.rs).
     deadline = ((int(time.time() * 1000) + 60_000) & ~1).to_bytes(8, "big")
-    in_flight = head + b"F" + deadline + bytes(32)
-    completed = head + b"C" + deadline + bytes(32) + b"payload"
+    # The fingerprint (32 bytes) and its policy tag (8): record layout 3.
+    in_flight = head + b"F" + deadline + bytes(40)
+    completed = head + b"C" + deadline + bytes(40) + b"payload"
     lua = {name: (ROOT / "scripts" / f"{name}.lua").read_text() for name in ("complete", "release", "renew")}
     sent = 0
 
@@ -511,7 +512,7 @@ def check_counting(redis, inner, capabilities):
     for key in ("bench:check:a", "bench:check:b", "bench:check:c"):
         send("SET", key, in_flight, "NX", "PX", 60_000, "GET")
     # A record a request waits for (its deadline's lowest bit set, as wait.lua marks it).
-    marked = head + b"F" + deadline[:7] + bytes([deadline[7] | 1]) + bytes(32)
+    marked = head + b"F" + deadline[:7] + bytes([deadline[7] | 1]) + bytes(40)
     send("SET", "bench:check:m", marked, "NX", "PX", 60_000, "GET")
     send("SET", "bench:check:n", in_flight, "NX", "PX", 60_000, "GET")
     done = b"C" + deadline
@@ -520,7 +521,7 @@ def check_counting(redis, inner, capabilities):
     complete = ("EVAL", lua["complete"], 1)
     send(*complete, "bench:check:a", in_flight, completed, 60_000)  # completes
     send(*complete, "bench:check:a", in_flight, completed, 60_000)  # again
-    send(*complete, "bench:check:a", b"", b"TIR\x01\x00\x01x" + done + b"p", 60_000)  # lost
+    send(*complete, "bench:check:a", b"", b"TIR\x03\x00\x01x" + done + b"p", 60_000)  # lost
     send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", in_flight, completed, 60_000,
          in_flight, completed, 60_000)  # two records in one call
     send(*complete, "bench:check:n", b"", head + done + b"payload", 60_000)  # not remembered
