@@ -498,7 +498,7 @@ impl Store for RedisStore {
         })
     }
 
-    /// While the Sentinel fence is up (see `sentinel_watch`): until it is lowered.
+    /// While the Sentinel fence is up (see `sentinel`): until it is lowered.
     fn writes_held(&self) -> Option<StoreFuture<'_, ()>> {
         let fence = self.fence().filter(|fence| fence.is_raised())?;
         Some(Box::pin(async move {

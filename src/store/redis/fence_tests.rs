@@ -1,4 +1,4 @@
-//! The Sentinel fence (`sentinel_watch::Fence`) held longer than the coordinator's bound on a
+//! The Sentinel fence (`sentinel::Fence`) held longer than the coordinator's bound on a
 //! store call, through the real coordinator, HTTP layer and `RedisStore`, against a real
 //! `redis-server`. The fence is raised and lowered by the test (a failover whose end comes late,
 //! as after a full resync), since the sentinels of a real one lower it within about a second.
@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::sentinel_watch::{self, Fence};
+use super::sentinel::{self, Fence};
 use super::RedisStore;
 use crate::{
     Begin, Coordinator, Fingerprint, IdempotencyKey, IdempotencyLayer, ReconciliationKind, RecordKey,
@@ -72,7 +72,7 @@ impl Drop for Server {
 /// A store on `server` whose Sentinel fence the test holds.
 async fn fenced_store(server: &Server) -> (RedisStore, Arc<Fence>) {
     let mut store = RedisStore::connect(&server.url()).await.expect("connect");
-    let (watch, fence) = sentinel_watch::held_by_test();
+    let (watch, fence) = sentinel::held_by_test();
     store.switch_watch = Some(Arc::new(watch));
     (store, fence)
 }

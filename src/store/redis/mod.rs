@@ -12,7 +12,7 @@
 //! - `connection.rs`, `liveness.rs`: the connections, and the heartbeat that replaces a silent one;
 //! - `notices.rs`: the pub/sub feed that wakes requests waiting for a running one;
 //! - `cache_feed.rs`: the replay cache's purge feed;
-//! - `sentinel_watch.rs`: the failover watch and its fence.
+//! - `sentinel/`: the failover watch and its fence.
 
 mod acknowledged;
 mod cache_feed;
@@ -27,7 +27,7 @@ mod notices;
 mod record;
 mod replica_acks;
 mod scripts;
-mod sentinel_watch;
+mod sentinel;
 mod store;
 
 pub use self::replica_acks::ReplicaAcks;

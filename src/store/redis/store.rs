@@ -21,7 +21,7 @@ use super::native::Native;
 use super::notices::Notices;
 use super::replica_acks::{ReplicaAcks, Waiter};
 use super::scripts::{COMPLETE, INSPECT, PURGE, RELEASE, RENEW};
-use super::sentinel_watch::{self, Fence, SwitchWatch};
+use super::sentinel::{self, Fence, SwitchWatch};
 use crate::key::RecordKey;
 use crate::replay_cache::ReplayCache;
 use crate::store::error::{FailingOver, SentinelsUnheard, StoreError};
@@ -66,7 +66,7 @@ pub struct RedisStore {
     pub(super) _listener: Option<Arc<Listener>>,
     /// The client [`connect`](RedisStore::connect) opened, quit with the last store clone.
     pub(super) _own_client: Option<Arc<Quit>>,
-    /// The failover watch of a Sentinel-configured store (see `sentinel_watch`), kept running
+    /// The failover watch of a Sentinel-configured store (see `sentinel`), kept running
     /// while any clone of the store lives.
     pub(super) switch_watch: Option<Arc<SwitchWatch>>,
     /// Set while a task reconnects clients that fred will not reconnect by itself.
@@ -422,8 +422,7 @@ impl RedisStore {
         let own_client = Arc::new(Quit(client.clone()));
         warn_if_records_can_be_evicted(&client).await;
         let pace = Arc::new(Pace::default());
-        let switch_watch = match sentinel_watch::watch(&client, store_reconnect_policy(), pace.clone()).await
-        {
+        let switch_watch = match sentinel::watch(&client, store_reconnect_policy(), pace.clone()).await {
             Ok(watch) => watch.map(Arc::new),
             Err(error) => {
                 tracing::warn!(%error, "cannot listen for +switch-master on the sentinels; the store follows a failover only once the old master refuses writes (READONLY)");
