@@ -556,14 +556,23 @@ def record_head(client, key):
     return (state[:1] if state else b""), owner_len
 
 
+def payload_at(record):
+    """Where a record's payload starts: after the head (magic, version, owner length, owner),
+    state and deadline (9 bytes), and the fingerprint: 32 bytes in layouts 1 and 2, 40 in layout
+    3 (the digest and the policy's tag, issue 38). Reading layout 3 at 32 made `with_body` take
+    fingerprint bytes for a header count and loop for minutes."""
+    owner_len = int.from_bytes(record[4:6], "big")
+    return 6 + owner_len + 9 + (40 if record[3] >= 3 else 32)
+
+
 def record_layout(record):
     """Where a completed record's bytes go (src/store/redis/record.rs, src/http/stored.rs):
     {part: bytes}, and the stored header names."""
     owner_len = int.from_bytes(record[4:6], "big")
-    at = 6 + owner_len + 9 + 32
+    at = payload_at(record)
     payload = record[at:]
     parts = {"record head (magic, version, owner length, state, deadline)": 6 + 9,
-             "owner token": owner_len, "fingerprint": 32}
+             "owner token": owner_len, "fingerprint": at - 6 - owner_len - 9}
     names = []
     if payload[:3] == b"TIR" and payload[3] == 2 and payload[4:5] == b"R":
         pos = 5 + 2
@@ -591,10 +600,11 @@ def record_layout(record):
 
 def with_body(record, body):
     """A completed record like `record` (a stored response) with another response body."""
-    owner_len = int.from_bytes(record[4:6], "big")
-    at = 6 + owner_len + 9 + 32
-    pos = at + 5 + 2
+    pos = payload_at(record) + 5 + 2
     count = int.from_bytes(record[pos:pos + 4], "big")
+    if 8 * count > len(record):
+        raise BenchError(f"a stored response with {count} headers in a {len(record)}-byte record: "
+                         "bench.py does not read this record layout")
     pos += 4
     for _ in range(2 * count):
         pos += 4 + int.from_bytes(record[pos:pos + 4], "big")
@@ -615,7 +625,7 @@ def weigh_write_paths(client, record, prefix):
     and one SET of the whole record (the native `SET … IFEQ`). Probe keys are named like records,
     in another slot."""
     owner_len = int.from_bytes(record[4:6], "big")
-    head, at = record[:6 + owner_len], 6 + owner_len + 9 + 32
+    head, at = record[:6 + owner_len], payload_at(record)
     in_flight = head + b"F" + record[6 + owner_len + 1:at]
     lua = (ROOT / "scripts" / "complete.lua").read_text()
     probe = f"{prefix}:{{{'x' * 64}}}"  # 'x' is no hex digit: never a record's key
