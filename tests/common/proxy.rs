@@ -69,6 +69,8 @@ struct Cut {
     drop_answer: bool,
     /// How many more connections to cut.
     times: u64,
+    /// How many reads holding the pattern go through untouched before the first cut.
+    spare: u64,
 }
 
 impl Counts {
@@ -77,6 +79,10 @@ impl Counts {
         let mut armed = self.cut.lock().unwrap();
         let cut = armed.as_mut()?;
         if cut.times == 0 || !read.windows(cut.pattern.len()).any(|w| w == cut.pattern) {
+            return None;
+        }
+        if cut.spare > 0 {
+            cut.spare -= 1;
             return None;
         }
         cut.times -= 1;
@@ -217,6 +223,7 @@ impl FaultProxy {
             after: Some(after),
             drop_answer: false,
             times,
+            spare: 0,
         });
     }
 
@@ -229,6 +236,7 @@ impl FaultProxy {
             after: None,
             drop_answer: false,
             times,
+            spare: 0,
         });
     }
 
@@ -241,7 +249,18 @@ impl FaultProxy {
             after: None,
             drop_answer: true,
             times,
+            spare: 0,
         });
+    }
+
+    /// As [`cut_instead_of_answering`](Self::cut_instead_of_answering), once `spare` reads
+    /// holding `pattern` have gone through untouched (another client's, say, that sends it
+    /// first).
+    pub fn cut_instead_of_answering_after(&self, pattern: &[u8], spare: u64, times: u64) {
+        self.cut_instead_of_answering(pattern, times);
+        if let Some(cut) = self.counts.cut.lock().unwrap().as_mut() {
+            cut.spare = spare;
+        }
     }
 
     /// Connections cut by [`cut_after_sending`](Self::cut_after_sending) or

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fred::clients::Client;
+use fred::error::ErrorKind;
 use fred::interfaces::ClientLike;
 use fred::types::config::Server;
 use fred::types::{ClusterHash, CustomCommand, Value};
@@ -131,8 +132,8 @@ impl Watcher {
             }
         };
         let _ = tokio::time::timeout(ASK_TIMEOUT, connected).await;
-        self.discover().await;
-        self.start_listening(&mut announced).await;
+        let discovered = self.discover().await;
+        self.start_listening(&mut announced, discovered).await;
         let mut ticks = tokio::time::interval(liveness::DEFAULT_INTERVAL);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Events are followed from the first moment; the looks, which judge whether a
@@ -334,8 +335,22 @@ impl Watcher {
     /// one started in the second before a failover missed its announcement and claimed on the
     /// old master (keys ran twice with the durability option: a replica not promoted still
     /// acknowledged there).
-    async fn start_listening(&mut self, announced: &mut UnboundedReceiver<Announcement>) {
+    async fn start_listening(
+        &mut self,
+        announced: &mut UnboundedReceiver<Announcement>,
+        mut discovered: bool,
+    ) {
         let deadline = Instant::now() + START_BOUND;
+        // Only a failover's leader announces the promotion: until the sentinels the URL's know
+        // of are listened to, one led by another would go unheard. A first question lost (its
+        // connection cut, or unanswered within `ASK_TIMEOUT` on a loaded machine) is asked
+        // again before the first claim, not at the looks seconds later, during which a store
+        // took claims hearing the URL's sentinels only (a_store_takes_no_claim_before_it_listens_
+        // to_the_sentinels_its_sentinel_knows, tests/redis_sentinel.rs).
+        while !discovered && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            discovered = self.discover().await;
+        }
         while self.subscribed.load(Ordering::Acquire) < self.subscribers.len() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -357,8 +372,10 @@ impl Watcher {
     /// the failover's leader is heard even when the URL names one address for all of them (a
     /// Kubernetes Service in front of the sentinels): only the leader announces a promotion.
     /// Stops listening to a sentinel none of them knows of any more (a pod replaced under a new
-    /// address, once the sentinels are reset).
-    async fn discover(&mut self) {
+    /// address, once the sentinels are reset). Returns whether a sentinel answered, with its
+    /// list or a refusal.
+    async fn discover(&mut self) -> bool {
+        let mut answered = false;
         let mut found: Vec<(String, u16)> = Vec::new();
         // How many sentinels watch the service, as the best-informed one counts them; none if
         // no sentinel answered.
@@ -366,9 +383,21 @@ impl Watcher {
         for asker in self.askers.iter().filter(|asker| asker.is_connected()) {
             let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
             let question = asker.custom::<Value, _>(command, vec!["SENTINELS", self.service.as_str()]);
-            let Ok(Ok(Value::Array(sentinels))) = tokio::time::timeout(ASK_TIMEOUT, question).await else {
-                continue;
+            let sentinels = match tokio::time::timeout(ASK_TIMEOUT, question).await {
+                Ok(Ok(Value::Array(sentinels))) => sentinels,
+                Ok(Err(error))
+                    if !matches!(
+                        error.kind(),
+                        ErrorKind::IO | ErrorKind::Timeout | ErrorKind::Canceled
+                    ) =>
+                {
+                    // Refused (an ACL, a renamed command): asking again at once would not help.
+                    answered = true;
+                    continue;
+                }
+                _ => continue,
             };
+            answered = true;
             self.discovered_once = true;
             sentinels_known = Some(sentinels_known.unwrap_or(0).max(sentinels.len() + 1));
             found.extend(sentinels.into_iter().filter_map(|sentinel| {
@@ -382,7 +411,7 @@ impl Watcher {
             }));
         }
         let Some(sentinels_known) = sentinels_known else {
-            return;
+            return answered;
         };
         if sentinels_known <= self.askers.len() {
             // The URL names as many addresses as there are sentinels: it reaches each already,
@@ -436,6 +465,7 @@ impl Watcher {
                 self.pace.clone(),
             ));
         }
+        answered
     }
 
     /// A subscription is heard again after none was: the master may have been switched while
