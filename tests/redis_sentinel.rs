@@ -829,6 +829,36 @@ async fn a_fence_stands_until_a_slow_promotion_is_confirmed() {
     drop(topology);
 }
 
+/// A claim made through a store just built, then which sentinels hold its subscription to the
+/// failover announcements. A sentinel takes no `PUBSUB`: its `CLIENT LIST` shows the store's
+/// subscriber (two channels, one pattern).
+async fn claim_then_subscriptions(
+    store: &RedisStore,
+    topology: &SentinelTopology,
+) -> (
+    Result<tower_idempotency::ClaimOutcome, tower_idempotency::StoreError>,
+    Vec<bool>,
+) {
+    use tower_idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, Store};
+
+    let key = RecordKey::new(None, IdempotencyKey::parse("first-claim").unwrap());
+    let claimed = store
+        .claim(
+            &key,
+            &Fingerprint::new([b"body".as_slice()]),
+            &OwnerToken::generate(),
+            Duration::from_secs(30),
+        )
+        .await;
+    let subscribed = (topology.sentinel_ports().into_iter())
+        .map(|port| {
+            (topology.sentinel_cli(port, &["CLIENT", "LIST"]).lines())
+                .any(|client| client.contains("sub=2 psub=1"))
+        })
+        .collect();
+    (claimed, subscribed)
+}
+
 /// Issue 36, found by the history checker (tests/history.rs, Sentinel topology, seeds 4 and 7): a
 /// store started less than about a second before a failover took claims before its
 /// subscriptions to the sentinels were made, missed the failover's announcement, and claimed on
@@ -839,8 +869,6 @@ async fn a_fence_stands_until_a_slow_promotion_is_confirmed() {
 /// returned at once with none made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_takes_no_claim_before_it_listens_for_failovers() {
-    use tower_idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, Store};
-
     let topology = tokio::task::spawn_blocking(SentinelTopology::start)
         .await
         .unwrap();
@@ -851,27 +879,9 @@ async fn a_store_takes_no_claim_before_it_listens_for_failovers() {
         .iter()
         .for_each(|proxy| proxy.set_delay(Duration::from_millis(300)));
     let store = RedisStore::connect(&url).await.expect("connect");
-    let key = RecordKey::new(None, IdempotencyKey::parse("listening").unwrap());
     let started = Instant::now();
-    let claimed = store
-        .claim(
-            &key,
-            &Fingerprint::new([b"body".as_slice()]),
-            &OwnerToken::generate(),
-            Duration::from_secs(30),
-        )
-        .await;
+    let (claimed, subscribed) = claim_then_subscriptions(&store, &topology).await;
     let took = started.elapsed();
-    // A sentinel takes no `PUBSUB`: its `CLIENT LIST` shows the store's subscriber (two
-    // channels, one pattern).
-    let subscribed: Vec<bool> = topology
-        .sentinel_ports()
-        .into_iter()
-        .map(|port| {
-            (topology.sentinel_cli(port, &["CLIENT", "LIST"]).lines())
-                .any(|client| client.contains("sub=2 psub=1"))
-        })
-        .collect();
     println!("a claim at the store's start: {claimed:?} after {took:?}; each sentinel has the store's subscription: {subscribed:?}");
     assert!(claimed.is_ok(), "{claimed:?}");
     assert!(
@@ -891,8 +901,6 @@ async fn a_store_takes_no_claim_before_it_listens_for_failovers() {
 /// subscription. Before, it returned with only the URL's sentinel subscribed to.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_takes_no_claim_before_it_listens_to_the_sentinels_its_sentinel_knows() {
-    use tower_idempotency::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, Store};
-
     let topology = tokio::task::spawn_blocking(SentinelTopology::start)
         .await
         .unwrap();
@@ -907,23 +915,7 @@ async fn a_store_takes_no_claim_before_it_listens_to_the_sentinels_its_sentinel_
         &format!("127.0.0.1:{}", proxy.addr().port()),
     );
     let store = RedisStore::connect(&url).await.expect("connect");
-    let key = RecordKey::new(None, IdempotencyKey::parse("discovered").unwrap());
-    let claimed = store
-        .claim(
-            &key,
-            &Fingerprint::new([b"body".as_slice()]),
-            &OwnerToken::generate(),
-            Duration::from_secs(30),
-        )
-        .await;
-    let subscribed: Vec<bool> = topology
-        .sentinel_ports()
-        .into_iter()
-        .map(|port| {
-            (topology.sentinel_cli(port, &["CLIENT", "LIST"]).lines())
-                .any(|client| client.contains("sub=2 psub=1"))
-        })
-        .collect();
+    let (claimed, subscribed) = claim_then_subscriptions(&store, &topology).await;
     println!(
         "a claim at the store's start, the watch's first SENTINEL SENTINELS cut ({} cuts): {claimed:?}; each sentinel has the store's subscription: {subscribed:?}",
         proxy.cuts()
