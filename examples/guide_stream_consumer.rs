@@ -2,7 +2,7 @@
 //!
 //! The Redis Streams consumer of docs/queue-consumers.md, as the guide shows it (a test checks
 //! that the two agree, and runs this one through a duplicate, a mismatch, a store outage, a
-//! `kill -9` while it holds a message, and SIGTERM).
+//! `kill -9` while it holds a message, SIGTERM, and its connections dropped).
 
 use std::time::Duration;
 
@@ -17,8 +17,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("REDIS_URL")?;
     let store_url = std::env::var("STORE_URL").unwrap_or(url.clone());
     let lease_ms = std::env::var("LEASE_MS").map_or(Ok(30_000), |ms| ms.parse())?;
-    let redis = Client::new(Config::from_url(&url)?, None, None, None);
-    redis.init().await?;
+    // A client that reconnects after a dropped connection (fred's own default does not).
+    let redis = StreamConsumer::connect_redis(&url).await?;
     let store = RedisStore::connect(&store_url).await?;
     let coordinator = Coordinator::new(store).with_lease(Duration::from_millis(lease_ms));
     let mut terminate = signal(SignalKind::terminate())?;

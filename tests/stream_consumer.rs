@@ -677,6 +677,47 @@ async fn the_guides_consumer_handles_duplicates_mismatches_outages_kills_and_sig
     assert_eq!(streams.dead_letters().await.len(), 1);
 }
 
+/// The guide's consumer as a new user runs it, one Redis for the stream and the records: when
+/// the server drops every connection (a restart, a failover, a load balancer's idle timeout
+/// look the same to the client), the consumer reconnects and goes on reading, rather than
+/// warning about failed reads for good. The 15 s bound is a liveness bound, not a measure: the
+/// consumer reads again within about a second, or never. About 0.5 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guides_consumer_reads_on_after_its_connections_are_dropped() {
+    let streams = Streams::new(&[]).await;
+    let mut command = Command::new(common::example_binary("guide_stream_consumer"));
+    command
+        .env("REDIS_URL", &streams.url)
+        .env_remove("STORE_URL")
+        .env("LEASE_MS", LEASE_MS.to_string());
+    let log = Log::default();
+    let consumer = Consumer::start(0, command, &log);
+    let client = &streams.client;
+    let balance = |id: &'static str| async move {
+        let balance: Option<i64> = client.get(format!("balance:{id}")).await.unwrap();
+        balance
+    };
+    streams.publish_fields(&[("id", "pay-1"), ("amount", "40")]).await;
+    common::until_async("pay-1 settled", || streams.settled()).await;
+    // Every connection but this test's own (`SKIPME yes`, the default): the consumer's reads
+    // and its store's.
+    let killed = common::admin(&streams.client, &["CLIENT", "KILL", "TYPE", "normal"]).await;
+    assert!(
+        killed.as_u64().is_some_and(|n| n >= 2),
+        "connections killed: {killed:?}"
+    );
+    streams.publish_fields(&[("id", "pay-2"), ("amount", "5")]).await;
+    common::until_async("pay-2 settled after the connections dropped", || {
+        streams.settled()
+    })
+    .await;
+    assert_eq!(
+        (balance("pay-1").await, balance("pay-2").await),
+        (Some(40), Some(5))
+    );
+    assert!(consumer.terminate().success(), "{}", log.dump());
+}
+
 /// Runs `stream_consumer publish <id> <amount>` against `url` and answers the entry id it
 /// printed and whether it said the server deduplicates.
 fn publish_with_the_example(url: &str, id: &str, amount: &str) -> (String, String) {

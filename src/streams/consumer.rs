@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use fred::clients::Client;
-use fred::error::Error as RedisError;
+use fred::error::{Error as RedisError, ErrorKind};
+use fred::interfaces::ClientLike;
+use fred::types::config::{Config, ReconnectPolicy};
+use fred::types::Builder;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use futures_util::FutureExt;
 use tokio::sync::watch;
@@ -27,6 +30,11 @@ use crate::telemetry;
 const READ_BLOCK: Duration = Duration::from_millis(200);
 /// The pause after a failed read before the next one.
 const READ_RETRY: Duration = Duration::from_millis(200);
+/// How long [`StreamConsumer::connect_redis`]'s client waits for a connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// [`StreamConsumer::connect_redis`]'s client's own bound on a command: the consumer's reads
+/// block 200 ms at most, so 5 s without an answer is a dead connection.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Observer = Arc<dyn Fn(&StreamEvent<'_>) + Send + Sync>;
 type Validation = Arc<dyn Fn(&StreamMessage) -> Result<(), String> + Send + Sync>;
@@ -61,11 +69,12 @@ impl std::fmt::Debug for StreamConsumer {
 }
 
 impl StreamConsumer {
-    /// A consumer of `stream` in `group`, reading with `redis` (a connected `fred` client; the
-    /// store may be another server, or PostgreSQL), its effects guarded by `coordinator`, whose
-    /// lease is also how long an entry stays pending on a silent consumer before another takes
-    /// it over. The dead-letter stream is `<stream>:dead`; on a Cluster name the stream with a
-    /// hash tag (`{payments}`) so that both share a slot.
+    /// A consumer of `stream` in `group`, reading with `redis` (a connected `fred` client with a
+    /// reconnect policy, such as [`connect_redis`](Self::connect_redis) makes; the store may be
+    /// another server, or PostgreSQL), its effects guarded by `coordinator`, whose lease is also
+    /// how long an entry stays pending on a silent consumer before another takes it over. The
+    /// dead-letter stream is `<stream>:dead`; on a Cluster name the stream with a hash tag
+    /// (`{payments}`) so that both share a slot.
     pub fn new(
         redis: Client,
         coordinator: Coordinator,
@@ -90,6 +99,40 @@ impl StreamConsumer {
             validation: None,
             observer: None,
         }
+    }
+
+    /// A connected `fred` client for a consumer or a [`StreamPublisher`](crate::StreamPublisher),
+    /// from a `redis://`, `rediss://`, `redis-sentinel://` or `redis-cluster://` URL, that
+    /// reconnects after a dropped connection, forever (10 ms doubling to 1 s): fred's own
+    /// default is not to reconnect, and a consumer whose client does not stops reading for good
+    /// at the first dropped connection (a Redis restart, a failover, a network flow dropped).
+    /// A connection attempt waits 2 s at most, and a command 5 s (the consumer bounds
+    /// its own commands so anyway; this bounds the effect's, when it writes with this client).
+    /// Build your own with a [`ReconnectPolicy`](fred::types::config::ReconnectPolicy) for
+    /// other settings. Errs if the URL does not parse, asks for TLS in a build without the
+    /// crate feature `tls`, or the server cannot be reached.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let redis = tower_idempotency::StreamConsumer::connect_redis("redis://127.0.0.1:6379").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_redis(url: &str) -> Result<Client, RedisError> {
+        let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+        if !cfg!(feature = "tls") && (scheme.starts_with("rediss") || scheme.starts_with("valkeys")) {
+            // fred would connect in plain text, sending the password in the clear.
+            return Err(RedisError::new(
+                ErrorKind::Config,
+                "this URL asks for TLS, but tower-idempotency was built without its `tls` feature",
+            ));
+        }
+        let redis = Builder::from_config(Config::from_url(url)?)
+            .with_connection_config(|connection| connection.connection_timeout = CONNECT_TIMEOUT)
+            .with_performance_config(|performance| performance.default_command_timeout = COMMAND_TIMEOUT)
+            .set_policy(ReconnectPolicy::new_exponential(0, 10, 1_000, 2))
+            .build()?;
+        redis.init().await?;
+        Ok(redis)
     }
 
     /// This consumer's name in the group (default:

@@ -165,15 +165,23 @@ fn pairs(fields: Value) -> Vec<(String, Bytes)> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn message(fields: &[(&str, &str)]) -> StreamMessage {
+impl StreamMessage {
+    /// A message of text `fields`, entry `1-0`, delivered once, read new: for unit tests.
+    pub(super) fn of_text(fields: &[(&str, &str)]) -> Self {
         let fields = fields
             .iter()
             .map(|(name, value)| (name.to_string(), Bytes::copy_from_slice(value.as_bytes())))
             .collect();
         StreamMessage::new("1-0".into(), fields, 1, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(fields: &[(&str, &str)]) -> StreamMessage {
+        StreamMessage::of_text(fields)
     }
 
     #[test]

@@ -134,23 +134,61 @@ pub enum StreamEvent<'a> {
     },
 }
 
+impl<'a> StreamEvent<'a> {
+    /// The event's line (as its `Display` writes it) with the message's fields `names` after its
+    /// `id`, in that order, each `name=value`: the value bare when it is a plain word
+    /// (`amount=40`), quoted as Rust's `{:?}` when it is empty or holds a space, a quote, a
+    /// backslash, an `=` or a control character (`note="two words"`), and left out when the
+    /// message has no such field or its value is not UTF-8. For log lines that name what a
+    /// message is about, not only its id.
+    ///
+    /// ```
+    /// # fn observe(event: &tower_idempotency::StreamEvent<'_>) {
+    /// // ran msg=1700000000000-0 id="pay-1" amount=40 took_ms=3
+    /// println!("{}", event.with_fields(&["amount"]));
+    /// # }
+    /// ```
+    pub fn with_fields<'s>(&'s self, names: &'s [&'s str]) -> impl std::fmt::Display + 's {
+        EventLine { event: self, names }
+    }
+}
+
+/// An event's line with some of its message's fields: [`StreamEvent::with_fields`].
+struct EventLine<'s, 'a> {
+    event: &'s StreamEvent<'a>,
+    names: &'s [&'s str],
+}
+
+impl std::fmt::Display for EventLine<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.event.write_line(f, self.names)
+    }
+}
+
 /// One line per event, the consumer's log as `examples/stream_consumer.rs` writes it:
 /// `received msg=<entry> id="<id>" deliveries=<n> takeover=<bool>`, then one of `ran msg=<entry>
 /// id="<id>" took_ms=<ms>` (and `not_stored="…"` when it was not stored), `replayed … took_ms=<ms>`,
 /// `in-flight … retry_after_ms=<ms> (left pending)`, `failed … error="…" (left pending)`,
 /// `unavailable … error="…" (left pending)` or `dead-lettered … reason="…"`.
+/// [`StreamEvent::with_fields`] adds fields of the message's own after `id`.
 impl std::fmt::Display for StreamEvent<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.write_line(f, &[])
+    }
+}
+
+impl StreamEvent<'_> {
+    /// The event's line, the message's fields `names` after its id.
+    fn write_line(&self, f: &mut std::fmt::Formatter<'_>, names: &[&str]) -> std::fmt::Result {
         let (message, outcome, took) = match self {
             StreamEvent::Received(message) => {
+                write_head(f, "received", message, names)?;
                 return write!(
                     f,
-                    "received msg={} id={:?} deliveries={} takeover={}",
-                    message.entry(),
-                    message.id().unwrap_or_default(),
+                    " deliveries={} takeover={}",
                     message.deliveries(),
                     message.is_takeover()
-                )
+                );
             }
             StreamEvent::Handled {
                 message,
@@ -158,8 +196,7 @@ impl std::fmt::Display for StreamEvent<'_> {
                 took,
             } => (message, outcome, took),
         };
-        let (entry, id) = (message.entry(), message.id().unwrap_or_default());
-        write!(f, "{} msg={entry} id={id:?}", outcome.label())?;
+        write_head(f, outcome.label(), message, names)?;
         let took_ms = took.as_millis();
         match outcome {
             StreamOutcome::Ran {
@@ -174,5 +211,77 @@ impl std::fmt::Display for StreamEvent<'_> {
             StreamOutcome::Unavailable(error) => write!(f, " error={:?} (left pending)", error.to_string()),
             StreamOutcome::DeadLettered { reason } => write!(f, " reason={reason:?}"),
         }
+    }
+}
+
+/// `<word> msg=<entry> id="<id>"`, then ` name=value` for each of `names` the message has.
+fn write_head(
+    f: &mut std::fmt::Formatter<'_>,
+    word: &str,
+    message: &StreamMessage,
+    names: &[&str],
+) -> std::fmt::Result {
+    write!(
+        f,
+        "{word} msg={} id={:?}",
+        message.entry(),
+        message.id().unwrap_or_default()
+    )?;
+    for name in names {
+        let Some(value) = message.field(name) else {
+            continue;
+        };
+        let plain = !value.is_empty()
+            && !value
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || matches!(c, '"' | '\\' | '='));
+        if plain {
+            write!(f, " {name}={value}")?;
+        } else {
+            write!(f, " {name}={value:?}")?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    #[test]
+    fn a_line_with_fields_names_them_after_the_id_and_quotes_only_what_needs_it() {
+        let message = StreamMessage::of_text(&[
+            ("id", "p1"),
+            ("amount", "-40"),
+            ("note", "two words"),
+            ("empty", ""),
+            ("eq", "a=b"),
+        ]);
+        let ran = StreamOutcome::Ran {
+            result: Bytes::new(),
+            not_stored: None,
+            stored_in: Duration::ZERO,
+        };
+        let handled = StreamEvent::Handled {
+            message: &message,
+            outcome: &ran,
+            took: Duration::from_millis(3),
+        };
+        assert_eq!(
+            handled
+                .with_fields(&["amount", "missing", "note", "empty", "eq"])
+                .to_string(),
+            r#"ran msg=1-0 id="p1" amount=-40 note="two words" empty="" eq="a=b" took_ms=3"#
+        );
+        assert_eq!(handled.with_fields(&[]).to_string(), handled.to_string());
+        assert_eq!(handled.to_string(), r#"ran msg=1-0 id="p1" took_ms=3"#);
+        assert_eq!(
+            StreamEvent::Received(&message)
+                .with_fields(&["amount"])
+                .to_string(),
+            r#"received msg=1-0 id="p1" amount=-40 deliveries=1 takeover=false"#
+        );
     }
 }
