@@ -1050,22 +1050,30 @@ impl Logs {
     }
 }
 
-/// Issue 36, seen in the 30-minute Sentinel run of tests/history.rs: a double failover back to
-/// the master the store followed before. The store follows A to B. Then, its sentinels' links
-/// held, B to A is run and A killed; the links are released, and the store hears B to A and
-/// cannot follow it (A is gone) while the sentinels fail A over back to B, announcing A to B,
-/// of the same text as the switch the store followed first. The store must follow it and take
-/// claims again within 15 s of the sentinels naming B; a store that took it for the switch
-/// followed before (no `followed.clear()` after a follow that failed) kept its fence until the
-/// failover counted as given up, 2 × `failover-timeout` + 5 s = 25 s after it was raised. The
-/// bound is a liveness property with a margin, not a benchmark: once A to B is heard it is
-/// followed in milliseconds, after the twenty reconnections tried for B to A (2.5 to 6.5 s
-/// here, on a loaded machine). One thread runs the test, the store and its watch, so that the
-/// watch's logs are this test's alone. Also: B to A, announced by each of the three
-/// sentinels, is tried once (`attempted`); before, each announcement ran twenty reconnections
-/// of its own, holding the watch (up to 28 s in the history run) while the fence stood.
-#[tokio::test(flavor = "current_thread")]
-async fn a_switch_back_after_an_overtaken_one_is_followed_and_the_overtaken_one_tried_once() {
+/// When the store hears what its sentinels' held links carried in
+/// [`switch_back_after_an_overtaken_one`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// As soon as A is killed: B to A is heard before the sentinels fail A over back to B.
+    BeforeTheSwitchBack,
+    /// Once the sentinels name B again: B to A and A to B are heard together.
+    AfterTheSwitchBack,
+}
+
+/// What [`switch_back_after_an_overtaken_one`] saw.
+struct SwitchBack {
+    /// When a claim sent after the sentinels named B again was first taken, if within 15 s.
+    taken: Option<Duration>,
+    on_b: bool,
+    /// How many follows failed (B to A, announced by three sentinels).
+    tried: usize,
+}
+
+/// The store follows A to B; B to A is run with the store's links to the sentinels held, A is
+/// killed once every sentinel names it, and the sentinels fail it over back to B; the links are
+/// released as `release` says. One thread runs the test, the store and its watch, so that the
+/// watch's logs are this test's alone.
+async fn switch_back_after_an_overtaken_one(release: Release) -> SwitchBack {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
 
@@ -1124,6 +1132,9 @@ async fn a_switch_back_after_an_overtaken_one_is_followed_and_the_overtaken_one_
             std::thread::sleep(Duration::from_millis(20));
         }
         topology.node_mut(a).kill();
+        if release == Release::AfterTheSwitchBack {
+            topology.wait_for_new_master(a, Duration::from_secs(30));
+        }
         topology
     })
     .await
@@ -1158,22 +1169,70 @@ async fn a_switch_back_after_an_overtaken_one_is_followed_and_the_overtaken_one_
         .answered_within(StatusCode::CREATED, Duration::from_secs(15))
         .await;
     let on_b = store_connections(b);
-    let tried = logs.warnings("is not confirmed on the announced master");
+    // Counted once the answers in flight are in (3 s): a late retry counts too.
     let _ = stream.stop().await;
+    let tried = logs.warnings("is not confirmed on the announced master");
     println!(
         "switch back: A {a}, B {b}; held announcements released at {released:?}, fenced from {fenced:?}, \
          the sentinels named B again at {named_b:?}, claims taken again from {taken:?}; follows that \
          failed: {tried}; the store's logs:\n{}",
         logs.all()
     );
+    drop(topology);
+    SwitchBack {
+        taken,
+        on_b: !on_b.is_empty(),
+        tried,
+    }
+}
+
+/// Issue 36, seen in the 30-minute Sentinel run of tests/history.rs: a double failover back to
+/// the master the store followed before. The store follows A to B. Then, its sentinels' links
+/// held, B to A is run and A killed; the links are released, and the store hears B to A and
+/// cannot follow it (A is gone) while the sentinels fail A over back to B, announcing A to B,
+/// of the same text as the switch the store followed first. The store must follow it and take
+/// claims again within 15 s of the sentinels naming B; a store that took it for the switch
+/// followed before (no `followed.clear()` after a follow that failed) kept its fence until the
+/// failover counted as given up, 2 × `failover-timeout` + 5 s = 25 s after it was raised. The
+/// bound is a liveness property with a margin, not a benchmark: once A to B is heard it is
+/// followed in milliseconds, after the twenty reconnections tried for B to A (2.5 to 6.5 s
+/// here, on a loaded machine). Also: B to A, announced by each of the three sentinels, is
+/// tried once (`attempted`); before, each announcement ran twenty reconnections of its own,
+/// holding the watch (up to 28 s in the history run) while the fence stood. 23 to 25 s.
+#[tokio::test(flavor = "current_thread")]
+async fn a_switch_back_after_an_overtaken_one_is_followed_and_the_overtaken_one_tried_once() {
+    let seen = switch_back_after_an_overtaken_one(Release::BeforeTheSwitchBack).await;
     assert!(
-        taken.is_some(),
+        seen.taken.is_some(),
         "no claim taken within 15 s of the sentinels naming B again: the fence stood"
     );
-    assert!(!on_b.is_empty(), "the store is not on B");
+    assert!(seen.on_b, "the store is not on B");
     assert_eq!(
-        tried, 1,
-        "B to A, announced by three sentinels, was tried {tried} times"
+        seen.tried, 1,
+        "B to A, announced by three sentinels, was tried {} times",
+        seen.tried
     );
-    drop(topology);
+}
+
+/// A BUG of the Sentinel watch, found while writing the test above (issue 36): the same
+/// failovers, but the store hears B to A and A to B together, once the sentinels name B again.
+/// Each listener hands its sentinel's B to A and A to B to the watch back to back, so an
+/// announcement of B to A is acted on after the store followed A to B: the fence, lowered,
+/// is raised again over a store on the right master, and twenty reconnections of every client
+/// are tried for A, which is dead, so its `ROLE` proves nothing (`attempted` was cleared when
+/// the fence came down, and the receive-time rule's `confirmed_at` is set only by the
+/// once-a-second look). Seen: B to A tried three times, the fence raised again twice for 2.2
+/// and 2.5 s after the store was on B, and the leader's late promotion of B to A, whose old
+/// master B is the master again, raising a fence the looks cannot lower (`try_lower` needs a
+/// master other than the one fenced) until 2 × `failover-timeout` + 5 s. Fails until the watch
+/// is fixed; see issue 36's notes.
+#[tokio::test(flavor = "current_thread")]
+async fn bug_stale_announcements_heard_with_the_switch_back_fence_the_store_again() {
+    let seen = switch_back_after_an_overtaken_one(Release::AfterTheSwitchBack).await;
+    assert!(seen.on_b, "the store is not on B");
+    assert_eq!(
+        seen.tried, 1,
+        "B to A, announced by three sentinels, was tried {} times",
+        seen.tried
+    );
 }
