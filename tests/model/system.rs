@@ -517,9 +517,13 @@ pub enum Action {
     /// `on_event`, src/store/redis/sentinel_watch.rs): a switch received before the sentinels
     /// last answered that no failover is under way (`confirmed_at`), one whose new master
     /// answers `ROLE` as a replica, one already tried (`attempted`) or followed (`followed`).
-    /// (A late promotion is acted on: its fence stands until the next look, a second, far
-    /// short of a lease; the model leaves it out.) [`Mutation::ActsOnLateAnnouncement`] acts
-    /// on it.
+    /// [`Mutation::ActsOnLateAnnouncement`] acts on it. Left out, where the code does not
+    /// ignore it: a late switch to a master since killed (its `ROLE` proves nothing) handled
+    /// after the fence came down, which clears `attempted`
+    /// (`bug_stale_announcements_heard_with_the_switch_back_fence_the_store_again`,
+    /// tests/redis_sentinel.rs); and a late promotion, which is always acted on: its fence
+    /// stands until the next look, a second, unless its old master is the master again (a
+    /// failover back), which the look does not lower (`try_lower` wants another master).
     Late { server: u8 },
     /// The watch's look, once a second (`Watcher::look`, `try_lower`): a server whose fence
     /// stands though no failover is under way goes to the master the sentinels name and lowers
