@@ -97,6 +97,16 @@ fn failover_bounded(replica_acks: bool) -> Config {
     }
 }
 
+/// [`failover_bounded`] with no crash and no handler failure: where a fault of the machinery
+/// is added, these would multiply the states.
+fn failover_without_crashes(replica_acks: bool) -> Config {
+    Config {
+        crashes: 0,
+        failures: 0,
+        ..failover_bounded(replica_acks)
+    }
+}
+
 /// One key, a master with two replicas that lag each on its own, and a failover that may
 /// promote either (the other then follows it), with the durability option requiring `acks`
 /// replicas (`None`: both). (The long configuration: two failovers in a row.)
@@ -112,9 +122,7 @@ fn two_replicas_bounded(acks: Option<u8>) -> Config {
     Config {
         replicas: 2,
         acks,
-        crashes: 0,
-        failures: 0,
-        ..failover_bounded(true)
+        ..failover_without_crashes(true)
     }
 }
 
@@ -168,9 +176,38 @@ fn replicated_and_lossy() -> Config {
 fn replicated_and_lossy_bounded() -> Config {
     Config {
         reconnects: 1,
-        crashes: 0,
-        failures: 0,
-        ..failover_bounded(true)
+        ..failover_without_crashes(true)
+    }
+}
+
+/// One key with the durability option through one failover, whose announcement reaches a
+/// server again, late, once the failover is over (no crash, no handler failure: the states stay
+/// few). The long configuration: two failovers, the second of which may begin before every
+/// server followed the first (overtaking it), the late announcement then of the first.
+fn late_announcement() -> Config {
+    let mut config = late_announcement_bounded();
+    if long() {
+        config.failovers = 2;
+    }
+    config
+}
+
+fn late_announcement_bounded() -> Config {
+    Config {
+        late_announcements: 1,
+        ..failover_without_crashes(true)
+    }
+}
+
+/// `failovers` failovers back and forth between a master and its one replica (A to B, B to A,
+/// A to B), each beginning once the sentinels are done with the last, perhaps before every
+/// server followed it: with three, a server may follow the first, be overtaken in the second,
+/// and meet the third's switch, of the same text as the first's. No durability option, no
+/// fault but these: the states stay few.
+fn back_and_forth(failovers: u8) -> Config {
+    Config {
+        failovers,
+        ..failover_without_crashes(false)
     }
 }
 
@@ -472,6 +509,100 @@ fn limit_a_failover_longer_than_the_lease_runs_a_key_twice() {
         |state| excused_runs(state, Excuse::LapsedInFailover),
     );
     assert!(path.contains(&model::Action::Promote));
+}
+
+/// Issue 36: a sentinel's announcement that reaches a server once it is no longer news (its
+/// failover over, or, in the long configuration, overtaken by the next) is ignored, and no key
+/// runs twice. A lapse under a fence is excused only while a failover is under way for its
+/// server: a fence raised again over a store on the right master would show here as a key run
+/// twice with nothing to excuse it (see the next tests).
+#[test]
+fn a_late_announcement_of_a_failover_over_or_overtaken_runs_no_key_twice() {
+    let config = late_announcement();
+    let name = format!("late announcement, {} failover(s)", config.failovers);
+    every_promise_holds(&name, config);
+}
+
+/// Failovers back and forth (A to B, B to A; `MODEL_CHECK=long`: and A to B again), each
+/// beginning once the sentinels are done with the last, perhaps before every server followed
+/// it: a server overtaken follows the next, and a key runs twice only for what the promoted
+/// replica lacked (no durability option here: (b)'s "never changed" is not promised).
+#[test]
+fn failovers_back_and_forth_overtaking_one_another_run_no_key_twice() {
+    let config = back_and_forth(if long() { 3 } else { 2 });
+    let name = format!("{} failovers back and forth", config.failovers);
+    let checker = checked(&name, config.clone(), None);
+    for held in [AT_MOST_ONCE, ANSWERS_AGREE, OWN_RECORD] {
+        checker.assert_no_discovery(held);
+    }
+    liveness(&name, config);
+}
+
+/// Replays `path` and returns, for the first lapse of a live owner's lease (an `Expire` of a
+/// record whose holder is alive), whether a failover was under way then and whether the
+/// holder's fence was one standing over no failover.
+fn first_live_lapse(model: &System, path: &[model::Action]) -> Option<(bool, bool)> {
+    let mut state = model.initial();
+    for &action in path {
+        if let model::Action::Expire { node, slot } = action {
+            let owner = state.nodes[usize::from(node)].records[usize::from(slot)].map(|rec| rec.owner);
+            let holder =
+                (state.servers.iter()).find(|server| owner.is_some() && server.phase.token() == owner);
+            if let Some(holder) = holder {
+                return Some((state.window.is_some(), holder.fenced && holder.stale_fence));
+            }
+        }
+        state = model.step(&state, action).0;
+    }
+    None
+}
+
+/// The watch acting on announcements no longer news (before issue 36's fix: no `confirmed_at`,
+/// no `ROLE` check, no `attempted`): a late switch raises a server's fence again over a store
+/// already on the right master, its owner's renewals are held, the lease lapses with no
+/// failover under way, and another server runs the key again. The broad excuse of before (any
+/// lapse under a fence) would have excused it, as the history run's double runs were.
+#[test]
+fn a_watch_acting_on_late_announcements_runs_a_key_twice() {
+    let config = Config {
+        mutation: Some(Mutation::ActsOnLateAnnouncement),
+        ..late_announcement_bounded()
+    };
+    let path = shortest_to("a watch acting on late announcements", config.clone(), |state| {
+        !at_most_once(state)
+    });
+    assert!(path
+        .iter()
+        .any(|action| matches!(action, model::Action::Late { .. })));
+    assert_eq!(
+        first_live_lapse(&System::new(config), &path),
+        Some((false, true)),
+        "the lease lapsed under a fence raised again after the failover"
+    );
+}
+
+/// The watch keeping the switch it followed when a later failover overtakes it (before
+/// `63f29b0`): A to B followed, B to A overtaken, then A to B, of the same text as the switch
+/// followed, is ignored as a duplicate; the fence raised for it stands over a store on the new
+/// master, and a lease lapsing under it lets another server run the key again.
+#[test]
+fn a_watch_ignoring_a_switch_back_as_a_duplicate_runs_a_key_twice() {
+    let config = Config {
+        mutation: Some(Mutation::DuplicateSwitchIgnored),
+        ..back_and_forth(3)
+    };
+    let path = shortest_to(
+        "a watch ignoring a switch back as a duplicate",
+        config.clone(),
+        |state| !at_most_once(state),
+    );
+    let announced = path
+        .iter()
+        .filter(|action| matches!(action, model::Action::Announce { .. }))
+        .count();
+    assert_eq!(announced, 3, "A to B, B to A, A to B");
+    let (_, stale) = first_live_lapse(&System::new(config), &path).expect("a lease lapsed");
+    assert!(stale, "the lease lapsed under the fence of a switch ignored");
 }
 
 /// The limit of a background completion that gives up (the store unreachable for a lease):

@@ -65,6 +65,7 @@ fn config() -> Config {
         call_faults: 2,
         reconnects: 0,
         give_ups: 1,
+        late_announcements: 0,
         mutation: None,
     }
 }

@@ -25,7 +25,7 @@ use axum::body::Body;
 use axum::Router;
 use bytes::Bytes;
 use common::proxy::{Fault, FaultProxy};
-use common::sentinel::{data_cli, SentinelTopology, Timing};
+use common::sentinel::{data_cli, SentinelTopology, Timing, SERVICE};
 use common::storm::{app, Ledger};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
@@ -513,6 +513,16 @@ impl Stream {
         }
     }
 
+    /// [`until_answered`](Self::until_answered), `None` past `timeout`.
+    async fn answered_within(&self, status: StatusCode, timeout: Duration) -> Option<Duration> {
+        tokio::time::timeout(
+            timeout,
+            self.until_answered(status, timeout + Duration::from_secs(1)),
+        )
+        .await
+        .ok()
+    }
+
     /// Stops sending, waits for the answers in flight, and returns every answer.
     async fn stop(self) -> Vec<(Duration, StatusCode, Duration)> {
         self.task.abort();
@@ -930,6 +940,15 @@ async fn a_store_takes_no_claim_before_it_listens_to_the_sentinels_its_sentinel_
         subscribed.iter().all(|&subscribed| subscribed),
         "the claim was taken before the store listened on every sentinel: {subscribed:?}"
     );
+/// A layer node over a store of `url` with no heartbeat: it would replace subscriptions a
+/// test holds after 3 s, and what they hold would be lost with them (the late delivery is the
+/// fault under test).
+async fn node_without_heartbeat(url: &str, ledger: Ledger) -> Router {
+    let store = RedisStore::connect(url)
+        .await
+        .expect("connect")
+        .with_heartbeat(None);
+    app(IdempotencyLayer::new(store), ledger, "a", |_| Duration::ZERO)
 }
 
 /// Issue 36, found by the 30-minute Sentinel run of tests/history.rs: announcements acted on
@@ -948,16 +967,8 @@ async fn a_late_announcement_of_an_overtaken_switch_neither_fences_nor_moves_the
         .unwrap();
     let (url, proxies) = through_sentinel_proxies(&topology).await;
     let first = topology.master_port();
-    // No heartbeat: it would replace the held subscriptions after 3 s, and what they hold
-    // would be lost with them (the late delivery is the fault under test).
-    let store = RedisStore::connect(&url)
-        .await
-        .expect("connect")
-        .with_heartbeat(None);
     let ledger = Ledger::default();
-    let node = app(IdempotencyLayer::new(store), ledger.clone(), "a", |_| {
-        Duration::ZERO
-    });
+    let node = node_without_heartbeat(&url, ledger.clone()).await;
     let stream = Stream::start(node, "late");
     stream
         .until_answered(StatusCode::CREATED, Duration::from_secs(10))
@@ -1035,4 +1046,241 @@ async fn a_late_announcement_of_an_overtaken_switch_neither_fences_nor_moves_the
         "a key ran twice"
     );
     drop(topology);
+}
+
+/// Keeps every event at `INFO` or above, its level, message and fields, for a test that makes
+/// it the default subscriber of its own one-threaded runtime (the store's watch runs there too).
+#[derive(Clone)]
+struct Logs {
+    started: Instant,
+    lines: Arc<Mutex<Vec<(tracing::Level, String)>>>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logs {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Fields(String);
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0 += &format!(" {}={value:?}", field.name());
+            }
+        }
+        let level = *event.metadata().level();
+        let the_stores = event
+            .metadata()
+            .target()
+            .starts_with("tower_idempotency::store::redis");
+        if level <= tracing::Level::INFO && the_stores {
+            let mut fields = Fields(format!("{:?} {level}", self.started.elapsed()));
+            event.record(&mut fields);
+            self.lines.lock().unwrap().push((level, fields.0));
+        }
+    }
+}
+
+impl Logs {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            lines: Arc::default(),
+        }
+    }
+
+    /// How many warnings contain `text`.
+    fn warnings(&self, text: &str) -> usize {
+        (self.lines.lock().unwrap().iter())
+            .filter(|(level, line)| *level == tracing::Level::WARN && line.contains(text))
+            .count()
+    }
+
+    fn all(&self) -> String {
+        (self.lines.lock().unwrap().iter())
+            .map(|(_, line)| line.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// When the store hears what its sentinels' held links carried in
+/// [`switch_back_after_an_overtaken_one`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// As soon as A is killed: B to A is heard before the sentinels fail A over back to B.
+    BeforeTheSwitchBack,
+    /// Once the sentinels name B again: B to A and A to B are heard together.
+    AfterTheSwitchBack,
+}
+
+/// What [`switch_back_after_an_overtaken_one`] saw.
+struct SwitchBack {
+    /// When a claim sent after the sentinels named B again was first taken, if within 15 s.
+    taken: Option<Duration>,
+    on_b: bool,
+    /// How many follows failed (B to A, announced by three sentinels).
+    tried: usize,
+}
+
+/// The store follows A to B; B to A is run with the store's links to the sentinels held, A is
+/// killed once every sentinel names it, and the sentinels fail it over back to B; the links are
+/// released as `release` says. One thread runs the test, the store and its watch, so that the
+/// watch's logs are this test's alone.
+async fn switch_back_after_an_overtaken_one(release: Release) -> SwitchBack {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let logs = Logs::new();
+    let _logging = tracing_subscriber::registry().with(logs.clone()).set_default();
+    let timing = Timing {
+        down_after: Duration::from_secs(1),
+        failover_timeout: Duration::from_secs(10),
+    };
+    let mut topology = tokio::task::spawn_blocking(move || SentinelTopology::start_timed(1, timing))
+        .await
+        .unwrap();
+    let (url, proxies) = through_sentinel_proxies(&topology).await;
+    let a = topology.master_port();
+    let node = node_without_heartbeat(&url, Ledger::default()).await;
+    let stream = Stream::start(node, "back");
+    stream
+        .until_answered(StatusCode::CREATED, Duration::from_secs(10))
+        .await;
+
+    // A to B, followed.
+    let (topology_back, b) = tokio::task::spawn_blocking(move || {
+        topology.failover();
+        let b = topology.wait_for_new_master(a, Duration::from_secs(30));
+        // Settled: A is a replica of B, so B can be failed over back to it.
+        topology.wait_until_settled(Duration::from_secs(30));
+        (topology, b)
+    })
+    .await
+    .unwrap();
+    topology = topology_back;
+    common::until("the store is on B", || !store_connections(b).is_empty()).await;
+    stream
+        .until_answered(StatusCode::CREATED, Duration::from_secs(10))
+        .await;
+
+    // B to A, unheard, and overtaken: A is killed once every sentinel names it; the store
+    // hears of B to A only then, and the sentinels fail A over back to B meanwhile.
+    for proxy in &proxies {
+        proxy.black_hole_open_connections();
+        proxy.keep_received();
+    }
+    let topology = tokio::task::spawn_blocking(move || {
+        let mut topology = topology;
+        topology.failover();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let every_sentinel_names_a = || {
+            (topology.sentinel_ports().into_iter()).all(|sentinel| {
+                let answer =
+                    topology.sentinel_cli(sentinel, &["SENTINEL", "get-master-addr-by-name", SERVICE]);
+                answer.lines().nth(1) == Some(a.to_string().as_str())
+            })
+        };
+        while !every_sentinel_names_a() {
+            assert!(Instant::now() < deadline, "the sentinels never all named A");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        topology.node_mut(a).kill();
+        if release == Release::AfterTheSwitchBack {
+            topology.wait_for_new_master(a, Duration::from_secs(30));
+        }
+        topology
+    })
+    .await
+    .unwrap();
+    let released = stream.elapsed();
+    for proxy in &proxies {
+        proxy.release_black_holed();
+    }
+    let overtaken = format!("mymaster 127.0.0.1 {b} 127.0.0.1 {a}");
+    common::until("every sentinel's announcement of B to A is delivered", || {
+        (proxies.iter()).all(|proxy| String::from_utf8_lossy(&proxy.received()).contains(&overtaken))
+    })
+    .await;
+    // Fenced on hearing B to A, which it cannot follow.
+    let fenced = stream
+        .until_answered(StatusCode::SERVICE_UNAVAILABLE, Duration::from_secs(10))
+        .await;
+    let (topology, switched_back) = tokio::task::spawn_blocking(move || {
+        let back = topology.try_wait_for_new_master(a, Duration::from_secs(30));
+        (topology, back)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        switched_back,
+        Some(b),
+        "the sentinels did not fail A over back to B"
+    );
+    let named_b = stream.elapsed();
+    // Past the twenty reconnections tried for B to A (6.5 s on a loaded machine).
+    let taken = stream
+        .answered_within(StatusCode::CREATED, Duration::from_secs(15))
+        .await;
+    let on_b = store_connections(b);
+    // Counted once the answers in flight are in (3 s): a late retry counts too.
+    let _ = stream.stop().await;
+    let tried = logs.warnings("is not confirmed on the announced master");
+    println!(
+        "switch back: A {a}, B {b}; held announcements released at {released:?}, fenced from {fenced:?}, \
+         the sentinels named B again at {named_b:?}, claims taken again from {taken:?}; follows that \
+         failed: {tried}; the store's logs:\n{}",
+        logs.all()
+    );
+    drop(topology);
+    SwitchBack {
+        taken,
+        on_b: !on_b.is_empty(),
+        tried,
+    }
+}
+
+/// Issue 36, seen in the 30-minute Sentinel run of tests/history.rs: a double failover back to
+/// the master the store followed before. The store follows A to B. Then, its sentinels' links
+/// held, B to A is run and A killed; the links are released, and the store hears B to A and
+/// cannot follow it (A is gone) while the sentinels fail A over back to B, announcing A to B,
+/// of the same text as the switch the store followed first. The store must follow it and take
+/// claims again within 15 s of the sentinels naming B; a store that took it for the switch
+/// followed before (no `followed.clear()` after a follow that failed) kept its fence until the
+/// failover counted as given up, 2 × `failover-timeout` + 5 s = 25 s after it was raised. The
+/// bound is a liveness property with a margin, not a benchmark: once A to B is heard it is
+/// followed in milliseconds, after the twenty reconnections tried for B to A (2.5 to 6.5 s
+/// here, on a loaded machine). Also: B to A, announced by each of the three sentinels, is
+/// tried once (`attempted`); before, each announcement ran twenty reconnections of its own,
+/// holding the watch (up to 28 s in the history run) while the fence stood. 23 to 25 s.
+#[tokio::test(flavor = "current_thread")]
+async fn a_switch_back_after_an_overtaken_one_is_followed_and_the_overtaken_one_tried_once() {
+    let seen = switch_back_after_an_overtaken_one(Release::BeforeTheSwitchBack).await;
+    assert!(
+        seen.taken.is_some(),
+        "no claim taken within 15 s of the sentinels naming B again: the fence stood"
+    );
+    assert!(seen.on_b, "the store is not on B");
+    assert_eq!(
+        seen.tried, 1,
+        "B to A, announced by three sentinels, was tried {} times",
+        seen.tried
+    );
+}
+
+/// Issue 36, found while writing the test above: the same failovers, but the store hears B to A
+/// and A to B together, once the sentinels name B again. Each listener hands its sentinel's B to
+/// A and A to B to the watch back to back, so an announcement of B to A is handled after the
+/// store followed A to B. Before, the watch forgot the switch it had tried (`attempted`) when its
+/// fence came down, and A is dead, so its `ROLE` proves nothing: B to A was tried three times,
+/// the fence raised again twice, for 2.2 and 2.5 s, over a store on the right master, every
+/// client reconnected twenty times each. Now a switch tried is tried once. Not fixed (see issue
+/// 36's notes): the leader's late promotion of B to A, whose old master B is the master again,
+/// raises a fence the looks cannot lower (`try_lower` needs a master other than the one fenced)
+/// until 2 × `failover-timeout` + 5 s; this test does not wait for it.
+#[tokio::test(flavor = "current_thread")]
+async fn stale_announcements_heard_with_the_switch_back_are_not_acted_on_again() {
+    let seen = switch_back_after_an_overtaken_one(Release::AfterTheSwitchBack).await;
+    assert!(seen.on_b, "the store is not on B");
+    assert_eq!(
+        seen.tried, 1,
+        "B to A, announced by three sentinels, was tried {} times",
+        seen.tried
+    );
 }

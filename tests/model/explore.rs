@@ -114,8 +114,8 @@ pub fn short(state: &State) -> String {
         };
         line += &format!("n{n} {role}[{}] ", node(records));
     }
-    if state.window.is_some() {
-        line += "(failing over) ";
+    if let Some(window) = state.window {
+        line += &format!("(failing over, n{} to n{}) ", window.from, window.to);
     }
     for (s, server) in state.servers.iter().enumerate() {
         let phase = match server.phase {
@@ -130,6 +130,7 @@ pub fn short(state: &State) -> String {
             Phase::Completing { .. } => "completing in the background".to_string(),
         };
         let fence = match (server.fenced, server.listening) {
+            (true, _) if server.stale_fence => " fenced (no failover under way)",
             (true, _) => " fenced",
             (false, false) => " deaf",
             (false, true) => "",

@@ -80,6 +80,16 @@ pub enum Mutation {
     /// A store takes claims before it listens to the sentinels (as before issue 36): one
     /// restarted just before a failover misses its announcement and claims on the old master.
     ClaimsBeforeListening,
+    /// The Sentinel watch acts on an announcement that is no longer news (as before issue 36's
+    /// fix, without `confirmed_at`, the `ROLE` check and `attempted`): a late switch of a
+    /// failover over or overtaken raises the server's fence again and sends it to the master
+    /// the switch named, holding its owners' renewals over a store on the right master.
+    ActsOnLateAnnouncement,
+    /// The Sentinel watch keeps the switch it followed when a later failover overtakes it (as
+    /// before `63f29b0`), so a failover back to that master and then to the same node again
+    /// (A to B, B to A overtaken, A to B) is taken for the switch followed before and not
+    /// followed: the fence stands over a store on the new master.
+    DuplicateSwitchIgnored,
 }
 
 /// One node's records, by slot (a record key's digest; see `System::slot`).
