@@ -547,9 +547,12 @@ impl Watcher {
     }
 
     fn lower(&mut self, why: &str) {
-        // A switch whose following failed is over with the failover: the same pair of
-        // addresses announced again later is a new switch.
-        self.attempted.clear();
+        // `attempted` is kept: other sentinels' announcements of a switch tried and since
+        // overtaken can still be on their way (heard together with the switch back, once the
+        // links to the sentinels come back), and acting on them would fence the store again
+        // over the right master and reconnect every client twenty times for a master since
+        // killed, whose `ROLE` proves nothing. A later failover between the same two addresses
+        // is followed by the looks, once a second, or by its own new text.
         if let Some(fenced) = self.fenced.take() {
             tracing::info!(
                 "{why}: taking writes again, {:?} after the fence was raised",
