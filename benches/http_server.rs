@@ -10,8 +10,6 @@
 //! - `memory`: `IdempotencyLayer::new(MemoryStore::new())`, every setting at its default;
 //! - `redis`: `IdempotencyLayer::new(store)` over `RedisStore::connect(REDIS_URL)` with its
 //!   scripts loaded, every setting at its default;
-//! - `redis-native`: the same with `RedisStore::with_native_transitions(true)`: completions,
-//!   renewals and releases as compare-and-set commands on servers that have them;
 //! - `redis-cache`: the same as `redis` with `RedisStore::with_replay_cache` (64 MiB), so repeats are replayed
 //!   from this process's memory;
 //! - `redis-acks`: `redis` with `RedisStore::with_replica_acks(ReplicaAcks::new(1))`, against a
@@ -73,9 +71,6 @@ async fn layer_for(mode: &str) -> Result<Option<IdempotencyLayer>, BoxError> {
         "plain" => None,
         "memory" => Some(IdempotencyLayer::new(MemoryStore::new())),
         "redis" => Some(IdempotencyLayer::new(redis_store().await?)),
-        "redis-native" => Some(IdempotencyLayer::new(
-            redis_store().await?.with_native_transitions(true),
-        )),
         "redis-cache" => {
             let store = redis_store().await?.with_replay_cache(REPLAY_CACHE_BYTES).await?;
             Some(IdempotencyLayer::new(store))

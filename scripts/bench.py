@@ -80,14 +80,14 @@ def binary_of(store):
         return PEERS_BIN
     return BASELINE_BIN if store.endswith(BASELINE_SUFFIX) else SERVER_BIN
 
-STORES = ["plain", "memory", "redis", "redis-native", "redis-cache", "redis-acks", "postgres",
+STORES = ["plain", "memory", "redis", "redis-cache", "redis-acks", "postgres",
           "peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"]  # every store the driver knows
 # Never part of the default selections: named with --stores, built on demand (bench/peers).
 # floor-memory and floor-redis are no library: the least an in-process layer, and a layer over
 # Redis with fred, does per request, yardsticks for the memory store's and the Redis store's cells
 # (bench/peers/src/floor.rs, floor_redis.rs).
 PEER_STORES = {"peer-idempotent", "peer-axum-idempotent", "floor-memory", "floor-redis"}
-REDIS_STORES = {"redis", "redis-native", "redis-cache", "redis-acks"} | (PEER_STORES - {"floor-memory"})
+REDIS_STORES = {"redis", "redis-cache", "redis-acks"} | (PEER_STORES - {"floor-memory"})
 # What the peers' own Lua scripts call, so that "sent" counts their client's commands only
 # (read from idempotent 2.0's valkey/*.lua and ruts 0.13's Redis store).
 PEER_SCRIPT_CALLS = {
@@ -417,8 +417,8 @@ NOT_THE_CLIENTS = {"info", "replconf", "client|list"}
 #   any of them on a record the owner lost:        GETRANGE
 # [SPUBLISH]: only for a record a request waits for (marked by wait.lua), which no bench cell
 # has; builds before that published on every completion and release. The client never sends
-# GETRANGE, SETRANGE, APPEND or DEL itself (its native transitions are SET … IFEQ, DELEX,
-# DELIFEQ), so all of their calls are the scripts'; the scripts' PEXPIRE calls are no more than
+# GETRANGE, SETRANGE, APPEND or DEL itself, so all of their calls are the scripts'; the scripts'
+# PEXPIRE calls are no more than
 # their SETRANGE calls.
 # Every run of a script reads its record with one GETRANGE, and every run but a completion by
 # one SET (and a lost claim) also calls SETRANGE or DEL: so the scripts' SET calls are their
@@ -427,7 +427,7 @@ NOT_THE_CLIENTS = {"info", "replconf", "client|list"}
 # notice went only to waited-for records bounded this by the SPUBLISH calls). The scripts' SPUBLISH calls are at most
 # their APPEND, DEL and SET calls. The rest of SET and SPUBLISH, and every other command, the
 # client sent. check_counting() proves this on every server at the start of a run, running each
-# branch of the scripts and then the native commands.
+# branch of the scripts.
 SCRIPT_ONLY = {"getrange", "setrange", "append", "del"}
 
 
@@ -460,27 +460,10 @@ def command_usec(delta, usec, store, inner):
     return sum(usec.get(name, 0) * calls / delta[name] for name, calls in sent.items() if delta[name])
 
 
-def server_capabilities(client):
-    """Which compare-and-set commands a server has: {"ifeq", "delex", "delifeq"}."""
-    found = set()
-    probes = {"ifeq": ("SET", "bench:probe", "b", "IFEQ", "a"),
-              "delex": ("DELEX", "bench:probe", "IFEQ", "a"),
-              "delifeq": ("DELIFEQ", "bench:probe", "a")}
-    client.cmd("SET", "bench:probe", "a")
-    for name, probe in probes.items():
-        try:
-            client.cmd(*probe)
-            found.add(name)
-        except BenchError:
-            pass
-    client.cmd("DEL", "bench:probe")
-    return found
-
-
-def check_counting(redis, inner, capabilities):
-    """Proves sent_commands() on this server: runs the transitions both ways, by the Lua scripts
-    in scripts/ (each of their branches) and by native commands where the server has them, and
-    checks the count against the commands sent. Raises BenchError if they disagree."""
+def check_counting(redis, inner):
+    """Proves sent_commands() on this server: runs the transitions by the Lua scripts in scripts/
+    (each of their branches), and checks the count against the commands sent. Raises BenchError
+    if they disagree."""
     client = redis.client
     head = b"TIR\x03\x00\x0bbench-owner"
     # Even, as an owner writes it: odd is the waiters' mark (src/store/redis/record.rs).
@@ -514,35 +497,21 @@ def check_counting(redis, inner, capabilities):
     # A record a request waits for (its deadline's lowest bit set, as wait.lua marks it).
     marked = head + b"F" + deadline[:7] + bytes([deadline[7] | 1]) + bytes(40)
     send("SET", "bench:check:m", marked, "NX", "PX", 60_000, "GET")
-    send("SET", "bench:check:n", in_flight, "NX", "PX", 60_000, "GET")
     done = b"C" + deadline
-    # complete.lua's arguments: the in-flight record the owner remembers and the completed
-    # record it built; or '' and the head, state and payload.
+    # complete.lua's arguments: the head, the state, the payload and the retention.
     complete = ("EVAL", lua["complete"], 1)
-    send(*complete, "bench:check:a", in_flight, completed, 60_000)  # completes
-    send(*complete, "bench:check:a", in_flight, completed, 60_000)  # again
-    send(*complete, "bench:check:a", b"", b"TIR\x03\x00\x01x" + done + b"p", 60_000)  # lost
-    send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", in_flight, completed, 60_000,
-         in_flight, completed, 60_000)  # two records in one call
-    send(*complete, "bench:check:n", b"", head + done + b"payload", 60_000)  # not remembered
+    send(*complete, "bench:check:a", head, done, b"payload", 60_000)  # completes
+    send(*complete, "bench:check:a", head, done, b"payload", 60_000)  # again
+    send(*complete, "bench:check:a", b"TIR\x03\x00\x01x", done, b"p", 60_000)  # lost
+    send("EVAL", lua["complete"], 2, "bench:check:b", "bench:check:a", head, done, b"payload", 60_000,
+         head, done, b"payload", 60_000)  # two records in one call
     send("EVAL", lua["renew"], 1, "bench:check:c", head, b"F" + deadline, 60_000)
     send("EVAL", lua["release"], 1, "bench:check:c", head)
     send("EVAL", lua["release"], 1, "bench:check:c", head)  # lost
-    send(*complete, "bench:check:m", in_flight, completed, 60_000)  # marked: publishes
+    send(*complete, "bench:check:m", head, done, b"payload", 60_000)  # marked: publishes
     check("the scripts", lost=2)
-    if client.cmd_raw("GET", "bench:check:n") != completed:
-        raise BenchError(f"complete.lua on {redis.label} built another record than the native path writes")
-    before = redis_snapshot(client)
-    if "ifeq" in capabilities:
-        send("SET", "bench:check:d", in_flight)
-        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000, "GET")
-        send("SET", "bench:check:d", completed, "IFEQ", in_flight, "PX", 60_000, "GET")  # lost
-    for command in ("delex", "delifeq"):
-        if command in capabilities:
-            send("SET", "bench:check:e", in_flight)
-            send(*(("DELEX", "bench:check:e", "IFEQ", in_flight) if command == "delex"
-                   else ("DELIFEQ", "bench:check:e", in_flight)))
-    check("the native commands")
+    if client.cmd_raw("GET", "bench:check:b") != completed:
+        raise BenchError(f"complete.lua on {redis.label} built another record than the store's layout")
     client.cmd("FLUSHALL", "SYNC")
 
 
@@ -621,10 +590,11 @@ def weigh_write_paths(client, record, prefix):
     """MEMORY USAGE of `record`, and of it with WEIGHED_BODIES-byte response bodies, written the
     two ways a completion writes: the work tree's complete.lua on an in-flight record (one SET of
     the whole record since issue 26; before, SETRANGE then APPEND of the payload, and APPEND left
-    the string room to grow, up to its length again), given the record as the store remembers it,
-    and one SET of the whole record (the native `SET … IFEQ`). Probe keys are named like records,
-    in another slot."""
+    the string room to grow, up to its length again), and one SET of the whole record. Probe keys
+    are named like records, in another slot."""
     owner_len = int.from_bytes(record[4:6], "big")
+    if record[3] != 3:
+        return None  # another build's layout (a baseline's): the work tree's complete.lua writes layout 3
     head, at = record[:6 + owner_len], payload_at(record)
     in_flight = head + b"F" + record[6 + owner_len + 1:at]
     lua = (ROOT / "scripts" / "complete.lua").read_text()
@@ -633,7 +603,8 @@ def weigh_write_paths(client, record, prefix):
     for body in [None] + list(WEIGHED_BODIES):
         full = record if body is None else with_body(record, b"b" * body)
         client.cmd_raw("SET", probe, in_flight, "PX", 60_000)
-        client.cmd_raw("EVAL", lua, 1, probe, in_flight, full, 60_000)
+        state = full[len(head):len(head) + 9]
+        client.cmd_raw("EVAL", lua, 1, probe, head, state, full[at:], 60_000)
         if client.cmd_raw("GET", probe) != full:
             raise BenchError("complete.lua wrote another record than expected: is scripts/complete.lua "
                              "the build's?")
@@ -1097,7 +1068,7 @@ def run_cell(cfg, cell, tmp, redis, inner, pg=None):
     script = write_wrk_script(tmp, scenario, body)
     run_id = "%08x" % random.getrandbits(32)
     # After a fresh-key cell of the redis store, what its records take in Redis.
-    weigh_records = store in ("redis", "redis-native") and scenario == "fresh"
+    weigh_records = store == "redis" and scenario == "fresh"
     used_before = None
     if redis is not None and store in REDIS_STORES:
         redis.client.cmd("FLUSHALL", "SYNC")  # SYNC: servers that flush lazily free memory later
@@ -1464,11 +1435,13 @@ def memory_lines(aggs):
         layouts.setdefault(a["body"], runs[-1])
     paths = {}
     for a in rows:
-        paths.setdefault(a["server"], a["record_memory"][-1]["write_paths"])
+        weighed = a["record_memory"][-1]["write_paths"]
+        if weighed is not None:
+            paths.setdefault(a["server"], weighed)
     lines += ["", "The same records written the two ways a completion writes (`MEMORY USAGE`, B): by "
               "the work tree's complete.lua onto the in-flight record (one `SET` of the whole record; "
               "before issue 26's last change, `SETRANGE` then `APPEND` of the payload, which left the "
-              "string room to grow) and by one `SET` of the whole record (the native `SET … IFEQ`); "
+              "string room to grow) and by one `SET` of the whole record; "
               "the bench's response body and longer ones:", "",
               "| Redis server | response body B | record (STRLEN) B | complete.lua | one SET |",
               "|---|---|---|---|---|"]
@@ -1504,7 +1477,7 @@ def floor_text(floor):
             + "; ".join(parts))
 
 
-SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-native": "#72b7b2", "redis-cache": "#54a24b",
+SVG_COLORS = {"memory": "#4c78a8", "redis": "#f58518", "redis-cache": "#54a24b",
               "redis-acks": "#e45756", "postgres": "#b279a2"}
 
 
@@ -1754,17 +1727,14 @@ def run_matrix(args):
             pg = PgServer(tmp) if needs_pg else None
             inner, inner_source = inner_commands()
             for label, server in redises.items():
-                capabilities = server_capabilities(server.client)
-                server.capabilities = sorted(capabilities)
-                check_counting(server, inner, capabilities)
+                check_counting(server, inner)
             probe_stores(cfg, tmp, redis, pg)
             cells = cfg.cells([label for label, _, _ in servers])
             print(f"{'full' if cfg.full else 'quick'} mode: {len(cells)} cells × {cfg.rounds} rounds, "
                   f"{cfg.duration:g} s per cell ({cfg.duration_1m:g} s for 1 MiB bodies), "
                   f"warm-up {cfg.warmup:g} s; {os.cpu_count()} CPUs")
             for label, binary, version in servers:
-                caps = ", ".join(redises[label].capabilities) or "no compare-and-set"
-                print(f"Redis server {label} on port {redises[label].port}: {binary} ({version}; {caps})")
+                print(f"Redis server {label} on port {redises[label].port}: {binary} ({version})")
             if redis:
                 print(f"commands run inside the scripts (from {inner_source}): {', '.join(sorted(inner))}; "
                       f"counting of commands sent checked on every server")
@@ -1820,8 +1790,7 @@ def run_matrix(args):
             "duration_s": cfg.duration, "duration_1m_s": cfg.duration_1m, "warmup_s": cfg.warmup,
             "elapsed_s": round(elapsed, 1), "inner_commands": sorted(inner),
             "inner_commands_from": inner_source,
-            "redis_servers": [{"label": label, "binary": binary, "version": version,
-                               "capabilities": getattr(redises.get(label), "capabilities", [])}
+            "redis_servers": [{"label": label, "binary": binary, "version": version}
                               for label, binary, version in servers], **env}
     md = [f"# HTTP benchmark: axum with and without tower-idempotency ({meta['mode']} mode)", "",
           f"- command: `{meta['command']}`",
@@ -1842,8 +1811,7 @@ def run_matrix(args):
     md += ["", "Columns: *× plain* is req/s over the plain cell of the same concurrency and body "
            "size in the same round, median (min–max) over rounds; *p50 × plain* likewise for the "
            "median latency. CPU µs/req is utime+stime of the process over the measured run ÷ "
-           "requests. *Redis cmds/req sent* counts commands the client sends (EVALSHA, SET … IFEQ, "
-           "DELEX, …): every command in `INFO commandstats` but the driver's INFO and CLIENT LIST, a "
+           "requests. *Redis cmds/req sent* counts commands the client sends (SET, EVALSHA, …): every command in `INFO commandstats` but the driver's INFO and CLIENT LIST, a "
            "replica's REPLCONF (redis-acks: its replica answers each WAIT) and those the store's Lua "
            "scripts call: all GETRANGE, SETRANGE, APPEND and DEL calls (the client sends none); as "
            "many PEXPIRE as SETRANGE calls; as SET calls, the GETRANGE calls less the SETRANGE and DEL calls (complete.lua "
@@ -1851,7 +1819,7 @@ def run_matrix(args):
            "SETRANGE or DEL); as SPUBLISH calls (a notice for a waited-for record, which no cell "
            "has), at most the APPEND, DEL and those SET calls; the rest of SET and SPUBLISH "
            "being the client's; checked at the start of the run on every server against each branch "
-           "of scripts/*.lua and the native commands. For the peers, every command their scripts call counts as called in a "
+           "of scripts/*.lua. For the peers, every command their scripts call counts as called in a "
            "script. *executed* is the `total_commands_processed` "
            "delta, which also counts the commands run inside the scripts. Both include the "
            "requests still in flight when wrk stops (up to 32 per cell). Peak RSS is the server's "
@@ -2017,7 +1985,7 @@ def main():
     parser.add_argument("--soak", nargs="?", type=float, const=10.0, metavar="MINUTES",
                         help="one server under load for MINUTES (default 10); writes soak.md")
     parser.add_argument("--soak-store", default="redis", help="redis (default) or memory")
-    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-native,redis-cache,redis-acks (plain is always "
+    parser.add_argument("--stores", help="e.g. plain,memory,redis,redis-cache,redis-acks (plain is always "
                         "run); peer-idempotent,peer-axum-idempotent are the other layers of bench/peers, "
                         "floor-memory and floor-redis the least an in-process layer and a layer over Redis do "
                         "(bench/peers/src/floor.rs, floor_redis.rs)")

@@ -7,17 +7,12 @@
 -- The claim itself is not a script: it is `SET key <in-flight record> NX PX <lease> GET`.
 --
 -- KEYS[i]    a record; one or many (completions sent together are one call: see
---            src/store/redis/coalesce.rs). For record i, from j = 3 * (i - 1):
--- ARGV[j+1]  the in-flight record the caller wrote last (its claim's, or its last renewal's), or ''
---            when the caller does not remember it
--- ARGV[j+2]  the completed record: with the in-flight record, the whole of it, which the caller
---            builds (the head, 'C' and the retention deadline, the fingerprint and its policy tag,
---            the payload); without, the head, 'C' and the retention deadline, and the payload (no
---            fingerprint)
--- ARGV[j+3]  retention (ms)
---
--- The head is the layout's magic and version (4 bytes), the owner's length (2 bytes, big-endian)
--- and the owner.
+--            src/store/redis/coalesce.rs). For record i, from j = 4 * (i - 1):
+-- ARGV[j+1]  the caller's head: the layout's magic and version (4 bytes), the owner's length
+--            (2 bytes, big-endian) and the owner
+-- ARGV[j+2]  'C' and the retention's deadline (9 bytes)
+-- ARGV[j+3]  the payload
+-- ARGV[j+4]  retention (ms)
 --
 -- Publishes (SPUBLISH, an empty message) on KEYS[i] .. ':settled' when it completes a record that a
 -- request waits for (src/store/redis/notices.rs): a shard channel in the record's slot. A waiter
@@ -29,11 +24,12 @@
 -- 0 when the owner lost its claim (lease expired, purged, or claimed again by another owner):
 -- the newer owner's record is never overwritten. One record: that flag; several: an array of them,
 -- in the order of KEYS. Each record is decided on its own: one lost claim fails no other.
--- The record is this owner's (its head is `head`) and in flight, or was completed by it already,
--- but is not the one the caller remembers, if any: decided by its head and state.
-local function complete_found(key, found, head, state, payload, retention)
+local function complete(key, head, state, payload, retention)
   local n = #head
-  if string.find(found, head, 1, true) ~= 1 then
+  -- As much of the record as an in-flight one has (the head, 9 bytes of state and deadline, the
+  -- 32-byte fingerprint and 8-byte policy tag), so a large record of another owner is not copied.
+  local ok, found = pcall(redis.call, 'GETRANGE', key, 0, n + 48)
+  if not ok or string.find(found, head, 1, true) ~= 1 then -- not a string, or not this owner's
     return 0
   end
   local current = string.byte(found, n + 1)
@@ -48,8 +44,8 @@ local function complete_found(key, found, head, state, payload, retention)
   if current ~= 70 or #found ~= n + 49 then -- not 'F', or not an in-flight record's length
     return 0
   end
-  -- One SET of the whole completed record, the bytes the native path (SET … IFEQ) writes: a
-  -- string written once takes the allocation its length needs.
+  -- One SET of the whole completed record: a string written once takes the allocation its
+  -- length needs (APPEND would leave it room for as many bytes again).
   redis.call('SET', key, head .. state .. string.sub(found, n + 10) .. payload, 'PX', retention)
   -- The deadline's last byte, odd when a request waits for the record (wait.lua).
   if string.byte(found, n + 9) % 2 == 1 then
@@ -58,53 +54,12 @@ local function complete_found(key, found, head, state, payload, retention)
   return 1
 end
 
-local function complete(key, claimed, written, retention)
-  if claimed == '' then
-    -- Not remembered: read as much of the record as an in-flight one has (the head, 9 bytes of
-    -- state and deadline, the 32-byte fingerprint and 8-byte policy tag), so a large record of
-    -- another owner is not copied.
-    local n = 6 + string.byte(written, 5) * 256 + string.byte(written, 6)
-    local ok, found = pcall(redis.call, 'GETRANGE', key, 0, n + 48)
-    if not ok then -- not a string: not a record of this owner's
-      return 0
-    end
-    return complete_found(key, found, string.sub(written, 1, n), string.sub(written, n + 1, n + 9),
-      string.sub(written, n + 10), retention)
-  end
-  local ok, found = pcall(redis.call, 'GETRANGE', key, 0, #claimed - 1)
-  if not ok then
-    return 0
-  end
-  -- The record as the caller wrote it, byte for byte (Lua compares its strings by reference):
-  -- nobody has touched it since, so it is the caller's, and in flight. The caller built the
-  -- completed record: one SET, and no string built here.
-  if found == claimed then
-    redis.call('SET', key, written, 'PX', retention)
-    if string.byte(found, #found - 40) % 2 == 1 then -- the deadline's last byte (wait.lua)
-      redis.call('SPUBLISH', key .. ':settled', '')
-    end
-    return 1
-  end
-  -- Changed since (a waiter's mark, a renewal whose answer was lost), completed, or lost.
-  local n = #claimed - 49
-  if #found < #claimed then
-    -- Shorter than an in-flight record: not one of this owner's.
-    return 0
-  end
-  local completed = string.sub(written, n + 1, n + 9)
-  if string.byte(found, n + 1) == 67 then -- 'C'
-    return complete_found(key, found, string.sub(claimed, 1, n), completed, '', retention)
-  end
-  return complete_found(key, found, string.sub(claimed, 1, n), completed, string.sub(written, n + 50),
-    retention)
-end
-
 if #KEYS == 1 then
-  return complete(KEYS[1], ARGV[1], ARGV[2], ARGV[3])
+  return complete(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 end
 local flags = {}
 for i, key in ipairs(KEYS) do
-  local j = 3 * (i - 1)
-  flags[i] = complete(key, ARGV[j + 1], ARGV[j + 2], ARGV[j + 3])
+  local j = 4 * (i - 1)
+  flags[i] = complete(key, ARGV[j + 1], ARGV[j + 2], ARGV[j + 3], ARGV[j + 4])
 end
 return flags

@@ -3,7 +3,7 @@
 valgrind's callgrind (python3, standard library only).
 
     scripts/count-script-instructions.py [SERVER] [--records N] [--per-call K] [--payload B]
-                                         [--not-remembered] [--script FILE] [--runs R]
+                                         [--script FILE] [--runs R]
 
 SERVER is a redis-server binary (default: the system's) or a launcher that
 scripts/newer-servers.sh prints (target/servers/<name>/redis-server), which runs its server
@@ -11,9 +11,8 @@ through another C library's loader; valgrind then runs that loader. The server s
 loopback port with no persistence. The driver claims N keys (default 4000) with the in-flight
 records the store writes (`SET key <record> NX PX <lease> GET`), then completes them with
 `EVALSHA` in calls of K records (default 8, as the store merges completions made together),
-16 calls to a write, each record with the arguments the store sends: the in-flight record it
-remembers and the completed record it built (--not-remembered: '' and the head, state and
-payload, from which the script builds the record). Instructions are counted only from the first
+16 calls to a write, each record with the arguments the store sends: the head, the state, the
+payload and the retention, from which the script builds the record. Instructions are counted only from the first
 completion call to the last (`callgrind_control -i on|off`), reading and answering included,
 and divided by N. Counted instructions do not depend on what else the machine does, unlike the
 CPU time `scripts/bench.sh` reads, whose rounds spread by 15 % here (docs/performance.md); they
@@ -41,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The record layout (src/store/redis/record.rs): magic, layout version, the owner's length and
-# the owner; then the state, the deadline and the fingerprint; then, completed, the payload.
-LAYOUT = b"TIR\x02"
+# the owner; then the state, the deadline, the fingerprint and its policy tag (32 and 8 bytes);
+# then, completed, the payload.
+LAYOUT = b"TIR\x03"
 OWNER_LEN = 51  # OwnerToken::generate's
 
 
@@ -136,7 +136,7 @@ def count(args):
             for i in range(args.records):
                 owner = bytes(rng.choice(b"abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(OWNER_LEN))
                 head = LAYOUT + OWNER_LEN.to_bytes(2, "big") + owner
-                fingerprint = bytes(rng.randrange(256) for _ in range(32))
+                fingerprint = bytes(rng.randrange(256) for _ in range(32 + 8))
                 key = b"idempotency:{%064x}" % i
                 in_flight = head + b"F" + deadline + fingerprint
                 completed = head + completed_state + fingerprint + payload
@@ -149,11 +149,8 @@ def count(args):
             for i in range(0, len(records), args.per_call):
                 batch = records[i:i + args.per_call]
                 call = ["EVALSHA", sha, len(batch)] + [key for key, _, _, _ in batch]
-                for _, head, in_flight, completed in batch:
-                    if args.not_remembered:
-                        call += [b"", head + completed_state + payload, 86_400_000]
-                    else:
-                        call += [in_flight, completed, 86_400_000]
+                for _, head, _, _ in batch:
+                    call += [head, completed_state, payload, 86_400_000]
                 calls.append(Redis.encode(*call))
             subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -191,7 +188,6 @@ def main():
     parser.add_argument("--records", type=int, default=4000)
     parser.add_argument("--per-call", type=int, default=8)
     parser.add_argument("--payload", type=int, default=100, help="payload bytes per record")
-    parser.add_argument("--not-remembered", action="store_true")
     parser.add_argument("--script", default=str(ROOT / "scripts" / "complete.lua"))
     parser.add_argument("--runs", type=int, default=3, help="server starts (default 3)")
     args = parser.parse_args()
@@ -200,9 +196,8 @@ def main():
         subprocess.run(["apt-get", "install", "-y", "-qq", "valgrind"], check=True,
                        stdout=subprocess.DEVNULL)
     counts = [count(args) for _ in range(args.runs)]
-    how = "not remembered" if args.not_remembered else "remembered"
     print(f"{args.script} on {args.server}: {statistics.median(counts):,.0f} instructions per record, "
-          f"the median of {', '.join(f'{n:,}' for n in counts)} ({how}; {args.records} records, "
+          f"the median of {', '.join(f'{n:,}' for n in counts)} ({args.records} records, "
           f"{args.per_call} a call, {args.payload} B payloads)")
 
 

@@ -2,14 +2,14 @@
 # Fetches newer Redis and Valkey servers from Debian's package registry into a folder of the build
 # tree, and prints, one per line, the path of a `redis-server`-like launcher for each:
 #
-#   redis-8.0    Redis 8.0    Debian 13 "trixie"          (no compare-and-set: the Lua scripts)
-#   valkey-8.1   Valkey 8.1   Debian 13 "trixie"          (SET IFEQ; no conditional delete)
-#   redis-8.6    Redis 8.6    Debian "experimental"       (SET IFEQ and DELEX IFEQ)
-#   valkey-9.1   Valkey 9.1   Debian "sid" (unstable)     (SET IFEQ and DELIFEQ)
+#   redis-8.0    Redis 8.0    Debian 13 "trixie"
+#   valkey-8.1   Valkey 8.1   Debian 13 "trixie"
+#   redis-8.6    Redis 8.6    Debian "experimental"
+#   valkey-9.1   Valkey 9.1   Debian "sid" (unstable)
 #
 # The test suite runs its Redis tests once more with each (`REDIS_SERVER_BIN=<launcher>`,
-# scripts/test.sh), so both paths of the owner-checked transitions (native compare-and-set and
-# the Lua scripts) run on every run.
+# scripts/test.sh): the servers differ in what the store and its durability option rely on
+# (`SET … NX GET`, the scripts' commands, `WAIT` and `WAITAOF`, replication, Sentinel, Cluster).
 #
 # Nothing is installed on the system and no service is started: each server's packages, with the
 # C library and the few libraries it needs from its own Debian suite, are unpacked into

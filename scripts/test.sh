@@ -158,8 +158,7 @@ run_lanes() {
 started=$(date +%s)
 phase() { echo "== test.sh: $* (at $(($(date +%s) - started)) s)"; }
 # The newer servers are fetched (about 20 s from a clean clone, mostly the network) while the
-# test binaries build, and waited for before the first lanes: tests/redis_compare_and_set.rs runs
-# on them there too. Read from a file once the fetch has succeeded, not a `for` over the command:
+# test binaries build, and waited for before the first lanes. Read from a file once the fetch has succeeded, not a `for` over the command:
 # a fetch that fails must fail the run, where a loop over a failed substitution would run zero
 # times and pass.
 newer_list=$(mktemp)
@@ -187,12 +186,10 @@ binary() {
   echo "test.sh: the newer servers' lanes name the test binary $1, which is not built (renamed?)" >&2
   return 1
 }
-# The layer and waiting suites exercise the store's transitions through the layer: they run on
-# Redis 7.0's scripts (above) and on the native path, Redis 8.6's and Valkey 9.1's. Redis 8.0
-# takes the scripts' path, as 7.0; Valkey 8.1, the native completions (as 8.6 and 9.1) and the
-# scripted releases (as 7.0). What differs on those two is the server (WAIT, WAITAOF, the
-# commands it has), which the store suite, the model's traces and the Redis-only tests reach:
-# their lanes leave the layer and waiting suites out (about 45 s of each lane).
+# What differs on the newer servers is the server (WAIT, WAITAOF, the commands it has), which the
+# store suite, the model's traces and the Redis-only tests reach; the store's transitions are the
+# same scripts on every server, which the layer and waiting suites exercise on Redis 7.0 above,
+# so the newer servers' lanes leave them out (about 45 s of each lane).
 server_lane=""
 entry=$(binary store_suite)
 server_lane+="$entry redis sentinel:: cluster"$'\n'
@@ -202,12 +199,6 @@ for name in redis redis_faults redis_replica_acks redis_cluster; do
 done
 entry=$(binary model_conformance)
 server_lane+="$entry redis_store"$'\n'
-newer_lane=$server_lane
-entry=$(binary layer_suite)
-newer_lane+="$entry redis sentinel:: cluster"$'\n'
-# Only the waiting suite has tests across two nodes.
-entry=$(binary waiting)
-newer_lane+="$entry redis sentinel:: cluster two_nodes::"$'\n'
 # Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest,
 # the doctests and the TLS refusal built without TLS in the other (each about 4.5 to 5
 # minutes of running, one binary after the other, in CI).
@@ -236,24 +227,15 @@ run_lanes "$storms"
 
 # The Redis tests once more on newer Redis and Valkey servers from Debian's registry (fetched into
 # target/servers, nothing installed; scripts/newer-servers.sh): Redis 8.0 and Valkey 8.1 (trixie),
-# Redis 8.6 (experimental) and Valkey 9.1 (sid). Their lanes build every store with native
-# transitions on (NATIVE_TRANSITIONS=1, tests/common: RedisStore::with_native_transitions(true),
-# off by default), so on 8.6 and 9.1 the owner-checked transitions take the native
-# compare-and-set path, on Valkey 8.1 partly, on 8.0 the Lua scripts; the default, the scripts,
-# runs on 7.0 above, and on every server in tests/redis_compare_and_set.rs (which starts them
-# itself).
-# One lane per server: the store, layer and waiting suites on standalone, Sentinel and Cluster,
-# the model's traces on the Redis store, and the Redis-only tests but the failover storms
-# (tests/redis_sentinel.rs, tests/redis_cluster_failover.rs), which run on Redis 7.0 above;
-# Redis 8.0's and Valkey 8.1's lanes leave out the layer and waiting suites (see server_lane).
+# Redis 8.6 (experimental) and Valkey 9.1 (sid).
+# One lane per server: the store suite on standalone, Sentinel and Cluster, the model's traces on
+# the Redis store, and the Redis-only tests but the failover storms (tests/redis_sentinel.rs,
+# tests/redis_cluster_failover.rs), which run on Redis 7.0 above (see server_lane).
 lanes=()
 for server in $newer; do
-  version=$("$server" --version)
-  echo "the Redis tests on $version"
-  lane=$newer_lane
-  case "$version" in "Redis server v=8.0."* | "Valkey server v=8.1."*) lane=$server_lane ;; esac
+  echo "the Redis tests on $("$server" --version)"
   # Every newer server has WAITAOF: the fsync test must take its real path there, not the refusal.
-  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"NATIVE_TRANSITIONS=1"$'\n'"$lane")
+  lanes+=("REDIS_SERVER_BIN=$server"$'\n'"EXPECT_WAITAOF=1"$'\n'"$server_lane")
 done
 phase "the newer servers' lanes"
 run_lanes "${lanes[@]}"

@@ -6,10 +6,7 @@
 //!
 //! A lease that runs out in the model is a real one here: the claims (and renewals) of a record
 //! the walk later lets expire take a short lease, and the replay sleeps past it at that step. The
-//! walks run side by side, so those sleeps overlap. On Redis, `INFO commandstats` then says
-//! whether the owner-checked transitions took the path the lane names: the native
-//! compare-and-set commands with `NATIVE_TRANSITIONS=1` on a server that has them, else the
-//! scripts.
+//! walks run side by side, so those sleeps overlap.
 //!
 //! What the walks cannot show, since they make one call at a time, is tested below them:
 //! concurrent calls on one record, accepted when some order of them gives the model's answers
@@ -311,18 +308,10 @@ async fn memory_store_answers_as_the_model() {
     answers_as_the_model(common::Backend::memory().await).await;
 }
 
-/// On Redis, also that the owner-checked transitions took the path the lane names: with
-/// `NATIVE_TRANSITIONS=1` on a server that has compare-and-set, the native commands, else the
-/// scripts (see [`assert_the_path_taken`]). The store is built by `RedisStore::connect`, which asks
-/// the server what it has before the first call, so no call takes a script for not knowing yet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_store_answers_as_the_model() {
     let server = common::RedisServer::start();
     let store = common::connect(&server.url()).await.expect("connect");
-    // Loaded now, or the first script calls made at once are answered NOSCRIPT and made again
-    // (`EVAL`), and the script calls counted below are more than the transitions that took one.
-    store.load_scripts().await.expect("load the scripts");
-    let admin = common::client(&server.url()).await;
     answers_as_the_model(common::Backend {
         name: "redis",
         store: Arc::new(store),
@@ -330,76 +319,6 @@ async fn redis_store_answers_as_the_model() {
         redis: None,
     })
     .await;
-    let calls: Vec<Call> = walks(&System::new(config())).into_iter().flatten().collect();
-    assert_the_path_taken(&admin, &calls).await;
-}
-
-/// Whether the server behind `admin` has a conditional delete (`DELEX`: Redis 8.4+;
-/// `DELIFEQ`: Valkey 9.0+), as the store asks it (`COMMAND INFO`, `nil` for an unknown command).
-async fn has_conditional_delete(admin: &fred::clients::Client) -> bool {
-    let info = common::admin(admin, &["COMMAND", "INFO", "DELEX", "DELIFEQ"]).await;
-    match info {
-        fred::types::Value::Array(found) => found.iter().any(|command| !command.is_null()),
-        other => panic!("COMMAND INFO answered {other:?}"),
-    }
-}
-
-/// Asserts, from the server's `INFO commandstats` after the walks' `calls`, which path the
-/// owner-checked transitions (complete, renew, release) took.
-///
-/// A native `SET … IFEQ` cannot be told from a claim's `SET … NX` in the counts, so the signal
-/// is the scripts' `EVALSHA` (and `EVAL`) calls, which nothing else in the walks makes, and the
-/// conditional deletes. On the native path a completion and a renewal never take a script (the
-/// claim's record is remembered, and the server's commands were known before the first call);
-/// a release takes one only where the native delete did not delete (the claim was lost: the
-/// script decides), or where the server has no conditional delete (Valkey 8.1). So at most that
-/// many script calls, and at least one conditional delete per release that deleted; a lane that
-/// fell back to the scripts makes one per renewal too, and fails. On the scripts' path (the
-/// default, or a server without compare-and-set): a script call per renewal and release at
-/// least (completions made at once may share one), and no conditional delete.
-async fn assert_the_path_taken(admin: &fred::clients::Client, calls: &[Call]) {
-    let count = |kind: fn(&Call) -> bool| calls.iter().filter(|call| kind(call)).count() as u64;
-    let renewals = count(|call| matches!(call, Call::Renew { .. }));
-    let deleted = count(|call| matches!(call, Call::Release { answer: true, .. }));
-    let not_deleted = count(|call| matches!(call, Call::Release { answer: false, .. }));
-    assert!(renewals > 0 && deleted > 0, "the walks renew and release");
-    let scripts = common::command_calls(admin, "evalsha").await + common::command_calls(admin, "eval").await;
-    let deletes = common::command_calls(admin, "delex").await + common::command_calls(admin, "delifeq").await;
-    let compare_and_set = common::has_compare_and_set(admin).await;
-    let conditional_delete = has_conditional_delete(admin).await;
-    let figures = format!(
-        "{scripts} script calls, {deletes} conditional deletes; the walks made {renewals} renewals, \
-         {deleted} releases that deleted, {not_deleted} that did not"
-    );
-    if common::native_transitions() && compare_and_set {
-        let scripted_releases = if conditional_delete {
-            not_deleted
-        } else {
-            deleted + not_deleted
-        };
-        assert!(
-            scripts <= scripted_releases,
-            "NATIVE_TRANSITIONS=1 on a server with compare-and-set, but the transitions took the \
-             scripts: {figures}"
-        );
-        if conditional_delete {
-            assert!(
-                deletes >= deleted,
-                "the server has a conditional delete, but the releases did not take it: {figures}"
-            );
-        }
-        println!(
-            "redis: the native compare-and-set path (conditional delete: {conditional_delete}): {figures}"
-        );
-    } else {
-        assert!(
-            scripts >= renewals + deleted + not_deleted && deletes == 0,
-            "the scripts' path (NATIVE_TRANSITIONS={}, compare-and-set: {compare_and_set}), but \
-             not every transition took a script: {figures}",
-            common::native_transitions()
-        );
-        println!("redis: the scripts' path: {figures}");
-    }
 }
 
 #[cfg(feature = "postgres")]

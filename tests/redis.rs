@@ -63,10 +63,8 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
     slow.await.unwrap();
 
     // The claim is one native command; no other command is sent per request: only the scripts'
-    // own inner calls show up besides, or on a server with compare-and-set, the completion's
-    // `SET … IFEQ`. No `SPUBLISH`: nobody waits for this record, so its completion tells nobody.
-    // `COMMAND INFO`/`DOCS` is the store asking the server which of those it has, once at start
-    // (and after a reconnect), not per request.
+    // own inner calls show up besides. No `SPUBLISH`: nobody waits for this record, so its
+    // completion tells nobody.
     reset_stats(&client).await;
     send(&app, payment("rt-only", "{}")).await;
     let info = admin(&client, &["INFO", "commandstats"])
@@ -77,7 +75,7 @@ async fn a_fresh_request_costs_two_round_trips_and_every_other_answer_one() {
     let commands: Vec<&str> = info
         .lines()
         .filter_map(|l| l.strip_prefix("cmdstat_")?.split(':').next())
-        .filter(|c| !["info", "config|resetstat", "command|info", "command|docs"].contains(c))
+        .filter(|c| !["info", "config|resetstat"].contains(c))
         .collect();
     for command in &commands {
         assert!(
@@ -747,9 +745,6 @@ async fn connected_clients(client: &Client) -> u64 {
 /// its own as the requests of separate connections are. One worker thread: it has the LIFO slot
 /// that makes fred write each command alone, and unlike two it cannot trickle the tasks to the
 /// coalescing task a few at a time, which made the count depend on the machine's load.
-/// The completions are the scripts' (`with_native_transitions(false)`), so that their merging is
-/// tested on every server, those with compare-and-set too (where a native completion is one
-/// `SET … IFEQ` per record and nothing is merged).
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     use bytes::Bytes;
@@ -766,9 +761,7 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
     client.init().await.unwrap();
     let stats = client.clone();
     // The heartbeat's pings are writes of their own: this counts the claims' alone.
-    let store = common::redis_store(client)
-        .with_heartbeat(None)
-        .with_native_transitions(false);
+    let store = common::redis_store(client).with_heartbeat(None);
     store.load_scripts().await.unwrap();
     let key = |i: usize| RecordKey::new(None, IdempotencyKey::parse(&format!("co-{i}")).unwrap());
     let body = |i: usize| Fingerprint::new([format!("body {i}").as_bytes()]);
@@ -892,15 +885,13 @@ async fn concurrent_calls_share_socket_writes_and_each_gets_its_own_answer() {
 
 /// Completions merged into one script call still reach Redis after its script cache was
 /// flushed: the merged EVALSHA is refused as a whole (NOSCRIPT), and each completion falls back
-/// to EVAL on its own. The scripts' path (`with_native_transitions(false)`), so that it is
-/// tested on servers with compare-and-set too.
+/// to EVAL on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn merged_completions_fall_back_to_eval_after_a_script_flush() {
     use bytes::Bytes;
     use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
 
     let (_server, client, store) = setup().await;
-    let store = store.with_native_transitions(false);
     store.load_scripts().await.unwrap();
     let key = |i: usize| RecordKey::new(None, IdempotencyKey::parse(&format!("fl-{i}")).unwrap());
     let body = Fingerprint::new([b"{}".as_slice()]);
@@ -982,4 +973,318 @@ async fn dropping_a_connected_store_closes_the_connections_it_opened() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A raw record, read with `GET`: `TIR`, a version byte, the owner's length (u16), the owner, the
+/// state (`F`, `C`), the deadline (u64, ms), the fingerprint and its policy tag, the payload.
+#[derive(Debug, PartialEq, Eq)]
+struct Raw {
+    owner: bytes::Bytes,
+    state: u8,
+    deadline: u64,
+    /// The fingerprint and its policy tag, then the payload.
+    rest: bytes::Bytes,
+}
+
+/// The fingerprint and its policy tag: what follows the deadline, before the payload.
+const FINGERPRINT_AND_TAG: usize = 32 + 8;
+
+impl Raw {
+    fn parse(record: &bytes::Bytes) -> Self {
+        assert_eq!(&record[..3], b"TIR", "a record: {record:?}");
+        let head = 6 + usize::from(u16::from_be_bytes([record[4], record[5]]));
+        Self {
+            owner: record.slice(6..head),
+            state: record[head],
+            deadline: u64::from_be_bytes(record[head + 1..head + 9].try_into().unwrap()),
+            rest: record.slice(head + 9..),
+        }
+    }
+
+    /// Where the deadline starts in the record.
+    fn deadline_at(record: &[u8]) -> usize {
+        6 + usize::from(u16::from_be_bytes([record[4], record[5]])) + 1
+    }
+}
+
+async fn raw(client: &Client, store: &RedisStore, key: &RecordKey) -> Option<bytes::Bytes> {
+    client.get(store.redis_key(key)).await.expect("GET")
+}
+
+fn now_ms() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    u64::try_from(now.unwrap().as_millis()).unwrap()
+}
+
+fn record_key(name: &str) -> RecordKey {
+    RecordKey::new(None, IdempotencyKey::parse(name).unwrap())
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+const RETENTION: Duration = Duration::from_secs(3600);
+
+/// complete.lua decides by the record's head (this owner's?) and state, and builds the completed
+/// record from the in-flight one it reads: each of its branches. In flight and this owner's:
+/// completed with one `SET` (the claim's fingerprint kept, the payload after it), the notice only
+/// if a request waits for it. Completed already by this owner (a completion made again): done, its
+/// payload kept, its retention restarted. Anything else is a lost claim, left as it is: another
+/// owner's record, a key holding another type, this owner's record of another length than an
+/// in-flight one has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_lua_decides_by_the_records_head_and_state() {
+    use bytes::Bytes;
+    use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
+
+    let (_server, client, store) = setup().await;
+    store.load_scripts().await.unwrap();
+    let body = Fingerprint::new([b"{}".as_slice()]);
+    let payload = Bytes::from_static(b"the stored answer");
+    let claim = |name: &str| {
+        let (key, owner, store) = (record_key(name), OwnerToken::generate(), store.clone());
+        async move {
+            let claimed = store.claim(&key, &body, &owner, LEASE).await.unwrap();
+            assert_eq!(claimed, ClaimOutcome::Claimed);
+            (key, owner)
+        }
+    };
+    let assert_completed = |completed: &Bytes, in_flight: &Bytes, owner: &OwnerToken, payload: &[u8]| {
+        let (completed, in_flight) = (Raw::parse(completed), Raw::parse(in_flight));
+        assert_eq!(completed.state, b'C');
+        assert_eq!(completed.owner, Bytes::from(owner.as_str().to_owned()));
+        assert!(completed.deadline.abs_diff(now_ms() + 3_600_000) < 60_000);
+        assert_eq!(
+            completed.rest[..FINGERPRINT_AND_TAG],
+            in_flight.rest[..],
+            "the claim's fingerprint"
+        );
+        assert_eq!(&completed.rest[FINGERPRINT_AND_TAG..], payload);
+    };
+
+    // In flight, untouched since the claim: one script call, its one SET, no notice.
+    let (key, owner) = claim("in-flight").await;
+    let in_flight = raw(&client, &store, &key).await.unwrap();
+    reset_stats(&client).await;
+    assert!(store
+        .complete(&key, &owner, payload.clone(), RETENTION)
+        .await
+        .unwrap());
+    let completed = raw(&client, &store, &key).await.unwrap();
+    assert_completed(&completed, &in_flight, &owner, &payload);
+    let spent = (
+        command_calls(&client, "evalsha").await,
+        command_calls(&client, "set").await,
+        command_calls(&client, "spublish").await,
+    );
+    assert_eq!(spent, (1, 1, 0), "one script call, its one SET, no notice");
+
+    // Completed again by its owner, with a longer retention: done, the payload as the first
+    // completion left it, the retention restarted (the deadline and the key's TTL).
+    let again = store.complete(&key, &owner, Bytes::from_static(b"another"), RETENTION * 2);
+    assert!(again.await.unwrap(), "a completion made again succeeds");
+    let kept = Raw::parse(&raw(&client, &store, &key).await.unwrap());
+    assert_eq!(kept.rest, Raw::parse(&completed).rest, "the payload kept");
+    assert!(
+        kept.deadline.abs_diff(now_ms() + 7_200_000) < 60_000,
+        "the deadline restarted"
+    );
+    let ttl: i64 = client.pttl(store.redis_key(&key)).await.unwrap();
+    assert!(ttl > 3_600_000, "the TTL restarted: {ttl} ms");
+
+    // Changed since the claim: a renewal whose answer was lost (a later deadline), and a
+    // waiter's mark (the deadline's lowest bit, which asks for the notice). Still this owner's
+    // in flight: completed all the same, with the notice for the marked one.
+    for (name, notices) in [("renewed-unseen", 0), ("marked", 1)] {
+        let (key, owner) = claim(name).await;
+        let record = raw(&client, &store, &key).await.unwrap();
+        let deadline = Raw::parse(&record).deadline;
+        let changed = if notices == 0 {
+            deadline + 5_000
+        } else {
+            deadline | 1
+        };
+        let at = Raw::deadline_at(&record) as u32;
+        let _: i64 = client
+            .setrange(store.redis_key(&key), at, changed.to_be_bytes().to_vec())
+            .await
+            .unwrap();
+        reset_stats(&client).await;
+        assert!(
+            store
+                .complete(&key, &owner, payload.clone(), RETENTION)
+                .await
+                .unwrap(),
+            "{name}"
+        );
+        let completed = raw(&client, &store, &key).await.unwrap();
+        assert_completed(&completed, &record, &owner, &payload);
+        assert_eq!(command_calls(&client, "spublish").await, notices, "{name}");
+    }
+
+    // Lost: purged, then claimed by another owner. Refused, the newer record left as it was.
+    let (key, owner) = claim("lost").await;
+    assert!(store.purge(&key).await.unwrap());
+    let claimed = store
+        .claim(&key, &body, &OwnerToken::generate(), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(claimed, ClaimOutcome::Claimed);
+    let before = raw(&client, &store, &key).await;
+    let late = store.complete(&key, &owner, payload.clone(), RETENTION);
+    assert!(!late.await.unwrap(), "the lost claim's completion is refused");
+    assert_eq!(raw(&client, &store, &key).await, before, "left as it was");
+
+    // This owner's record, in flight, but shorter than an in-flight record (the fingerprint cut):
+    // no fingerprint to keep, so no record is built from it.
+    let (key, owner) = claim("cut").await;
+    let record = raw(&client, &store, &key).await.unwrap();
+    let cut = record.slice(..record.len() - 8);
+    let _: () = client
+        .set(store.redis_key(&key), cut.clone(), None, None, false)
+        .await
+        .unwrap();
+    assert!(!store
+        .complete(&key, &owner, payload.clone(), RETENTION)
+        .await
+        .unwrap());
+    assert_eq!(raw(&client, &store, &key).await, Some(cut), "left as it was");
+
+    // A key holding another type than a string: refused, left as it is.
+    let (key, owner) = claim("another-type").await;
+    let _: () = client.del(store.redis_key(&key)).await.unwrap();
+    let _: () = client.hset(store.redis_key(&key), ("foo", "bar")).await.unwrap();
+    assert!(!store.complete(&key, &owner, payload, RETENTION).await.unwrap());
+    let kind = admin(&client, &["TYPE", &store.redis_key(&key)]).await;
+    assert_eq!(kind.as_str().as_deref(), Some("hash"), "left as it is");
+}
+
+/// A completed record takes the memory one `SET` of its bytes takes: complete.lua writes the
+/// whole record with one `SET` (it once appended the payload, and `APPEND` left the string room
+/// for as many bytes again: 2.7 KB against 1.4 KB for a 1 KiB answer). Read with `MEMORY
+/// USAGE`, against a probe key of the same length written with one `SET`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completed_record_takes_the_memory_of_one_set() {
+    use bytes::Bytes;
+    use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
+
+    let (_server, client, store) = setup().await;
+    let memory = |key: String| {
+        let client = client.clone();
+        async move {
+            let usage = admin(&client, &["MEMORY", "USAGE", &key, "SAMPLES", "0"]).await;
+            usage
+                .as_u64()
+                .unwrap_or_else(|| panic!("MEMORY USAGE {key}: {usage:?}"))
+        }
+    };
+    let body = Fingerprint::new([b"{}".as_slice()]);
+    for size in [0, 100, 1000, 20_000] {
+        let (key, owner) = (record_key(&format!("weighed-{size:05}")), OwnerToken::generate());
+        let claimed = store.claim(&key, &body, &owner, LEASE).await.unwrap();
+        assert_eq!(claimed, ClaimOutcome::Claimed);
+        let payload = Bytes::from(vec![b'p'; size]);
+        assert!(store
+            .complete(&key, &owner, payload.clone(), RETENTION)
+            .await
+            .unwrap());
+        let record = raw(&client, &store, &key).await.expect("completed");
+        let parsed = Raw::parse(&record);
+        assert_eq!(parsed.state, b'C');
+        assert_eq!(
+            parsed.rest.slice(FINGERPRINT_AND_TAG..),
+            payload,
+            "the payload after the fingerprint"
+        );
+
+        let name = store.redis_key(&key);
+        let probe = format!("{}x", &name[..name.len() - 1]);
+        let expiry = Some(Expiration::PX(60_000));
+        let _: () = client
+            .set(probe.as_str(), record.clone(), expiry, None, false)
+            .await
+            .unwrap();
+        let (completed, one_set) = (memory(name.clone()).await, memory(probe).await);
+        assert_eq!(
+            completed,
+            one_set,
+            "a {size} B payload: the completed record takes {completed} B, one SET of its {} B {one_set} B",
+            record.len()
+        );
+    }
+}
+
+/// The waiters' notice (`SPUBLISH <record key>:settled`) goes only for a record someone waits
+/// for: a completion or release of a record nobody waits for publishes nothing, one a waiter has
+/// read (`Store::claim_waiting`, which marks it: the in-flight deadline's lowest bit, which
+/// owners write even) publishes once and wakes the waiter's watch, and a renewal keeps the mark.
+/// A waiter's read answers what a claim answers, and marks only another owner's record in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_notice_goes_only_for_a_record_someone_waits_for() {
+    use bytes::Bytes;
+    use tower_idempotency::{ClaimOutcome, Fingerprint, OwnerToken, Store};
+
+    let (_server, client, store) = setup().await;
+    let body = Fingerprint::new([b"{}".as_slice()]);
+    let deadline = |record: Option<Bytes>| Raw::parse(&record.expect("a record")).deadline;
+    for settle in ["complete", "release"] {
+        for watched in [false, true] {
+            let (key, owner) = (record_key(&format!("{settle}-{watched}")), OwnerToken::generate());
+            let what = format!("{settle}, watched {watched}");
+            let claimed = store.claim(&key, &body, &owner, LEASE).await.unwrap();
+            assert_eq!(claimed, ClaimOutcome::Claimed);
+            let written = deadline(raw(&client, &store, &key).await);
+            assert_eq!(written % 2, 0, "{what}: an owner writes its deadline even");
+            let mut watch = None;
+            let other = OwnerToken::generate();
+            let read = if watched {
+                watch = Some(store.watch(&key).await.unwrap().expect("Redis notifies"));
+                store.claim_waiting(&key, &body, &other, LEASE).await.unwrap()
+            } else {
+                // A plain claim that finds it in flight (a retry answered 409) marks nothing.
+                store.claim(&key, &body, &other, LEASE).await.unwrap()
+            };
+            assert!(matches!(read, ClaimOutcome::InFlight { .. }), "{what}");
+            let marked = deadline(raw(&client, &store, &key).await) % 2 == 1;
+            assert_eq!(marked, watched, "{what}: marked");
+            assert!(store.renew(&key, &owner, LEASE).await.unwrap(), "{what}");
+            let renewed = deadline(raw(&client, &store, &key).await);
+            assert_eq!(renewed % 2 == 1, watched, "{what}: the renewal keeps the mark");
+            reset_stats(&client).await;
+            let settled = match settle {
+                "complete" => store.complete(&key, &owner, Bytes::from_static(b"done"), RETENTION),
+                _ => store.release(&key, &owner),
+            };
+            assert!(settled.await.unwrap(), "{what}");
+            let notices = command_calls(&client, "spublish").await;
+            assert_eq!(notices, u64::from(watched), "{what}: notices sent");
+            if let Some(watch) = watch.as_mut() {
+                let woken = tokio::time::timeout(Duration::from_secs(2), watch.changed()).await;
+                assert_eq!(woken.ok(), Some(true), "{what}: the watcher is woken");
+            }
+        }
+    }
+    // A completed record is replayed as it is (or a mismatch), a free key claimed unmarked.
+    let (done, owner) = (record_key("completed-then-read"), OwnerToken::generate());
+    store.claim(&done, &body, &owner, LEASE).await.unwrap();
+    let kept = Bytes::from_static(b"kept");
+    assert!(store
+        .complete(&done, &owner, kept.clone(), RETENTION)
+        .await
+        .unwrap());
+    let before = raw(&client, &store, &done).await;
+    let read = store
+        .claim_waiting(&done, &body, &OwnerToken::generate(), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(read, ClaimOutcome::Completed(kept));
+    assert_eq!(raw(&client, &store, &done).await, before);
+    let other = Fingerprint::new([b"other".as_slice()]);
+    let read = store
+        .claim_waiting(&done, &other, &OwnerToken::generate(), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(read, ClaimOutcome::Mismatch);
+    let (free, waiter) = (record_key("free-when-read"), OwnerToken::generate());
+    let read = store.claim_waiting(&free, &body, &waiter, LEASE).await.unwrap();
+    assert_eq!(read, ClaimOutcome::Claimed);
+    assert_eq!(deadline(raw(&client, &store, &free).await) % 2, 0);
 }

@@ -427,11 +427,9 @@ async fn the_background_completion_keeps_the_claims_lease_alive_where_it_is_in_f
         client(&pair.master.url()).await,
         client(&pair.replica.url()).await,
     );
-    // The scripts' path: natively a renewal is a `SET … IFEQ`, which the refusal would stop too.
     let store = RedisStore::connect(&pair.master.url())
         .await
         .expect("connect")
-        .with_native_transitions(false)
         .with_replica_acks(ReplicaAcks::new(1).timeout(WAIT_TIMEOUT))
         .await
         .expect("connect the waiting connections");
@@ -1039,4 +1037,73 @@ async fn acknowledged_by_every_replica_a_completion_survives_whichever_is_promot
     let (state, status) = promote_the_replica_that_lagged(2).await;
     assert_eq!(status, StatusCode::CREATED, "the handler's answer goes back");
     assert_eq!(state, Some(b'C'), "completed again on the promoted replica");
+}
+
+/// A completion whose answer was lost with its connection (the connection cut instead of
+/// answering), made again on a new one (fred re-sends it, then the background completion retries
+/// there), finds the record it completed already. The `WAIT` behind it must still count that
+/// record: a `WAIT` on a connection that wrote nothing answers at once with every replica, and a
+/// completion the replica never received would be taken for durable. complete.lua writes a
+/// record this owner completed again (its retention restarted: `SETRANGE`, `PEXPIRE`), so the
+/// new connection has written it before its `WAIT`; the replication stream is one sequence, so
+/// a replica that has that write has the first too. Here the replica is paused from before the
+/// completion until after the store gave up on it: the store must report the completion
+/// unreplicated. Only Redis 7.2 and later answer a `WAIT` of a connection that wrote nothing at
+/// once, so the newer servers' lanes tell (`scripts/test.sh`; without the rewrite it fails on
+/// Redis 8.6); on 7.0 such a `WAIT` waits for the paused replica too. About 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_completion_is_counted_by_its_own_wait() {
+    use std::sync::Arc;
+
+    let pair = Pair::start().await;
+    let proxy = Arc::new(FaultProxy::start(pair.master.addr()).await);
+    // A second of WAIT: the claim's, before the replica is paused, must not time out on a
+    // loaded machine (at 300 ms it did, a 503, with other suites running beside it).
+    let acks = ReplicaAcks::new(1)
+        .timeout(Duration::from_secs(1))
+        .retry_completions_for(Duration::from_secs(2));
+    let store = common::connect(&proxy.url())
+        .await
+        .expect("connect")
+        .with_heartbeat(None)
+        .with_replica_acks(acks)
+        .await
+        .expect("the durability option's connections");
+    let (layer, events) = common::app::reconciled(IdempotencyLayer::new(store));
+    let replica_pid = pair.replica.pid().expect("the replica runs").to_string();
+    let handler = {
+        let (proxy, replica_pid) = (proxy.clone(), replica_pid.clone());
+        move || {
+            let (proxy, replica_pid) = (proxy.clone(), replica_pid.clone());
+            async move {
+                // The claim was acknowledged; from here the replica acknowledges nothing.
+                let paused = Command::new("kill").args(["-STOP", &replica_pid]).status();
+                assert!(paused.is_ok_and(|status| status.success()), "pause the replica");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                // The completion (the first script call: the claim is a `SET`) reaches Redis,
+                // and its connection is cut instead of answering.
+                proxy.cut_instead_of_answering(b"$7\r\nEVALSHA\r\n", 1);
+                (StatusCode::CREATED, "ran once")
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/payments", axum::routing::post(handler))
+        .layer(layer);
+    let answer = send(&app, payment("resent-durable", "{}")).await;
+    // Answered with its result either way: an unacknowledged completion is completed again in
+    // the background, and reported when that gives up.
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(proxy.cuts(), 1, "the completion's connection was cut");
+    let reported = Instant::now() + Duration::from_secs(10);
+    while events.lock().unwrap().is_empty() && Instant::now() < reported {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resumed = Command::new("kill").args(["-CONT", &replica_pid]).status();
+    assert!(resumed.is_ok_and(|status| status.success()), "resume the replica");
+    let events = events.lock().unwrap().clone();
+    assert!(
+        events.iter().any(|event| event.contains("ReplicationAbandoned")),
+        "a completion the paused replica never had was taken for durable: {events:?}"
+    );
 }

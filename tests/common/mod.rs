@@ -335,12 +335,8 @@ pub async fn command_calls(client: &Client, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The round trips the store made, on either path of the owner-checked transitions: its claims
-/// (`SET … NX GET`), its scripts' calls (EVALSHA, EVAL; the commands a script runs inside are
-/// not counted) and its native compare-and-set commands (a completion or a renewal is one
-/// `SET … IFEQ`, a release one `DELEX` or `DELIFEQ`). A native completion or release of a record
-/// a request waits for also sends `SPUBLISH` (the waiters' notice), in the same pipeline, so in
-/// the same round trip: it is not counted, as the scripts' own `SPUBLISH` is not.
+/// The round trips the store made: its claims (`SET … NX GET`) and its scripts' calls
+/// (EVALSHA, EVAL; the commands a script runs inside are not counted).
 ///
 /// A waiter's reads (`wait.lua`: `SET … NX GET`, and `SETRANGE` when it marks) are not counted
 /// right here: no test that counts has a waiter.
@@ -353,7 +349,7 @@ pub async fn command_calls(client: &Client, command: &str) -> u64 {
 /// in the window makes the count too high, never too low).
 pub async fn round_trips(client: &Client) -> u64 {
     let mut total = 0;
-    for command in ["set", "evalsha", "eval", "delex", "delifeq"] {
+    for command in ["set", "evalsha", "eval"] {
         total += command_calls(client, command).await;
     }
     let read = command_calls(client, "getrange").await;
@@ -361,33 +357,14 @@ pub async fn round_trips(client: &Client) -> u64 {
     total - read.saturating_sub(other_branches)
 }
 
-/// Whether the Redis stores the suites build take the native compare-and-set path
-/// (`RedisStore::with_native_transitions(true)`): with `NATIVE_TRANSITIONS=1`, which
-/// scripts/test.sh sets for the newer servers' lanes; else the default, the Lua scripts.
-pub fn native_transitions() -> bool {
-    std::env::var_os("NATIVE_TRANSITIONS").is_some_and(|value| value == "1")
-}
-
-/// `RedisStore::new(client)`, on the path [`native_transitions`] names.
+/// `RedisStore::new(client)`: the store the suites build over a client.
 pub fn redis_store(client: Client) -> RedisStore {
-    RedisStore::new(client).with_native_transitions(native_transitions())
+    RedisStore::new(client)
 }
 
-/// `RedisStore::connect(url)`, on the path [`native_transitions`] names.
+/// `RedisStore::connect(url)`: the store the suites connect.
 pub async fn connect(url: &str) -> Result<RedisStore, tower_idempotency::StoreError> {
-    Ok(RedisStore::connect(url)
-        .await?
-        .with_native_transitions(native_transitions()))
-}
-
-/// Whether the server behind `client` has compare-and-set (`SET … IFEQ`: Redis 8.4+, Valkey
-/// 8.1+), asked by trying it on a key of its own (a `set` call in `INFO commandstats`).
-pub async fn has_compare_and_set(client: &Client) -> bool {
-    let command = CustomCommand::new_static("SET", ClusterHash::FirstKey, false);
-    let args = ["compare-and-set-probe", "1", "IFEQ", "1"]
-        .map(Value::from)
-        .to_vec();
-    client.custom::<Value, _>(command, args).await.is_ok()
+    RedisStore::connect(url).await
 }
 
 use std::sync::Arc;

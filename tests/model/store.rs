@@ -171,8 +171,9 @@ impl Node {
     /// stored payload as it was), `false` if `owner` does not hold it (lease ran out, or taken
     /// over): the newer owner's record is never overwritten.
     ///
-    /// Redis: scripts/complete.lua (`GETRANGE` of the in-flight record, compare, one `SET … PX`
-    /// of the completed record, `SPUBLISH` if a request waits for it), or `SET … IFEQ` on Redis 8.4+ and Valkey 8.1+, run by `Store::complete` for `RedisStore`; PostgreSQL: the
+    /// Redis: scripts/complete.lua (`GETRANGE` of the in-flight record, its head and state
+    /// checked, one `SET … PX` of the completed record, `SPUBLISH` if a request waits for it),
+    /// run by `Store::complete` for `RedisStore`; PostgreSQL: the
     /// `complete` statement (`UPDATE … WHERE key = $1 AND owner = $2 AND state = 'F' AND
     /// expires_at > statement_timestamp()`, and the `seen` sub-select for a completion sent
     /// twice); memory: `Store::complete` for `MemoryStore`.

@@ -11,13 +11,11 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
-use super::commands::{Claimant, CompletionCall, COMPARE_AGAIN};
+use super::commands::{Claimant, CompletionCall};
 use super::connection::{self, worth_retrying};
-use super::native::{self, Found};
-use super::notices::settled_channel;
 use super::record;
 use super::replica_acks::{keep_completing, name_check, Acked, Completion, GaveUp, Marker, Waiter};
-use super::scripts::{as_flag, into_bytes, lease_millis, millis, COMPLETE, RELEASE, RENEW, WAIT};
+use super::scripts::{as_flag, into_bytes, millis, COMPLETE, RELEASE, RENEW, WAIT};
 use super::store::{RedisStore, DEFAULT_COMMAND_TIMEOUT};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
@@ -43,12 +41,14 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
+        // The lease's end as written, no later than the record's deadline says.
+        let mut sent = tokio::time::Instant::now();
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
         let (marker, unnamed) = waiter.marker(&client);
         let name = unnamed.then_some(&marker);
         let answer = self
-            .claim_marked(&client, name, claimant, key, fresh.clone(), lease)
+            .claim_marked(&client, name, claimant, key, fresh, lease)
             .await?;
         if answer != Value::Null {
             let existing = into_bytes(answer)
@@ -59,11 +59,10 @@ impl RedisStore {
             }
             // This claim, re-sent after a dropped connection: it was written on another
             // connection, and WAIT counts only this one's writes. Renewing it here writes it again.
-            let head = record::head(owner)?;
-            let state = record::state_until(record::IN_FLIGHT, lease);
+            sent = tokio::time::Instant::now();
             let args = [
-                Value::Bytes(head.clone()),
-                Value::Bytes(state.clone()),
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
                 millis(lease),
             ];
             if !as_flag("renew", self.run_on(&client, &RENEW, key, &args).await?)? {
@@ -71,11 +70,8 @@ impl RedisStore {
                     "the claim expired while it was re-sent; retry".into(),
                 ));
             }
-            self.native.hold(existing, lease);
-            self.native.renewed(&head, Some(&state), lease);
-        } else {
-            self.native.hold(fresh, lease);
         }
+        waiter.lease_written(owner, Some(sent + lease));
         // A reconnect between the claim and here, or during the WAIT, fails the check behind
         // the WAIT: the claim counts as not acknowledged, and is released below.
         let error = match waiter.wait(&client, &self.redis_key(key), &marker).await {
@@ -86,7 +82,7 @@ impl RedisStore {
         // Nobody may run on a claim a failover can lose. The release follows the claim to the
         // replicas; the coordinator also queues one, in case this one fails.
         let head = record::head(owner)?;
-        self.native.forget(&head);
+        waiter.forget_lease(owner);
         if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[Value::Bytes(head)]).await {
             tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
         }
@@ -243,9 +239,7 @@ impl RedisStore {
         // The lease the claim has, as this process last wrote it (the claim, or its last
         // renewal): a replica that lacks the completion, and so one a failover promotes, holds
         // the claim by that lease. The background retries are bounded by it, and renew it.
-        let lease_left = (call.in_flight.as_ref())
-            .and_then(|in_flight| record::parse_head(in_flight).ok())
-            .map(|head| head.time_left);
+        let lease_left = waiter.lease_left(owner);
         let owner = owner.clone();
         let completing = async move {
             let _owned = owned;
@@ -342,28 +336,9 @@ impl RedisStore {
         key: &RecordKey,
         call: &CompletionCall,
     ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
-        if let Some(done) = self
-            .complete_then_wait_natively(waiter, client, key, call)
-            .await?
-        {
-            return Ok(done);
-        }
-        let done = self
-            .complete_then_wait_scripted(waiter, client, key, &call.script_args())
-            .await;
-        self.native.forget(&call.head);
-        done
-    }
-
-    async fn complete_then_wait_scripted(
-        &self,
-        waiter: &Waiter,
-        client: &Client,
-        key: &RecordKey,
-        args: &[Value],
-    ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
         let redis_key = self.redis_key(key);
-        let call = |text| ScriptCall::new(text, Value::from(redis_key.clone()), args, false);
+        let args = call.script_args();
+        let call = |text| ScriptCall::new(text, Value::from(redis_key.clone()), &args, false);
         let by_sha1 = vec![call(ScriptText::Sha1(COMPLETE.sha1)).into_parts()];
         let (mut written, mut acked) = self.write_then_wait(waiter, client, &redis_key, by_sha1).await?;
         if matches!(written.first(), Some(Err(error)) if error.details().starts_with("NOSCRIPT")) {
@@ -403,98 +378,6 @@ impl RedisStore {
             waiter.forget_name(client);
         }
         Ok((answers, acked))
-    }
-
-    /// [`complete_then_wait`](Self::complete_then_wait) as `SET … IFEQ`, `SPUBLISH` (when a
-    /// request waits for the record: see `record::is_waited`) and the WAIT, in one round trip; `None` where the script is to do it (see `native`). A record
-    /// this owner completed already (an attempt whose answer was lost, or that went over
-    /// another connection) is written again with its retention restarted, as complete.lua
-    /// writes it again: WAIT counts this connection's writes only.
-    async fn complete_then_wait_natively(
-        &self,
-        waiter: &Waiter,
-        client: &Client,
-        key: &RecordKey,
-        call: &CompletionCall,
-    ) -> Result<Option<(Value, Result<Acked, StoreError>)>, StoreError> {
-        let Some(mut expected) = self.native.held(&call.head) else {
-            return Ok(None);
-        };
-        let redis_key = self.redis_key(key);
-        let (head, ms) = (&call.head, lease_millis(call.retention));
-        for _ in 0..=COMPARE_AGAIN {
-            let written = native::rewritten(&expected, head.len(), &call.state, &call.payload);
-            let notice = record::is_waited(&expected, head.len())
-                .then(|| native::publish_settled(&settled_channel(&redis_key)));
-            let swap = native::Swap {
-                written: written.clone(),
-                expected: expected.clone(),
-                ms,
-            };
-            let answer = self
-                .compare_and_set_then_wait(waiter, client, &redis_key, swap, notice)
-                .await?;
-            let Some((found, acked)) = answer else {
-                return Ok(None);
-            };
-            let outcome = match native::found(found.as_ref(), head, &expected, &written) {
-                Found::Written => (Value::Integer(1), acked),
-                Found::OursInFlight(current) => {
-                    expected = current;
-                    continue;
-                }
-                Found::AlreadyWritten | Found::OursCompleted(_) => {
-                    // Completed by this owner before, over another connection or by an attempt
-                    // whose answer was lost: written again here (its retention restarted), so
-                    // that the WAIT counts a write of this connection, as complete.lua does.
-                    let current = found.unwrap_or_default();
-                    let again = native::restarted(&current, head.len(), &call.state);
-                    let swap = native::Swap {
-                        written: again,
-                        expected: current,
-                        ms,
-                    };
-                    let answer = self
-                        .compare_and_set_then_wait(waiter, client, &redis_key, swap, None)
-                        .await?;
-                    let Some((_, acked)) = answer else {
-                        return Ok(None);
-                    };
-                    (Value::Integer(1), acked)
-                }
-                Found::Lost => (Value::Integer(0), acked),
-            };
-            self.native.forget(head);
-            return Ok(Some(outcome));
-        }
-        Ok(None)
-    }
-
-    /// `SET key <written> IFEQ <expected> PX <ms> GET`, the `notice` if any, and the WAIT behind
-    /// them, in one round trip on `client`'s connection ([`write_then_wait`](Self::write_then_wait)).
-    /// Answers what the `SET` found and what the WAIT said; `None` if the server refused the
-    /// command (it wrote nothing). A key holding something other than a string is a lost claim,
-    /// as the scripts answer it.
-    async fn compare_and_set_then_wait(
-        &self,
-        waiter: &Waiter,
-        client: &Client,
-        redis_key: &str,
-        swap: native::Swap,
-        notice: Option<(CustomCommand, Vec<Value>)>,
-    ) -> Result<Option<(Option<Bytes>, Result<Acked, StoreError>)>, StoreError> {
-        let writes = std::iter::once(swap.command(Value::from(redis_key)))
-            .chain(notice)
-            .collect();
-        let (written, acked) = self.write_then_wait(waiter, client, redis_key, writes).await?;
-        let found = match written.into_iter().next() {
-            Some(Ok(answer)) => native::swapped(answer)?,
-            Some(Err(error)) if self.native.refused(&error) => return Ok(None),
-            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => None,
-            Some(Err(error)) => return Err(self.failed(error)),
-            None => return Err(StoreError::Corrupt("no answer to SET IFEQ".into())),
-        };
-        Ok(Some((found, acked)))
     }
 }
 

@@ -29,7 +29,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use fred::clients::Client;
 use fred::error::{Error, ErrorKind};
-use fred::interfaces::{ClientLike, KeysInterface, PubsubInterface};
+use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Expiration, Key, SetOptions, Value};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -44,15 +44,6 @@ pub(crate) enum Command {
     Get { key: Key },
     /// A call of one of the crate's scripts on one record.
     Script(ScriptCall),
-    /// A compare-and-set on one record (`SET … IFEQ`, `DELEX`, `DELIFEQ`; see `native`), and,
-    /// when a request waits for the record, behind it on the same connection,
-    /// `SPUBLISH <notice> ""` for the requests waiting for it. fred writes the first at once (a custom command) and feeds the notice, its
-    /// own `SPUBLISH`, without a flush: the next write carries it, the next compare-and-set of
-    /// the batch, or its own if none follows. Its answer is the compare-and-set's.
-    Native {
-        command: (CustomCommand, Vec<Value>),
-        notice: Option<String>,
-    },
 }
 
 /// How a script call names its script: `EVALSHA` with its SHA-1, or `EVAL` with its source (to
@@ -124,7 +115,7 @@ impl Command {
     fn is_sent_alone(&self, client: &Client) -> bool {
         match self {
             Command::Script(call) => !call.mergeable || client.is_clustered(),
-            Command::SetIfAbsent { .. } | Command::Get { .. } | Command::Native { .. } => false,
+            Command::SetIfAbsent { .. } | Command::Get { .. } => false,
         }
     }
 
@@ -132,12 +123,11 @@ impl Command {
     ///
     /// Each fred call is boxed where it is made: a fred command's future is about 6.8 KB, and
     /// inline it would size this future, and every future holding it (the coalescing task's
-    /// sends, each store future around a direct send), to the largest arm, the compare-and-set
-    /// with its notice (two of them). Every such future is moved to the heap once (boxed, or
-    /// pushed to the coalescing task's set): with the calls inline that copied 14 KB per command,
-    /// claims and replays too (`memmove` took 9.8 % of the app server's CPU on the scripts'
-    /// path, 6.2 % before the compare-and-set arm existed); boxed, each call copies its own
-    /// future once (7.2 %).
+    /// sends, each store future around a direct send). Every such future is moved to the heap
+    /// once (boxed, or pushed to the coalescing task's set): with the calls inline (and a
+    /// compare-and-set arm, since removed, that held two) that copied 14 KB per command, claims
+    /// and replays too (`memmove` took 9.8 % of the app server's CPU); boxed, each call copies
+    /// its own future once (7.2 %).
     async fn send(self, client: &Client, options: &Options) -> Result<Value, Error> {
         let client = client.with_options(options);
         match self {
@@ -147,23 +137,6 @@ impl Command {
             }
             Command::Get { key } => Box::pin(client.get(key)).await,
             Command::Script(call) => Box::pin(client.custom(call.command(), call.args)).await,
-            Command::Native { command, notice } => {
-                let (command, args) = command;
-                let Some(channel) = notice else {
-                    return Box::pin(client.custom(command, args)).await;
-                };
-                Box::pin(async move {
-                    let changed = client.custom::<Value, Value>(command, args);
-                    // Polled in this order, so fred queues the notice behind the change.
-                    let notice = client.spublish::<Value, _, _>(channel, Value::from_static_str(""));
-                    let (changed, notice) = tokio::join!(changed, notice);
-                    if let Err(error) = notice {
-                        tracing::debug!(%error, "could not tell the waiting requests of a record's change");
-                    }
-                    changed
-                })
-                .await
-            }
         }
     }
 }
@@ -329,14 +302,10 @@ struct MergedRecord {
 }
 
 /// The order fred gets a batch in: the commands it feeds without a flush first, so that the
-/// write the first compare-and-set or script flushes carries them too; then the compare-and-sets
-/// (each written at once, carrying the notice fed behind the one before); then the mergeable
-/// script calls, merged.
+/// write the first script flushes carries them too; then the mergeable script calls, merged.
 fn plan(batch: Vec<Job>) -> Vec<Send> {
     let mut sends = Vec::with_capacity(batch.len());
     let mut merged: Vec<Merged> = Vec::new();
-    // Compare-and-sets after the commands fred feeds, which their writes then carry.
-    let mut native = Vec::new();
     for job in batch {
         let Job {
             client,
@@ -346,10 +315,7 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             queued_at,
         } = job
         else {
-            match job.command {
-                Command::Native { .. } => native.push(Send::One(job)),
-                _ => sends.push(Send::One(job)),
-            }
+            sends.push(Send::One(job));
             continue;
         };
         if !call.mergeable {
@@ -387,7 +353,6 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             }),
         }
     }
-    sends.extend(native);
     sends.extend(merged.into_iter().map(Send::Merged));
     sends
 }
@@ -519,17 +484,14 @@ mod tests {
 
     /// The futures that are moved to the heap per command (the coalescing task's sends, and
     /// `Command::send` inside every store future) hold no fred future inline: with one, each
-    /// command copied its 6.8 KB (14 KB with the compare-and-set's notice) on the way.
+    /// command copied its 6.8 KB on the way.
     #[test]
     fn no_fred_future_is_held_inline() {
         let client = Client::default();
         let options = Options::default();
-        let native = || Command::Native {
-            command: (
-                CustomCommand::new_static("SET", ClusterHash::FirstKey, false),
-                vec![Value::from("k")],
-            ),
-            notice: Some("k:settled".into()),
+        let script = || {
+            let call = ScriptCall::new(ScriptText::Sha1("sha"), Value::from("k"), &[], true);
+            Command::Script(call)
         };
         let commands = [
             Command::SetIfAbsent {
@@ -538,7 +500,7 @@ mod tests {
                 lease_ms: 1,
             },
             Command::Get { key: "k".into() },
-            native(),
+            script(),
         ];
         let fred_call = std::mem::size_of_val(&client.get::<Value, _>("k"));
         assert!(
@@ -553,7 +515,7 @@ mod tests {
         let job = Job {
             client: client.clone(),
             options,
-            command: native(),
+            command: script(),
             answer,
             queued_at: tokio::time::Instant::now(),
         };

@@ -1,19 +1,17 @@
 //! The store's commands: the claim as one native `SET … NX GET`, the owner-checked transitions
-//! as compare-and-set commands where the server has them (`native`) and as scripts elsewhere
-//! (EVALSHA, reloaded on NOSCRIPT), what their answers mean, and the [`Store`] implementation
-//! built on them.
+//! as scripts (EVALSHA, reloaded on NOSCRIPT), what their answers mean, and the [`Store`]
+//! implementation built on them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use fred::clients::Client;
 use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{Command, ScriptCall, ScriptText};
 use super::connection::store_reconnect_policy;
-use super::native::{self, Found};
 use super::notices::{settled_channel, Notices};
 use super::record::{self, digest_from_hex};
 use super::scripts::{
@@ -111,23 +109,12 @@ impl RedisStore {
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = self.connection.client();
-        let existing = match self
-            .set_if_absent(client, claimant, key, fresh.clone(), lease)
-            .await?
-        {
-            Value::Null => {
-                self.native.hold(fresh, lease);
-                return Ok(ClaimOutcome::Claimed);
-            }
+        let existing = match self.set_if_absent(client, claimant, key, fresh, lease).await? {
+            Value::Null => return Ok(ClaimOutcome::Claimed),
             value => into_bytes(value)
                 .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
         };
-        let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
-        if outcome == ClaimOutcome::Claimed {
-            // This claim, re-sent: the record is the one the first copy wrote.
-            self.native.hold(existing, lease);
-        }
-        Ok(outcome)
+        self.found(key, &existing, fingerprint, Some(owner), lease, epoch)
     }
 
     /// The claim's write: `SET key <record> NX PX <lease> GET`, or for a waiter `wait.lua`, which
@@ -327,10 +314,8 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = record::head(owner)?;
             let completion = CompletionCall {
-                in_flight: self.native.remembered(&head),
-                head,
+                head: record::head(owner)?,
                 state: record::state_until(record::COMPLETED, retention),
                 payload,
                 retention,
@@ -338,12 +323,8 @@ impl Store for RedisStore {
             match &self.acks {
                 None => {
                     self.after_failover().await;
-                    if let Some(done) = self.complete_natively(key, &completion).await? {
-                        return Ok(done);
-                    }
-                    let completed = self.run(&COMPLETE, key, &completion.script_args()).await;
-                    self.native.forget(&completion.head);
-                    as_flag("complete", completed?)
+                    let completed = self.run(&COMPLETE, key, &completion.script_args()).await?;
+                    as_flag("complete", completed)
                 }
                 Some(waiter) => {
                     let acknowledged = self.complete_acknowledged(waiter, key, owner, completion);
@@ -357,11 +338,10 @@ impl Store for RedisStore {
         Box::pin(async move {
             let head = record::head(owner)?;
             self.after_failover().await;
-            if let Some(true) = self.release_natively(key, &head).await? {
-                return Ok(true);
+            let released = self.run(&RELEASE, key, &[Value::Bytes(head)]).await;
+            if let Some(waiter) = &self.acks {
+                waiter.forget_lease(owner);
             }
-            let released = self.run(&RELEASE, key, &[Value::Bytes(head.clone())]).await;
-            self.native.forget(&head);
             as_flag("release", released?)
         })
     }
@@ -373,19 +353,18 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> StoreFuture<'a, bool> {
         Box::pin(async move {
-            let head = record::head(owner)?;
-            let state = record::state_until(record::IN_FLIGHT, lease);
-            self.after_failover().await;
-            if let Some(renewed) = self.renew_natively(key, &head, &state, lease).await? {
-                return Ok(renewed);
-            }
+            // The lease's end as written, no later than the record's deadline says.
+            let sent = tokio::time::Instant::now();
             let args = [
-                Value::Bytes(head.clone()),
-                Value::Bytes(state.clone()),
+                Value::Bytes(record::head(owner)?),
+                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
                 millis(lease),
             ];
+            self.after_failover().await;
             let renewed = as_flag("renew", self.run(&RENEW, key, &args).await?)?;
-            self.native.renewed(&head, renewed.then_some(&state), lease);
+            if let Some(waiter) = &self.acks {
+                waiter.lease_written(owner, renewed.then_some(sent + lease));
+            }
             Ok(renewed)
         })
     }
@@ -516,14 +495,10 @@ pub(super) enum Claimant {
     Waiter,
 }
 
-/// A completion's parts: what the script takes as arguments, and what a native completion
-/// builds its record from.
+/// A completion's parts: complete.lua's arguments for one record.
 pub(super) struct CompletionCall {
     /// The owner's head (magic, version, owner).
     pub(super) head: Bytes,
-    /// The in-flight record this owner wrote last, if this process remembers it
-    /// ([`Native::remembered`](super::native::Native::remembered)).
-    pub(super) in_flight: Option<Bytes>,
     /// `'C'` and the retention's deadline.
     pub(super) state: Bytes,
     pub(super) payload: Bytes,
@@ -531,181 +506,16 @@ pub(super) struct CompletionCall {
 }
 
 impl CompletionCall {
-    /// complete.lua's arguments for this record: the in-flight record remembered and the
-    /// completed record built from it, which Redis writes if the record is still that one (one
-    /// comparison, one `SET`); or, remembering none, an empty record, and the head, state and
-    /// payload, from which the script builds the completed record with the fingerprint it finds.
-    pub(super) fn script_args(&self) -> [Value; 3] {
-        let (claimed, written) = match &self.in_flight {
-            Some(in_flight) => (
-                in_flight.clone(),
-                native::rewritten(in_flight, self.head.len(), &self.state, &self.payload),
-            ),
-            None => {
-                let parts = [&self.head, &self.state, &self.payload];
-                let mut written = BytesMut::with_capacity(parts.iter().map(|part| part.len()).sum());
-                for part in parts {
-                    written.put_slice(part);
-                }
-                (Bytes::new(), written.freeze())
-            }
-        };
+    /// complete.lua's arguments for this record: the head, the state and the payload, from
+    /// which the script builds the completed record with the fingerprint it finds (the payload
+    /// goes as it is, not copied into one string here), and the retention.
+    pub(super) fn script_args(&self) -> [Value; 4] {
         [
-            Value::Bytes(claimed),
-            Value::Bytes(written),
+            Value::Bytes(self.head.clone()),
+            Value::Bytes(self.state.clone()),
+            Value::Bytes(self.payload.clone()),
             millis(self.retention),
         ]
-    }
-}
-
-/// How many times a compare-and-set is made again with the record it found, while that is
-/// still the owner's in flight but not the one remembered, before the script decides.
-pub(super) const COMPARE_AGAIN: usize = 2;
-
-/// The owner-checked transitions as compare-and-set commands (see `native`). Each answers
-/// `None` where the script is to make the call instead: the server has no such command, refused
-/// it, or this process does not remember the claim's record.
-impl RedisStore {
-    /// Sends a compare-and-set (`native`), and behind it the waiters' notice on `notice`, through
-    /// the coalescer. Answers its answer, or `None` if the server refused the command (it wrote
-    /// nothing). A key holding something other than a string answers `nil`: a lost claim, as the
-    /// scripts answer it.
-    pub(super) async fn compare_and_set(
-        &self,
-        client: &Client,
-        command: (CustomCommand, Vec<Value>),
-        notice: Option<String>,
-    ) -> Result<Option<Value>, StoreError> {
-        let native = Command::Native { command, notice };
-        match self.coalescer.send(client, &self.options, native).await {
-            Ok(answer) => Ok(Some(answer)),
-            Err(error) if self.native.refused(&error) => Ok(None),
-            Err(error) if error.details().starts_with("WRONGTYPE") => Ok(Some(Value::Null)),
-            Err(error) => Err(self.failed(error)),
-        }
-    }
-
-    /// `complete.lua` as `SET … IFEQ`, with `SPUBLISH` (the waiters' notice) behind it in the
-    /// same round trip when the record compared against is marked as waited for (a record
-    /// marked since this process remembered it fails the comparison, and is compared again
-    /// with the notice). The notice goes whether or not the record was written: a waiter woken
-    /// for nothing looks again and waits again.
-    async fn complete_natively(
-        &self,
-        key: &RecordKey,
-        completion: &CompletionCall,
-    ) -> Result<Option<bool>, StoreError> {
-        let Some(mut expected) = self.native.held(&completion.head) else {
-            return Ok(None);
-        };
-        let client = self.connection.client();
-        let redis_key = self.redis_key(key);
-        let ms = lease_millis(completion.retention);
-        let head = &completion.head;
-        for _ in 0..=COMPARE_AGAIN {
-            let written = native::rewritten(&expected, head.len(), &completion.state, &completion.payload);
-            let swap = native::Swap {
-                written: written.clone(),
-                expected: expected.clone(),
-                ms,
-            };
-            let notice = record::is_waited(&expected, head.len()).then(|| settled_channel(&redis_key));
-            let Some(answer) = self
-                .compare_and_set(client, swap.command(redis_key.as_str().into()), notice)
-                .await?
-            else {
-                return Ok(None);
-            };
-            match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
-                Found::Written | Found::AlreadyWritten => {}
-                Found::OursInFlight(current) => {
-                    expected = current;
-                    continue;
-                }
-                Found::OursCompleted(current) => {
-                    // Completed by this owner already (an attempt whose answer was lost): the
-                    // retention starts again, as complete.lua restarts it.
-                    let again = native::Swap {
-                        written: native::restarted(&current, head.len(), &completion.state),
-                        expected: current,
-                        ms,
-                    };
-                    self.compare_and_set(client, again.command(redis_key.as_str().into()), None)
-                        .await?;
-                }
-                Found::Lost => {
-                    self.native.forget(head);
-                    return Ok(Some(false));
-                }
-            }
-            self.native.forget(head);
-            return Ok(Some(true));
-        }
-        Ok(None)
-    }
-
-    /// `renew.lua` as `SET … IFEQ`.
-    async fn renew_natively(
-        &self,
-        key: &RecordKey,
-        head: &Bytes,
-        state: &Bytes,
-        lease: Duration,
-    ) -> Result<Option<bool>, StoreError> {
-        let Some(mut expected) = self.native.held(head) else {
-            return Ok(None);
-        };
-        let client = self.connection.client();
-        let redis_key = self.redis_key(key);
-        for _ in 0..=COMPARE_AGAIN {
-            // A record a request waits for keeps its mark, as renew.lua keeps it.
-            let state = record::keeping_mark(state, &expected, head.len());
-            let written = native::rewritten(&expected, head.len(), &state, b"");
-            let swap = native::Swap {
-                written: written.clone(),
-                expected: expected.clone(),
-                ms: lease_millis(lease),
-            };
-            let Some(answer) = self
-                .compare_and_set(client, swap.command(redis_key.as_str().into()), None)
-                .await?
-            else {
-                return Ok(None);
-            };
-            match native::found(native::swapped(answer)?.as_ref(), head, &expected, &written) {
-                Found::Written | Found::AlreadyWritten => {
-                    self.native.hold(written, lease);
-                    return Ok(Some(true));
-                }
-                Found::OursInFlight(current) => expected = current,
-                Found::OursCompleted(_) | Found::Lost => {
-                    self.native.forget(head);
-                    return Ok(Some(false));
-                }
-            }
-        }
-        Ok(None)
-    }
-
-    /// `release.lua` as `DELEX … IFEQ` (Redis) or `DELIFEQ` (Valkey 9), and `SPUBLISH`, in one
-    /// round trip. Answers `Some(true)` when it deleted the record; anything else is the
-    /// script's to decide (the record may be this owner's with another deadline than the one
-    /// remembered), one round trip more on a path that is rare already.
-    async fn release_natively(&self, key: &RecordKey, head: &Bytes) -> Result<Option<bool>, StoreError> {
-        let (Some(deleter), Some(expected)) = (self.native.deleter(), self.native.held(head)) else {
-            return Ok(None);
-        };
-        let client = self.connection.client();
-        let redis_key = self.redis_key(key);
-        let notice = record::is_waited(&expected, head.len()).then(|| settled_channel(&redis_key));
-        let delete = deleter.command(Value::from(redis_key.as_str()), expected);
-        match self.compare_and_set(client, delete, notice).await? {
-            Some(deleted) if deleted.as_i64() == Some(1) => {
-                self.native.forget(head);
-                Ok(Some(true))
-            }
-            _ => Ok(None),
-        }
     }
 }
 

@@ -3,8 +3,6 @@
 //! [`RedisStore`] (`store.rs`) is built and configured there; the rest is one file per concern,
 //! each below the store, none importing it back but the two that extend it:
 //! - `commands.rs`: the claim (`SET … NX GET`), the owner-checked transitions, and the `Store` impl;
-//! - `native.rs`: those transitions as compare-and-set commands where the server has them
-//!   (`SET … IFEQ`, `DELEX`, `DELIFEQ`), what the server has, and the records they compare;
 //! - `acknowledged.rs`: the durability option's claim and completion (`ReplicaAcks`), over
 //!   `replica_acks.rs` (its connections and `WAIT`);
 //! - `record.rs`: the record's byte layout; `scripts.rs`: the Lua scripts;
@@ -22,7 +20,6 @@ mod connection;
 #[cfg(test)]
 mod fence_tests;
 mod liveness;
-mod native;
 mod notices;
 mod record;
 mod replica_acks;

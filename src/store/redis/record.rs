@@ -72,13 +72,15 @@ pub(super) const WAITED: u8 = 1;
 
 /// Whether `record`, whose head is `head_len` bytes long, is in flight and marked as waited
 /// for: its completion or release is to tell the waiting requests.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(super) fn is_waited(record: &[u8], head_len: usize) -> bool {
     record.get(head_len) == Some(&IN_FLIGHT)
         && record.get(head_len + 8).is_some_and(|last| last & WAITED != 0)
 }
 
 /// `state` (a state byte and a deadline, [`state_until`]) with the waited mark of `record` (in
-/// flight, its head `head_len` bytes long) carried over: a renewal keeps the mark.
+/// flight, its head `head_len` bytes long) carried over, as `renew.lua` keeps the mark.
+#[cfg(any(test, feature = "fuzzing"))]
 pub(super) fn keeping_mark(state: &Bytes, record: &[u8], head_len: usize) -> Bytes {
     if !is_waited(record, head_len) || state.len() != 9 {
         return state.clone();

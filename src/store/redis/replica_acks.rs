@@ -42,6 +42,7 @@ use fred::interfaces::ClientLike;
 use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
+use tokio::time::Instant;
 
 use super::connection::unavailable;
 use super::liveness::{self, Heartbeat, Pace, Watched};
@@ -172,6 +173,9 @@ pub(super) struct Waiter {
     wait_options: Options,
     /// The claims whose completion a background task owns now: one task per claim.
     completing: Mutex<HashSet<([u8; 32], OwnerToken)>>,
+    /// When the lease of each claim this process holds ends, as it last wrote it: what bounds a
+    /// background completion ([`keep_completing`]).
+    leases: Mutex<Leases>,
     /// The name each client's connection was given (by fred's client id), until a check finds
     /// it gone: a connection is named once, not at every write (each `CLIENT SETNAME` is one
     /// more socket write, and a read for Redis).
@@ -249,6 +253,7 @@ impl Waiter {
             acks,
             wait_options,
             completing: Mutex::default(),
+            leases: Mutex::default(),
             names: Mutex::default(),
         }))
     }
@@ -522,6 +527,64 @@ impl Drop for OwnedCompletion {
     fn drop(&mut self) {
         let mut completing = (self.waiter.completing.lock()).unwrap_or_else(PoisonError::into_inner);
         completing.remove(&self.claim);
+        drop(completing);
+        // The claim is over (completed, or given up), whatever its renewals wrote meanwhile.
+        self.waiter.forget_lease(&self.claim.1);
+    }
+}
+
+impl Waiter {
+    /// `owner`'s claim was written (claimed, or renewed) with a lease that ends at `ends`; `None`:
+    /// it was found lost.
+    pub(super) fn lease_written(&self, owner: &OwnerToken, ends: Option<Instant>) {
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        match ends {
+            Some(ends) => leases.written(owner, ends),
+            None => {
+                leases.ends.remove(owner);
+            }
+        }
+    }
+
+    /// What is left of the lease of `owner`'s claim as this process last wrote it, if it
+    /// remembers it (not for a claim made before the store was built, say).
+    pub(super) fn lease_left(&self, owner: &OwnerToken) -> Option<Duration> {
+        (self.leases.lock().unwrap_or_else(PoisonError::into_inner)).left(owner)
+    }
+
+    /// `owner`'s claim is over (completed, released, or never acknowledged).
+    pub(super) fn forget_lease(&self, owner: &OwnerToken) {
+        self.lease_written(owner, None);
+    }
+}
+
+/// When the lease of each claim ends, by owner (a token per claim), for the durability option
+/// only: no other store keeps anything per claim.
+#[derive(Default)]
+struct Leases {
+    ends: HashMap<OwnerToken, Instant>,
+    /// The size at which ended leases are swept (a claim whose owner never completed nor
+    /// released it: its future dropped mid-way). Doubles with the live entries, so a sweep costs
+    /// a constant per insertion.
+    sweep_at: usize,
+}
+
+/// The fewest entries at which [`Leases`] sweeps.
+const FIRST_SWEEP: usize = 1024;
+
+impl Leases {
+    fn left(&self, owner: &OwnerToken) -> Option<Duration> {
+        let ends = self.ends.get(owner)?;
+        Some(ends.saturating_duration_since(Instant::now()))
+    }
+
+    fn written(&mut self, owner: &OwnerToken, ends: Instant) {
+        self.ends.insert(owner.clone(), ends);
+        if self.ends.len() >= self.sweep_at.max(FIRST_SWEEP) {
+            let now = Instant::now();
+            self.ends.retain(|_, ends| *ends > now);
+            self.sweep_at = (self.ends.len() * 2).max(FIRST_SWEEP);
+        }
     }
 }
 
@@ -679,6 +742,27 @@ mod tests {
         let info = "# Replication\r\nrole:master\r\nconnected_slaves:2\r\nslave0:ip=127.0.0.1,port=1,state=online\r\n";
         assert_eq!(super::connected_replicas(info), Some(2));
         assert_eq!(super::connected_replicas("role:master\r\n"), None);
+    }
+
+    /// A claim's lease is remembered until the claim is over, and leases that ended are swept
+    /// once their entries double (a claim whose owner never completed nor released it).
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_is_forgotten_when_its_claim_ends_and_ended_ones_are_swept() {
+        use crate::store::record::OwnerToken;
+        use tokio::time::Instant;
+
+        let mut leases = super::Leases::default();
+        let owner = OwnerToken::generate();
+        leases.written(&owner, Instant::now() + Duration::from_secs(30));
+        assert_eq!(leases.left(&owner), Some(Duration::from_secs(30)));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(leases.left(&owner), Some(Duration::from_secs(20)));
+        leases.ends.remove(&owner);
+        assert_eq!(leases.left(&owner), None);
+        for _ in 0..super::FIRST_SWEEP {
+            leases.written(&OwnerToken::generate(), Instant::now());
+        }
+        assert!(leases.ends.is_empty(), "{} ended leases kept", leases.ends.len());
     }
 
     use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,6 +1,6 @@
 //! The Lua scripts of the owner-checked transitions (complete, release, renew), a waiter's
-//! claim (wait), and the operators' calls (purge, inspect), each named once (sources in `scripts/*.lua`), and the
-//! arguments and answers they share with the native commands.
+//! claim (wait), and the operators' calls (purge, inspect), each named once (sources in
+//! `scripts/*.lua`), and the arguments and answers they share.
 
 use std::sync::LazyLock;
 use std::time::Duration;

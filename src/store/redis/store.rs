@@ -17,7 +17,6 @@ use super::connection::{
     Connection, Quit,
 };
 use super::liveness::{self, Heartbeat, Pace, Watched};
-use super::native::Native;
 use super::notices::Notices;
 use super::replica_acks::{ReplicaAcks, Waiter};
 use super::scripts::{COMPLETE, INSPECT, PURGE, RELEASE, RENEW};
@@ -36,9 +35,7 @@ pub(super) const DEFAULT_COMMAND_TIMEOUT: Duration = liveness::DEFAULT_COMMAND_T
 /// <lease> GET`): it creates the in-flight record or hands back what is there, with no script to
 /// run or reload. The owner-checked transitions (complete, release, renew) are Lua scripts
 /// (EVALSHA, reloaded by EVAL when the server answers NOSCRIPT after a restart, a failover or
-/// `SCRIPT FLUSH`), or, turned on with [`with_native_transitions`](Self::with_native_transitions),
-/// native compare-and-set commands on servers that have them (`SET … IFEQ`, `DELEX`, `DELIFEQ`:
-/// Redis 8.4+, Valkey 8.1+).
+/// `SCRIPT FLUSH`).
 /// Calls made while others are outstanding (concurrent requests) are handed to fred together, so
 /// they share socket writes, and completions made together are one script call (not on a
 /// Cluster); a lone call is sent at once.
@@ -90,9 +87,6 @@ pub struct RedisStore {
     /// [`from_pool`](RedisStore::from_pool)): then it also carries the owner's commands, and the
     /// heartbeat replaces a silent connection of it only if fred would not send them again.
     pub(super) borrowed: bool,
-    /// The compare-and-set commands the server has, and the records of the claims held
-    /// ([`with_native_transitions`](RedisStore::with_native_transitions)).
-    pub(super) native: Arc<Native>,
 }
 
 /// The task that feeds a replay cache its invalidations, and its subscriber connection; both
@@ -200,7 +194,6 @@ impl RedisStore {
             heartbeat: Arc::default(),
             pace,
             borrowed,
-            native: Arc::new(Native::new(false)),
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             store.keep_alive();
@@ -219,7 +212,6 @@ impl RedisStore {
             };
             Heartbeat::start(Role::Commands, watched, self.pace.clone())
         });
-        self.native.start(self.connection.clients());
     }
 
     /// Sets TCP keepalive and, on Linux, `TCP_USER_TIMEOUT` on a fred connection config: what
@@ -429,8 +421,7 @@ impl RedisStore {
                 None
             }
         };
-        let mut store = Self::with_connection(Connection::Client(client.clone()), pace, false);
-        store.native.detect_now(&client).await;
+        let mut store = Self::with_connection(Connection::Client(client), pace, false);
         store.switch_watch = switch_watch;
         store._own_client = Some(own_client);
         Ok(store)
@@ -466,41 +457,6 @@ impl RedisStore {
              to the prefix they were made with; call with_prefix first"
         );
         self.prefix = Arc::from(prefix);
-        self
-    }
-
-    /// Whether the owner-checked transitions (complete, release, renew) use the server's
-    /// compare-and-set commands where it has them, or always the Lua scripts (default: `false`,
-    /// the scripts).
-    ///
-    /// Redis 8.4 and later (`SET … IFEQ`, `DELEX … IFEQ`) and Valkey 8.1 and later (`SET … IFEQ`;
-    /// `DELIFEQ` from 9.0) can make them as native commands, which cost Redis about a quarter of
-    /// the completion script's own time. Turned on, the store asks the server which it has when
-    /// it starts and again after every reconnect (a failover can land on an older server), and
-    /// uses the scripts on servers without them (Redis 7.0–8.2, Valkey before 8.1) and for
-    /// whatever one lacks (Valkey 8.1 releases with the script). Both paths write the same
-    /// records, so instances on either share one Redis.
-    ///
-    /// Off by default because, with fred 10.1, a fresh key costs more this way: fred writes
-    /// every custom command in a socket write of its own, so native completions cannot share
-    /// writes and calls the way merged script calls do. Measured side by side (c32, 100 B
-    /// bodies, docs/performance.md): Redis's CPU per fresh key 6 % higher on Redis 8.6 and
-    /// Valkey 9.1 (the same on Valkey 8.1), the app server's 13–58 % higher; records cost the
-    /// same memory either way. It is kept, tested on every server, for a fred that can feed a
-    /// custom command without a flush (a patched fred cut Redis's CPU per fresh key by 31 %).
-    ///
-    /// ```no_run
-    /// # use tower_idempotency::RedisStore;
-    /// # async fn run() -> Result<(), tower_idempotency::StoreError> {
-    /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?.with_native_transitions(true);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn with_native_transitions(mut self, enabled: bool) -> Self {
-        self.native = Arc::new(self.native.turned(enabled));
-        if tokio::runtime::Handle::try_current().is_ok() {
-            self.native.start(self.connection.clients());
-        }
         self
     }
 
