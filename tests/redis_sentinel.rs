@@ -940,6 +940,8 @@ async fn a_store_takes_no_claim_before_it_listens_to_the_sentinels_its_sentinel_
         subscribed.iter().all(|&subscribed| subscribed),
         "the claim was taken before the store listened on every sentinel: {subscribed:?}"
     );
+}
+
 /// A layer node over a store of `url` with no heartbeat: it would replace subscriptions a
 /// test holds after 3 s, and what they hold would be lost with them (the late delivery is the
 /// fault under test).
