@@ -179,6 +179,44 @@ async fn an_entry_deleted_while_pending_is_counted() {
     );
 }
 
+/// A stream deleted under a running consumer takes its group with it (as a Redis restarted
+/// without persistence, or a failover to a replica that never had them, does): the consumer
+/// makes the group again from the stream's start and applies what is published next. Before, it
+/// logged a failed read (`NOGROUP`) every pause and applied nothing more, for as long as it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_lost_with_its_stream_is_made_again_and_consumption_goes_on() {
+    let _turn = TURN.lock().await;
+    let server = RedisServer::start();
+    let client = common::client(&server.url()).await;
+    let stream = "lost";
+    let consumer = consumer(&server.url(), stream, Duration::from_secs(5)).await;
+    let (stop, task, effects) = spawn(consumer, Duration::ZERO);
+    let applied = |id: &'static str| {
+        let effects = effects.clone();
+        async move {
+            while !effects.lock().unwrap().contains_key(id) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    publish(&client, stream, &[("id", "pay-before"), ("amount", "1")]).await;
+    within("the first message is applied", applied("pay-before")).await;
+    let deleted: u64 = client.del(stream).await.unwrap();
+    assert_eq!(deleted, 1, "the stream, and its group with it, deleted");
+    publish(&client, stream, &[("id", "pay-after"), ("amount", "2")]).await;
+    within(
+        "a message published after the group was lost is applied",
+        applied("pay-after"),
+    )
+    .await;
+    let _ = stop.send(());
+    within("the consumer stops", task).await.unwrap();
+    assert_eq!(
+        *effects.lock().unwrap(),
+        BTreeMap::from([("pay-after".to_owned(), 1), ("pay-before".to_owned(), 1)])
+    );
+}
+
 /// With `with_in_hand(3)`, six slow messages run three at a time, never more; a shutdown in
 /// the middle lets those in hand finish and be acknowledged, reads nothing more, and leaves
 /// nothing acknowledged whose effect did not run.

@@ -306,6 +306,19 @@ impl StreamConsumer {
         };
         match read.await {
             Ok(messages) => (cursor, messages),
+            Err(error) if error.details().starts_with("NOGROUP") => {
+                // The group went with its stream (a Redis restarted without persistence, a
+                // failover to a replica that never had them, a `DEL`), or was destroyed: made
+                // again from the stream's start, since a stream made again holds only what came
+                // after, none of which may be skipped. Before, the consumer read nothing more.
+                tracing::error!(stream = %self.names.stream, group = %self.names.group, %error,
+                    "the consumer group is gone; creating it again, reading from the stream's start");
+                if let Err(error) = commands::prepare(&self.redis, &self.names).await {
+                    tracing::warn!(stream = %self.names.stream, %error, "creating the consumer group again failed; trying again");
+                    tokio::time::sleep(READ_RETRY).await;
+                }
+                (String::from("0-0"), Vec::new())
+            }
             Err(error) => {
                 tracing::warn!(stream = %self.names.stream, %error, "reading the stream failed; trying again");
                 tokio::time::sleep(READ_RETRY).await;
