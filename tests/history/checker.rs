@@ -169,8 +169,18 @@ impl Excuse {
     }
 }
 
-/// The reports that say a key's result was not stored under its claim.
-const LOST_REPORTS: [&str; 3] = ["ClaimLost", "CompletionFailed", "LostBeforeReplicated"];
+/// The reports that say a key's result was not stored under its claim, or not durably:
+/// `ReplicationAbandoned` is a completion on the master that no replica acknowledged before the
+/// claim's lease ended, which a failover before the replicas have it loses (its documented
+/// limit, `ReconciliationKind::ReplicationAbandoned`). Found missing by the hour-long Sentinel
+/// run: the three keys it printed of five run twice were each the master killed just after the
+/// completion and a failover longer than the lease, reported `ReplicationAbandoned`.
+const LOST_REPORTS: [&str; 4] = [
+    "ClaimLost",
+    "CompletionFailed",
+    "LostBeforeReplicated",
+    "ReplicationAbandoned",
+];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Violation {
@@ -693,6 +703,33 @@ mod tests {
         let verdict = check(&history, LIMITS);
         assert_eq!(verdict.violations, vec![]);
         assert_eq!(verdict.excuses[&Excuse::LeaseLapsedUnderFault], 1);
+    }
+
+    #[test]
+    fn a_completion_no_replica_acknowledged_lost_in_a_failover_excuses_the_next_run_and_only_then() {
+        let run_twice = |faults: bool| {
+            let mut history = clean();
+            history.effects.push(effect(50, "b", "t0", "k", "b-2"));
+            history
+                .attempts
+                .push(answer(4, "a", ("t0", "k"), 60, 201, true, "t0/k/b-2"));
+            if faults {
+                history
+                    .faults
+                    .push(fault(FaultKind::MasterKilled, "redis", 15, 45));
+            }
+            history
+                .reports
+                .push(report(70, "a", "t0", "k", "ReplicationAbandoned"));
+            check(&history, LIMITS)
+        };
+        let verdict = run_twice(true);
+        assert_eq!(verdict.violations, vec![]);
+        assert_eq!(verdict.excuses[&Excuse::LeaseLapsedUnderFault], 1);
+        assert!(
+            !run_twice(false).violations.is_empty(),
+            "a report without a fault between the runs excused a second run"
+        );
     }
 
     #[test]
