@@ -979,7 +979,7 @@ async fn a_late_announcement_of_an_overtaken_switch_neither_fences_nor_moves_the
     // failovers and announces both; the two others' announcements are held.
     for proxy in &proxies[1..] {
         proxy.black_hole_open_connections();
-        proxy.keep_sent();
+        proxy.keep_received();
     }
     let (topology, second, third) = tokio::task::spawn_blocking(move || {
         topology.failover();
