@@ -30,7 +30,7 @@ use common::storm::{app, Ledger};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-use tower_idempotency::{IdempotencyLayer, RecordState, RedisStore, ReplicaAcks};
+use tower_idempotency::{IdempotencyKey, IdempotencyLayer, RecordKey, RecordState, RedisStore, ReplicaAcks};
 
 const KEYS: usize = 40;
 const CLIENTS_PER_KEY: usize = 3;
@@ -74,7 +74,7 @@ async fn call_until_answered(
     let deadline = Instant::now() + DEADLINE;
     let mut attempt = turn;
     while Instant::now() < deadline {
-        let node = nodes[attempt % 2].clone();
+        let (node, name) = (nodes[attempt % 2].clone(), ["a", "b"][attempt % 2]);
         attempt += 1;
         let request = Request::post("/payments")
             .header("idempotency-key", key)
@@ -83,6 +83,11 @@ async fn call_until_answered(
             .unwrap();
         let response = node.oneshot(request).await.unwrap();
         let status = response.status();
+        // Read with the store's log (`common::storm::trace_if_asked`); 409s are the bulk.
+        match status {
+            StatusCode::CONFLICT => tracing::trace!(target: "storm", key, node = name, %status, "answered"),
+            _ => tracing::debug!(target: "storm", key, node = name, %status, "answered"),
+        }
         match status {
             StatusCode::CONFLICT => tally.lock().unwrap().conflicts += 1,
             StatusCode::SERVICE_UNAVAILABLE => {
@@ -160,6 +165,8 @@ async fn storm_through(
     let topology = tokio::task::spawn_blocking(move || SentinelTopology::start_with_replicas(replicas))
         .await
         .unwrap();
+    common::storm::trace_if_asked();
+    let _monitors = topology.monitor_if_asked();
     let topology = Arc::new(Mutex::new(topology));
     let url = match through {
         Some(sentinel) => topology.lock().unwrap().url_of(sentinel),
@@ -190,6 +197,11 @@ async fn storm_through(
         }
     };
     let stores = [connect("connect node a").await, connect("connect node b").await];
+    for k in 0..KEYS {
+        let key = format!("key-{k}");
+        let record = RecordKey::new(None, IdempotencyKey::parse(&key).unwrap());
+        tracing::debug!(target: "storm", key, redis_key = stores[0].redis_key(&record), "the storm's key");
+    }
     let ledger = Ledger::default();
     let operator = layer(stores[0].clone());
     let nodes = [
@@ -199,6 +211,7 @@ async fn storm_through(
     let old_master = topology.lock().unwrap().master_port();
     let tally = Arc::new(Mutex::new(Tally::default()));
 
+    tracing::info!(target: "storm", since_start = ?storm_started.elapsed(), "the clients start");
     let mut clients = Vec::new();
     for k in 0..KEYS {
         let start_at = STAGGER * k as u32 / KEYS as u32;
@@ -225,16 +238,19 @@ async fn storm_through(
         let topology = topology.clone();
         tokio::task::spawn_blocking(move || {
             let mut topology = topology.lock().unwrap();
+            tracing::info!(target: "storm", old_master, "failing the master over");
             match failover {
                 Failover::Graceful => topology.failover(),
                 Failover::Forced => topology.node_mut(old_master).kill(),
             }
+            tracing::info!(target: "storm", old_master, "failover triggered");
             topology.wait_for_new_master(old_master, Duration::from_secs(15))
         })
         .await
         .unwrap()
     };
     let promoted_at = storm_started.elapsed();
+    tracing::info!(target: "storm", promoted, "the sentinels name the new master");
 
     let mut answers_per_key: HashMap<String, Vec<Option<(StatusCode, Bytes)>>> = HashMap::new();
     for client in clients {
