@@ -23,7 +23,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
-use crate::store::error::{StoreError, Unacknowledged};
+use crate::store::error::{FailingOver, StoreError, Unacknowledged};
 use crate::store::record::{ClaimOutcome, OwnerToken};
 
 /// The answers of the writes sent with a WAIT behind them, and what the WAIT said.
@@ -33,6 +33,7 @@ type WrittenThenWaited = (Vec<Result<Value, fred::error::Error>>, Result<Acked, 
 impl RedisStore {
     /// Claims on a connection of its own, then waits there until the replicas have the claim.
     /// Anything but a new (or re-sent) claim is answered at once: only a claim needs to survive.
+    /// Refused at a raised Sentinel fence, and when one was raised before the replicas answered.
     pub(super) async fn claim_acknowledged(
         &self,
         waiter: &Waiter,
@@ -42,6 +43,7 @@ impl RedisStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
+        let pass = self.refuse_claims_during_failover().await?;
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = waiter.acquire().await;
@@ -79,6 +81,9 @@ impl RedisStore {
         // A reconnect between the claim and here, or during the WAIT, fails the check behind
         // the WAIT: the claim counts as not acknowledged, and is released below.
         let error = match waiter.wait(&client, &self.redis_key(key), &marker).await {
+            // Acknowledged, perhaps by a replica of a master being replaced: see
+            // `Fence::raised_since`.
+            Ok(acked) if acked.enough() && self.fence_raised_since(pass) => self.failover_began(key),
             Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
             Ok(acked) => acked.into_error(),
             Err(error) => StoreError::Unavailable(Box::new(Unacknowledged(error))),
@@ -90,7 +95,7 @@ impl RedisStore {
         if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[Value::Bytes(head)]).await {
             tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
         }
-        tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
+        tracing::warn!(?key, %error, "a claim not acknowledged (in time, or before a failover began); released it (503)");
         Err(error)
     }
 
@@ -316,9 +321,20 @@ impl RedisStore {
         key: &RecordKey,
         call: &CompletionCall,
     ) -> Result<Completion, StoreError> {
-        self.after_failover().await;
+        let pass = self.fence_pass().await;
         let client = waiter.acquire().await;
         let (completed, acked) = self.complete_then_wait(waiter, &client, key, call).await?;
+        if self.fence_raised_since(pass) {
+            // Acknowledged or not, perhaps on a master being replaced (see
+            // `Fence::raised_since`): written again on the new master.
+            tracing::info!(
+                ?key,
+                "a failover began while a completion was on its way; completing again once it is over"
+            );
+            return Ok(Completion::NotAcknowledged(StoreError::Unavailable(Box::new(
+                FailingOver,
+            ))));
+        }
         if !as_flag("complete", completed)? {
             return Ok(Completion::Lost);
         }

@@ -102,12 +102,12 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         self.keep_alive();
-        self.refuse_claims_during_failover().await?;
         if let Some(waiter) = &self.acks {
             // Boxed, like the other rare paths: inline, its state would size every claim.
             let acknowledged = self.claim_acknowledged(waiter, claimant, key, fingerprint, owner, lease);
             return Box::pin(acknowledged).await;
         }
+        let pass = self.refuse_claims_during_failover().await?;
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = self.connection.client();
@@ -115,6 +115,7 @@ impl RedisStore {
             .set_if_absent(client, claimant, key, fresh.clone(), lease)
             .await?
         {
+            Value::Null if self.fence_raised_since(pass) => return Err(self.failover_began(key)),
             Value::Null => {
                 self.native.hold(fresh, lease);
                 return Ok(ClaimOutcome::Claimed);
@@ -124,6 +125,9 @@ impl RedisStore {
         };
         let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
         if outcome == ClaimOutcome::Claimed {
+            if self.fence_raised_since(pass) {
+                return Err(self.failover_began(key));
+            }
             // This claim, re-sent: the record is the one the first copy wrote.
             self.native.hold(existing, lease);
         }
@@ -336,15 +340,23 @@ impl Store for RedisStore {
                 retention,
             };
             match &self.acks {
-                None => {
-                    self.after_failover().await;
-                    if let Some(done) = self.complete_natively(key, &completion).await? {
+                // Written again, on the new master, if a failover began while it was on its way
+                // (see `Fence::raised_since`): a completed record by this owner is written again.
+                None => loop {
+                    let pass = self.fence_pass().await;
+                    let done = match self.complete_natively(key, &completion).await? {
+                        Some(done) => done,
+                        None => {
+                            let completed = self.run(&COMPLETE, key, &completion.script_args()).await;
+                            self.native.forget(&completion.head);
+                            as_flag("complete", completed?)?
+                        }
+                    };
+                    if !self.fence_raised_since(pass) {
                         return Ok(done);
                     }
-                    let completed = self.run(&COMPLETE, key, &completion.script_args()).await;
-                    self.native.forget(&completion.head);
-                    as_flag("complete", completed?)
-                }
+                    tracing::info!(?key, "a failover began while a completion was on its way; completing again once it is over");
+                },
                 Some(waiter) => {
                     let acknowledged = self.complete_acknowledged(waiter, key, owner, completion);
                     Box::pin(acknowledged).await
