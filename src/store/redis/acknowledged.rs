@@ -525,6 +525,22 @@ mod tests {
     use super::super::{record, RedisStore, ReplicaAcks};
     use crate::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, StoreError};
 
+    /// A store on `server` with the durability option `acks` (requiring no replica: the
+    /// server has none), and its waiter.
+    async fn store_waiting_for_no_replica(
+        server: &Server,
+        acks: ReplicaAcks,
+    ) -> (RedisStore, std::sync::Arc<super::Waiter>) {
+        let store = RedisStore::connect(&server.url())
+            .await
+            .expect("connect")
+            .with_replica_acks(acks)
+            .await
+            .expect("the waiting connections");
+        let waiter = store.acks.clone().expect("the durability option");
+        (store, waiter)
+    }
+
     /// The check behind every `WAIT`: a claim written on one connection, then the connection
     /// replaced (as the heartbeat or a Sentinel switch replaces one, or fred after a drop) before
     /// the `WAIT` is sent. The `WAIT` runs on the new connection, where it counts nothing (with
@@ -534,13 +550,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wait_on_a_connection_replaced_since_its_write_is_not_acknowledged() {
         let server = Server::start();
-        let store = RedisStore::connect(&server.url())
-            .await
-            .expect("connect")
-            .with_replica_acks(ReplicaAcks::new(0))
-            .await
-            .expect("the waiting connections");
-        let waiter = store.acks.clone().expect("the durability option");
+        let (store, waiter) = store_waiting_for_no_replica(&server, ReplicaAcks::new(0)).await;
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint::new([b"{}".as_slice()]);
         for replaced in [false, true] {
@@ -576,5 +586,41 @@ mod tests {
                 (replaced, acked) => panic!("replaced: {replaced}, WAIT answered {acked:?}"),
             }
         }
+    }
+
+    /// A connection replaced before its write (as a Sentinel switch or the heartbeat replaces
+    /// one) is named again by that write, so its `WAIT` counts. Before, the waiter remembered the
+    /// old connection's name and sent none, the check behind the `WAIT` read none, and the
+    /// claim was answered 503: after a failover, once on each connection of the pool (and a
+    /// completion's background attempts, each on another one, gave its result up in a storm).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_replaced_before_its_write_is_named_again() {
+        use crate::{ClaimOutcome, Store};
+
+        let server = Server::start();
+        // One connection: the one replaced is the one the next claim takes.
+        let acks = ReplicaAcks::new(0).connections(1);
+        let (store, waiter) = store_waiting_for_no_replica(&server, acks).await;
+        let (lease, fingerprint) = (Duration::from_secs(30), Fingerprint::new([b"{}".as_slice()]));
+        let key = |name: &str| RecordKey::new(None, IdempotencyKey::parse(name).expect("a key"));
+        let (first, second) = (key("first"), key("second"));
+        let (first_owner, second_owner) = (OwnerToken::generate(), OwnerToken::generate());
+        let claimed = store.claim(&first, &fingerprint, &first_owner, lease).await;
+        assert_eq!(claimed.expect("the first claim"), ClaimOutcome::Claimed);
+
+        let client = waiter.acquire().await;
+        assert!(waiter.is_named(&client), "the first claim named the connection");
+        client.force_reconnection().await.expect("a new connection");
+        // fred tells of the new connection a moment later.
+        let told = tokio::time::Instant::now() + Duration::from_secs(1);
+        while waiter.is_named(&client) && tokio::time::Instant::now() < told {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(client);
+        let claimed = store.claim(&second, &fingerprint, &second_owner, lease).await;
+        assert!(
+            matches!(claimed, Ok(ClaimOutcome::Claimed)),
+            "the claim on the new connection: {claimed:?}"
+        );
     }
 }
