@@ -420,6 +420,28 @@ impl SentinelTopology {
         None
     }
 
+    /// With `TEST_SERVER_LOGS=<dir>`, `MONITOR` on every data node to `<dir>/monitor-<port>.log`
+    /// (each command with the server's clock, in microseconds, and the connection it came on)
+    /// until the returned guard is dropped: where each write of a failing storm landed, and when,
+    /// beside the servers' logs (when a replica took `REPLICAOF NO ONE`). Without it, nothing.
+    pub fn monitor_if_asked(&self) -> Monitors {
+        let Some(dir) = std::env::var_os("TEST_SERVER_LOGS") else {
+            return Monitors(Vec::new());
+        };
+        let dir = PathBuf::from(dir);
+        let _ = std::fs::create_dir_all(&dir);
+        let monitors = (self.nodes.iter().map(RedisServer::port)).map(|port| {
+            let log = std::fs::File::create(dir.join(format!("monitor-{port}.log"))).expect("a MONITOR log");
+            cli_command(port, DATA_PASSWORD, self.tls.as_ref())
+                .arg("MONITOR")
+                .stdin(Stdio::null())
+                .stdout(log)
+                .spawn()
+                .expect("redis-cli MONITOR")
+        });
+        Monitors(monitors.collect())
+    }
+
     /// `redis-cli` against a data node of this topology, with its password (and TLS).
     pub fn data_cli(&self, port: u16, args: &[&str]) -> String {
         cli(port, DATA_PASSWORD, self.tls.as_ref(), args)
@@ -443,6 +465,18 @@ impl SentinelTopology {
     }
 }
 
+/// The `redis-cli MONITOR`s of [`SentinelTopology::monitor_if_asked`], stopped when dropped.
+pub struct Monitors(Vec<Child>);
+
+impl Drop for Monitors {
+    fn drop(&mut self) {
+        for monitor in &mut self.0 {
+            let _ = monitor.kill();
+            let _ = monitor.wait();
+        }
+    }
+}
+
 /// `redis-cli` against a data node of a plain-text topology, with its password. Returns the raw
 /// output.
 pub fn data_cli(port: u16, args: &[&str]) -> String {
@@ -455,18 +489,23 @@ pub fn sentinel_cli(port: u16, args: &[&str]) -> String {
     cli(port, SENTINEL_PASSWORD, None, args)
 }
 
+/// `redis-cli` against `port` with `password` (and TLS), its command's arguments yet to add.
+fn cli_command(port: u16, password: &str, tls: Option<&Pki>) -> Command {
+    let mut command = Command::new("redis-cli");
+    command.args(tls.map(Pki::cli_args).unwrap_or_default()).args([
+        "-h",
+        "127.0.0.1",
+        "-p",
+        &port.to_string(),
+        "--no-auth-warning",
+        "-a",
+        password,
+    ]);
+    command
+}
+
 fn cli(port: u16, password: &str, tls: Option<&Pki>, args: &[&str]) -> String {
-    let output = Command::new("redis-cli")
-        .args(tls.map(Pki::cli_args).unwrap_or_default())
-        .args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "--no-auth-warning",
-            "-a",
-            password,
-        ])
+    let output = cli_command(port, password, tls)
         .args(args)
         .stdin(Stdio::null())
         .output()

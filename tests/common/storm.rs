@@ -43,11 +43,35 @@ pub fn app(
                 runs.push(body.clone());
                 body
             };
+            // Read with the store's log when a storm runs a key twice (`trace_if_asked`).
+            tracing::info!(target: "storm", %key, node, body = %String::from_utf8_lossy(&body), "the handler runs");
             tokio::time::sleep(handler_time(&headers)).await;
             (StatusCode::CREATED, body)
         }
     };
     Router::new().route("/payments", post(handler)).layer(layer)
+}
+
+/// With `TEST_TRACE_LOG=<file>`, logs the crate at debug level and the storms' own notes (target
+/// `storm`: each handler run, each answer) to `<file>`, timestamped (UTC, microseconds), to read
+/// a storm that ran a key twice beside the servers' logs and `MONITOR`s (`TEST_SERVER_LOGS`).
+/// Without it nothing is installed, and the notes cost a check each. The first call in a test
+/// binary installs it (the binary's tests share the file: filter the one to read).
+pub fn trace_if_asked() {
+    let Some(path) = std::env::var_os("TEST_TRACE_LOG") else {
+        return;
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .expect("the trace log");
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("warn,tower_idempotency=debug,storm=debug")
+        .with_ansi(false)
+        .with_thread_ids(true)
+        .with_writer(Mutex::new(file))
+        .try_init();
 }
 
 /// A request in flight on a node, counted in `count` until dropped (answered, or abandoned by a

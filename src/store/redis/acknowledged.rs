@@ -21,7 +21,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 use crate::reconciliation::{self, ReconciliationKind};
 use crate::replay_cache::ReplayCache;
-use crate::store::error::{StoreError, Unacknowledged};
+use crate::store::error::{FailingOver, StoreError, Unacknowledged};
 use crate::store::record::{ClaimOutcome, OwnerToken};
 
 /// The answers of the writes sent with a WAIT behind them, and what the WAIT said.
@@ -31,6 +31,7 @@ type WrittenThenWaited = (Vec<Result<Value, fred::error::Error>>, Result<Acked, 
 impl RedisStore {
     /// Claims on a connection of its own, then waits there until the replicas have the claim.
     /// Anything but a new (or re-sent) claim is answered at once: only a claim needs to survive.
+    /// Refused at a raised Sentinel fence, and when one was raised before the replicas answered.
     pub(super) async fn claim_acknowledged(
         &self,
         waiter: &Waiter,
@@ -40,6 +41,7 @@ impl RedisStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
+        let pass = self.refuse_claims_during_failover().await?;
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         // The lease's end as written, no later than the record's deadline says.
         let mut sent = tokio::time::Instant::now();
@@ -75,6 +77,9 @@ impl RedisStore {
         // A reconnect between the claim and here, or during the WAIT, fails the check behind
         // the WAIT: the claim counts as not acknowledged, and is released below.
         let error = match waiter.wait(&client, &self.redis_key(key), &marker).await {
+            // Acknowledged, perhaps by a replica of a master being replaced: see
+            // `Fence::raised_since`.
+            Ok(acked) if acked.enough() && self.fence_raised_since(pass) => self.failover_began(key),
             Ok(acked) if acked.enough() => return Ok(ClaimOutcome::Claimed),
             Ok(acked) => acked.into_error(),
             Err(error) => StoreError::Unavailable(Box::new(Unacknowledged(error))),
@@ -86,7 +91,7 @@ impl RedisStore {
         if let Err(release_error) = self.run_on(&client, &RELEASE, key, &[Value::Bytes(head)]).await {
             tracing::debug!(?key, %release_error, "could not release an unacknowledged claim");
         }
-        tracing::warn!(?key, %error, "the replicas did not acknowledge a claim in time; released it (503)");
+        tracing::warn!(?key, %error, "a claim not acknowledged (in time, or before a failover began); released it (503)");
         Err(error)
     }
 
@@ -310,9 +315,20 @@ impl RedisStore {
         key: &RecordKey,
         call: &CompletionCall,
     ) -> Result<Completion, StoreError> {
-        self.after_failover().await;
+        let pass = self.fence_pass().await;
         let client = waiter.acquire().await;
         let (completed, acked) = self.complete_then_wait(waiter, &client, key, call).await?;
+        if self.fence_raised_since(pass) {
+            // Acknowledged or not, perhaps on a master being replaced (see
+            // `Fence::raised_since`): written again on the new master.
+            tracing::info!(
+                ?key,
+                "a failover began while a completion was on its way; completing again once it is over"
+            );
+            return Ok(Completion::NotAcknowledged(StoreError::Unavailable(Box::new(
+                FailingOver,
+            ))));
+        }
         if !as_flag("complete", completed)? {
             return Ok(Completion::Lost);
         }
@@ -392,6 +408,22 @@ mod tests {
     use super::super::{record, RedisStore, ReplicaAcks};
     use crate::{Fingerprint, IdempotencyKey, OwnerToken, RecordKey, StoreError};
 
+    /// A store on `server` with the durability option `acks` (requiring no replica: the
+    /// server has none), and its waiter.
+    async fn store_waiting_for_no_replica(
+        server: &Server,
+        acks: ReplicaAcks,
+    ) -> (RedisStore, std::sync::Arc<super::Waiter>) {
+        let store = RedisStore::connect(&server.url())
+            .await
+            .expect("connect")
+            .with_replica_acks(acks)
+            .await
+            .expect("the waiting connections");
+        let waiter = store.acks.clone().expect("the durability option");
+        (store, waiter)
+    }
+
     /// The check behind every `WAIT`: a claim written on one connection, then the connection
     /// replaced (as the heartbeat or a Sentinel switch replaces one, or fred after a drop) before
     /// the `WAIT` is sent. The `WAIT` runs on the new connection, where it counts nothing (with
@@ -401,13 +433,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wait_on_a_connection_replaced_since_its_write_is_not_acknowledged() {
         let server = Server::start();
-        let store = RedisStore::connect(&server.url())
-            .await
-            .expect("connect")
-            .with_replica_acks(ReplicaAcks::new(0))
-            .await
-            .expect("the waiting connections");
-        let waiter = store.acks.clone().expect("the durability option");
+        let (store, waiter) = store_waiting_for_no_replica(&server, ReplicaAcks::new(0)).await;
         let lease = Duration::from_secs(30);
         let fingerprint = Fingerprint::new([b"{}".as_slice()]);
         for replaced in [false, true] {
@@ -443,5 +469,41 @@ mod tests {
                 (replaced, acked) => panic!("replaced: {replaced}, WAIT answered {acked:?}"),
             }
         }
+    }
+
+    /// A connection replaced before its write (as a Sentinel switch or the heartbeat replaces
+    /// one) is named again by that write, so its `WAIT` counts. Before, the waiter remembered the
+    /// old connection's name and sent none, the check behind the `WAIT` read none, and the
+    /// claim was answered 503: after a failover, once on each connection of the pool (and a
+    /// completion's background attempts, each on another one, gave its result up in a storm).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_replaced_before_its_write_is_named_again() {
+        use crate::{ClaimOutcome, Store};
+
+        let server = Server::start();
+        // One connection: the one replaced is the one the next claim takes.
+        let acks = ReplicaAcks::new(0).connections(1);
+        let (store, waiter) = store_waiting_for_no_replica(&server, acks).await;
+        let (lease, fingerprint) = (Duration::from_secs(30), Fingerprint::new([b"{}".as_slice()]));
+        let key = |name: &str| RecordKey::new(None, IdempotencyKey::parse(name).expect("a key"));
+        let (first, second) = (key("first"), key("second"));
+        let (first_owner, second_owner) = (OwnerToken::generate(), OwnerToken::generate());
+        let claimed = store.claim(&first, &fingerprint, &first_owner, lease).await;
+        assert_eq!(claimed.expect("the first claim"), ClaimOutcome::Claimed);
+
+        let client = waiter.acquire().await;
+        assert!(waiter.is_named(&client), "the first claim named the connection");
+        client.force_reconnection().await.expect("a new connection");
+        // fred tells of the new connection a moment later.
+        let told = tokio::time::Instant::now() + Duration::from_secs(1);
+        while waiter.is_named(&client) && tokio::time::Instant::now() < told {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(client);
+        let claimed = store.claim(&second, &fingerprint, &second_owner, lease).await;
+        assert!(
+            matches!(claimed, Ok(ClaimOutcome::Claimed)),
+            "the claim on the new connection: {claimed:?}"
+        );
     }
 }

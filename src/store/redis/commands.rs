@@ -100,21 +100,28 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<ClaimOutcome, StoreError> {
         self.keep_alive();
-        self.refuse_claims_during_failover().await?;
         if let Some(waiter) = &self.acks {
             // Boxed, like the other rare paths: inline, its state would size every claim.
             let acknowledged = self.claim_acknowledged(waiter, claimant, key, fingerprint, owner, lease);
             return Box::pin(acknowledged).await;
         }
+        let pass = self.refuse_claims_during_failover().await?;
         let epoch = self.cache.as_deref().map(ReplayCache::epoch);
         let fresh = record::in_flight(owner, fingerprint, lease)?;
         let client = self.connection.client();
         let existing = match self.set_if_absent(client, claimant, key, fresh, lease).await? {
+            Value::Null if self.fence_raised_since(pass) => return Err(self.failover_began(key)),
             Value::Null => return Ok(ClaimOutcome::Claimed),
             value => into_bytes(value)
                 .ok_or_else(|| StoreError::Corrupt("unexpected answer to the claim".into()))?,
         };
-        self.found(key, &existing, fingerprint, Some(owner), lease, epoch)
+        let outcome = self.found(key, &existing, fingerprint, Some(owner), lease, epoch)?;
+        if outcome == ClaimOutcome::Claimed && self.fence_raised_since(pass) {
+            // This claim, re-sent (the record is the one its first copy wrote), answered after
+            // a failover began.
+            return Err(self.failover_began(key));
+        }
+        Ok(outcome)
     }
 
     /// The claim's write: `SET key <record> NX PX <lease> GET`, or for a waiter `wait.lua`, which
@@ -321,11 +328,17 @@ impl Store for RedisStore {
                 retention,
             };
             match &self.acks {
-                None => {
-                    self.after_failover().await;
+                // Written again, on the new master, if a failover began while it was on its way
+                // (see `Fence::raised_since`): a completed record by this owner is written again.
+                None => loop {
+                    let pass = self.fence_pass().await;
                     let completed = self.run(&COMPLETE, key, &completion.script_args()).await?;
-                    as_flag("complete", completed)
-                }
+                    let done = as_flag("complete", completed)?;
+                    if !self.fence_raised_since(pass) {
+                        return Ok(done);
+                    }
+                    tracing::info!(?key, "a failover began while a completion was on its way; completing again once it is over");
+                },
                 Some(waiter) => {
                     let acknowledged = self.complete_acknowledged(waiter, key, owner, completion);
                     Box::pin(acknowledged).await

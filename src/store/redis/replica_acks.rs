@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use fred::clients::{Client, ExclusivePool};
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, EventInterface};
 use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use tokio::sync::OwnedMutexGuard;
@@ -163,6 +163,28 @@ impl ReplicaAcks {
     }
 }
 
+/// Forgets the name of the client `id`'s connection each time the client connects again (a
+/// Sentinel switch, the heartbeat, fred after a drop): the new connection bears none, so the next
+/// write names it. Before, the first `WAIT` on each of the pool's connections after a failover
+/// failed its name check: a claim answered 503, a completion sent to the background, where each
+/// attempt could take another such connection (seven in a row, its result given up).
+async fn forget_name_on_reconnect(
+    id: String,
+    mut reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
+    names: Arc<Mutex<HashMap<String, Marker>>>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+
+    loop {
+        match reconnects.recv().await {
+            Ok(_) | Err(RecvError::Lagged(_)) => {
+                names.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+            }
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
 /// The exclusive connections waiting calls run on, and the settings they wait with.
 pub(super) struct Waiter {
     pool: ExclusivePool,
@@ -177,13 +199,16 @@ pub(super) struct Waiter {
     /// background completion ([`keep_completing`]).
     leases: Mutex<Leases>,
     /// The name each client's connection was given (by fred's client id), until a check finds
-    /// it gone: a connection is named once, not at every write (each `CLIENT SETNAME` is one
-    /// more socket write, and a read for Redis).
-    names: Mutex<HashMap<String, Marker>>,
+    /// it gone or the client connects again: a connection is named once, not at every write
+    /// (each `CLIENT SETNAME` is one more socket write, and a read for Redis).
+    names: Arc<Mutex<HashMap<String, Marker>>>,
+    /// Forget a client's name when it connects again (`forget_names_on_reconnect`).
+    forgetting: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
+        self.forgetting.iter().for_each(tokio::task::JoinHandle::abort);
         // fred's connection tasks outlive the client handles: close the connections.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pool = self.pool.clone();
@@ -247,6 +272,14 @@ impl Waiter {
         warn_if_fewer_than_the_replicas(&client, acks.replicas).await;
         drop(client);
         let heartbeat = Heartbeat::start(Role::ReplicaAcks, Watched::Exclusive(pool.clone()), pace);
+        let names = Arc::default();
+        let mut forgetting = Vec::with_capacity(pool.size());
+        for client in pool.clients() {
+            let client = client.lock().await;
+            let reconnects = client.reconnect_rx();
+            let forget = forget_name_on_reconnect(client.id().to_owned(), reconnects, Arc::clone(&names));
+            forgetting.push(tokio::spawn(forget));
+        }
         Ok(Arc::new(Self {
             _heartbeat: heartbeat,
             pool,
@@ -254,7 +287,8 @@ impl Waiter {
             wait_options,
             completing: Mutex::default(),
             leases: Mutex::default(),
-            names: Mutex::default(),
+            names,
+            forgetting,
         }))
     }
 
@@ -318,6 +352,13 @@ impl Waiter {
                 (marker, true)
             }
         }
+    }
+
+    /// Whether `client`'s connection is named (a test's look, which names nothing).
+    #[cfg(test)]
+    pub(super) fn is_named(&self, client: &Client) -> bool {
+        let names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
+        names.contains_key(client.id())
     }
 
     /// Forgets the name of `client`'s connection (a check did not find it, or could not look):

@@ -616,15 +616,47 @@ impl RedisStore {
     /// then throw it away. In a new store's first moments, waits first until it listens to the
     /// sentinels, so that no failover's announcement goes unheard (bounded by the coordinator's
     /// store timeout, as every store call is).
-    pub(super) async fn refuse_claims_during_failover(&self) -> Result<(), StoreError> {
-        if let Some(fence) = self.fence() {
-            fence.until_listening().await;
+    /// Answers the claim's pass for [`fence_raised_since`](Self::fence_raised_since).
+    pub(super) async fn refuse_claims_during_failover(&self) -> Result<Option<u64>, StoreError> {
+        let Some(fence) = self.fence() else {
+            return Ok(None);
+        };
+        fence.until_listening().await;
+        let pass = fence.mark();
+        if fence.is_raised() {
+            Err(StoreError::Unavailable(Box::new(FailingOver)))
+        } else if fence.is_blind() {
+            Err(StoreError::Unavailable(Box::new(SentinelsUnheard)))
+        } else {
+            Ok(Some(pass))
         }
+    }
+
+    /// [`after_failover`](Self::after_failover), answering a pass for the write about to go out.
+    pub(super) async fn fence_pass(&self) -> Option<u64> {
         match self.fence() {
-            Some(fence) if fence.is_raised() => Err(StoreError::Unavailable(Box::new(FailingOver))),
-            Some(fence) if fence.is_blind() => Err(StoreError::Unavailable(Box::new(SentinelsUnheard))),
-            _ => Ok(()),
+            Some(fence) => Some(fence.pass().await),
+            None => None,
         }
+    }
+
+    /// What a claim answered after a failover began fails with (see
+    /// [`fence_raised_since`](Self::fence_raised_since)): 503, as at the fence, and the
+    /// coordinator releases it once the failover is over.
+    pub(super) fn failover_began(&self, key: &RecordKey) -> StoreError {
+        tracing::info!(
+            ?key,
+            "a failover began while a claim was on its way; refusing it (503)"
+        );
+        StoreError::Unavailable(Box::new(FailingOver))
+    }
+
+    /// Whether a failover began (the fence was raised) since a write got its `pass`: then the
+    /// write, answered, may have landed on the old master after the promotion, acknowledged
+    /// there by a replica not yet reconfigured, and be lost with its demotion (see
+    /// `Fence::raised_since`).
+    pub(super) fn fence_raised_since(&self, pass: Option<u64>) -> bool {
+        matches!((self.fence(), pass), (Some(fence), Some(pass)) if fence.raised_since(pass))
     }
 
     /// Holds an owner's write (complete, release, renew) while a Sentinel failover is under way,

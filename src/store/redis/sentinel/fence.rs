@@ -1,7 +1,7 @@
 //! The fence: raised while the sentinels fail the master over (claims refused, owners' writes
 //! held), and the `blind` and `listening` flags beside it; the watcher raises and lowers it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio::sync::Notify;
 
@@ -9,6 +9,9 @@ use tokio::sync::Notify;
 #[derive(Default)]
 pub(crate) struct Fence {
     raised: AtomicBool,
+    /// How many times it was raised: a write checked against the fence reads it first, and
+    /// once answered tells whether a failover began while it was on its way (see [`pass`](Self::pass)).
+    raises: AtomicU64,
     lowered: Notify,
     /// No sentinel can be heard, and a failover could have promoted a replica since: claims are
     /// refused meanwhile.
@@ -58,8 +61,41 @@ impl Fence {
         }
     }
 
+    /// Returns once the fence is down, with a pass for the write about to go out: give it to
+    /// [`raised_since`](Self::raised_since) once the write is answered.
+    pub(crate) async fn pass(&self) -> u64 {
+        loop {
+            let pass = self.mark();
+            if !self.is_raised() {
+                return pass;
+            }
+            self.until_lowered().await;
+        }
+    }
+
+    /// The pass of a write that checks [`is_raised`](Self::is_raised) itself, read before it: a
+    /// raise after this read moves the count (`raise` sets `raised` first), and one before it
+    /// shows as raised.
+    pub(crate) fn mark(&self) -> u64 {
+        self.raises.load(Ordering::Acquire)
+    }
+
+    /// Whether the fence was raised since `pass` was given (it may be down again by now).
+    ///
+    /// A write passes the fence, then waits for a connection, in the client's queue, in the
+    /// socket, and on a loaded machine the store acts on the announcement late (seen 205 ms
+    /// after the promotion, which the leading sentinel sends a tick after announcing it). The
+    /// write can then land on the old master after the promotion, where a replica not
+    /// reconfigured yet acknowledges it, and be thrown away with the old master's demotion. A
+    /// write answered after a raise is not to be trusted; one answered before the store heard
+    /// is, wrongly, unless every replica must acknowledge (the promoted one cannot).
+    pub(crate) fn raised_since(&self, pass: u64) -> bool {
+        self.raises.load(Ordering::Acquire) != pass
+    }
+
     pub(super) fn raise(&self) {
         self.raised.store(true, Ordering::Release);
+        self.raises.fetch_add(1, Ordering::AcqRel);
     }
 
     pub(super) fn lower(&self) {
