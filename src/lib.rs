@@ -188,7 +188,6 @@ pub use self::http::fingerprint::FingerprintPolicy;
 pub use self::http::future::ResponseFuture;
 pub use self::http::grpc::default_grpc_cacheable;
 pub use self::http::layer::{IdempotencyLayer, Inspection};
-pub use self::http::outcome::RequestOutcome;
 #[cfg(feature = "policy")]
 pub use self::http::policy::Policy;
 pub use self::http::replay::IDEMPOTENT_REPLAYED;
@@ -197,6 +196,7 @@ pub use self::http::response_body::ResponseBody;
 pub use self::http::scope::Scope;
 pub use self::http::service::Idempotency;
 pub use self::http::transactional::TransactionalClaim;
+pub use self::telemetry::RequestOutcome;
 pub use canonical_json::{InvalidJsonPointer, JsonPointer};
 pub use coordinator::{
     default_consumer_name, Begin, Claim, Coordinator, Disposition, Error, Once, OnceCall, ShutdownHandle,

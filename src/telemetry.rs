@@ -30,29 +30,61 @@ use crate::key::{scope_digest, short_hex};
 /// filter directive (`tower_idempotency=…`) governs both.
 const TARGET: &str = "tower_idempotency";
 
-/// What became of one keyed request (HTTP), or one [`Coordinator::begin`](crate::Coordinator::begin):
-/// the `outcome` label of `idempotency_requests_total` and the `outcome` field of the span.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// The key was claimed: the handler (operation) runs.
+/// What the layer did with a keyed request: put in the extensions of every response it hands
+/// on for one (the handler's, a replay, a rejection), so that a layer outside it (tower-http's
+/// `TraceLayer`, a metrics layer, a log line) can label by it without parsing headers.
+///
+/// Its [`as_str`](Self::as_str) is the `outcome` label of `idempotency_requests_total` and the
+/// `outcome` field of the request span. A rejection also carries its [`Rejection`](crate::Rejection)
+/// (why, and what the client is told) in the same extensions. A request the layer let pass
+/// untouched (no key where none is required, a method it does not guard) carries none.
+///
+/// ```
+/// # use std::convert::Infallible;
+/// # use bytes::Bytes;
+/// # use http::{Request, Response};
+/// # use http_body_util::Full;
+/// use tower::{Service, ServiceBuilder, ServiceExt};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, RequestBody, RequestOutcome};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let mut service = ServiceBuilder::new()
+///     .layer(IdempotencyLayer::new(MemoryStore::new()))
+///     .service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+///         Ok::<_, Infallible>(Response::new(Full::from("done")))
+///     });
+/// let request = || Request::post("/orders").header("idempotency-key", "k1").body(Full::from("{}")).unwrap();
+/// let first = service.ready().await.unwrap().call(request()).await.unwrap();
+/// let retry = service.ready().await.unwrap().call(request()).await.unwrap();
+/// assert_eq!(first.extensions().get(), Some(&RequestOutcome::Executed));
+/// assert_eq!(retry.extensions().get::<RequestOutcome>().map(|o| o.as_str()), Some("replayed"));
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RequestOutcome {
+    /// The key was claimed and the handler ran (its response; or the layer's 500 or 504 if it
+    /// panicked or timed out, with that [`Rejection`](crate::Rejection)).
     Executed,
-    /// The stored result was replayed.
+    /// The stored response was replayed; the handler did not run.
     Replayed,
-    /// Another request holds the key (409 with `Retry-After`), or a newer release wrote it.
+    /// Another request holds the key: 409 with `Retry-After` (or a record of a newer release).
     InFlight,
     /// The key was used with a different request.
     Mismatch,
-    /// The key's record was stored under another fingerprint policy (`Rejection::PolicyMismatch`).
+    /// The key's record was stored under another fingerprint policy: the two requests cannot
+    /// be compared, and nothing was replayed or run.
     PolicyMismatch,
-    /// The key ran before but its response was not stored (`Rejection::ResponseNotStored`).
+    /// The key ran before, but its response was not stored: it is not replayable.
     NotStored,
-    /// Refused before the store was asked: no key, an invalid key, no scope, a body too large or
-    /// unreadable.
+    /// Refused before the store was asked: no key, an invalid key, no scope, a body too large
+    /// or unreadable, no endpoint.
     Rejected,
-    /// The store failed or timed out: 503 (fail closed).
+    /// The store failed or timed out: 503, nothing run.
     StoreError,
-    /// The store refused the claim while its master fails over (the Sentinel fence), or the
-    /// replicas did not acknowledge it in time (`ReplicaAcks`): 503.
+    /// The store refused the claim on purpose during a failover, or its replicas did not
+    /// acknowledge it: 503, nothing run.
     Fenced,
     /// The store failed and the handler ran unprotected (`with_fail_open(true)`).
     FailOpen,
@@ -60,47 +92,50 @@ pub(crate) enum Outcome {
     Overloaded,
     /// The record at the key cannot be read: 500, nothing run.
     Unreadable,
-    /// Waited for the request in flight to finish, instead of answering 409 at once (`Prefer:
-    /// wait`); counted besides the outcome the request ends with.
-    Waited,
 }
 
-impl Outcome {
+impl RequestOutcome {
     /// Every outcome, in declaration order (`outcome as usize` indexes it).
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const ALL: [Outcome; 13] = [
-        Outcome::Executed,
-        Outcome::Replayed,
-        Outcome::InFlight,
-        Outcome::Mismatch,
-        Outcome::PolicyMismatch,
-        Outcome::NotStored,
-        Outcome::Rejected,
-        Outcome::StoreError,
-        Outcome::Fenced,
-        Outcome::FailOpen,
-        Outcome::Overloaded,
-        Outcome::Unreadable,
-        Outcome::Waited,
+    pub(crate) const ALL: [RequestOutcome; 12] = [
+        RequestOutcome::Executed,
+        RequestOutcome::Replayed,
+        RequestOutcome::InFlight,
+        RequestOutcome::Mismatch,
+        RequestOutcome::PolicyMismatch,
+        RequestOutcome::NotStored,
+        RequestOutcome::Rejected,
+        RequestOutcome::StoreError,
+        RequestOutcome::Fenced,
+        RequestOutcome::FailOpen,
+        RequestOutcome::Overloaded,
+        RequestOutcome::Unreadable,
     ];
 
-    /// The label value.
-    pub(crate) const fn as_str(self) -> &'static str {
+    /// The outcome's name, as metrics and the request span spell it: `executed`, `replayed`,
+    /// `in_flight`, `mismatch`, `policy_mismatch`, `not_stored`, `rejected`, `store_error`, `fenced`,
+    /// `fail_open`, `overloaded`, `unreadable`.
+    pub const fn as_str(self) -> &'static str {
         match self {
-            Outcome::Executed => "executed",
-            Outcome::Replayed => "replayed",
-            Outcome::InFlight => "in_flight",
-            Outcome::Mismatch => "mismatch",
-            Outcome::PolicyMismatch => "policy_mismatch",
-            Outcome::NotStored => "not_stored",
-            Outcome::Rejected => "rejected",
-            Outcome::StoreError => "store_error",
-            Outcome::Fenced => "fenced",
-            Outcome::FailOpen => "fail_open",
-            Outcome::Overloaded => "overloaded",
-            Outcome::Unreadable => "unreadable",
-            Outcome::Waited => "waited",
+            RequestOutcome::Executed => "executed",
+            RequestOutcome::Replayed => "replayed",
+            RequestOutcome::InFlight => "in_flight",
+            RequestOutcome::Mismatch => "mismatch",
+            RequestOutcome::PolicyMismatch => "policy_mismatch",
+            RequestOutcome::NotStored => "not_stored",
+            RequestOutcome::Rejected => "rejected",
+            RequestOutcome::StoreError => "store_error",
+            RequestOutcome::Fenced => "fenced",
+            RequestOutcome::FailOpen => "fail_open",
+            RequestOutcome::Overloaded => "overloaded",
+            RequestOutcome::Unreadable => "unreadable",
         }
+    }
+}
+
+impl std::fmt::Display for RequestOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -219,18 +254,29 @@ impl Named {
 
 /// Counts a request's outcome (`idempotency_requests_total`), under `named`'s name if given.
 #[inline]
-pub(crate) fn outcome(outcome: Outcome, named: Option<&Named>) {
+pub(crate) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
     recorded::outcome(outcome, named);
     #[cfg(not(feature = "metrics"))]
     let _ = (outcome, named);
 }
 
+/// Counts a request that waited for the request in flight to finish, instead of answering 409 at
+/// once (`Prefer: wait`): `idempotency_requests_total{outcome="waited"}`, besides the outcome it
+/// ends with.
+#[inline]
+pub(crate) fn waited(named: Option<&Named>) {
+    #[cfg(feature = "metrics")]
+    recorded::waited(named);
+    #[cfg(not(feature = "metrics"))]
+    let _ = named;
+}
+
 /// Counts a request's outcome and writes it into its span, and into an event of the span: a
 /// `fmt` subscriber shows a span's fields only on the span's events (or, with `FmtSpan::CLOSE`,
 /// when it closes), and a request answered at once has no other.
 #[inline]
-pub(crate) fn finish(span: &Span, outcome: Outcome, named: Option<&Named>) {
+pub(crate) fn finish(span: &Span, outcome: RequestOutcome, named: Option<&Named>) {
     self::outcome(outcome, named);
     span.record("outcome", outcome.as_str());
     tracing::debug!(target: TARGET, parent: span, outcome = %outcome.as_str(), "idempotency outcome");
@@ -561,7 +607,7 @@ mod recorded {
 
     #[cfg(feature = "redis")]
     use super::{Connection, ConnectionEvent};
-    use super::{EventKind, Named, Outcome, RejectionKind, StoreOp};
+    use super::{EventKind, Named, RejectionKind, RequestOutcome, StoreOp};
 
     const REQUESTS: &str = "idempotency_requests_total";
     const REJECTIONS: &str = "idempotency_rejections_total";
@@ -574,7 +620,8 @@ mod recorded {
 
     /// Every key a named coordinator records under, indexed as the enums are declared.
     pub(super) struct Keys {
-        requests: [Key; Outcome::ALL.len()],
+        requests: [Key; RequestOutcome::ALL.len()],
+        waited: Key,
         rejections: [Key; REJECTION_KINDS.len()],
         reconciliation: [Key; RECONCILIATION_KINDS.len()],
         store: [Key; StoreOp::ALL.len()],
@@ -592,7 +639,9 @@ mod recorded {
                 Key::from_parts(metric, labels)
             };
             Self {
-                requests: Outcome::ALL.map(|outcome| named(REQUESTS, Some(("outcome", outcome.as_str())))),
+                requests: RequestOutcome::ALL
+                    .map(|outcome| named(REQUESTS, Some(("outcome", outcome.as_str())))),
+                waited: named(REQUESTS, Some(("outcome", "waited"))),
                 rejections: REJECTION_KINDS.map(|kind| named(REJECTIONS, Some(("kind", kind)))),
                 reconciliation: RECONCILIATION_KINDS.map(|kind| named(RECONCILIATION, Some(("kind", kind)))),
                 store: StoreOp::ALL.map(|op| named(STORE, Some(("op", op.as_str())))),
@@ -633,14 +682,14 @@ mod recorded {
         metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
     }
 
-    pub(super) fn outcome(outcome: Outcome, named: Option<&Named>) {
+    pub(super) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
         if let Some(named) = named {
             return count(&named.keys.requests[outcome as usize]);
         }
         macro_rules! count {
             ($($variant:ident => $label:literal),* $(,)?) => {
                 match outcome {
-                    $(Outcome::$variant => counter!("idempotency_requests_total", "outcome" => $label).increment(1),)*
+                    $(RequestOutcome::$variant => counter!("idempotency_requests_total", "outcome" => $label).increment(1),)*
                 }
             };
         }
@@ -657,8 +706,14 @@ mod recorded {
             FailOpen => "fail_open",
             Overloaded => "overloaded",
             Unreadable => "unreadable",
-            Waited => "waited",
         );
+    }
+
+    pub(super) fn waited(named: Option<&Named>) {
+        match named {
+            Some(named) => count(&named.keys.waited),
+            None => counter!("idempotency_requests_total", "outcome" => "waited").increment(1),
+        }
     }
 
     pub(super) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
@@ -816,19 +871,18 @@ mod tests {
     #[test]
     fn outcome_labels_are_the_documented_ones() {
         let all = [
-            (Outcome::Executed, "executed"),
-            (Outcome::Replayed, "replayed"),
-            (Outcome::InFlight, "in_flight"),
-            (Outcome::Mismatch, "mismatch"),
-            (Outcome::PolicyMismatch, "policy_mismatch"),
-            (Outcome::NotStored, "not_stored"),
-            (Outcome::Rejected, "rejected"),
-            (Outcome::StoreError, "store_error"),
-            (Outcome::Fenced, "fenced"),
-            (Outcome::FailOpen, "fail_open"),
-            (Outcome::Overloaded, "overloaded"),
-            (Outcome::Unreadable, "unreadable"),
-            (Outcome::Waited, "waited"),
+            (RequestOutcome::Executed, "executed"),
+            (RequestOutcome::Replayed, "replayed"),
+            (RequestOutcome::InFlight, "in_flight"),
+            (RequestOutcome::Mismatch, "mismatch"),
+            (RequestOutcome::PolicyMismatch, "policy_mismatch"),
+            (RequestOutcome::NotStored, "not_stored"),
+            (RequestOutcome::Rejected, "rejected"),
+            (RequestOutcome::StoreError, "store_error"),
+            (RequestOutcome::Fenced, "fenced"),
+            (RequestOutcome::FailOpen, "fail_open"),
+            (RequestOutcome::Overloaded, "overloaded"),
+            (RequestOutcome::Unreadable, "unreadable"),
         ];
         for (outcome, label) in all {
             assert_eq!(outcome.as_str(), label);
@@ -845,7 +899,7 @@ mod tests {
 
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let outcomes = Outcome::ALL;
+        let outcomes = RequestOutcome::ALL;
         let rejections = [
             crate::Rejection::MissingKey,
             crate::Rejection::BodyUnreadable,
@@ -860,22 +914,24 @@ mod tests {
             for outcome in outcomes {
                 self::outcome(outcome, None);
             }
+            self::waited(None);
             for rejection in &rejections {
                 self::rejection(rejection.kind(), None);
             }
         });
         let snapshot = snapshotter.snapshot().into_hashmap();
-        for outcome in outcomes {
+        let labels = outcomes.map(RequestOutcome::as_str).into_iter().chain(["waited"]);
+        for label in labels {
             let found = snapshot.iter().any(|(key, (_, _, value))| {
                 key.kind() == MetricKind::Counter
                     && key.key().name() == "idempotency_requests_total"
                     && key
                         .key()
                         .labels()
-                        .any(|l| l.key() == "outcome" && l.value() == outcome.as_str())
+                        .any(|l| l.key() == "outcome" && l.value() == label)
                     && *value == DebugValue::Counter(1)
             });
-            assert!(found, "{outcome:?}");
+            assert!(found, "{label}");
         }
         for rejection in &rejections {
             let name = rejection.problem_type();
@@ -937,7 +993,7 @@ mod tests {
     fn named_keys_carry_the_same_labels_and_the_name() {
         use metrics_util::debugging::DebuggingRecorder;
 
-        for (index, outcome) in Outcome::ALL.into_iter().enumerate() {
+        for (index, outcome) in RequestOutcome::ALL.into_iter().enumerate() {
             assert_eq!(outcome as usize, index, "{outcome:?}");
         }
         for (index, op) in StoreOp::ALL.into_iter().enumerate() {
@@ -963,9 +1019,10 @@ mod tests {
             },
         ];
         metrics::with_local_recorder(&recorder, || {
-            for outcome in Outcome::ALL {
+            for outcome in RequestOutcome::ALL {
                 self::outcome(outcome, Some(&named));
             }
+            self::waited(Some(&named));
             for rejection in &rejections {
                 self::rejection(rejection.kind(), Some(&named));
             }
@@ -996,12 +1053,13 @@ mod tests {
                     && labels.contains(&("name".to_owned(), "payments".to_owned()))
             })
         };
-        for outcome in Outcome::ALL {
+        for outcome in RequestOutcome::ALL {
             assert!(
                 has("idempotency_requests_total", "outcome", outcome.as_str()),
                 "{outcome:?}"
             );
         }
+        assert!(has("idempotency_requests_total", "outcome", "waited"));
         for rejection in &rejections {
             assert!(
                 has("idempotency_rejections_total", "kind", rejection.name()),

@@ -235,6 +235,24 @@ async fn each_outcome_moves_its_counter_on_the_memory_store() {
         expect(&[("idempotency_requests_total{outcome=fail_open}", 1.0)])
     );
     holder.await.unwrap();
+
+    // A retry that waits for the request in flight (`Prefer: wait`) is counted as waited,
+    // besides the replay it ends with.
+    let layer = IdempotencyLayer::new(MemoryStore::new()).with_max_wait(Duration::from_secs(5));
+    let (app, _) = router(layer);
+    let first = spawn_send(&app, payment_with("w-slow", &[("x-delay-ms", "400")]));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    recorded();
+    let retry = send(&app, payment_with("w-slow", &[("prefer", "wait=5")])).await;
+    assert_eq!(retry.status, 201, "the retry waited for the first answer");
+    assert_eq!(
+        counted(),
+        expect(&[
+            ("idempotency_requests_total{outcome=replayed}", 1.0),
+            ("idempotency_requests_total{outcome=waited}", 1.0),
+        ])
+    );
+    first.await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

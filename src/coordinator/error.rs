@@ -1,7 +1,7 @@
 //! What a coordinator's calls fail with.
 
 use crate::store::StoreError;
-use crate::telemetry::Outcome;
+use crate::telemetry::RequestOutcome;
 
 /// Why the coordinator could not do what was asked.
 ///
@@ -39,13 +39,13 @@ pub enum Error {
 
 impl Error {
     /// How a request the coordinator could not begin for this error is counted.
-    pub(crate) fn outcome(&self) -> Outcome {
+    pub(crate) fn outcome(&self) -> RequestOutcome {
         match self {
-            Error::Store(StoreError::Corrupt(_)) => Outcome::Unreadable,
-            Error::Store(error) if error.is_fence() => Outcome::Fenced,
-            Error::Store(_) | Error::ClaimLost | Error::Encode(_) => Outcome::StoreError,
-            Error::OperationTimedOut(_) => Outcome::NotStored,
-            Error::ShuttingDown | Error::AtCapacity => Outcome::Overloaded,
+            Error::Store(StoreError::Corrupt(_)) => RequestOutcome::Unreadable,
+            Error::Store(error) if error.is_fence() => RequestOutcome::Fenced,
+            Error::Store(_) | Error::ClaimLost | Error::Encode(_) => RequestOutcome::StoreError,
+            Error::OperationTimedOut(_) => RequestOutcome::NotStored,
+            Error::ShuttingDown | Error::AtCapacity => RequestOutcome::Overloaded,
         }
     }
 }

@@ -38,7 +38,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 use crate::reconciliation::{Reconciler, ReconciliationEvent};
 use crate::store::{ClaimOutcome, InFlightRecord, OwnerToken, RecordInfo, Store, StoreError};
-use crate::telemetry::{self, Named, Outcome, StoreOp};
+use crate::telemetry::{self, Named, RequestOutcome, StoreOp};
 
 /// Runs operations at most once per key, over any [`Store`], without HTTP.
 ///
@@ -121,13 +121,13 @@ pub enum Begin {
 
 impl Begin {
     /// How a [`Coordinator::begin`] that answered `begun` is counted.
-    fn outcome(begun: &Result<Begin, Error>) -> Outcome {
+    fn outcome(begun: &Result<Begin, Error>) -> RequestOutcome {
         match begun {
-            Ok(Begin::Claimed(_)) => Outcome::Executed,
-            Ok(Begin::Completed(_)) => Outcome::Replayed,
-            Ok(Begin::InFlight { .. }) => Outcome::InFlight,
-            Ok(Begin::Mismatch) => Outcome::Mismatch,
-            Ok(Begin::PolicyMismatch) => Outcome::PolicyMismatch,
+            Ok(Begin::Claimed(_)) => RequestOutcome::Executed,
+            Ok(Begin::Completed(_)) => RequestOutcome::Replayed,
+            Ok(Begin::InFlight { .. }) => RequestOutcome::InFlight,
+            Ok(Begin::Mismatch) => RequestOutcome::Mismatch,
+            Ok(Begin::PolicyMismatch) => RequestOutcome::PolicyMismatch,
             Err(error) => error.outcome(),
         }
     }

@@ -15,12 +15,11 @@ use crate::http::body::{BoxError, RequestBody};
 use crate::http::future::ResponseFuture;
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
-use crate::http::outcome;
 use crate::http::response::Rejection;
 use crate::http::response_body::ResponseBody;
-use crate::http::service::{call_with, Guarded};
+use crate::http::service::{self, call_with, Guarded};
 use crate::http::unmatched::UnmatchedPaths;
-use crate::telemetry::{self, Outcome};
+use crate::telemetry::{self, RequestOutcome};
 
 /// One layer for a whole router, each endpoint (method and path pattern) with its own settings:
 /// the code form of a policy file (see `Policy`, feature `policy`).
@@ -265,10 +264,10 @@ impl PolicyLayer {
             return None;
         }
         let named = self.base.coordinator.named();
-        telemetry::outcome(Outcome::Rejected, named);
+        telemetry::outcome(RequestOutcome::Rejected, named);
         let grpc = grpc::is_grpc_request(request.headers());
         let rejection = Rejection::NoEndpoint.respond(&self.base.config.key_header, grpc, named);
-        Some(outcome::mark(rejection, Outcome::Rejected))
+        Some(service::mark(rejection, RequestOutcome::Rejected))
     }
 }
 

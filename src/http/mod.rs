@@ -4,7 +4,7 @@
 //! claim, [`future`] carries a claimed run past a client that hangs up, [`response_body`] is the
 //! response body the layer hands on and turns the handler's response into what is stored,
 //! [`stored`] is the stored form of a response and [`replay`] sends it again, [`prefer`] the wait
-//! a retry of a running request asks for, [`outcome`] what the layer did (for the layers outside), [`retry_after`] when to retry one, [`response`] the
+//! a retry of a running request asks for, [`retry_after`] when to retry one, [`response`] the
 //! rejections (problem+json, or gRPC's form), [`grpc`] what gRPC calls need beyond that (their
 //! status in the trailers), [`body`] the request body and bounded buffering, and
 //! [`transactional`] the claim handed to a handler that stores its response in its own
@@ -22,7 +22,6 @@ pub(crate) mod fingerprint;
 pub(crate) mod future;
 pub(crate) mod grpc;
 pub(crate) mod layer;
-pub(crate) mod outcome;
 #[cfg(feature = "policy")]
 pub(crate) mod policy;
 pub(crate) mod prefer;

@@ -23,7 +23,6 @@ use crate::http::config::Config;
 use crate::http::future::{Answer, BoxFuture, ResponseFuture, Step};
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
-use crate::http::outcome;
 use crate::http::prefer::Wait;
 use crate::http::replay;
 use crate::http::response::Rejection;
@@ -35,7 +34,7 @@ use crate::http::transactional::TransactionalClaim;
 use crate::key::{IdempotencyKey, KeyError, RecordKey};
 use crate::reconciliation::NotStored;
 use crate::store::StoreError;
-use crate::telemetry::{self, Named, Outcome, SetupWarning};
+use crate::telemetry::{self, Named, RequestOutcome, SetupWarning};
 
 /// The middleware [`IdempotencyLayer`] builds; see the [crate docs](crate).
 ///
@@ -138,16 +137,16 @@ where
             return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
         }
         Ok(None) => {
-            telemetry::outcome(Outcome::Rejected, named);
+            telemetry::outcome(RequestOutcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
             let rejection = Rejection::MissingKey.respond(&config.key_header, grpc, named);
-            return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
+            return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
         }
         Err(error) => {
-            telemetry::outcome(Outcome::Rejected, named);
+            telemetry::outcome(RequestOutcome::Rejected, named);
             let grpc = grpc::is_grpc_request(request.headers());
             let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc, named);
-            return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
+            return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
         }
     };
     let (mut parts, body) = request.into_parts();
@@ -156,10 +155,10 @@ where
         Some(scope) => match scope(&parts) {
             Some(scope) => Some(scope),
             None => {
-                telemetry::outcome(Outcome::Rejected, named);
+                telemetry::outcome(RequestOutcome::Rejected, named);
                 let grpc = grpc::is_grpc_request(&parts.headers);
                 let rejection = Rejection::MissingScope.respond(&config.key_header, grpc, named);
-                return ResponseFuture::ready(outcome::mark(rejection, Outcome::Rejected));
+                return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
             }
         },
         None => {
@@ -275,22 +274,24 @@ where
         // of a body are made in a block of their own, which ends before the claim: what it holds
         // (the closure's references) is then not kept beside the claim's state.
         let (body, fingerprint) = {
-            let reject = |outcome: Outcome, rejection: Rejection| {
+            let reject = |outcome: RequestOutcome, rejection: Rejection| {
                 let named = coordinator.named();
                 telemetry::finish(&span, outcome, named);
                 let response = rejection.respond(&config.key_header, is_grpc(&parts.headers), named);
-                Step::Done(Ok(outcome::mark(response, outcome)))
+                Step::Done(Ok(mark(response, outcome)))
             };
             let too_large = Rejection::BodyTooLarge {
                 limit: config.body_limit,
             };
             if declared_length(&parts.headers).is_some_and(|len| len > config.body_limit as u64) {
-                return reject(Outcome::Rejected, too_large);
+                return reject(RequestOutcome::Rejected, too_large);
             }
             let body = match collect_limited(body, config.body_limit).await {
                 Collected::Complete { data, .. } => data,
-                Collected::TooLarge { .. } => return reject(Outcome::Rejected, too_large),
-                Collected::Failed { .. } => return reject(Outcome::Rejected, Rejection::BodyUnreadable),
+                Collected::TooLarge { .. } => return reject(RequestOutcome::Rejected, too_large),
+                Collected::Failed { .. } => {
+                    return reject(RequestOutcome::Rejected, Rejection::BodyUnreadable)
+                }
             };
             let fingerprint = config.fingerprint.fingerprint(&parts, &body);
             (body, fingerprint)
@@ -309,7 +310,7 @@ where
                 waited = did_wait.then_some(wait);
                 if did_wait {
                     // Counted besides the outcome the request ends with (its replay, say).
-                    telemetry::outcome(Outcome::Waited, coordinator.named());
+                    telemetry::waited(coordinator.named());
                 }
             }
         }
@@ -383,10 +384,10 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let named = coordinator.named();
-    let reject = |outcome: Outcome, rejection: Rejection| {
+    let reject = |outcome: RequestOutcome, rejection: Rejection| {
         telemetry::finish(&span, outcome, named);
         let response = rejection.respond(&config.key_header, grpc, named);
-        Step::Done(Ok(outcome::mark(response, outcome)))
+        Step::Done(Ok(mark(response, outcome)))
     };
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
@@ -397,30 +398,33 @@ where
         }
         Ok(Begin::InFlight { lease_left }) => {
             let retry_after = retry_after(config.typical_duration.get(), lease_left);
-            return reject(Outcome::InFlight, Rejection::InFlight { retry_after });
+            return reject(RequestOutcome::InFlight, Rejection::InFlight { retry_after });
         }
         Ok(Begin::Mismatch) => {
             let status = config.mismatch_status;
-            return reject(Outcome::Mismatch, Rejection::Mismatch { status });
+            return reject(RequestOutcome::Mismatch, Rejection::Mismatch { status });
         }
         Ok(Begin::PolicyMismatch) => {
             let status = config.mismatch_status;
-            return reject(Outcome::PolicyMismatch, Rejection::PolicyMismatch { status });
+            return reject(
+                RequestOutcome::PolicyMismatch,
+                Rejection::PolicyMismatch { status },
+            );
         }
         Err(Error::Store(StoreError::Corrupt(reason))) => {
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
-            return reject(Outcome::Unreadable, Rejection::UnreadableRecord);
+            return reject(RequestOutcome::Unreadable, Rejection::UnreadableRecord);
         }
         Err(Error::Store(error)) if error.is_fence() => {
             // The store is up and refused on purpose (a failover under way, or replicas that do
             // not have the claim): a claim made now could be lost, so nothing runs, fail-open or not.
             tracing::warn!(?key, %error, "the store refused the claim to protect it from a failover; refusing the request");
-            return reject(Outcome::Fenced, Rejection::StoreUnavailable);
+            return reject(RequestOutcome::Fenced, Rejection::StoreUnavailable);
         }
         Err(Error::Store(error)) if config.fail_open => {
             // Counted like a claimed run, so the bound holds and a shutdown waits for it.
             let Ok(slot) = coordinator.slot() else {
-                return reject(Outcome::Overloaded, Rejection::Overloaded);
+                return reject(RequestOutcome::Overloaded, Rejection::Overloaded);
             };
             if let Some(held_back) = config.store_outage_log.admit() {
                 tracing::warn!(
@@ -429,12 +433,12 @@ where
                      logged once per 10 s, held_back: those since the last"
                 );
             }
-            telemetry::finish(&span, Outcome::FailOpen, named);
+            telemetry::finish(&span, RequestOutcome::FailOpen, named);
             let mut inner = inner;
             let run = async move {
                 let answer = inner.call(request).await;
                 drop(slot);
-                answer.map(|response| outcome::mark(response.map(ResponseBody::streaming), Outcome::FailOpen))
+                answer.map(|response| mark(response.map(ResponseBody::streaming), RequestOutcome::FailOpen))
             };
             return Step::Unprotected(Box::pin(run.instrument(span)));
         }
@@ -450,13 +454,13 @@ where
         }
         Err(error) => return reject(error.outcome(), Rejection::Overloaded),
     };
-    telemetry::finish(&span, Outcome::Executed, named);
+    telemetry::finish(&span, RequestOutcome::Executed, named);
     if config.transactional_completion {
         let handed = TransactionalClaim::new(claim.ticket(), config.clone());
         request.extensions_mut().insert(handed);
     }
     let run = run_claimed(inner, claim, config, request, grpc)
-        .map(|answer| answer.map(|response| outcome::mark(response, Outcome::Executed)));
+        .map(|answer| answer.map(|response| mark(response, RequestOutcome::Executed)));
     Step::Run(Box::pin(run.instrument(span)))
 }
 
@@ -469,7 +473,7 @@ fn replay_stored<B, E>(
     config: &Config,
     grpc: bool,
     named: Option<&Named>,
-) -> (Outcome, Step<B, E>) {
+) -> (RequestOutcome, Step<B, E>) {
     let (outcome, rejection) = match stored::decode(payload) {
         Ok(Decoded::Response(mut stored)) => {
             tracing::debug!(?key, "replaying the stored response");
@@ -481,11 +485,11 @@ fn replay_stored<B, E>(
                     stored.headers.remove(name);
                 }
             }
-            let replayed = outcome::mark(replay::into_response(stored), Outcome::Replayed);
-            return (Outcome::Replayed, Step::Done(Ok(replayed)));
+            let replayed = mark(replay::into_response(stored), RequestOutcome::Replayed);
+            return (RequestOutcome::Replayed, Step::Done(Ok(replayed)));
         }
         Ok(Decoded::NotStored { why, .. }) => (
-            Outcome::NotStored,
+            RequestOutcome::NotStored,
             Rejection::ResponseNotStored {
                 status: config.not_stored_status,
                 why,
@@ -498,15 +502,15 @@ fn replay_stored<B, E>(
                 "record written by a newer release; answering as if in flight"
             );
             let retry_after = Duration::from_secs(1);
-            (Outcome::InFlight, Rejection::InFlight { retry_after })
+            (RequestOutcome::InFlight, Rejection::InFlight { retry_after })
         }
         Err(reason) => {
             tracing::error!(?key, %reason, "stored response unreadable; not replaying it");
-            (Outcome::Unreadable, Rejection::UnreadableRecord)
+            (RequestOutcome::Unreadable, Rejection::UnreadableRecord)
         }
     };
     let response = rejection.respond(&config.key_header, grpc, named);
-    (outcome, Step::Done(Ok(outcome::mark(response, outcome))))
+    (outcome, Step::Done(Ok(mark(response, outcome))))
 }
 
 /// Runs the handler under a claim, renewing its lease meanwhile and bounding the time to its
@@ -613,6 +617,12 @@ async fn within<F: Future>(
         Poll::Pending
     })
     .await
+}
+
+/// Puts `outcome` in `response`'s extensions, for the layers outside (see [`RequestOutcome`]).
+pub(crate) fn mark<B>(mut response: Response<B>, outcome: RequestOutcome) -> Response<B> {
+    response.extensions_mut().insert(outcome);
+    response
 }
 
 #[cfg(test)]
