@@ -217,6 +217,30 @@ async fn a_group_lost_with_its_stream_is_made_again_and_consumption_goes_on() {
     );
 }
 
+/// `connect_redis` builds a client that reconnects, forever, and whose sockets the kernel
+/// watches (TCP keepalive and, on Linux, `TCP_USER_TIMEOUT`): a flow a load balancer dropped
+/// without a word is closed within seconds and the client reconnects, where without them a
+/// blocked `XREADGROUP` would wait on the dead socket until the kernel gives up (about 15 min).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_redis_builds_a_client_that_reconnects_and_whose_sockets_are_kept_alive() {
+    let server = RedisServer::start();
+    let redis = StreamConsumer::connect_redis(&server.url())
+        .await
+        .expect("connect");
+    let tcp = &redis.connection_config().tcp;
+    assert!(
+        tcp.keepalive.is_some(),
+        "no TCP keepalive on the consumer's client"
+    );
+    #[cfg(target_os = "linux")]
+    assert!(
+        tcp.user_timeout.is_some(),
+        "no TCP_USER_TIMEOUT on the consumer's client"
+    );
+    let policy = redis.client_reconnect_policy().expect("a reconnect policy");
+    assert_eq!(policy.max_attempts(), 0, "reconnects forever: {policy:?}");
+}
+
 /// With `with_in_hand(3)`, six slow messages run three at a time, never more; a shutdown in
 /// the middle lets those in hand finish and be acknowledged, reads nothing more, and leaves
 /// nothing acknowledged whose effect did not run.

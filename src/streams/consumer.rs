@@ -22,6 +22,7 @@ use super::outcome::{Failure, StreamEvent, StreamOutcome};
 use crate::coordinator::{Coordinator, Disposition, Error, Once};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
+use crate::store::redis::RedisStore;
 use crate::store::{ClaimTicket, StoreError};
 use crate::telemetry;
 
@@ -108,6 +109,10 @@ impl StreamConsumer {
     /// at the first dropped connection (a Redis restart, a failover, a network flow dropped).
     /// A connection attempt waits 2 s at most, and a command 5 s (the consumer bounds
     /// its own commands so anyway; this bounds the effect's, when it writes with this client).
+    /// Its sockets get the store's TCP keepalive and, on Linux, `TCP_USER_TIMEOUT`
+    /// ([`RedisStore::configure_liveness`]): a flow a load balancer dropped without a word is
+    /// closed by the kernel within seconds, and the client reconnects, where it would otherwise
+    /// wait on the dead socket for about 15 minutes.
     /// Build your own with a [`ReconnectPolicy`](fred::types::config::ReconnectPolicy) for
     /// other settings. Errs if the URL does not parse, asks for TLS in a build without the
     /// crate feature `tls`, or the server cannot be reached.
@@ -127,7 +132,10 @@ impl StreamConsumer {
             ));
         }
         let redis = Builder::from_config(Config::from_url(url)?)
-            .with_connection_config(|connection| connection.connection_timeout = CONNECT_TIMEOUT)
+            .with_connection_config(|connection| {
+                connection.connection_timeout = CONNECT_TIMEOUT;
+                RedisStore::configure_liveness(connection);
+            })
             .with_performance_config(|performance| performance.default_command_timeout = COMMAND_TIMEOUT)
             .set_policy(ReconnectPolicy::new_exponential(0, 10, 1_000, 2))
             .build()?;
