@@ -59,7 +59,8 @@ macro_rules! links {
          [changelog]: https://docs.rs/crate/tower-idempotency/latest/source/CHANGELOG.md\n\
          [architecture]: https://docs.rs/crate/tower-idempotency/latest/source/ARCHITECTURE.md\n\
          [bench-chart]: https://docs.rs/crate/tower-idempotency/latest/source/bench/chart.svg\n\
-         [bench-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history.md\n\n"
+         [bench-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history.md\n\
+         [bench-history-runs]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history-runs.md\n\n"
     };
 }
 
