@@ -1458,11 +1458,16 @@ fn until_every_sentinel_names(topology: &SentinelTopology, master: u16, timeout:
     }
 }
 
-/// Asks the sentinel on `port` to fail the master over (`SENTINEL FAILOVER`), again while it
-/// refuses (no replica it judges good yet, a failover under way), for at most `timeout`.
-fn failover_through(topology: &SentinelTopology, port: u16, timeout: Duration) {
+/// Asks the sentinel on `port` to fail the master `from` over (`SENTINEL FAILOVER`), again
+/// while it refuses (no replica it judges good yet, a failover under way), until it accepts or
+/// the sentinels name another master by themselves (`from` is down, and a sentinel that led no
+/// failover of it lately may start one), for at most `timeout`.
+fn fail_over_away_from(topology: &SentinelTopology, from: u16, port: u16, timeout: Duration) {
     let deadline = Instant::now() + timeout;
     loop {
+        if topology.master_port() != from {
+            return;
+        }
         let answer = topology.sentinel_cli(port, &["SENTINEL", "FAILOVER", SERVICE]);
         if answer.trim() == "OK" {
             return;
@@ -1477,10 +1482,10 @@ fn failover_through(topology: &SentinelTopology, port: u16, timeout: Duration) {
 
 /// Issue 36: a promotion announced late, of a failover since undone by one back to the master
 /// the store is on. The store follows A to B. Then, its links to the sentinels held, the first
-/// sentinel leads B to A, A is killed once every sentinel names it, and the second fails it
-/// over back to B at once. The two others' links are released: the store tries B to A (A is
-/// dead, so its `ROLE` cannot show the switch overtaken), gives it up as tried, and follows A to
-/// B. Then the first sentinel's link is released: the store hears its promotion of B to A, late,
+/// sentinel leads B to A, A is killed once every sentinel names it, and the second (asked, or
+/// the second or third on their own) fails it over back to B at once. The two others' links are
+/// released: the store tries B to A (A is dead, so its `ROLE` cannot show the switch
+/// overtaken), gives it up as tried, and takes claims on B again. Then the first sentinel's link is released: the store hears its promotion of B to A, late,
 /// and raises its fence, whose old master B is the master again; that sentinel's switches, B to
 /// A and A to B, are the ones the store tried and followed, and are not acted on again. The
 /// fence must come down at the next look: every sentinel answers, after it rose, that it fails
@@ -1505,9 +1510,16 @@ async fn a_fence_raised_by_a_late_promotion_of_a_failover_since_undone_comes_dow
         failover_timeout: Duration::from_secs(30),
     };
     let (topology, proxies, stream, a, b) = b_to_a_unheard_and_a_killed(timing, "undone").await;
-    // A to B, led by the second sentinel, unheard too.
+    // A to B, led by the second sentinel (or, if it started one first, by the second or the
+    // third on their own: the first led B to A and may not lead another of the same master for
+    // 2 × `failover-timeout`), unheard too.
     let topology = tokio::task::spawn_blocking(move || {
-        failover_through(&topology, topology.sentinel_ports()[1], Duration::from_secs(30));
+        fail_over_away_from(
+            &topology,
+            a,
+            topology.sentinel_ports()[1],
+            Duration::from_secs(30),
+        );
         until_every_sentinel_names(&topology, b, Duration::from_secs(30));
         topology
     })
