@@ -171,8 +171,8 @@ impl Watcher {
     /// raised for one already over costs a second at most where the URL names every sentinel
     /// (the next look lowers it once each answers that it fails nothing over, see
     /// [`try_lower`](Self::try_lower)), and up to 2 × `failover-timeout` + [`ENDED_MARGIN`]
-    /// where it does not or one does not answer; while one missed, if the sentinels that would
-    /// show it did not answer, would let claims go to a master being replaced.
+    /// where it does not or one does not answer. A promotion missed, if the sentinels that
+    /// would show it did not answer, would let claims go to a master being replaced.
     async fn on_announcement(&mut self, announcement: Announcement) {
         let superseded = matches!(announcement.event, Event::Switched(_))
             && (self.confirmed_at).is_some_and(|confirmed| announcement.received < confirmed);
@@ -525,11 +525,12 @@ impl Watcher {
         // `failover_in_progress` from before it does until the failover switches or is
         // aborted. So if every sentinel, the leader among them, answered after the fence rose
         // (after the store heard) that it fails nothing over, the failover the fence was
-        // raised for is over: a late promotion (its failover since undone by one back to the
-        // master the store is on, whose switches the watch already knows) lowers at the next
-        // look, not after the timeout (six minutes with Redis' default). A failover that
-        // begins after these answers raises the fence again with its own announcement, and
-        // the fence's count distrusts the writes answered in between (`Fence::raised_since`).
+        // raised for is over. The fence of a late promotion (its failover since undone by one
+        // back to the master the store is on, whose switches the watch already knows) comes
+        // down at the next look, not after the timeout (six minutes with Redis' default). A
+        // failover that begins after these answers raises the fence again with its own
+        // announcement, and the fence's count distrusts the writes answered in between
+        // (`Fence::raised_since`).
         // Where a sentinel does not answer, or the URL does not name every sentinel (a
         // Kubernetes Service in front of them: the leader may be one the watch only listens
         // to), the timeout stays the rule.
