@@ -1485,16 +1485,20 @@ fn fail_over_away_from(topology: &SentinelTopology, from: u16, port: u16, timeou
 /// sentinel leads B to A, A is killed once every sentinel names it, and the second (asked, or
 /// the second or third on their own) fails it over back to B at once. The two others' links are
 /// released: the store tries B to A (A is dead, so its `ROLE` cannot show the switch
-/// overtaken), gives it up as tried, and takes claims on B again. Then the first sentinel's link is released: the store hears its promotion of B to A, late,
-/// and raises its fence, whose old master B is the master again; that sentinel's switches, B to
-/// A and A to B, are the ones the store tried and followed, and are not acted on again. The
-/// fence must come down at the next look: every sentinel answers, after it rose, that it fails
-/// nothing over, and the store is on the master they name. Before, the looks lowered a fence
-/// only for a master other than the one fenced, or once the failover counted as given up, 2 ×
-/// `failover-timeout` + 5 s after the raise: 65 s with this topology's 30 s (six minutes with
-/// Redis' default 180 s), every claim refused meanwhile. The 10 s bound is a liveness property
-/// with a wide margin, not a benchmark: a look comes once a second and lowers it in
-/// milliseconds. 15 to 30 s.
+/// overtaken), gives it up as tried, and takes claims on B again. Then the first sentinel's
+/// link is released: the store hears its promotion of B to A, late, and raises its fence, whose
+/// old master B is the master again. That sentinel's switches, B to A and A to B, come behind:
+/// the first was tried, and the second, if the store followed it from the others, is not acted
+/// on again, so nothing but a look can lower the fence. It must come down within 10 s: every
+/// sentinel answers, after it rose, that it fails nothing over, and the store is on the master
+/// they name. (If a look lowered the fence of B to A before the store handled the others' A to
+/// B, those were superseded, and the first sentinel's A to B is followed and lowers it at once:
+/// a run takes either path, as the watch's tick and its queue race; without the look's rule
+/// only the first is possible.) Before, the looks lowered a fence only for a master other than
+/// the one fenced, or once the failover counted as given up, 2 × `failover-timeout` + 5 s
+/// after the raise: 65 s with this topology's 30 s (six minutes with Redis' default 180 s),
+/// every claim refused meanwhile. The 10 s bound is a liveness property with a wide margin, not
+/// a benchmark: a look comes once a second and lowers it in milliseconds. 20 to 25 s.
 #[tokio::test(flavor = "current_thread")]
 async fn a_fence_raised_by_a_late_promotion_of_a_failover_since_undone_comes_down_at_the_next_look() {
     use tracing_subscriber::layer::SubscriberExt;
