@@ -28,7 +28,10 @@
 //!   a switch whose announcement went unheard is followed too; a failover the sentinels gave up
 //!   (`-failover-abort-*`, or, unheard, nothing changed after twice their `failover-timeout`,
 //!   the longest a failover can take, with its two timed phases) lowers it once the store is
-//!   confirmed on the master they name. A fence that stands is logged every
+//!   confirmed on the master they name, and so does a failover every sentinel answered, since
+//!   the fence rose, that it is not running (where the URL names them all: only the leader,
+//!   which shows `failover_in_progress` until the end, announces a promotion; a late one, of a
+//!   failover since undone, fenced the store for the timeout before). A fence that stands is logged every
 //!   [`LONG_FENCE_REPORT`](watcher::LONG_FENCE_REPORT), and every claim it refuses is counted `fenced`;
 //! - an announcement is news only once: a switch that came before the sentinels last answered
 //!   that no failover is under way (it waited behind others), a switch whose new master is a replica
@@ -178,6 +181,7 @@ pub(super) async fn watch(
         discovered: Vec::new(),
         heartbeat: None,
         pace,
+        sentinels_counted: None,
         looks: 0,
         discovered_once: false,
     };

@@ -98,6 +98,9 @@ pub(super) struct Watcher {
     pub(super) discovered: Vec<Discovered>,
     pub(super) heartbeat: Option<Heartbeat>,
     pub(super) pace: Arc<Pace>,
+    /// How many sentinels watch the service, as the best-informed one counted them at the last
+    /// `SENTINEL SENTINELS` answered, and when that question was asked; `None` if none answered.
+    pub(super) sentinels_counted: Option<(usize, Instant)>,
     /// How many times the watch has looked (once a second).
     pub(super) looks: u64,
     /// Whether a sentinel has told which others it knows (until then, it is asked every look).
@@ -165,9 +168,11 @@ impl Watcher {
     /// Acts on an announcement, unless it is a switch and the sentinels answered since that no
     /// failover is under way (see [`confirmed_at`](Self::confirmed_at)): a switch that waited
     /// behind other announcements is news no longer. A promotion is always acted on: a fence
-    /// raised for one already over costs a second at most (the next look lowers it), while one
-    /// missed, if the sentinels that would show it did not answer, would let claims go to a
-    /// master being replaced.
+    /// raised for one already over costs a second at most where the URL names every sentinel
+    /// (the next look lowers it once each answers that it fails nothing over, see
+    /// [`try_lower`](Self::try_lower)), and up to 2 × `failover-timeout` + [`ENDED_MARGIN`]
+    /// where it does not or one does not answer. A promotion missed, if the sentinels that
+    /// would show it did not answer, would let claims go to a master being replaced.
     async fn on_announcement(&mut self, announcement: Announcement) {
         let superseded = matches!(announcement.event, Event::Switched(_))
             && (self.confirmed_at).is_some_and(|confirmed| announcement.received < confirmed);
@@ -265,7 +270,10 @@ impl Watcher {
     /// named after sight came back, and tries to lower a fence that stands.
     async fn look(&mut self) {
         self.looks += 1;
-        if self.looks % DISCOVER_EVERY == 0 || !self.discovered_once {
+        // While a fence stands, every look counts the sentinels afresh: `try_lower` trusts
+        // their quiet answers only if the URL names every one of them, a sentinel added since
+        // included.
+        if self.looks % DISCOVER_EVERY == 0 || !self.discovered_once || self.fenced.is_some() {
             self.discover().await;
         }
         let views = self.ask().await;
@@ -376,6 +384,7 @@ impl Watcher {
     /// list or a refusal.
     async fn discover(&mut self) -> bool {
         let mut answered = false;
+        let asked = Instant::now();
         let mut found: Vec<(String, u16)> = Vec::new();
         // How many sentinels watch the service, as the best-informed one counts them; none if
         // no sentinel answered.
@@ -410,6 +419,7 @@ impl Watcher {
                 Some((field("ip")?, field("port")?.parse::<u16>().ok()?))
             }));
         }
+        self.sentinels_counted = sentinels_known.map(|count| (count, asked));
         let Some(sentinels_known) = sentinels_known else {
             return answered;
         };
@@ -494,7 +504,8 @@ impl Watcher {
 
     /// Lowers a standing fence if the failover is over and the store confirmed on the master
     /// it left: switched (a view names a later master than the one fenced) or given up
-    /// (announced, or nothing changed for longer than a failover can take).
+    /// (announced, every sentinel quiet since the fence rose, or nothing changed for longer
+    /// than a failover can take).
     async fn try_lower(&mut self, views: &[MasterView]) {
         let Some(fenced) = &self.fenced else { return };
         let Some(latest) = views.iter().max_by_key(|view| view.epoch) else {
@@ -510,9 +521,25 @@ impl Watcher {
                 None => latest.epoch > fenced.epoch,
             };
         let failover_timeout = self.failover_timeout.unwrap_or(DEFAULT_FAILOVER_TIMEOUT);
+        // Only a failover's leader announces the promotion, and its `SENTINEL MASTER` shows
+        // `failover_in_progress` from before it does until the failover switches or is
+        // aborted. So if every sentinel, the leader among them, answered after the fence rose
+        // (after the store heard) that it fails nothing over, the failover the fence was
+        // raised for is over. The fence of a late promotion (its failover since undone by one
+        // back to the master the store is on, whose switches the watch already knows) comes
+        // down at the next look, not after the timeout (six minutes with Redis' default). A
+        // failover that begins after these answers raises the fence again with its own
+        // announcement, and the fence's count distrusts the writes answered in between
+        // (`Fence::raised_since`).
+        // Where a sentinel does not answer, or the URL does not name every sentinel (a
+        // Kubernetes Service in front of them: the leader may be one the watch only listens
+        // to), the timeout stays the rule.
+        let quiet_since_raised = quiet && self.every_sentinel_answered_since(views, fenced.raised);
         let given_up = !switched
-            && !views.iter().any(|view| view.in_failover)
-            && (fenced.aborted || fenced.raised.elapsed() > failover_timeout * 2 + ENDED_MARGIN);
+            && quiet
+            && (fenced.aborted
+                || quiet_since_raised
+                || fenced.raised.elapsed() > failover_timeout * 2 + ENDED_MARGIN);
         if !switched && !given_up {
             return;
         }
@@ -532,6 +559,21 @@ impl Watcher {
                 ));
             }
         }
+    }
+
+    /// Whether `views` hold an answer of every sentinel of the service, each asked after
+    /// `since`: the URL names as many distinct addresses as the sentinels counted themselves
+    /// (counted after `since` too: a sentinel added later is counted), and each answered. The
+    /// URL's addresses are trusted to reach distinct sentinels, as [`discover`](Self::discover)
+    /// trusts them when it listens to no other.
+    fn every_sentinel_answered_since(&self, views: &[MasterView], since: Instant) -> bool {
+        let mut addresses: Vec<&(String, u16)> = self.url_addresses.iter().collect();
+        addresses.sort_unstable();
+        addresses.dedup();
+        let all_named = self
+            .sentinels_counted
+            .is_some_and(|(count, counted)| counted > since && addresses.len() >= count);
+        all_named && views.len() == self.askers.len() && views.iter().all(|view| view.asked > since)
     }
 
     fn raise(&mut self, from: Option<Address>) {
@@ -628,5 +670,151 @@ impl Watcher {
             Ok(Ok(Value::Array(role))) => role.first().and_then(Value::as_str).as_deref() == Some("master"),
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use fred::clients::Client;
+    use fred::types::config::{Config, ConnectionConfig, ReconnectPolicy};
+    use fred::types::Builder;
+    use tokio::time::Instant;
+
+    use super::super::connections::SentinelClients;
+    use super::super::events::{Address, Announcement, Event};
+    use super::super::fence::Fence;
+    use super::super::views::MasterView;
+    use super::Watcher;
+
+    const SWITCH: &str = "mymaster 127.0.0.1 7000 127.0.0.1 7001";
+
+    /// A watch over `sentinels` URL addresses (each with an asker that never connects) and no
+    /// client of the store: nothing it does reaches a server.
+    fn watch_over(sentinels: &[u16]) -> (Watcher, Arc<Fence>) {
+        let fence = Arc::new(Fence::default());
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let askers = (sentinels.iter())
+            .map(|_| Builder::default_centralized().build().expect("a client"))
+            .collect::<Vec<Client>>();
+        let watcher = Watcher {
+            subscribed: Arc::default(),
+            targets: Arc::default(),
+            fence: fence.clone(),
+            subscribers: Vec::new(),
+            askers,
+            service: "mymaster".to_owned(),
+            promotable_from: None,
+            failover_timeout: None,
+            known_epoch: 0,
+            heard: true,
+            fenced: None,
+            followed: String::new(),
+            switch_seen: String::new(),
+            attempted: String::new(),
+            confirmed_at: None,
+            url_addresses: (sentinels.iter())
+                .map(|port| ("127.0.0.1".to_owned(), *port))
+                .collect(),
+            url_subscribers: Vec::new(),
+            factory: SentinelClients {
+                template: Config::default(),
+                connection: ConnectionConfig::default(),
+                policy: ReconnectPolicy::default(),
+            },
+            events,
+            listeners: Vec::new(),
+            discovered: Vec::new(),
+            heartbeat: None,
+            pace: Arc::default(),
+            sentinels_counted: None,
+            looks: 0,
+            discovered_once: false,
+        };
+        (watcher, fence)
+    }
+
+    /// A quiet answer naming `127.0.0.1:7000`, asked at `asked`.
+    fn quiet_view(asked: Instant) -> MasterView {
+        MasterView {
+            master: Address {
+                host: "127.0.0.1".to_owned(),
+                port: 7000,
+            },
+            epoch: 1,
+            down_after: Duration::from_secs(5),
+            failover_timeout: Duration::from_secs(180),
+            last_ok: Duration::ZERO,
+            troubled: false,
+            in_failover: false,
+            asked,
+        }
+    }
+
+    /// The receive-time rule (`confirmed_at`): a switch received before the sentinels last
+    /// answered that no failover is under way, and handled only after (it waited in the
+    /// channel behind other announcements while a look ran), is news no longer: not acted on.
+    /// The same switch received after that answer is acted on (the control): with no client to
+    /// move, the watch raises its fence and gives the switch up as tried. From outside the
+    /// crate this needs an announcement to reach the listener during a look and be handled
+    /// after it, a race with the once-a-second tick that a test cannot win every time.
+    #[tokio::test]
+    async fn a_switch_received_before_the_sentinels_last_quiet_answer_is_not_acted_on() {
+        let (mut watcher, fence) = watch_over(&[]);
+        let received = Instant::now();
+        watcher.confirmed_at = Some(received + Duration::from_millis(1));
+        let switch = |received| Announcement {
+            event: Event::Switched(SWITCH.to_owned()),
+            received,
+        };
+        watcher.on_announcement(switch(received)).await;
+        assert!(!fence.is_raised(), "a superseded switch raised the fence");
+        assert!(
+            watcher.attempted.is_empty() && watcher.followed.is_empty(),
+            "a superseded switch was followed"
+        );
+
+        watcher
+            .on_announcement(switch(received + Duration::from_millis(2)))
+            .await;
+        assert!(
+            fence.is_raised(),
+            "a switch received after the answer was not acted on"
+        );
+        assert_eq!(watcher.attempted, SWITCH);
+    }
+
+    /// The count [`Watcher::try_lower`] trusts quiet answers on: every sentinel the URL names
+    /// answered after the fence rose, and the URL names as many distinct sentinels as they
+    /// count themselves, counted after the fence rose too.
+    #[tokio::test]
+    async fn quiet_answers_count_only_if_every_sentinel_gave_one_after_the_fence_rose() {
+        let (mut watcher, _) = watch_over(&[26379, 26380, 26381]);
+        let raised = Instant::now();
+        let later = raised + Duration::from_millis(10);
+        let views = || (0..3).map(|_| quiet_view(later)).collect::<Vec<_>>();
+        watcher.sentinels_counted = Some((3, later));
+        assert!(watcher.every_sentinel_answered_since(&views(), raised));
+
+        // One did not answer.
+        assert!(!watcher.every_sentinel_answered_since(&views()[..2], raised));
+        // One answered before the fence rose.
+        let mut stale = views();
+        stale[0].asked = raised - Duration::from_millis(1);
+        assert!(!watcher.every_sentinel_answered_since(&stale, raised));
+        // Counted before the fence rose, or never.
+        watcher.sentinels_counted = Some((3, raised - Duration::from_millis(1)));
+        assert!(!watcher.every_sentinel_answered_since(&views(), raised));
+        watcher.sentinels_counted = None;
+        assert!(!watcher.every_sentinel_answered_since(&views(), raised));
+        // A sentinel added since, which the URL does not name (the leader may be that one).
+        watcher.sentinels_counted = Some((4, later));
+        assert!(!watcher.every_sentinel_answered_since(&views(), raised));
+        // A URL naming one sentinel twice names two of three.
+        let (mut twice, _) = watch_over(&[26379, 26379, 26380]);
+        twice.sentinels_counted = Some((3, later));
+        assert!(!twice.every_sentinel_answered_since(&views(), raised));
     }
 }
