@@ -200,7 +200,8 @@ pub enum Phase {
         lost: bool,
     },
     /// Durability option: the completion landed on the master, not yet acknowledged by the
-    /// replica; the client waits for the `WAIT`.
+    /// replica; the client waits for the `WAIT`. `moved`, `raised`: as for
+    /// [`Phase::AwaitClaimAck`].
     AwaitCompleteAck {
         client: u8,
         token: Token,
@@ -211,7 +212,9 @@ pub enum Phase {
     /// The client was answered; the completion goes on in the background, keeping the claim's
     /// lease (`Claim::complete_in_background`, src/coordinator/claim.rs; with the durability
     /// option `keep_completing`, src/store/redis/replica_acks.rs), until it is stored (and, with
-    /// the durability option, acknowledged), finds the claim lost, or gives up.
+    /// the durability option, acknowledged), finds the claim lost, or gives up. `raised`: a
+    /// raise since its last write, which its `WAIT`'s answer cannot outweigh: it is written
+    /// again first.
     Completing {
         token: Token,
         payload: Payload,
