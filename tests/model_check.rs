@@ -414,8 +414,8 @@ fn with_every_replica_required_a_failover_to_either_of_two_replicas_runs_no_key_
 #[test]
 fn limit_requiring_fewer_acknowledgements_than_replicas_runs_a_key_twice() {
     let config = two_replicas_bounded(Some(1));
-    // The whole configuration, in the long check only: 6.7 million states, 15 minutes of a
-    // debug build under load.
+    // The whole configuration, in the long check only: 3.4 million states, a minute of a debug
+    // build.
     if long() {
         let checker = checked("two replicas, one required, 1 failover", config.clone(), None);
         for held in [
@@ -519,7 +519,7 @@ fn answers_trusted_after_the_fence_was_raised_run_a_key_twice() {
     assert!(trusted_after_raise, "no answer trusted after a raise");
     assert_eq!(state.ghosts[0].excuses, 0, "the second run is excused");
     // Without the mutation no key runs twice unexcused in as many steps and two more (the whole
-    // configuration passes too, under `MODEL_CHECK=long`; bounded here, as it is 6.7 million
+    // configuration passes too, under `MODEL_CHECK=long`; bounded here, as it is 3.4 million
     // states).
     let depth = path.len() + 2;
     let started = Instant::now();
