@@ -106,6 +106,8 @@ pub fn short(state: &State) -> String {
             .collect::<Vec<_>>()
             .join(",")
     };
+    // The fence's count moved since the write went out: its answer is not trusted.
+    let raised_since = |raised: bool| if raised { " (fence raised since)" } else { "" };
     let mut line = String::new();
     for (n, records) in state.nodes.iter().enumerate() {
         let role = match state.follows[n] {
@@ -121,13 +123,19 @@ pub fn short(state: &State) -> String {
         let phase = match server.phase {
             Phase::Idle => "idle".to_string(),
             Phase::Reading { client, .. } => format!("C{client} read"),
-            Phase::AwaitClaimAck { client, .. } => format!("C{client} awaits claim ack"),
+            Phase::AwaitClaimAck { client, raised, .. } => {
+                format!("C{client} awaits claim ack{}", raised_since(raised))
+            }
             Phase::Claimed { client, lost, .. } => {
                 format!("C{client} claimed{}", if lost { " LOST" } else { "" })
             }
             Phase::Ran { client, lost, .. } => format!("C{client} ran{}", if lost { " LOST" } else { "" }),
-            Phase::AwaitCompleteAck { client, .. } => format!("C{client} awaits completion ack"),
-            Phase::Completing { .. } => "completing in the background".to_string(),
+            Phase::AwaitCompleteAck { client, raised, .. } => {
+                format!("C{client} awaits completion ack{}", raised_since(raised))
+            }
+            Phase::Completing { raised, .. } => {
+                format!("completing in the background{}", raised_since(raised))
+            }
         };
         let fence = match (server.fenced, server.listening) {
             (true, _) if server.stale_fence => " fenced (no failover under way)",
@@ -135,12 +143,13 @@ pub fn short(state: &State) -> String {
             (false, false) => " deaf",
             (false, true) => "",
         };
+        let unheard = if server.unheard { " (failover unheard)" } else { "" };
         let releasing = if server.releasing.is_empty() {
             String::new()
         } else {
             format!(" +{} release(s)", server.releasing.len())
         };
-        line += &format!(" S{s}@n{}:{phase}{fence}{releasing}", server.node);
+        line += &format!(" S{s}@n{}:{phase}{fence}{unheard}{releasing}", server.node);
     }
     for (c, client) in state.clients.iter().enumerate() {
         let status = match client {

@@ -23,7 +23,7 @@ pub struct Payload {
     pub run: u8,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum RecState {
     InFlight,
     Completed(Payload),
@@ -31,7 +31,7 @@ pub enum RecState {
 
 /// A record: its owner, the request's fingerprint (a small number standing for the SHA-256),
 /// and its state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Rec {
     pub owner: Token,
     pub fingerprint: u8,
@@ -90,10 +90,16 @@ pub enum Mutation {
     /// (A to B, B to A overtaken, A to B) is taken for the switch followed before and not
     /// followed: the fence stands over a store on the new master.
     DuplicateSwitchIgnored,
+    /// Durability option: a claim or completion whose `WAIT` answered enough is trusted though
+    /// its server's fence was raised since the write went out (`RedisStore::claim_acknowledged`
+    /// and `complete_once_acknowledged` without `fence_raised_since`, as before the fence
+    /// counted its raises): the write may have landed on the old master after the promotion,
+    /// acknowledged there by the replica not promoted, and be lost with the demotion.
+    TrustsAnswersAfterRaise,
 }
 
 /// One node's records, by slot (a record key's digest; see `System::slot`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Node {
     pub records: Vec<Option<Rec>>,
 }

@@ -17,11 +17,19 @@
 //!   or gives up when its lease ends (the store unreachable for a lease);
 //! - a connection may be replaced under a server at any step (the heartbeat, a drop), and the
 //!   durability option's `WAIT` then counts the new connection's writes, not the old one's;
-//! - a failover takes time: the sentinels announce it (every server raises its fence: claims
-//!   refused, other writes held), a replica is promoted while the old master still takes
-//!   writes, each server switches to the new master on its own (and lowers its fence there),
-//!   the old master is demoted, losing what it took since the promotion, and with two
-//!   replicas the one not promoted follows the new master, losing what it had beyond it;
+//! - a failover takes time: the sentinels announce it, and each server's store hears the
+//!   announcement at a step of its own, before or after the promotion and the demotion (seen
+//!   77 to 293 ms after it was sent), raising its fence there (claims refused, other writes
+//!   held); until then it writes where it is, on the old master; a replica is promoted while
+//!   the old master still takes writes, each server switches to the new master on its own (and
+//!   lowers its fence there; a switch, or a restarted store's first look, counts as hearing),
+//!   the old master is demoted, losing what it took since the promotion, and with two replicas
+//!   the one not promoted follows the new master, losing what it had beyond it;
+//! - the fence counts its raises (`Fence::raised_since`): a claim or completion waiting for
+//!   its `WAIT` remembers whether its server's fence was raised since it went out, and such an
+//!   answer is not trusted (the claim released, 503; the completion written again), since the
+//!   write may have landed on the old master after the promotion, acknowledged there by a
+//!   replica not promoted;
 //! - failovers overlap: once the sentinels are done with one, the next may begin before every
 //!   server has followed it (those overtaken follow the later one), and a sentinel's
 //!   announcement of a failover over or overtaken may reach a server late, which the watch
@@ -169,10 +177,14 @@ pub enum Phase {
         token: Token,
     },
     /// Durability option: the claim landed on the master; waiting for the replica (`WAIT`).
+    /// `raised`: the server's fence was raised since the claim went out (the fence's count
+    /// moved: `Fence::raised_since`), so an answer, however many replicas it counts, is not
+    /// trusted.
     AwaitClaimAck {
         client: u8,
         token: Token,
         moved: bool,
+        raised: bool,
     },
     /// The claim is held; the handler has not finished. `lost`: a renewal found it gone.
     Claimed {
@@ -188,21 +200,26 @@ pub enum Phase {
         lost: bool,
     },
     /// Durability option: the completion landed on the master, not yet acknowledged by the
-    /// replica; the client waits for the `WAIT`.
+    /// replica; the client waits for the `WAIT`. `moved`, `raised`: as for
+    /// [`Phase::AwaitClaimAck`].
     AwaitCompleteAck {
         client: u8,
         token: Token,
         payload: Payload,
         moved: bool,
+        raised: bool,
     },
     /// The client was answered; the completion goes on in the background, keeping the claim's
     /// lease (`Claim::complete_in_background`, src/coordinator/claim.rs; with the durability
     /// option `keep_completing`, src/store/redis/replica_acks.rs), until it is stored (and, with
-    /// the durability option, acknowledged), finds the claim lost, or gives up.
+    /// the durability option, acknowledged), finds the claim lost, or gives up. `raised`: a
+    /// raise since its last write, which its `WAIT`'s answer cannot outweigh: it is written
+    /// again first.
     Completing {
         token: Token,
         payload: Payload,
         moved: bool,
+        raised: bool,
     },
 }
 
@@ -241,13 +258,29 @@ impl Phase {
         }
     }
 
+    /// What a phase waiting for its write's `WAIT` knows of that write: whether its connection
+    /// was replaced since (`moved`), and whether its server's fence was raised since (`raised`).
+    fn waiting_write(&mut self) -> Option<(&mut bool, &mut bool)> {
+        match self {
+            Phase::AwaitClaimAck { moved, raised, .. }
+            | Phase::AwaitCompleteAck { moved, raised, .. }
+            | Phase::Completing { moved, raised, .. } => Some((moved, raised)),
+            _ => None,
+        }
+    }
+
     /// The connection this phase's write went out on was replaced.
     fn move_connection(&mut self) {
-        match self {
-            Phase::AwaitClaimAck { moved, .. }
-            | Phase::AwaitCompleteAck { moved, .. }
-            | Phase::Completing { moved, .. } => *moved = true,
-            _ => {}
+        if let Some((moved, _)) = self.waiting_write() {
+            *moved = true;
+        }
+    }
+
+    /// The server's fence was raised (its count moved) while this phase's write was on its way
+    /// or waiting for its answer.
+    fn fence_raised(&mut self) {
+        if let Some((_, raised)) = self.waiting_write() {
+            *raised = true;
         }
     }
 }
@@ -272,6 +305,10 @@ pub struct Server {
     /// It heard a failover announced and holds its writes (refuses claims) until it is on the
     /// new master.
     pub fenced: bool,
+    /// The sentinels announced a failover its store listens for, and the store has not heard
+    /// it yet (`Hear`): it writes where it is, on the old master, which takes writes until its
+    /// demotion.
+    pub unheard: bool,
     /// Background releases under way (sorted, so equal sets are equal states).
     pub releasing: Vec<Releasing>,
     /// Its store listens to the sentinels: false from a restart until its subscriptions are
@@ -285,6 +322,17 @@ pub struct Server {
     /// [`Mutation::DuplicateSwitchIgnored`] only: the last switch (old master, new master) it
     /// followed. Kept nowhere else, so that no other configuration has more states for it.
     pub followed: Option<(u8, u8)>,
+}
+
+impl Server {
+    /// Raises its fence (`Watcher::raise`, `Fence::raise`, src/store/redis/sentinel/): claims
+    /// refused, other writes held, and the fence's count moved under the write on its way, if
+    /// any.
+    fn raise_fence(&mut self) {
+        self.fenced = true;
+        self.stale_fence = false;
+        self.phase.fence_raised();
+    }
 }
 
 /// A store call on its way: it lands on `node` at a later step, or never.
@@ -346,10 +394,20 @@ pub enum Excuse {
     LapsedUnderLiveOwner,
     /// A lease lapsed while its owner's renewals were held at a fence raised for a failover
     /// still under way for it (not one that stands over a failover already over: see
-    /// [`Server::stale_fence`]): a failover longer than the lease left.
+    /// [`Server::stale_fence`]), or went to the old master, its store not having heard the
+    /// failover announced yet: a failover longer than the lease left.
     LapsedInFailover,
-    /// Without the durability option: the promoted replica lacked the claim or the completion.
-    LostByAsyncFailover,
+    /// Without the durability option: the promoted replica lacked the claim or the completion,
+    /// or (`after_promotion`) the old master took it after the promotion, from a server whose
+    /// store had not heard the failover announced, and loses it with its demotion.
+    LostByAsyncFailover { after_promotion: bool },
+    /// With the durability option requiring fewer replicas than there are
+    /// (`ReplicaAcks::new(n)`, n below the replica count): the replica promoted lacks a claim
+    /// or completion a `WAIT` acknowledged, because it was not among those the `WAIT` counted,
+    /// or (`after_promotion`) because the `WAIT` was answered on the old master after the
+    /// promotion, by the replica not promoted, before its server's store heard the failover
+    /// announced (an answer after that is not trusted).
+    FewerAcksThanReplicas { after_promotion: bool },
 }
 
 /// What the properties read, per record, beside the protocol's own state.
@@ -401,6 +459,9 @@ pub struct Window {
     pub promoted: bool,
     /// `from` is a replica of `to` now, with `to`'s records.
     pub demoted: bool,
+    /// The records (bits) whose loss this failover excused already: a claim and its
+    /// completion lost in one failover are one result lost, and excuse one run.
+    pub excused: u8,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -449,7 +510,9 @@ pub enum Action {
     ClaimWrite { server: u8 },
     /// Durability option: the replica has the claim: `RedisStore::claim_acknowledged`'s
     /// `waiter.wait` answered enough, and the name read behind the `WAIT` is its connection's
-    /// (src/store/redis/acknowledged.rs, replica_acks.rs).
+    /// (src/store/redis/acknowledged.rs, replica_acks.rs). If the server's fence was raised
+    /// since the claim went out (`fence_raised_since`), the answer is not trusted: the claim is
+    /// released and answered 503, as [`Action::ClaimNotAcked`] does.
     ClaimAcked { server: u8 },
     /// Durability option: `WAIT` timed out, or ran on another connection than the claim:
     /// `claim_acknowledged` runs release.lua and answers `StoreError::Unavailable` (503).
@@ -469,7 +532,10 @@ pub enum Action {
     /// and carried on in the background.
     Complete { server: u8, fault: Fault },
     /// Durability option: the replica has the completion (`complete_then_wait`'s `WAIT` and the
-    /// name behind it, src/store/redis/acknowledged.rs); the client is answered.
+    /// name behind it, src/store/redis/acknowledged.rs); the client is answered. If the server's
+    /// fence was raised since the completion went out, `complete_once_acknowledged` does not
+    /// trust the answer: the client is answered all the same and the completion is written
+    /// again in the background (`keep_completing`), once the fence is down.
     CompleteAcked { server: u8 },
     /// Durability option: the wait timed out or ran on another connection: `complete_acknowledged`
     /// answers (the client gets its response) and its task keeps completing.
@@ -489,7 +555,8 @@ pub enum Action {
     /// A connection of the server is replaced (the heartbeat's, fred's reconnect).
     Reconnect { server: u8 },
     /// A restarted server's store has made its subscriptions to the sentinels and asked them
-    /// whether a failover is under way (raising its fence if one is): `start_listening`.
+    /// whether a failover is under way (raising its fence if one is): `start_listening`. It
+    /// counts as hearing the failover under way.
     Listen { server: u8 },
     /// The client gives up on its request and may send it again; the server goes on (a dropped
     /// response future does not cancel the handler).
@@ -502,15 +569,24 @@ pub enum Action {
     Replicate { node: u8, slot: u8 },
     /// The sentinels announce a failover (`+failover-state-send-slaveof-noone`) of replica `to`,
     /// any replica of the master (the sentinels pick by replication offsets they may have read
-    /// seconds earlier): every server raises its fence (src/store/redis/sentinel: claims
-    /// refused, writes held), assumed heard before the promotion, which follows about 100 ms
-    /// later.
+    /// seconds earlier). Each server whose store listens hears it at a step of its own
+    /// ([`Action::Hear`]), before or after the promotion (which follows about 100 ms later) and
+    /// the demotion: a store was seen to hear it 77 to 293 ms after it was sent. (With two
+    /// replicas, the first failover's replica is named node 1 once announced: see
+    /// `System::name_alike_replicas_in_order`.)
     Announce { to: u8 },
+    /// A server's store hears the failover announced: `Watcher::on_event`'s `Promoting` arm
+    /// raises its fence (src/store/redis/sentinel/watcher.rs, `Fence::raise`: claims refused,
+    /// writes held, the fence's count moved under the writes on their way). Until then it
+    /// writes where it is. [`Mutation::NoFence`]: hearing raises nothing.
+    Hear { server: u8 },
     /// The replica takes writes; the old master still does too, until it is demoted.
     Promote,
     /// A server follows `+switch-master`: its connections move to the new master, confirmed by
     /// `ROLE`, and its fence comes down. A server the failover overtook (it had not followed the
-    /// one before) follows this one, wherever it is.
+    /// one before) follows this one, wherever it is. One that had not heard the failover
+    /// announced hears it so: its fence is raised first (`on_event`'s `Switched` arm, with no
+    /// fence up), moving the count, then lowered.
     Switch { server: u8 },
     /// A sentinel's announcement of the last failover reaches a server late: the failover is
     /// over, or overtaken by the next. The watch ignores it (`Watcher::on_announcement`,
@@ -586,6 +662,7 @@ impl fmt::Debug for Action {
             Action::Expire { node, slot } => write!(f, "lease of record {slot} runs out on node {node}"),
             Action::Replicate { node, slot } => write!(f, "replicate record {slot} to node {node}"),
             Action::Announce { to } => write!(f, "FAILOVER announced, of node {to}"),
+            Action::Hear { server } => write!(f, "S{server} hears the failover announced"),
             Action::Promote => write!(f, "FAILOVER: replica promoted"),
             Action::Switch { server } => write!(f, "S{server} switches to the new master"),
             Action::Late { server } => write!(f, "S{server} hears the last failover's announcement late"),
@@ -658,6 +735,7 @@ impl System {
                     record: 0,
                     node: 0,
                     fenced: false,
+                    unheard: false,
                     releasing: Vec::new(),
                     listening: true,
                     stale_fence: false,
@@ -734,6 +812,10 @@ impl System {
     fn can_claim(&self, state: &State, s: usize) -> bool {
         Self::can_write(state, s)
             && (state.servers[s].listening || self.config.mutation == Some(Mutation::ClaimsBeforeListening))
+    }
+
+    fn trusts_answers_after_raise(&self) -> bool {
+        self.config.mutation == Some(Mutation::TrustsAnswersAfterRaise)
     }
 
     /// The faults a call may meet now.
@@ -847,6 +929,7 @@ impl System {
                     token,
                     payload,
                     moved,
+                    raised,
                 } => {
                     if writes {
                         for &fault in faults {
@@ -856,8 +939,12 @@ impl System {
                             });
                         }
                     }
-                    // Durability option: a completion stored, waiting for its acknowledgement.
-                    if c.replica_acks && self.acknowledged(state, s, token, Some(payload), moved) {
+                    // Durability option: a completion stored, waiting for its acknowledgement
+                    // (one answered after a raise is not trusted: it waits to be written again).
+                    if c.replica_acks
+                        && (!raised || self.trusts_answers_after_raise())
+                        && self.acknowledged(state, s, token, Some(payload), moved)
+                    {
                         actions.push(Action::CompleteAcked { server: server_id });
                     }
                     if state.budget.give_ups > 0 {
@@ -888,6 +975,9 @@ impl System {
                 )
             {
                 actions.push(Action::Reconnect { server: server_id });
+            }
+            if state.window.is_some() && server.unheard {
+                actions.push(Action::Hear { server: server_id });
             }
             if let Some(window) = state.window {
                 // A server on the new master may still be fenced: overtaken, it never left it
@@ -990,8 +1080,11 @@ impl System {
             return Some(None);
         };
         let held = holder.fenced || (holder.node == node && !state.takes_writes(holder.node));
-        if held && Self::failover_under_way_for(state, holder) {
-            // Its renewals are held at the fence: a failover longer than the lease left.
+        // Its store has not heard the failover announced: its renewals go to the old master.
+        let renews_on_the_old_master = holder.unheard && holder.node != node;
+        if (held || renews_on_the_old_master) && Self::failover_under_way_for(state, holder) {
+            // Its renewals are held at the fence, or go to the master being replaced: a
+            // failover longer than the lease left.
             return Some(Some(Excuse::LapsedInFailover));
         }
         if held || holder.node != node {
@@ -1187,6 +1280,7 @@ impl System {
                 client,
                 token,
                 moved: false,
+                raised: false,
             }
         } else {
             Phase::Claimed {
@@ -1197,15 +1291,168 @@ impl System {
         };
     }
 
-    /// The client is answered with the handler's result and the server goes on completing in
-    /// the background.
-    fn answer_and_complete_in_background(
+    /// A claim not to run on: `claim_acknowledged` releases it on the claim's connection and
+    /// answers 503. Answers the release's call.
+    fn refuse_unacknowledged_claim(
         &self,
         state: &mut State,
         s: u8,
         client: u8,
         token: Token,
-        payload: Payload,
+    ) -> Option<Call> {
+        let record = state.servers[usize::from(s)].record;
+        let released = self
+            .send(state, s, record, Op::Release { owner: token }, Fault::None)
+            .0;
+        self.answer(state, s, client, None, false);
+        state.servers[usize::from(s)].phase = Phase::Idle;
+        released
+    }
+
+    /// The failover under way if `server`'s store has not heard it and `server` is on its old
+    /// master, promoted over and not demoted yet: what it writes there is lost with the demotion.
+    pub fn unheard_on_the_old_master(state: &State, server: &Server) -> Option<Window> {
+        state.window.filter(|window| {
+            window.promoted && !window.demoted && server.unheard && server.node == window.from
+        })
+    }
+
+    /// Excuses one more run of record `r` for a result the failover under way loses, unless
+    /// this failover excused a loss of `r` already: a claim and its completion lost in one
+    /// failover are one result lost, and the key runs once more for it, not twice.
+    fn excuse_lost_in_failover(state: &mut State, r: u8, why: Excuse) {
+        let Some(window) = &mut state.window else {
+            return;
+        };
+        if window.excused & (1 << r) == 0 {
+            window.excused |= 1 << r;
+            state.ghosts[usize::from(r)].excuse(why);
+        }
+    }
+
+    /// [`Self::excuse_lost_in_failover`] for every record at `slot`.
+    fn excuse_lost_at(&self, state: &mut State, slot: usize, why: Excuse) {
+        for r in 0..self.config.records.len() as u8 {
+            if self.config.slot(r) == slot {
+                Self::excuse_lost_in_failover(state, r, why);
+            }
+        }
+    }
+
+    /// Without the durability option: a claim or a completion that server `s`, whose store has
+    /// not heard the failover announced, writes on the old master after the promotion is lost
+    /// with the old master's demotion (the new master takes no writes from it), the limit of
+    /// asynchronous replication. Only a write that changed a record counts (a copy sent again,
+    /// finding its own record, writes nothing), and only its server's own sends, whose answers
+    /// it trusts: a call held in a frozen connection that lands late was answered as timed out.
+    fn excuse_what_the_old_master_will_lose(&self, last: &State, state: &mut State, action: Action) {
+        if self.config.replica_acks {
+            return;
+        }
+        let s = match action {
+            Action::Serve { server, .. }
+            | Action::ClaimWrite { server }
+            | Action::Complete { server, .. }
+            | Action::CompleteAgain { server, .. } => server,
+            _ => return,
+        };
+        let Some(Window { from, .. }) = Self::unheard_on_the_old_master(state, &last.servers[usize::from(s)])
+        else {
+            return;
+        };
+        let from = usize::from(from);
+        for slot in 0..self.slots() {
+            if last.nodes[from].records[slot] != state.nodes[from].records[slot] {
+                let why = Excuse::LostByAsyncFailover {
+                    after_promotion: true,
+                };
+                self.excuse_lost_at(state, slot, why);
+            }
+        }
+    }
+
+    /// Durability option: server `s` trusts a `WAIT` that acknowledged `token`'s claim (or its
+    /// completion with `payload`). On the old master after the promotion, before its store
+    /// heard the failover announced, that `WAIT` was answered by a replica not promoted, and
+    /// the result is lost with the demotion if the replica promoted lacks it: the limit of
+    /// `ReplicaAcks::new(n)` with n below the replica count. (With every replica required no
+    /// such `WAIT` answers enough: the replica promoted no longer counts; the property
+    /// [`FEWER_ACKS_ONLY_IF_FEWER_REQUIRED`] checks it.)
+    fn excuse_acknowledged_before_heard(
+        &self,
+        state: &mut State,
+        s: u8,
+        token: Token,
+        payload: Option<Payload>,
+    ) {
+        let server = &state.servers[usize::from(s)];
+        let Some(Window { to, .. }) = Self::unheard_on_the_old_master(state, server) else {
+            return;
+        };
+        let slot = self.config.slot(server.record);
+        let promoted = &state.nodes[usize::from(to)];
+        let kept = match payload {
+            None => promoted.records[slot].is_some_and(|rec| rec.owner == token),
+            Some(payload) => holds(promoted, slot, token, Some(payload)),
+        };
+        if !kept {
+            let why = Excuse::FewerAcksThanReplicas {
+                after_promotion: true,
+            };
+            self.excuse_lost_at(state, slot, why);
+        }
+    }
+
+    /// Durability option, at the promotion of `to` over `from`: whether record `r`'s claim or
+    /// completion on `from` was acknowledged by a `WAIT` that `to` did not answer, and `to`
+    /// lacks it: enough replicas but `to` hold it for the `WAIT` to have counted them alone,
+    /// and it is trusted (a claim whose server is past its `WAIT`, or the completion
+    /// acknowledged). With every replica required, the replicas but `to` are too few.
+    fn acknowledged_without(&self, state: &State, r: u8, from: u8, to: u8) -> bool {
+        let slot = self.config.slot(r);
+        let Some(rec) = state.nodes[usize::from(from)].records[slot] else {
+            return false;
+        };
+        let enough_hold = |held: &dyn Fn(&Rec) -> bool| {
+            (0..state.nodes.len())
+                .filter(|&n| n != usize::from(to) && state.follows[n] == Some(from))
+                .filter(|&n| state.nodes[n].records[slot].as_ref().is_some_and(held))
+                .count()
+                >= self.config.acks_required()
+        };
+        let promoted = state.nodes[usize::from(to)].records[slot];
+        let completion_acknowledged = matches!(
+            rec.state,
+            RecState::Completed(payload) if state.ghosts[usize::from(r)].acknowledged == Some(payload)
+        );
+        let claim_acknowledged = state.servers.iter().any(|server| {
+            matches!(
+                server.phase,
+                Phase::Claimed { token, .. }
+                    | Phase::Ran { token, .. }
+                    | Phase::AwaitCompleteAck { token, .. }
+                    | Phase::Completing { token, .. }
+                    if token == rec.owner
+            )
+        });
+        let completion_lost =
+            completion_acknowledged && promoted != Some(rec) && enough_hold(&|held: &Rec| *held == rec);
+        let claim_lost = claim_acknowledged
+            && promoted.map(|kept| kept.owner) != Some(rec.owner)
+            && enough_hold(&|held: &Rec| held.owner == rec.owner);
+        completion_lost || claim_lost
+    }
+
+    /// The client is answered with the handler's result and the server goes on completing in
+    /// the background. `raised`: the server's fence was raised since the completion went out,
+    /// so its `WAIT`'s answer is not to be trusted.
+    fn answer_and_complete_in_background(
+        &self,
+        state: &mut State,
+        s: u8,
+        client: u8,
+        (token, payload): (Token, Payload),
+        raised: bool,
     ) {
         self.answer(state, s, client, Some(Answer::Result(payload)), false);
         state.servers[usize::from(s)].phase =
@@ -1216,6 +1463,7 @@ impl System {
                     token,
                     payload,
                     moved: false,
+                    raised,
                 }
             };
     }
@@ -1277,22 +1525,29 @@ impl System {
                 }
             }
             Action::ClaimAcked { server: s } => {
-                if let Phase::AwaitClaimAck { client, token, .. } = state.servers[usize::from(s)].phase {
-                    state.servers[usize::from(s)].phase = Phase::Claimed {
-                        client,
-                        token,
-                        lost: false,
-                    };
+                if let Phase::AwaitClaimAck {
+                    client,
+                    token,
+                    raised,
+                    ..
+                } = state.servers[usize::from(s)].phase
+                {
+                    if raised && !self.trusts_answers_after_raise() {
+                        // Acknowledged, perhaps by a replica of a master being replaced.
+                        landed = self.refuse_unacknowledged_claim(&mut state, s, client, token);
+                    } else {
+                        self.excuse_acknowledged_before_heard(&mut state, s, token, None);
+                        state.servers[usize::from(s)].phase = Phase::Claimed {
+                            client,
+                            token,
+                            lost: false,
+                        };
+                    }
                 }
             }
             Action::ClaimNotAcked { server: s } => {
                 if let Phase::AwaitClaimAck { client, token, .. } = state.servers[usize::from(s)].phase {
-                    let record = state.servers[usize::from(s)].record;
-                    landed = self
-                        .send(&mut state, s, record, Op::Release { owner: token }, Fault::None)
-                        .0;
-                    self.answer(&mut state, s, client, None, false);
-                    state.servers[usize::from(s)].phase = Phase::Idle;
+                    landed = self.refuse_unacknowledged_claim(&mut state, s, client, token);
                 }
             }
             Action::Renew { server: s, fault } => {
@@ -1374,6 +1629,7 @@ impl System {
                                     token,
                                     payload,
                                     moved: false,
+                                    raised: false,
                                 };
                             }
                             Some(Call::Complete { answer, .. }) => {
@@ -1383,22 +1639,47 @@ impl System {
                                 self.answer(&mut state, s, client, Some(Answer::Result(payload)), false);
                                 state.servers[usize::from(s)].phase = Phase::Idle;
                             }
-                            _ => {
-                                self.answer_and_complete_in_background(&mut state, s, client, token, payload)
-                            }
+                            _ => self.answer_and_complete_in_background(
+                                &mut state,
+                                s,
+                                client,
+                                (token, payload),
+                                false,
+                            ),
                         }
                     }
                 }
             }
             Action::CompleteAcked { server: s } => {
                 let record = state.servers[usize::from(s)].record;
+                let trusts_any = self.trusts_answers_after_raise();
                 match state.servers[usize::from(s)].phase {
-                    Phase::AwaitCompleteAck { client, payload, .. } => {
+                    // `complete_once_acknowledged`: acknowledged or not, perhaps on a master
+                    // being replaced; answered, and written again on the new master.
+                    Phase::AwaitCompleteAck {
+                        client,
+                        token,
+                        payload,
+                        raised: true,
+                        ..
+                    } if !trusts_any => {
+                        self.answer_and_complete_in_background(&mut state, s, client, (token, payload), true);
+                    }
+                    Phase::AwaitCompleteAck {
+                        client,
+                        token,
+                        payload,
+                        ..
+                    } => {
+                        self.excuse_acknowledged_before_heard(&mut state, s, token, Some(payload));
                         Self::acknowledge(&mut state, record, payload);
                         self.answer(&mut state, s, client, Some(Answer::Result(payload)), false);
                         state.servers[usize::from(s)].phase = Phase::Idle;
                     }
-                    Phase::Completing { payload, .. } => {
+                    // Not offered: it waits to be written again (`keep_completing`).
+                    Phase::Completing { raised: true, .. } if !trusts_any => {}
+                    Phase::Completing { token, payload, .. } => {
+                        self.excuse_acknowledged_before_heard(&mut state, s, token, Some(payload));
                         Self::acknowledge(&mut state, record, payload);
                         state.servers[usize::from(s)].phase = Phase::Idle;
                     }
@@ -1410,10 +1691,13 @@ impl System {
                     client,
                     token,
                     payload,
+                    raised,
                     ..
                 } = state.servers[usize::from(s)].phase
                 {
-                    self.answer_and_complete_in_background(&mut state, s, client, token, payload);
+                    // The same attempt goes on in the background: a raise since its write still
+                    // counts against its `WAIT`'s answer.
+                    self.answer_and_complete_in_background(&mut state, s, client, (token, payload), raised);
                 }
             }
             Action::CompleteAgain { server: s, fault } => {
@@ -1439,6 +1723,7 @@ impl System {
                                     token,
                                     payload,
                                     moved: false,
+                                    raised: false,
                                 };
                             } else {
                                 Self::acknowledge(&mut state, record, payload);
@@ -1503,8 +1788,11 @@ impl System {
                 let restarted = &mut state.servers[usize::from(s)];
                 restarted.phase = Phase::Idle;
                 restarted.releasing.clear();
-                // A new process: its store's subscriptions to the sentinels are not made yet.
+                // A new process: its store's subscriptions to the sentinels are not made yet,
+                // and an announcement on its way to the old one is lost with it (`Listen` asks
+                // the sentinels instead).
                 restarted.listening = !c.has_replica();
+                restarted.unheard = false;
             }
             Action::Listen { server: s } => {
                 let failing_over = state
@@ -1513,8 +1801,7 @@ impl System {
                 let server = &mut state.servers[usize::from(s)];
                 server.listening = true;
                 if failing_over && c.fenced_on_announcement() {
-                    server.fenced = true;
-                    server.stale_fence = false;
+                    server.raise_fence();
                 }
             }
             Action::Reconnect { server: s } => {
@@ -1569,29 +1856,46 @@ impl System {
                     to,
                     promoted: false,
                     demoted: false,
+                    excused: 0,
                 });
                 // A store that does not listen yet misses the announcement.
+                for server in state.servers.iter_mut().filter(|server| server.listening) {
+                    server.unheard = true;
+                }
+            }
+            Action::Hear { server: s } => {
+                let server = &mut state.servers[usize::from(s)];
+                server.unheard = false;
                 if c.fenced_on_announcement() {
-                    for server in state.servers.iter_mut().filter(|server| server.listening) {
-                        server.fenced = true;
-                        server.stale_fence = false;
-                    }
+                    server.raise_fence();
                 }
             }
             Action::Promote => {
                 if let Some(window) = &mut state.window {
                     window.promoted = true;
-                    let (from, to) = (usize::from(window.from), usize::from(window.to));
-                    state.follows[to] = None;
-                    // What the promoted replica lacks is lost: without the durability option
-                    // that is the documented limit, and each record lost excuses one run.
-                    if !c.replica_acks {
-                        for r in 0..c.records.len() as u8 {
-                            let slot = c.slot(r);
-                            let (old, new) = (state.nodes[from].records[slot], state.nodes[to].records[slot]);
-                            if old.is_some() && old != new {
-                                state.ghosts[usize::from(r)].excuse(Excuse::LostByAsyncFailover);
-                            }
+                    state.follows[usize::from(window.to)] = None;
+                }
+                // What the promoted replica lacks is lost: without the durability option that
+                // is the documented limit, and each record lost excuses one run; with it, so is
+                // an acknowledged record lacked where fewer replicas are required than run.
+                if let Some(Window { from, to, .. }) = state.window {
+                    for r in 0..c.records.len() as u8 {
+                        let slot = c.slot(r);
+                        let (old, new) = (
+                            state.nodes[usize::from(from)].records[slot],
+                            state.nodes[usize::from(to)].records[slot],
+                        );
+                        if !c.replica_acks && old.is_some() && old != new {
+                            let why = Excuse::LostByAsyncFailover {
+                                after_promotion: false,
+                            };
+                            Self::excuse_lost_in_failover(&mut state, r, why);
+                        }
+                        if c.replica_acks && self.acknowledged_without(&state, r, from, to) {
+                            let why = Excuse::FewerAcksThanReplicas {
+                                after_promotion: false,
+                            };
+                            Self::excuse_lost_in_failover(&mut state, r, why);
                         }
                     }
                 }
@@ -1603,9 +1907,15 @@ impl System {
                     let server = &mut state.servers[usize::from(s)];
                     if duplicates_ignored && server.followed == Some(switch) {
                         // Taken for the switch followed before: not followed, and the fence,
-                        // raised for this failover, stands over a store on the new master.
-                        server.stale_fence = true;
+                        // raised for this failover (if heard), stands over a store on the new
+                        // master.
+                        server.stale_fence = server.fenced;
                     } else {
+                        // Not heard before: the fence is raised first, then lowered.
+                        if !server.fenced && c.fenced_on_announcement() {
+                            server.phase.fence_raised();
+                        }
+                        server.unheard = false;
                         if server.node != window.to {
                             server.node = window.to;
                             server.phase.move_connection();
@@ -1627,7 +1937,7 @@ impl System {
                     // to the master the announcement names (a replica by now if overtaken).
                     let server = &mut state.servers[usize::from(s)];
                     if !server.fenced {
-                        server.fenced = true;
+                        server.raise_fence();
                         server.stale_fence = true;
                     }
                     if server.node != named {
@@ -1658,9 +1968,22 @@ impl System {
                     let (from, to) = (usize::from(window.from), usize::from(window.to));
                     state.follows[from] = Some(window.to);
                     state.nodes[from] = state.nodes[to].clone();
+                    // A store on the old master that has not heard yet can do nothing there
+                    // now that it is a replica (writes refused `READONLY`, `WAIT` refused) but
+                    // hear or switch, and a fence raised changes none of its steps: it is
+                    // taken to hear now, which spares the model the states of both orders.
+                    for server in &mut state.servers {
+                        if server.unheard && usize::from(server.node) == from {
+                            server.unheard = false;
+                            if c.fenced_on_announcement() {
+                                server.raise_fence();
+                            }
+                        }
+                    }
                 }
             }
         }
+        self.excuse_what_the_old_master_will_lose(last, &mut state, action);
         // The failover ends once every server is on the new master, the old one is demoted, and
         // every replica follows the new one.
         if let Some(window) = state.window {
@@ -1671,10 +1994,54 @@ impl System {
             {
                 state.previous = Some((window.from, window.to));
                 state.window = None;
+                // An announcement of it that reaches a store now is a late one (`Late`).
+                for server in &mut state.servers {
+                    server.unheard = false;
+                }
             }
         }
         self.check_completed_records(last, &mut state, action);
+        self.forget_raises_that_cannot_matter(&mut state);
+        Self::name_alike_replicas_in_order(&mut state, action);
         (state, landed)
+    }
+
+    /// Two replicas differ only by their records until the first failover picks one: every
+    /// server and call is on the master, and each step treats the two alike. So a state and its
+    /// mirror (the replicas' records swapped) have mirrored futures, and the model keeps one:
+    /// until the first announcement the replicas are named in the order of their records, and
+    /// the one it promotes is named node 1 (`Announce { to: 2 }` swaps them). Properties never
+    /// name a node, so the check is the same, with about half the states.
+    fn name_alike_replicas_in_order(state: &mut State, action: Action) {
+        if state.nodes.len() != 3 || state.previous.is_some() {
+            return;
+        }
+        let swap = match state.window {
+            None => state.nodes[2] < state.nodes[1],
+            Some(Window { to: 2, .. }) => matches!(action, Action::Announce { .. }),
+            Some(_) => false,
+        };
+        if swap {
+            state.nodes.swap(1, 2);
+            if let Some(window) = &mut state.window {
+                window.to = 1;
+            }
+        }
+    }
+
+    /// A raise since a write matters only to a `WAIT` that may still answer for it: none
+    /// without the durability option, and none on a connection replaced since (but
+    /// [`Mutation::WaitOnAnotherConnection`]'s). Forgotten there, so that equal futures are one
+    /// state.
+    fn forget_raises_that_cannot_matter(&self, state: &mut State) {
+        let waits_elsewhere = self.config.mutation == Some(Mutation::WaitOnAnotherConnection);
+        for server in &mut state.servers {
+            if let Some((moved, raised)) = server.phase.waiting_write() {
+                if !self.config.replica_acks || (*moved && !waits_elsewhere) {
+                    *raised = false;
+                }
+            }
+        }
     }
 
     /// A completed record on a master is never changed in place by a store call, and an
@@ -1766,6 +2133,18 @@ pub const ANSWERS_AGREE: &str = "(b) every client of a key gets the same result,
 pub const OWN_RECORD: &str = "(c) no client is answered with another key's or scope's record";
 pub const RUN_AGAIN_AFTER_A_DEATH: &str = "a process that dies: its key runs again";
 pub const EVENTUALLY_DONE: &str = "(d) every client is answered (stateright's weak eventually)";
+pub const FEWER_ACKS_ONLY_IF_FEWER_REQUIRED: &str =
+    "(a) an acknowledged result is lost by a failover only where fewer replicas are required than run";
+
+/// [`FEWER_ACKS_ONLY_IF_FEWER_REQUIRED`]: the limit of `ReplicaAcks::new(n)` with n below the
+/// replica count is met in no other configuration (each state after an excuse shows it as the
+/// last one met).
+pub fn fewer_acks_only_if_fewer_required(config: &Config, state: &State) -> bool {
+    let fewer_required = config.replica_acks && config.acks_required() < usize::from(config.replicas);
+    fewer_required
+        || !(state.ghosts.iter())
+            .any(|ghost| matches!(ghost.last_excuse, Some(Excuse::FewerAcksThanReplicas { .. })))
+}
 
 /// (a): each run after a key's first is excused by a limit met (see [`Excuse`]).
 pub fn at_most_once(state: &State) -> bool {
@@ -1808,6 +2187,10 @@ impl Model for System {
             }),
             Property::always(ANSWERS_AGREE, |_, state: &State| answers_agree(state)),
             Property::always(OWN_RECORD, |_, state: &State| !state.foreign_answer),
+            Property::always(
+                FEWER_ACKS_ONLY_IF_FEWER_REQUIRED,
+                |model: &System, state: &State| fewer_acks_only_if_fewer_required(&model.config, state),
+            ),
             Property::eventually(EVENTUALLY_DONE, |_, state: &State| System::all_done(state)),
             // README's limit, found as an example: a crash between the handler's end and the
             // completion, then the lease runs out and a retry runs the key again.
