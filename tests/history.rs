@@ -64,7 +64,7 @@ use common::cluster::Cluster;
 use common::proxy::{Fault as ProxyFault, FaultProxy};
 use common::sentinel::SentinelTopology;
 use common::storm::InFlight;
-use common::{client, RedisServer};
+use common::RedisServer;
 use history::checker::{
     self, Attempt, Effect, Fault, FaultKind, History, Limits, Nanos, Outcome, Report, Violation,
 };
@@ -189,7 +189,7 @@ impl Topology {
     /// A node's store on `url` (a fault proxy's, the sentinels', or the cluster's).
     async fn store(self, url: &str) -> RedisStore {
         match self {
-            Topology::Standalone => RedisStore::new(client(url).await).with_command_timeout(TIMEOUT),
+            Topology::Standalone => RedisStore::new(patient_client(url).await).with_command_timeout(TIMEOUT),
             Topology::Sentinel | Topology::Cluster => {
                 let store = RedisStore::connect(url)
                     .await
@@ -202,6 +202,25 @@ impl Topology {
                     .await
                     .expect("the durability option")
             }
+        }
+    }
+}
+
+/// A node's client, connected however long that takes, up to 30 s: the child node restarts at
+/// any moment of the run, on a machine CI loads with other test binaries and the fuzzers, and
+/// once missed the shared helper's 1 s connection timeout there; it panicked, and the run ended
+/// with it ("the child node c2 exited"). A first connection that fails is a slow start here,
+/// not a finding: the faults the run injects are on the nodes' connections once they serve.
+async fn patient_client(url: &str) -> fred::clients::Client {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match common::connected(url, 3).await {
+            Ok(client) => return client,
+            Err(error) if tokio::time::Instant::now() < deadline => {
+                eprintln!("a node's first connection to {url} failed ({error}); trying again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(error) => panic!("a node could not connect to {url} in 30 s: {error}"),
         }
     }
 }

@@ -272,6 +272,14 @@ pub async fn client(url: &str) -> Client {
 /// [`client`], sending each command at most `attempts` times (fred re-sends a command whose
 /// connection closed before its answer; 1: never).
 pub async fn client_with_attempts(url: &str, attempts: u32) -> Client {
+    connected(url, attempts)
+        .await
+        .expect("connect to the test redis-server")
+}
+
+/// [`client_with_attempts`], its first connection's failure returned rather than a panic: for
+/// a caller that tries again.
+pub async fn connected(url: &str, attempts: u32) -> Result<Client, fred::error::Error> {
     let client = Builder::from_config(Config::from_url(url).expect("valid url"))
         .with_connection_config(|c| {
             c.connection_timeout = Duration::from_secs(1);
@@ -282,8 +290,8 @@ pub async fn client_with_attempts(url: &str, attempts: u32) -> Client {
         .set_policy(ReconnectPolicy::new_constant(0, 20))
         .build()
         .expect("build a fred client");
-    client.init().await.expect("connect to the test redis-server");
-    client
+    client.init().await?;
+    Ok(client)
 }
 
 /// Waits until `done` holds (a request has claimed its key, say), polling; panics after 10 s.
