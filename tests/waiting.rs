@@ -854,10 +854,11 @@ mod two_nodes {
             first.at.saturating_duration_since(finished_at),
         );
         // The waiters' liveness (issue 36), on both nodes: a waiter that missed the notice would
-        // be answered at the end of its 10 s wait. 2 s for the last of a hundred whole answers
-        // (measured: under 100 ms) is a wide margin, not a benchmark.
+        // be answered at the end of its 10 s wait. 5 s for the last of a hundred whole answers
+        // (measured: under 100 ms; 2.1 s once, all of them 1 s late, on a machine loaded with
+        // builds) is a wide margin, not a benchmark.
         assert!(
-            at(1.0) < Duration::from_secs(2),
+            at(1.0) < Duration::from_secs(5),
             "{topology}: the last waiter was answered {:?} after the handler's end",
             at(1.0)
         );

@@ -278,20 +278,30 @@ pub async fn client_with_attempts(url: &str, attempts: u32) -> Client {
 }
 
 /// [`client_with_attempts`], its first connection's failure returned rather than a panic: for
-/// a caller that tries again.
+/// a caller that tries again. A server still loading its data set (`LOADING`, as a restarted
+/// server may answer for a moment on a loaded machine) is waited for, up to 10 s.
 pub async fn connected(url: &str, attempts: u32) -> Result<Client, fred::error::Error> {
-    let client = Builder::from_config(Config::from_url(url).expect("valid url"))
-        .with_connection_config(|c| {
-            c.connection_timeout = Duration::from_secs(1);
-            c.internal_command_timeout = Duration::from_secs(1);
-            c.max_command_attempts = attempts;
-        })
-        .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
-        .set_policy(ReconnectPolicy::new_constant(0, 20))
-        .build()
-        .expect("build a fred client");
-    client.init().await?;
-    Ok(client)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let client = Builder::from_config(Config::from_url(url).expect("valid url"))
+            .with_connection_config(|c| {
+                c.connection_timeout = Duration::from_secs(1);
+                c.internal_command_timeout = Duration::from_secs(1);
+                c.max_command_attempts = attempts;
+            })
+            .with_performance_config(|p| p.default_command_timeout = Duration::from_secs(2))
+            .set_policy(ReconnectPolicy::new_constant(0, 20))
+            .build()
+            .expect("build a fred client");
+        match client.init().await {
+            Ok(_) => return Ok(client),
+            Err(error) if error.details().starts_with("LOADING") && Instant::now() < deadline => {
+                let _ = client.quit().await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
 }
 
 /// Waits until `done` holds (a request has claimed its key, say), polling; panics after 10 s.
