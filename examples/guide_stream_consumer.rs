@@ -6,9 +6,8 @@
 
 use std::time::Duration;
 
-use tokio::signal::unix::{signal, SignalKind};
 use tower_idempotency::fred::prelude::*;
-use tower_idempotency::{Coordinator, Failure, RedisStore, StreamConsumer};
+use tower_idempotency::{shutdown_signal, Coordinator, Failure, RedisStore, StreamConsumer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,10 +20,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let redis = StreamConsumer::connect_redis(&url).await?;
     let store = RedisStore::connect(&store_url).await?;
     let coordinator = Coordinator::new(store).with_lease(Duration::from_millis(lease_ms));
-    let mut terminate = signal(SignalKind::terminate())?;
-    let shutdown = async {
-        terminate.recv().await;
-    };
+    // SIGTERM or Ctrl-C: what is in hand finishes, then `run` returns.
+    let shutdown = shutdown_signal()?;
     let ledger = redis.clone();
     // Each message: `XADD payments * id pay-1 amount 40`. The key is `id`; the other fields are
     // the fingerprint (the same id with another amount is dead-lettered to `payments:dead`).

@@ -304,7 +304,9 @@ impl Consumer {
             .once_with_ticket(key, fingerprint, |ticket| async move {
                 tokio::time::sleep(self.settings.work).await;
                 tracing::debug!(msg, id, "effect");
-                let mut transaction = store.pool().begin().await?;
+                // The row commits with the record, or neither does: a claim lost meanwhile (its
+                // lease ran out, so another consumer may run it) rolls the row back.
+                let mut transaction = store.transaction_for(&ticket).await?;
                 sqlx::query("INSERT INTO ledger (id, amount) VALUES ($1, $2)")
                     .bind(id)
                     .bind(amount)
@@ -312,16 +314,7 @@ impl Consumer {
                     .await?;
                 tokio::time::sleep(self.settings.pause_after_effect).await;
                 let receipt = Bytes::from(format!("{id} recorded"));
-                if !store
-                    .complete_in(&mut transaction, &ticket, receipt.clone())
-                    .await?
-                {
-                    // The lease ran out under us: another consumer may run it. Dropping the
-                    // transaction rolls the row back.
-                    return Err::<Bytes, BoxError>("the claim was lost before the commit".into());
-                }
-                transaction.commit().await?;
-                Ok(receipt)
+                Ok::<Bytes, BoxError>(transaction.commit(receipt).await?)
             })
             .wait(self.settings.lease)
             .await

@@ -1,26 +1,22 @@
 //! Run with: REDIS_URL=redis://127.0.0.1:6379 cargo run --example stream_consumer --features streams
 //!
-//! A Redis Streams consumer process (`StreamConsumer`) that applies each message's effect once,
-//! however often it comes and wherever a consumer dies: run several, `kill -9` any. Fields `id`
-//! (the key) and `amount` (an integer; the fingerprint). The effect: `HINCRBY <STREAM>:ledger <id>
-//! 1`, or with `DATABASE_URL` (`--features postgres`) a row of `ledger (id, amount)` committed with
-//! the record. Stdout, one line per message: `ran msg=<entry> id="<id>" amount=<n> took_ms=<ms>`
-//! (`not_stored="…"` after it if not stored), `replayed … took_ms=<ms>`, `in-flight …
-//! retry_after_ms=<ms> (left pending)`, `failed`/`unavailable … error="…" (left pending)`,
-//! `dead-lettered … reason="…"`. SIGTERM or Ctrl-C: exit 0 once the message in hand is done.
-//! `stream_consumer publish ID AMOUNT` publishes one. The settings, stderr's lines, exit codes and
-//! reasons: docs/queue-consumers.md, "Two real consumers"; `tests/stream_consumer.rs` holds them.
+//! A Redis Streams consumer that applies each message's effect once, however often it comes and
+//! wherever a consumer dies: `HINCRBY <STREAM>:ledger <id> 1`, or with `DATABASE_URL` (`--features
+//! postgres`) a row of `ledger (id, amount)` committed with the record. Stdout, one line per message:
+//! `ran msg=<entry> id="<id>" amount=<n> took_ms=<ms>` (`not_stored="…"` after it if not stored),
+//! `replayed … took_ms=<ms>`, `in-flight … retry_after_ms=<ms> (left pending)`, `failed`/`unavailable
+//! … error="…" (left pending)`, `dead-lettered … reason="…"`. SIGTERM or Ctrl-C: exit 0 once the
+//! message in hand is done. `stream_consumer publish ID AMOUNT` publishes one. The settings, stderr's
+//! lines, exit codes and reasons: docs/queue-consumers.md, "Two real consumers".
 
 use std::time::Duration;
 
 use tower_idempotency::fred::prelude::*;
+use tower_idempotency::{default_consumer_name, shutdown_signal, BoxError, ClaimTicket, Coordinator};
 #[cfg(feature = "postgres")]
-use tower_idempotency::{bytes::Bytes, sqlx, Failure, PostgresStore};
-use tower_idempotency::{default_consumer_name, ClaimTicket, Coordinator, RedisStore};
-use tower_idempotency::{StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};
+use tower_idempotency::{sqlx, Failure, PostgresStore};
+use tower_idempotency::{RedisStore, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome};
 use tracing::debug;
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 fn setting<T: std::str::FromStr<Err: std::fmt::Display>>(name: &str, default: &str) -> Result<T, BoxError> {
     let value = std::env::var(name).unwrap_or_else(|_| default.to_owned());
@@ -58,12 +54,11 @@ async fn main() -> Result<(), BoxError> {
     let url = std::env::var("REDIS_URL").map_err(|_| "set REDIS_URL to the stream's Redis")?;
     let (stream, group): (String, String) = (setting("STREAM", "payments")?, setting("GROUP", "workers")?);
     let lease = Duration::from_millis(setting("LEASE_MS", "30000")?);
-    #[cfg(unix)]
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let redis = StreamConsumer::connect_redis(&url).await?;
+    let (shutdown, redis) = (shutdown_signal()?, StreamConsumer::connect_redis(&url).await?);
     if let [_, verb, id, amount] = &std::env::args().collect::<Vec<_>>()[..] {
         if verb == "publish" {
-            let publisher = StreamPublisher::new(redis, &stream, setting::<String>("PRODUCER", "publisher")?);
+            let producer = setting::<String>("PRODUCER", "publisher")?;
+            let publisher = tower_idempotency::StreamPublisher::new(redis, &stream, producer);
             let entry = publisher.publish(id, [("id", id), ("amount", amount)]).await?;
             let deduplicated = publisher.deduplicates().await;
             println!("published msg={entry} id={id:?} deduplicated={deduplicated}");
@@ -97,37 +92,25 @@ async fn main() -> Result<(), BoxError> {
         debug!(msg = %entry, id = ?id, "effect");
         #[cfg(feature = "postgres")]
         if let Some(store) = postgres {
-            // The row commits with the record, or neither does.
-            let mut transaction = store.pool().begin().await?;
+            // The row commits with the record, or neither does (a lost claim rolls it back).
+            let mut transaction = store.transaction_for(&ticket).await?;
             let insert = sqlx::query("INSERT INTO ledger (id, amount) VALUES ($1, $2)");
             let amount = amount(&message).map_err(Failure::dead_letter)?;
             insert.bind(id).bind(amount).execute(&mut *transaction).await?;
             tokio::time::sleep(pause).await;
-            let receipt = Bytes::from(format!("{id} recorded"));
-            let completed = store.complete_in(&mut transaction, &ticket, receipt.clone());
-            if !completed.await? {
-                // Lost under us (its lease ran out): dropping the transaction rolls the row back.
-                return Err(Failure::retry("the claim was lost before the commit"));
-            }
-            transaction.commit().await?;
-            return Ok(receipt);
+            return Ok(transaction.commit(format!("{id} recorded").into()).await?);
         }
         let count: i64 = redis.hincrby(ledger, id, 1).await?;
         tokio::time::sleep(pause).await;
         Ok(format!("{id} counted ({count})").into())
-    };
-    let shutdown = async move {
-        #[cfg(unix)]
-        tokio::select! { _ = terminate.recv() => {}, _ = tokio::signal::ctrl_c() => {} }
-        #[cfg(not(unix))]
-        let _ = tokio::signal::ctrl_c().await;
     };
     consumer.run(shutdown, effect).await?;
     tracing::info!("stopped");
     Ok(())
 }
 
-/// With `DATABASE_URL`, the PostgreSQL store, migrated, and the table `ledger (id, amount)`.
+/// With `DATABASE_URL`, the PostgreSQL store, migrated, and the table `ledger (id, amount)`: no
+/// unique `id`, as the record's transaction keeps it to one row per id (the tests count them).
 #[cfg(feature = "postgres")]
 async fn postgres_store() -> Result<Option<PostgresStore>, BoxError> {
     let Ok(url) = std::env::var("DATABASE_URL") else {
@@ -135,7 +118,6 @@ async fn postgres_store() -> Result<Option<PostgresStore>, BoxError> {
     };
     let store = PostgresStore::connect(&url).await?;
     store.migrate().await?;
-    // No unique `id`: the record's transaction keeps it to one row per id (the tests count them).
     // Consumers starting together race to create it: the lock orders them.
     let ddl = "SELECT pg_advisory_xact_lock(24); CREATE TABLE IF NOT EXISTS ledger (id text NOT NULL, amount bigint NOT NULL)";
     sqlx::raw_sql(ddl).execute(store.pool()).await?;

@@ -208,6 +208,8 @@ pub use reconciliation::{NotStored, ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PostgresStore;
+#[cfg(feature = "postgres")]
+pub use store::postgres::{ClaimCommitError, ClaimTransaction};
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
 #[cfg(feature = "redis")]
@@ -216,6 +218,9 @@ pub use store::{
     ClaimOutcome, ClaimTicket, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store,
     StoreError, StoreFuture, RECORD_VERSION,
 };
+#[cfg(feature = "streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
+pub use streams::shutdown_signal;
 #[cfg(feature = "streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
 pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};

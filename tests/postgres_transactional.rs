@@ -1,7 +1,9 @@
 //! Transactional completion on PostgreSQL: a handler stores its response in the transaction of
 //! its business rows. In process: what is committed is what retries get, a rollback leaves the
 //! layer to store or release as usual, a lost claim makes the handler roll back, a transaction
-//! held open past several lease renewals is not taken for a lost claim. Then with a real process
+//! held open past several lease renewals is not taken for a lost claim; `ClaimTransaction` (a
+//! consumer's effect) commits its row with the record, and rolls it back when the claim was
+//! lost. Then with a real process
 //! (`examples/postgres_transactional.rs`) killed with `kill -9` after the commit (the retry
 //! replays; one order) and before it (the key runs again once its lease ends; one order).
 #![cfg(feature = "postgres")]
@@ -233,6 +235,102 @@ async fn a_claim_completed_in_a_transaction_without_http() {
         .expect("a success, not ClaimLost");
     match coordinator.begin(&key, &fingerprint).await.unwrap() {
         Begin::Completed(stored) => assert_eq!(stored, "in the transaction"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A claim of `key` through `coordinator`, and a `ClaimTransaction` for it that has written the
+/// effect: a row in a ledger table of the test's own. Answers the claim, the transaction and
+/// how to count the ledger's rows.
+async fn effect_in_a_claim_transaction(
+    store: &PostgresStore,
+    coordinator: &tower_idempotency::Coordinator,
+    key: &tower_idempotency::RecordKey,
+) -> (
+    tower_idempotency::Claim,
+    tower_idempotency::ClaimTransaction,
+    String,
+) {
+    let table = postgres::unique_table();
+    sqlx::query(&format!("CREATE TABLE {table} (id text NOT NULL)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let begin = coordinator.begin(key, &ct_fingerprint()).await.unwrap();
+    let tower_idempotency::Begin::Claimed(claim) = begin else {
+        panic!("a new key is claimed: {begin:?}");
+    };
+    let mut transaction = store.transaction_for(&claim.ticket()).await.unwrap();
+    sqlx::query(&format!("INSERT INTO {table} VALUES ('{}')", key.key().as_str()))
+        .execute(&mut *transaction)
+        .await
+        .unwrap();
+    (claim, transaction, format!("SELECT count(*) FROM {table}"))
+}
+
+fn ct_fingerprint() -> tower_idempotency::Fingerprint {
+    tower_idempotency::Fingerprint::new([b"ct".as_slice()])
+}
+
+/// `ClaimTransaction` (what a queue consumer's effect uses): the effect's row and the record
+/// commit together, `commit` answers the payload it stored, and the claim's own completion
+/// afterwards leaves the committed result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_transaction_commits_the_effect_with_the_record() {
+    use tower_idempotency::{Begin, Coordinator, IdempotencyKey, RecordKey};
+    let store = shared_store().await;
+    let coordinator = Coordinator::new(store.clone());
+    let key = RecordKey::new(None, IdempotencyKey::parse("ct-commit").unwrap());
+    let (claim, transaction, rows) = effect_in_a_claim_transaction(&store, &coordinator, &key).await;
+    let stored = transaction
+        .commit(Bytes::from_static(b"in the transaction"))
+        .await;
+    assert_eq!(stored.unwrap(), "in the transaction");
+    claim
+        .complete(Bytes::from_static(b"after it"))
+        .await
+        .expect("a success, not ClaimLost");
+    match coordinator.begin(&key, &ct_fingerprint()).await.unwrap() {
+        Begin::Completed(stored) => assert_eq!(stored, "in the transaction"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(count(store.pool(), &rows).await, 1);
+}
+
+/// A claim lost before the commit (purged by an operator, as when its lease ran out, and the
+/// key claimed by another owner): `ClaimTransaction::commit` refuses with `ClaimLost`, the
+/// effect's row is rolled back, and the new owner's claim stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_transaction_whose_claim_was_lost_rolls_the_effect_back() {
+    use tower_idempotency::{Begin, ClaimCommitError, Coordinator, IdempotencyKey, RecordKey, Store};
+    let store = shared_store().await;
+    let coordinator = Coordinator::new(store.clone());
+    let key = RecordKey::new(None, IdempotencyKey::parse("ct-lost").unwrap());
+    let (_first, transaction, rows) = effect_in_a_claim_transaction(&store, &coordinator, &key).await;
+    assert!(
+        store.purge(&key).await.unwrap(),
+        "purged while its effect is written"
+    );
+    let Begin::Claimed(second) = coordinator.begin(&key, &ct_fingerprint()).await.unwrap() else {
+        panic!("the purged key is claimed again");
+    };
+    let refused = transaction.commit(Bytes::from_static(b"too late")).await;
+    assert!(matches!(refused, Err(ClaimCommitError::ClaimLost)), "{refused:?}");
+    assert_eq!(
+        refused.unwrap_err().to_string(),
+        "the claim was lost before the commit"
+    );
+    assert_eq!(
+        count(store.pool(), &rows).await,
+        0,
+        "the lost claim's row was rolled back"
+    );
+    second
+        .complete(Bytes::from_static(b"the new owner's"))
+        .await
+        .unwrap();
+    match coordinator.begin(&key, &ct_fingerprint()).await.unwrap() {
+        Begin::Completed(stored) => assert_eq!(stored, "the new owner's"),
         other => panic!("{other:?}"),
     }
 }

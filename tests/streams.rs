@@ -551,3 +551,28 @@ async fn a_publish_to_a_frozen_server_errs_within_the_bound() {
     assert!(timed_out(warm) && timed_out(cold), "both time out");
     assert!(took < Duration::from_secs(15), "answered after {took:?}");
 }
+
+/// Sends `signal` (`-TERM`, `-INT`) to this test process.
+fn signal_self(signal: &str) {
+    let pid = std::process::id().to_string();
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// `shutdown_signal()` catches SIGTERM and SIGINT from the call on, not from its future's first
+/// poll: each signal is sent before the future is polled, and the future still completes. Were
+/// the handlers installed only when polled, the signal's default action would end this whole
+/// test binary (`signal: 15, SIGTERM`), which is how this test fails. The 10 s bound is a
+/// liveness bound (the future is ready at once, or never), not a measure. About 10 ms.
+#[tokio::test]
+async fn the_shutdown_signal_catches_sigterm_and_sigint_sent_before_it_is_polled() {
+    for signal in ["-TERM", "-INT"] {
+        let shutdown = tower_idempotency::shutdown_signal().expect("install the handlers");
+        signal_self(signal);
+        let caught = tokio::time::timeout(Duration::from_secs(10), shutdown).await;
+        assert!(caught.is_ok(), "{signal}: the shutdown future did not complete");
+    }
+}
