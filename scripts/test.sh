@@ -90,11 +90,19 @@ counted() {
 
 # Fails when one of `filters` matches no test of the binary `exe` (libtest's `--list`, which runs
 # nothing): with several filters, one left behind by a rename (a module, a test) would drop its
-# suite while the others still run, and the binary would pass.
+# suite while the others still run, and the binary would pass. Among the filters may stand
+# libtest's `--skip PATTERN`, whose pattern must match a test too (else the tests it leaves to
+# another phase, the storms, would run twice, or that phase none), and `--test-threads N`.
 filters_match() {
   local name=$1 exe=$2 filter listed
   shift 2
-  for filter in "$@"; do
+  while [ "$#" -gt 0 ]; do
+    filter=$1
+    shift
+    case "$filter" in
+      --skip) filter=$1 && shift ;;
+      --test-threads) shift && continue ;;
+    esac
     listed=$("$exe" --list "$filter") || return 1
     grep -q ': test$' <<<"$listed" || {
       echo "test.sh: $name: the filter '$filter' matches no test"
@@ -121,25 +129,29 @@ run_lanes() {
           "") ;;
           *=*) export "${name?}" ;; # a lane's environment, ahead of its binaries
           doctests)
-            echo "== doctests"
-            counted doctests cargo test --all-features --doc || lane_failed=1
+            echo "== doctests (at $(($(date +%s) - started)) s)"
+            # At idle priority, as the TLS refusal's build below: builds, beside timing tests.
+            counted doctests chrt --idle 0 cargo test --all-features --doc || lane_failed=1
             ran=$((ran + 1))
+            ;;
+          cargo-done)
+            # This run needs cargo no more: .ci/run's lints (clippy, each feature alone, the
+            # package), waiting at idle priority for this file, may take its lock now.
+            [ -z "${TEST_SH_CARGO_DONE:-}" ] || touch "$TEST_SH_CARGO_DONE"
             ;;
           tls-refusal-without-tls)
             # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must
             # be refused (never a plain-text connection). A build of its own (about 25 s of a
             # core), so it runs in a lane, beside tests that mostly wait, and not after them.
-            echo "== the TLS refusal without TLS"
+            echo "== the TLS refusal without TLS (at $(($(date +%s) - started)) s)"
             counted "the TLS refusal without TLS" \
-              cargo test --no-default-features --features redis,postgres --lib -- tls || lane_failed=1
+              chrt --idle 0 cargo test --no-default-features --features redis,postgres --lib -- tls || lane_failed=1
             ran=$((ran + 1))
             ;;
           *)
-            echo "== $name"
-            # The model check is pure CPU on both cores (about a minute since the model hears
-            # each failover at a step of its own) and runs beside the Redis lane, whose tests
-            # wait on leases and timeouts: at idle priority (SCHED_IDLE) it takes only the CPU
-            # they leave, and cannot stretch their timings past their bounds.
+            echo "== $name (at $(($(date +%s) - started)) s)"
+            # The model check is pure CPU on both cores and runs beside lanes whose tests wait
+            # on leases and timeouts: at idle priority (SCHED_IDLE), see its lane below.
             idle=()
             [ "$name" != model_check ] || idle=(chrt --idle 0)
             # shellcheck disable=SC2086 # filters are words
@@ -148,6 +160,7 @@ run_lanes() {
             ;;
         esac
       done <<<"$lane"
+      echo "== the lane ends (at $(($(date +%s) - started)) s)"
       [ "$ran" -gt 0 ] || { echo "test.sh: a lane ran no test binary"; lane_failed=1; }
       exit "$lane_failed"
     ) >"$logs/$n.log" 2>&1 &
@@ -205,29 +218,49 @@ for name in redis redis_faults redis_replica_acks redis_cluster; do
 done
 entry=$(binary model_conformance)
 server_lane+="$entry redis_store"$'\n'
-# Two lanes: the Redis suites (the storms, failovers and freezes among them) in one, the rest,
-# the doctests and the TLS refusal built without TLS in the other (each about 4.5 to 5
-# minutes of running, one binary after the other, in CI).
+# Four lanes side by side: the Redis suites (the faults, failovers and freezes among them), the
+# history checker's bounded runs, the rest, and cargo's builds (the doctests and the TLS refusal
+# built without TLS, the last use of cargo here: then .ci/run's lints may take cargo's lock on
+# the target directory, `cargo-done`). A fifth runs the model check, pure CPU on both cores
+# (about a minute since the model hears each failover at a step of its own), at idle priority
+# (SCHED_IDLE, `run_lanes`): it takes only the CPU the others leave, and cannot stretch their
+# timings past their bounds.
+# Most suites wait on leases, timeouts and servers, not the CPU; those that only wait run four
+# tests at a time (libtest's default is one per core, two here). The others keep two: more made
+# tests that race fixed timeouts of 100 to 300 ms (PostgreSQL's faults, the consumers' kill -9
+# runs) fail, one to three a run, on a loaded machine.
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
-# are the failover's and not the other lane's load (.ci/run's fuzz step may run meanwhile, at
-# idle priority: it gets no CPU time they ask for). (Under that load, with a 5 s lease, a storm
-# once ran a key twice: the lease ran out before the completion reached the new master, the
-# documented limit; their lease is 15 s since, see docs/topologies-and-failover.md.)
-redis_lane="" other_lane="" storms=""
+# are the failover's and not the other lanes' load (.ci/run's background steps may run
+# meanwhile, at idle priority: they get no CPU time the storms ask for). (Under that load, with
+# a 5 s lease, a storm once ran a key twice: the lease ran out before the completion reached the
+# new master, the documented limit; their lease is 15 s since, see
+# docs/topologies-and-failover.md.) tests/redis_sentinel.rs's other tests (fences, late and
+# stale announcements, sentinels unheard) run in the Redis lane, ten at a time: each waits on
+# failovers and looks of its own topology (ten took 32 s so, 92 s two at a time).
+storm_tests="forced_failover graceful_failover" # the names of tests/redis_sentinel.rs's storms
+redis_lane="" history_lane="" other_lane=""
+model_lane="" storms=""
 for entry in "${binaries[@]}"; do
   case "${entry%% *}" in
-    redis_sentinel | redis_cluster_failover) storms+="$entry"$'\n' ;;
-    # history: the history checker's bounded runs, standalone, Sentinel and Cluster (about 2 min, mostly waiting on its faults).
-    # redis_liveness (about 50 s, waiting on idle timeouts) runs in the other lane, which was
-    # the shorter by about 90 s: the first phase ends with the longer lane.
-    redis_liveness) other_lane+="$entry"$'\n' ;;
-    redis* | chaos | history | waiting | layer_suite | store_suite | faults) redis_lane+="$entry"$'\n' ;;
+    redis_sentinel)
+      storms+="$entry $storm_tests"$'\n'
+      redis_lane+="$entry --test-threads 10$(printf ' --skip %s' $storm_tests)"$'\n'
+      ;;
+    redis_cluster_failover) storms+="$entry"$'\n' ;;
+    history) history_lane+="$entry"$'\n' ;;
+    model_check) model_lane+="$entry"$'\n' ;;
+    # Suites that only wait (measured: 1.2 to 5 s of CPU in 6 to 24 s, six at a time at a load
+    # of 8), four tests at a time; redis_liveness (waiting on idle timeouts) in the other lane,
+    # and the RabbitMQ consumer and the URL forms in the Redis lane, to even the two out.
+    layer_suite | waiting | redis_replica_acks) redis_lane+="$entry --test-threads 4"$'\n' ;;
+    redis_liveness | quickstart | admin_tool | reconciliation) other_lane+="$entry --test-threads 4"$'\n' ;;
+    redis* | chaos | store_suite | faults | rabbitmq_consumer | url_forms) redis_lane+="$entry"$'\n' ;;
     *) other_lane+="$entry"$'\n' ;;
   esac
 done
-other_lane+="doctests"$'\n'"tls-refusal-without-tls"$'\n'
-phase "the Redis lane and the other lane"
-run_lanes "$redis_lane" "$other_lane"
+cargo_lane="doctests"$'\n'"tls-refusal-without-tls"$'\n'"cargo-done"$'\n'
+phase "the Redis lane, the history checker, the other lane, cargo's builds and the model check"
+run_lanes "$redis_lane" "$history_lane" "$other_lane" "$cargo_lane" "$model_lane"
 phase "the failover storms"
 run_lanes "$storms"
 

@@ -976,7 +976,9 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
         .with_store_timeout(Duration::from_secs(15));
     let (app, runs) = router(layer.clone());
 
-    let running = spawn_send(&app, payment_with("lagging", &[("x-delay-ms", "500")]));
+    // The handler runs 2 s: b's link is black-holed before it ends (with 500 ms, a loaded
+    // machine once let the completion reach b first).
+    let running = spawn_send(&app, payment_with("lagging", &[("x-delay-ms", "2000")]));
     let deadline = Instant::now() + Duration::from_secs(5);
     while runs.get() == 0 {
         assert!(Instant::now() < deadline, "the handler never started");
