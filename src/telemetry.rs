@@ -160,6 +160,28 @@ pub(crate) enum RejectionKind {
     NoEndpoint,
 }
 
+impl RejectionKind {
+    /// Every kind's label, in declaration order (`kind as usize` indexes it): the variant's
+    /// name, which is also the [`Rejection`](crate::Rejection)'s and the end of its problem type.
+    pub(crate) const LABELS: [&'static str; 15] = [
+        "MissingKey",
+        "InvalidKey",
+        "BodyTooLarge",
+        "BodyUnreadable",
+        "InFlight",
+        "Mismatch",
+        "PolicyMismatch",
+        "StoreUnavailable",
+        "UnreadableRecord",
+        "Overloaded",
+        "HandlerPanicked",
+        "MissingScope",
+        "ResponseNotStored",
+        "HandlerTimedOut",
+        "NoEndpoint",
+    ];
+}
+
 /// The `kind` label of a reconciliation event (`idempotency_reconciliation_events_total`): one
 /// per [`ReconciliationKind`](crate::ReconciliationKind) variant, which names its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,6 +191,18 @@ pub(crate) enum EventKind {
     ClaimLost,
     ReplicationAbandoned,
     LostBeforeReplicated,
+}
+
+impl EventKind {
+    /// Every kind's label, in declaration order (`kind as usize` indexes it).
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    const LABELS: [&'static str; 5] = [
+        "completion_failed",
+        "not_storable",
+        "claim_lost",
+        "replication_abandoned",
+        "lost_before_replicated",
+    ];
 }
 
 /// A store operation: the `op` label of `idempotency_store_duration_seconds` and the span's
@@ -241,7 +275,7 @@ impl Named {
     pub(crate) fn new(name: Arc<str>) -> Arc<Self> {
         Arc::new(Self {
             #[cfg(feature = "metrics")]
-            keys: recorded::Keys::new(&name),
+            keys: recorded::Keys::new(Some(&name)),
             name,
         })
     }
@@ -597,13 +631,15 @@ pub(crate) fn request_span(key: &RecordKey) -> Span {
     span
 }
 
-/// The recording itself. Each arm names its labels as literals: the facade then keeps the key in
-/// a `static`, hashed at compile time; a label given as a variable would build a `Vec` per call.
+/// The recording itself, through keys built and hashed once: a named coordinator's when its
+/// name is set ([`Named`]), the unnamed ones at the first metric recorded. Recording picks one
+/// by index, with no allocation nor formatting, as the facade's macros do with literal labels.
 #[cfg(feature = "metrics")]
 mod recorded {
+    use std::sync::LazyLock;
     use std::time::Duration;
 
-    use metrics::{counter, gauge, histogram, Key, Label, Level, Metadata, SharedString};
+    use metrics::{counter, Key, Label, Level, Metadata, SharedString};
 
     #[cfg(feature = "redis")]
     use super::{Connection, ConnectionEvent};
@@ -615,155 +651,64 @@ mod recorded {
     const STORE: &str = "idempotency_store_duration_seconds";
     const RUNNING: &str = "idempotency_running";
 
-    /// What the facade's macros pass for a call site; one for every named key.
+    /// What the facade's macros pass for a call site; one for every key built here.
     static METADATA: Metadata<'static> = Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
-    /// Every key a named coordinator records under, indexed as the enums are declared.
+    /// The keys of the metrics of coordinators (layers) without a name.
+    static UNNAMED: LazyLock<Keys> = LazyLock::new(|| Keys::new(None));
+
+    /// Every key a coordinator records under, indexed as the enums are declared.
     pub(super) struct Keys {
         requests: [Key; RequestOutcome::ALL.len()],
         waited: Key,
-        rejections: [Key; REJECTION_KINDS.len()],
-        reconciliation: [Key; RECONCILIATION_KINDS.len()],
+        rejections: [Key; RejectionKind::LABELS.len()],
+        reconciliation: [Key; EventKind::LABELS.len()],
         store: [Key; StoreOp::ALL.len()],
         running: Key,
     }
 
     impl Keys {
-        pub(super) fn new(name: &std::sync::Arc<str>) -> Self {
-            let named = |metric: &'static str, label: Option<(&'static str, &'static str)>| {
-                let name = Label::new("name", SharedString::from(name.clone()));
-                let labels = match label {
-                    Some((key, value)) => vec![Label::from_static_parts(key, value), name],
-                    None => vec![name],
-                };
-                Key::from_parts(metric, labels)
+        /// The keys with `name` as their `name` label, if given.
+        pub(super) fn new(name: Option<&std::sync::Arc<str>>) -> Self {
+            let key = |metric: &'static str, label: Option<(&'static str, &'static str)>| {
+                let name = name.map(|name| Label::new("name", SharedString::from(name.clone())));
+                let labels = label.map(|(key, value)| Label::from_static_parts(key, value));
+                Key::from_parts(metric, labels.into_iter().chain(name).collect::<Vec<_>>())
             };
             Self {
                 requests: RequestOutcome::ALL
-                    .map(|outcome| named(REQUESTS, Some(("outcome", outcome.as_str())))),
-                waited: named(REQUESTS, Some(("outcome", "waited"))),
-                rejections: REJECTION_KINDS.map(|kind| named(REJECTIONS, Some(("kind", kind)))),
-                reconciliation: RECONCILIATION_KINDS.map(|kind| named(RECONCILIATION, Some(("kind", kind)))),
-                store: StoreOp::ALL.map(|op| named(STORE, Some(("op", op.as_str())))),
-                running: named(RUNNING, None),
+                    .map(|outcome| key(REQUESTS, Some(("outcome", outcome.as_str())))),
+                waited: key(REQUESTS, Some(("outcome", "waited"))),
+                rejections: RejectionKind::LABELS.map(|kind| key(REJECTIONS, Some(("kind", kind)))),
+                reconciliation: EventKind::LABELS.map(|kind| key(RECONCILIATION, Some(("kind", kind)))),
+                store: StoreOp::ALL.map(|op| key(STORE, Some(("op", op.as_str())))),
+                running: key(RUNNING, None),
             }
         }
     }
 
-    /// The `kind` labels of rejections, in `RejectionKind` order.
-    const REJECTION_KINDS: [&str; 15] = [
-        "MissingKey",
-        "InvalidKey",
-        "BodyTooLarge",
-        "BodyUnreadable",
-        "InFlight",
-        "Mismatch",
-        "PolicyMismatch",
-        "StoreUnavailable",
-        "UnreadableRecord",
-        "Overloaded",
-        "HandlerPanicked",
-        "MissingScope",
-        "ResponseNotStored",
-        "HandlerTimedOut",
-        "NoEndpoint",
-    ];
-
-    /// The `kind` labels of reconciliation events, in `EventKind` order.
-    const RECONCILIATION_KINDS: [&str; 5] = [
-        "completion_failed",
-        "not_storable",
-        "claim_lost",
-        "replication_abandoned",
-        "lost_before_replicated",
-    ];
+    fn keys(named: Option<&Named>) -> &Keys {
+        named.map_or(&UNNAMED, |named| &named.keys)
+    }
 
     fn count(key: &Key) {
         metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
     }
 
     pub(super) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
-        if let Some(named) = named {
-            return count(&named.keys.requests[outcome as usize]);
-        }
-        macro_rules! count {
-            ($($variant:ident => $label:literal),* $(,)?) => {
-                match outcome {
-                    $(RequestOutcome::$variant => counter!("idempotency_requests_total", "outcome" => $label).increment(1),)*
-                }
-            };
-        }
-        count!(
-            Executed => "executed",
-            Replayed => "replayed",
-            InFlight => "in_flight",
-            Mismatch => "mismatch",
-            PolicyMismatch => "policy_mismatch",
-            NotStored => "not_stored",
-            Rejected => "rejected",
-            StoreError => "store_error",
-            Fenced => "fenced",
-            FailOpen => "fail_open",
-            Overloaded => "overloaded",
-            Unreadable => "unreadable",
-        );
+        count(&keys(named).requests[outcome as usize]);
     }
 
     pub(super) fn waited(named: Option<&Named>) {
-        match named {
-            Some(named) => count(&named.keys.waited),
-            None => counter!("idempotency_requests_total", "outcome" => "waited").increment(1),
-        }
+        count(&keys(named).waited);
     }
 
     pub(super) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
-        if let Some(named) = named {
-            return count(&named.keys.rejections[rejection as usize]);
-        }
-        macro_rules! count {
-            ($($pattern:pat => $label:literal),* $(,)?) => {
-                match rejection {
-                    $($pattern => counter!("idempotency_rejections_total", "kind" => $label).increment(1),)*
-                }
-            };
-        }
-        count!(
-            RejectionKind::MissingKey => "MissingKey",
-            RejectionKind::InvalidKey => "InvalidKey",
-            RejectionKind::BodyTooLarge => "BodyTooLarge",
-            RejectionKind::BodyUnreadable => "BodyUnreadable",
-            RejectionKind::InFlight => "InFlight",
-            RejectionKind::Mismatch => "Mismatch",
-            RejectionKind::PolicyMismatch => "PolicyMismatch",
-            RejectionKind::StoreUnavailable => "StoreUnavailable",
-            RejectionKind::UnreadableRecord => "UnreadableRecord",
-            RejectionKind::Overloaded => "Overloaded",
-            RejectionKind::HandlerPanicked => "HandlerPanicked",
-            RejectionKind::MissingScope => "MissingScope",
-            RejectionKind::ResponseNotStored => "ResponseNotStored",
-            RejectionKind::HandlerTimedOut => "HandlerTimedOut",
-            RejectionKind::NoEndpoint => "NoEndpoint",
-        );
+        count(&keys(named).rejections[rejection as usize]);
     }
 
     pub(super) fn reconciliation(kind: EventKind, named: Option<&Named>) {
-        if let Some(named) = named {
-            return count(&named.keys.reconciliation[kind as usize]);
-        }
-        macro_rules! count {
-            ($($pattern:pat => $label:literal),* $(,)?) => {
-                match kind {
-                    $($pattern => counter!("idempotency_reconciliation_events_total", "kind" => $label).increment(1),)*
-                }
-            };
-        }
-        count!(
-            EventKind::CompletionFailed => "completion_failed",
-            EventKind::NotStorable => "not_storable",
-            EventKind::ClaimLost => "claim_lost",
-            EventKind::ReplicationAbandoned => "replication_abandoned",
-            EventKind::LostBeforeReplicated => "lost_before_replicated",
-        );
+        count(&keys(named).reconciliation[kind as usize]);
     }
 
     #[cfg(feature = "redis")]
@@ -792,14 +737,8 @@ mod recorded {
     }
 
     pub(super) fn running(delta: f64, named: Option<&Named>) {
-        match named {
-            Some(named) => metrics::with_recorder(|recorder| {
-                recorder
-                    .register_gauge(&named.keys.running, &METADATA)
-                    .increment(delta);
-            }),
-            None => gauge!("idempotency_running").increment(delta),
-        }
+        let key = &keys(named).running;
+        metrics::with_recorder(|recorder| recorder.register_gauge(key, &METADATA).increment(delta));
     }
 
     pub(super) fn setup_warning(kind: super::SetupWarning, named: Option<&Named>) {
@@ -816,30 +755,12 @@ mod recorded {
     }
 
     pub(super) fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {
-        let seconds = took.as_secs_f64();
-        if let Some(named) = named {
-            let key = &named.keys.store[op as usize];
-            return metrics::with_recorder(|recorder| {
-                recorder.register_histogram(key, &METADATA).record(seconds)
-            });
-        }
-        macro_rules! record {
-            ($($variant:ident => $label:literal),* $(,)?) => {
-                match op {
-                    $(StoreOp::$variant => histogram!("idempotency_store_duration_seconds", "op" => $label).record(seconds),)*
-                }
-            };
-        }
-        record!(
-            Claim => "claim",
-            Peek => "peek",
-            Complete => "complete",
-            Release => "release",
-            Renew => "renew",
-            Inspect => "inspect",
-            Purge => "purge",
-            Watch => "watch",
-        );
+        let key = &keys(named).store[op as usize];
+        metrics::with_recorder(|recorder| {
+            recorder
+                .register_histogram(key, &METADATA)
+                .record(took.as_secs_f64())
+        });
     }
 }
 
@@ -889,58 +810,96 @@ mod tests {
         }
     }
 
-    /// The metric's labels and the span's field go through separate literal tables; a local
-    /// recorder checks they agree, and that a rejection's label is its problem type's name.
+    /// Every key is picked by index (an enum variant's place in its table): recorded by an
+    /// unnamed coordinator and by a named one, each metric carries the label its variant has,
+    /// the name too if there is one, and nothing else; a rejection's label is its problem
+    /// type's name, as the span's outcome field is the outcome's label.
     #[cfg(feature = "metrics")]
     #[test]
-    fn recorded_labels_agree_with_the_names_used_elsewhere() {
+    fn metrics_carry_their_documented_labels_named_or_not() {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-        use metrics_util::MetricKind;
 
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        let outcomes = RequestOutcome::ALL;
+        for (index, outcome) in RequestOutcome::ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, index, "{outcome:?}");
+        }
+        for (index, op) in StoreOp::ALL.into_iter().enumerate() {
+            assert_eq!(op as usize, index, "{op:?}");
+        }
         let rejections = [
             crate::Rejection::MissingKey,
             crate::Rejection::BodyUnreadable,
             crate::Rejection::StoreUnavailable,
+            crate::Rejection::UnreadableRecord,
             crate::Rejection::Overloaded,
             crate::Rejection::HandlerPanicked,
-            crate::Rejection::UnreadableRecord,
             crate::Rejection::MissingScope,
             crate::Rejection::NoEndpoint,
         ];
-        metrics::with_local_recorder(&recorder, || {
-            for outcome in outcomes {
-                self::outcome(outcome, None);
+        let kinds = [
+            (ReconciliationKind::ClaimLost, "claim_lost"),
+            (ReconciliationKind::LostBeforeReplicated, "lost_before_replicated"),
+            (
+                ReconciliationKind::NotStorable {
+                    why: crate::NotStored::TooLarge,
+                },
+                "not_storable",
+            ),
+        ];
+        let payments = Named::new("payments".into());
+        for named in [None, Some(&*payments)] {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            metrics::with_local_recorder(&recorder, || {
+                for outcome in RequestOutcome::ALL {
+                    self::outcome(outcome, named);
+                }
+                self::waited(named);
+                for rejection in &rejections {
+                    self::rejection(rejection.kind(), named);
+                }
+                for (kind, _) in &kinds {
+                    self::reconciliation(kind.event_kind(), named);
+                }
+                for op in StoreOp::ALL {
+                    store_call(op, Duration::from_millis(1), named);
+                }
+            });
+            let recorded = snapshotter.snapshot().into_vec();
+            let named_as = named.map(Named::name);
+            let once = |metric: &str, label: &str, value: &str| {
+                let mut expected = vec![(label.to_owned(), value.to_owned())];
+                expected.extend(named.map(|named| ("name".to_owned(), named.name().to_owned())));
+                recorded.iter().any(|(key, _, _, recorded)| {
+                    let labels = key.key().labels();
+                    let labels: Vec<_> = labels
+                        .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                        .collect();
+                    key.key().name() == metric
+                        && labels == expected
+                        && matches!(recorded, DebugValue::Counter(1) | DebugValue::Histogram(_))
+                })
+            };
+            let labels = RequestOutcome::ALL.map(RequestOutcome::as_str);
+            for label in labels.into_iter().chain(["waited"]) {
+                assert!(
+                    once("idempotency_requests_total", "outcome", label),
+                    "{label} {named_as:?}"
+                );
             }
-            self::waited(None);
             for rejection in &rejections {
-                self::rejection(rejection.kind(), None);
+                let name = rejection.problem_type();
+                let name = name.rsplit('.').next().unwrap_or_default();
+                let found = once("idempotency_rejections_total", "kind", name);
+                assert!(found, "{rejection:?} {named_as:?}");
             }
-        });
-        let snapshot = snapshotter.snapshot().into_hashmap();
-        let labels = outcomes.map(RequestOutcome::as_str).into_iter().chain(["waited"]);
-        for label in labels {
-            let found = snapshot.iter().any(|(key, (_, _, value))| {
-                key.kind() == MetricKind::Counter
-                    && key.key().name() == "idempotency_requests_total"
-                    && key
-                        .key()
-                        .labels()
-                        .any(|l| l.key() == "outcome" && l.value() == label)
-                    && *value == DebugValue::Counter(1)
-            });
-            assert!(found, "{label}");
-        }
-        for rejection in &rejections {
-            let name = rejection.problem_type();
-            let name = name.rsplit('.').next().unwrap_or_default();
-            let found = snapshot.iter().any(|(key, _)| {
-                key.key().name() == "idempotency_rejections_total"
-                    && key.key().labels().any(|l| l.key() == "kind" && l.value() == name)
-            });
-            assert!(found, "{rejection:?}");
+            for (kind, label) in &kinds {
+                let found = once("idempotency_reconciliation_events_total", "kind", label);
+                assert!(found, "{kind:?} {named_as:?}");
+            }
+            for op in StoreOp::ALL {
+                let found = once("idempotency_store_duration_seconds", "op", op.as_str());
+                assert!(found, "{op:?} {named_as:?}");
+            }
         }
     }
 
@@ -983,103 +942,6 @@ mod tests {
                 });
                 assert!(found, "{connection:?} {event:?}");
             }
-        }
-    }
-
-    /// A named coordinator's keys are picked by index: each must carry the label its enum
-    /// variant has unnamed, plus the name.
-    #[cfg(feature = "metrics")]
-    #[test]
-    fn named_keys_carry_the_same_labels_and_the_name() {
-        use metrics_util::debugging::DebuggingRecorder;
-
-        for (index, outcome) in RequestOutcome::ALL.into_iter().enumerate() {
-            assert_eq!(outcome as usize, index, "{outcome:?}");
-        }
-        for (index, op) in StoreOp::ALL.into_iter().enumerate() {
-            assert_eq!(op as usize, index, "{op:?}");
-        }
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        let named = Named::new("payments".into());
-        let rejections = [
-            crate::Rejection::MissingKey,
-            crate::Rejection::BodyUnreadable,
-            crate::Rejection::StoreUnavailable,
-            crate::Rejection::UnreadableRecord,
-            crate::Rejection::Overloaded,
-            crate::Rejection::HandlerPanicked,
-            crate::Rejection::MissingScope,
-        ];
-        let kinds = [
-            ReconciliationKind::ClaimLost,
-            ReconciliationKind::LostBeforeReplicated,
-            ReconciliationKind::NotStorable {
-                why: crate::NotStored::TooLarge,
-            },
-        ];
-        metrics::with_local_recorder(&recorder, || {
-            for outcome in RequestOutcome::ALL {
-                self::outcome(outcome, Some(&named));
-            }
-            self::waited(Some(&named));
-            for rejection in &rejections {
-                self::rejection(rejection.kind(), Some(&named));
-            }
-            for kind in &kinds {
-                self::reconciliation(kind.event_kind(), Some(&named));
-            }
-            for op in StoreOp::ALL {
-                store_call(op, Duration::from_millis(1), Some(&named));
-            }
-        });
-        let keys: Vec<(String, Vec<(String, String)>)> = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .map(|(key, ..)| {
-                let labels = key
-                    .key()
-                    .labels()
-                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                    .collect();
-                (key.key().name().to_owned(), labels)
-            })
-            .collect();
-        let has = |metric: &str, label: &str, value: &str| {
-            keys.iter().any(|(name, labels)| {
-                name == metric
-                    && labels.contains(&(label.to_owned(), value.to_owned()))
-                    && labels.contains(&("name".to_owned(), "payments".to_owned()))
-            })
-        };
-        for outcome in RequestOutcome::ALL {
-            assert!(
-                has("idempotency_requests_total", "outcome", outcome.as_str()),
-                "{outcome:?}"
-            );
-        }
-        assert!(has("idempotency_requests_total", "outcome", "waited"));
-        for rejection in &rejections {
-            assert!(
-                has("idempotency_rejections_total", "kind", rejection.name()),
-                "{rejection:?}"
-            );
-        }
-        for (kind, label) in kinds
-            .iter()
-            .zip(["claim_lost", "lost_before_replicated", "not_storable"])
-        {
-            assert!(
-                has("idempotency_reconciliation_events_total", "kind", label),
-                "{kind:?}"
-            );
-        }
-        for op in StoreOp::ALL {
-            assert!(
-                has("idempotency_store_duration_seconds", "op", op.as_str()),
-                "{op:?}"
-            );
         }
     }
 }

@@ -226,17 +226,15 @@ impl Claim {
     /// [reconciliation hook](crate::Coordinator::with_reconciliation), with the payload, once:
     /// a result the background task stores after all is not reported.
     pub async fn complete(mut self, payload: Bytes) -> Result<(), Error> {
-        if self.is_lost() {
-            self.stop_renewal();
-            self.settled = true;
-            tracing::warn!(key = ?self.key, "claim lost before completion; the result is not stored");
-            self.reconcile(ReconciliationKind::ClaimLost, Some(&payload));
-            return Err(Error::ClaimLost);
-        }
-        if self.renewal.is_some() {
-            self.flags.completing.store(true, Ordering::Release);
-        }
-        let outcome = self.complete_once(&payload).await;
+        // Lost already: settled as a completion that found the claim gone.
+        let outcome = if self.is_lost() {
+            Ok(false)
+        } else {
+            if self.renewal.is_some() {
+                self.flags.completing.store(true, Ordering::Release);
+            }
+            self.complete_once(&payload).await
+        };
         if let Err(error) = &outcome {
             if worth_completing_again(error) {
                 tracing::warn!(

@@ -169,16 +169,11 @@ impl PolicyLayer {
         configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
     ) -> Result<Self, PolicyError> {
         let pattern = PathPattern::parse(pattern)?;
-        let methods: Vec<Method> = methods.into_iter().collect();
-        let layer = configure(self.base.clone()).with_methods(methods.clone());
-        self.push(Endpoint {
-            methods,
-            pattern,
-            layer,
-        })
+        let layer = configure(self.base.clone());
+        self.push_layer(methods.into_iter().collect(), pattern, layer)
     }
 
-    #[cfg_attr(not(feature = "policy"), allow(dead_code))]
+    /// Adds the endpoint of `methods` and `pattern`, handled by `layer`.
     pub(crate) fn push_layer(
         self,
         methods: Vec<Method>,
@@ -186,14 +181,11 @@ impl PolicyLayer {
         layer: IdempotencyLayer,
     ) -> Result<Self, PolicyError> {
         let layer = layer.with_methods(methods.clone());
-        self.push(Endpoint {
+        let endpoint = Endpoint {
             methods,
             pattern,
             layer,
-        })
-    }
-
-    fn push(self, endpoint: Endpoint) -> Result<Self, PolicyError> {
+        };
         let mut endpoints = self.endpoints.to_vec();
         if let Some(earlier) = endpoints.iter().find(|earlier| {
             earlier.pattern.same_as(&endpoint.pattern)
@@ -361,10 +353,9 @@ impl PathPattern {
                     return Err(bad("the wildcard `*` must be the last segment"));
                 }
                 rest = true;
-            } else if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
-                check_param_name(name).map_err(bad)?;
-                segments.push(Segment::Param);
-            } else if let Some(name) = part.strip_prefix(':') {
+            } else if let Some(name) =
+                (part.strip_prefix('{').and_then(|p| p.strip_suffix('}'))).or_else(|| part.strip_prefix(':'))
+            {
                 check_param_name(name).map_err(bad)?;
                 segments.push(Segment::Param);
             } else if part.contains(['{', '}', '*']) {

@@ -764,26 +764,21 @@ impl IdempotencyLayer {
         let Some(info) = self.coordinator.inspect(&key).await? else {
             return Ok(None);
         };
-        let decoded = match &info.payload {
-            Some(payload) => Some(
-                stored::decode(payload)
-                    .map_err(|reason| Error::Store(crate::store::StoreError::Corrupt(reason)))?,
-            ),
-            None => None,
+        let decoded = info.payload.as_ref().map(stored::decode).transpose();
+        let decoded = decoded.map_err(|reason| Error::Store(crate::store::StoreError::Corrupt(reason)))?;
+        let status = decoded.as_ref().and_then(stored::Decoded::status);
+        let (not_stored, body) = match decoded {
+            Some(stored::Decoded::NotStored { why, .. }) => (Some(why), None),
+            Some(stored::Decoded::Response(stored)) => (None, Some(stored.body)),
+            Some(stored::Decoded::Newer { .. }) | None => (None, None),
         };
         Ok(Some(Inspection {
             state: info.state,
             expires_in: info.expires_in,
-            status: decoded.as_ref().and_then(stored::Decoded::status),
+            status,
             stored_bytes: info.payload.as_ref().map_or(0, Bytes::len),
-            not_stored: match &decoded {
-                Some(stored::Decoded::NotStored { why, .. }) => Some(*why),
-                _ => None,
-            },
-            body: match decoded {
-                Some(stored::Decoded::Response(stored)) => Some(stored.body),
-                _ => None,
-            },
+            not_stored,
+            body,
         }))
     }
 

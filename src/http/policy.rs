@@ -14,7 +14,7 @@ use crate::http::config::{handler_timeout_error, rejection_status_error};
 use crate::http::endpoints::{PathPattern, PolicyError, PolicyLayer};
 use crate::http::fingerprint::{ContentTypePart, FingerprintPolicy};
 use crate::http::layer::IdempotencyLayer;
-use crate::http::scope::{header_scope, host_scope_fn};
+use crate::http::scope::{header_scope, Scope};
 
 /// Adds the settings both the top and each endpoint may set to a struct, and `apply`, which
 /// sets those the file gives on a layer. (Not `#[serde(flatten)]`: it cannot refuse unknown
@@ -44,66 +44,46 @@ macro_rules! with_settings {
         }
 
         impl $name {
-            fn apply(&self, mut layer: IdempotencyLayer) -> IdempotencyLayer {
+            fn apply(&self, layer: IdempotencyLayer) -> IdempotencyLayer {
+                type L = IdempotencyLayer;
                 let s = self;
-                if let Some(v) = s.required {
-                    layer = layer.with_key_required(v);
-                }
-                if let Some(v) = &s.key_header {
-                    layer = layer.with_key_header(v.0.clone());
-                }
-                if let Some(v) = s.lease {
-                    layer = layer.with_lease(v.0);
-                }
-                if let Some(v) = s.mismatch_status {
-                    layer = layer.with_mismatch_status(v.0);
-                }
-                if let Some(v) = s.not_stored_status {
-                    layer = layer.with_not_stored_status(v.0);
-                }
-                if let Some(v) = s.release_not_stored {
-                    layer = layer.with_release_not_stored(v);
-                }
-                if let Some(v) = s.body_limit {
-                    layer = layer.with_body_limit(v.0);
-                }
-                if let Some(v) = s.response_limit {
-                    layer = layer.with_response_limit(v.0);
-                }
-                if let Some(v) = s.handler_timeout {
-                    layer = layer.with_handler_timeout(v.0);
-                }
-                if let Some(v) = s.stream_timeout {
-                    layer = layer.with_stream_timeout(v.0);
-                }
-                if let Some(v) = s.store_timeout {
-                    layer = layer.with_store_timeout(v.0);
-                }
-                if let Some(v) = s.fail_open {
-                    layer = layer.with_fail_open(v);
-                }
-                if let Some(v) = s.cancel_on_disconnect {
-                    layer = layer.with_cancel_on_disconnect(v);
-                }
-                if let Some(v) = s.transactional_completion {
-                    layer = layer.with_transactional_completion(v);
-                }
-                if let Some(v) = s.key_in_extensions {
-                    layer = layer.with_key_in_extensions(v);
-                }
+                let mut layer = set(layer, s.required, L::with_key_required);
+                layer = set(layer, s.key_header.as_ref().map(|v| v.0.clone()), L::with_key_header);
+                layer = set(layer, s.lease.map(|v| v.0), L::with_lease);
+                layer = set(layer, s.mismatch_status.map(|v| v.0), L::with_mismatch_status);
+                layer = set(layer, s.not_stored_status.map(|v| v.0), L::with_not_stored_status);
+                layer = set(layer, s.release_not_stored, L::with_release_not_stored);
+                layer = set(layer, s.body_limit.map(|v| v.0), L::with_body_limit);
+                layer = set(layer, s.response_limit.map(|v| v.0), L::with_response_limit);
+                layer = set(layer, s.handler_timeout.map(|v| v.0), L::with_handler_timeout);
+                layer = set(layer, s.stream_timeout.map(|v| v.0), L::with_stream_timeout);
+                layer = set(layer, s.store_timeout.map(|v| v.0), L::with_store_timeout);
+                layer = set(layer, s.fail_open, L::with_fail_open);
+                layer = set(layer, s.cancel_on_disconnect, L::with_cancel_on_disconnect);
+                layer = set(layer, s.transactional_completion, L::with_transactional_completion);
+                layer = set(layer, s.key_in_extensions, L::with_key_in_extensions);
                 match &s.scope {
-                    Some(ScopeSpec::Host) => layer = layer.set_scope(Some(host_scope_fn())),
+                    Some(ScopeSpec::Host) => layer = layer.set_scope(Some(Arc::new(Scope::host()))),
                     Some(ScopeSpec::Header(name)) => layer = layer.set_scope(Some(Arc::new(header_scope(name.0.clone())))),
                     Some(ScopeSpec::None) => layer = layer.set_scope(None),
                     None => {}
                 }
-                if let Some(spec) = &s.fingerprint {
-                    layer = layer.with_fingerprint(spec.0.clone());
-                }
-                layer
+                set(layer, s.fingerprint.as_ref().map(|v| v.0.clone()), L::with_fingerprint)
             }
         }
     };
+}
+
+/// `layer` with `setter` given the file's value, if the file gives one.
+fn set<T>(
+    layer: IdempotencyLayer,
+    value: Option<T>,
+    setter: fn(IdempotencyLayer, T) -> IdempotencyLayer,
+) -> IdempotencyLayer {
+    match value {
+        Some(value) => setter(layer, value),
+        None => layer,
+    }
 }
 
 with_settings! {
@@ -293,13 +273,12 @@ impl PolicyLayer {
         if base.config.scope.is_some() {
             warn_scope_replaced(policy);
         }
-        let mut base = policy.apply(base);
-        if let Some(ttl) = policy.ttl {
-            base = base.with_retention(ttl.0);
-        }
-        if let Some(max) = policy.max_in_flight {
-            base = base.with_max_in_flight(max);
-        }
+        let base = set(
+            policy.apply(base),
+            policy.ttl.map(|ttl| ttl.0),
+            IdempotencyLayer::with_retention,
+        );
+        let base = set(base, policy.max_in_flight, IdempotencyLayer::with_max_in_flight);
         let default_methods = match &policy.method {
             Some(methods) => methods.0.clone(),
             None => base.config.methods.clone(),
@@ -312,10 +291,12 @@ impl PolicyLayer {
                 .method
                 .as_ref()
                 .map_or_else(|| default_methods.clone(), |m| m.0.clone());
-            let mut configured = endpoint.apply(base.clone());
-            if let Some(ttl) = endpoint.ttl_override {
-                configured = configured.with_retention(ttl.0);
-            }
+            let ttl = endpoint.ttl_override.map(|ttl| ttl.0);
+            let configured = set(
+                endpoint.apply(base.clone()),
+                ttl,
+                IdempotencyLayer::with_retention,
+            );
             layer = layer.push_layer(methods, endpoint.path.clone(), configured)?;
         }
         Ok(layer)
@@ -659,87 +640,75 @@ impl<'de, T> Visitor<'de> for StrVisitor<T> {
     }
 }
 
+/// A value written as a string (and, with `from_u64`, as a number), read by [`StrVisitor`].
+fn from_text<'de, D: Deserializer<'de>, T>(
+    deserializer: D,
+    expecting: &'static str,
+    from_str: fn(&str) -> Result<T, String>,
+    from_u64: Option<fn(u64) -> Result<T, String>>,
+) -> Result<T, D::Error> {
+    let visitor = StrVisitor {
+        expecting,
+        from_str,
+        from_u64,
+    };
+    match from_u64 {
+        Some(_) => deserializer.deserialize_any(visitor),
+        None => deserializer.deserialize_str(visitor),
+    }
+}
+
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_str(StrVisitor {
-                expecting: "a duration string such as \"30s\" or \"24h\"",
-                from_str: parse_duration,
-                from_u64: None,
-            })
-            .map(Dur)
+        let expecting = "a duration string such as \"30s\" or \"24h\"";
+        from_text(deserializer, expecting, parse_duration, None).map(Dur)
     }
 }
 
 impl<'de> Deserialize<'de> for HandlerTimeout {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_str(StrVisitor {
-                expecting: "a duration string such as \"30s\", at least \"100ms\"",
-                from_str: |s| {
-                    let timeout = parse_duration(s)?;
-                    match handler_timeout_error(timeout) {
-                        Some(error) => Err(error),
-                        None => Ok(timeout),
-                    }
-                },
-                from_u64: None,
-            })
-            .map(HandlerTimeout)
+        let from_str = |s: &str| {
+            let timeout = parse_duration(s)?;
+            handler_timeout_error(timeout).map_or(Ok(timeout), Err)
+        };
+        let expecting = "a duration string such as \"30s\", at least \"100ms\"";
+        from_text(deserializer, expecting, from_str, None).map(HandlerTimeout)
     }
 }
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_any(StrVisitor {
-                expecting: "a size: bytes as a number, or a string such as \"64KiB\"",
-                from_str: parse_size,
-                from_u64: Some(|n| usize::try_from(n).map_err(|_| format!("invalid size {n}: too large"))),
-            })
-            .map(Size)
+        let from_u64 = |n: u64| usize::try_from(n).map_err(|_| format!("invalid size {n}: too large"));
+        let expecting = "a size: bytes as a number, or a string such as \"64KiB\"";
+        from_text(deserializer, expecting, parse_size, Some(from_u64)).map(Size)
     }
 }
 
 impl<'de> Deserialize<'de> for Status {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_any(StrVisitor {
-                expecting: "an HTTP status code such as 409 or 422",
-                from_str: |s| {
-                    let number = s
-                        .trim()
-                        .parse()
-                        .map_err(|_| format!("invalid status {s:?}: a status code is 100 to 999"))?;
-                    status_from(number)
-                },
-                from_u64: Some(status_from),
-            })
-            .map(Status)
+        let from_str = |s: &str| {
+            let invalid = || format!("invalid status {s:?}: a status code is 100 to 999");
+            status_from(s.trim().parse().map_err(|_| invalid())?)
+        };
+        let expecting = "an HTTP status code such as 409 or 422";
+        from_text(deserializer, expecting, from_str, Some(status_from)).map(Status)
     }
 }
 
 impl<'de> Deserialize<'de> for Header {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer
-            .deserialize_str(StrVisitor {
-                expecting: "a header name such as \"x-tenant-id\"",
-                from_str: |s| {
-                    HeaderName::from_bytes(s.as_bytes()).map_err(|_| format!("invalid header name {s:?}"))
-                },
-                from_u64: None,
-            })
-            .map(Header)
+        let from_str =
+            |s: &str| HeaderName::from_bytes(s.as_bytes()).map_err(|_| format!("invalid header name {s:?}"));
+        let expecting = "a header name such as \"x-tenant-id\"";
+        from_text(deserializer, expecting, from_str, None).map(Header)
     }
 }
 
 impl<'de> Deserialize<'de> for PathPattern {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_str(StrVisitor {
-            expecting: "a path pattern such as \"/payments/{id}\"",
-            from_str: |s| PathPattern::parse(s).map_err(|e| e.to_string()),
-            from_u64: None,
-        })
+        let from_str = |s: &str| PathPattern::parse(s).map_err(|e| e.to_string());
+        let expecting = "a path pattern such as \"/payments/{id}\"";
+        from_text(deserializer, expecting, from_str, None)
     }
 }
 

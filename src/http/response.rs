@@ -150,24 +150,9 @@ impl Rejection {
         }
     }
 
+    /// The variant's name: its metric label, and the end of its problem type.
     pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Rejection::MissingKey => "MissingKey",
-            Rejection::InvalidKey(_) => "InvalidKey",
-            Rejection::BodyTooLarge { .. } => "BodyTooLarge",
-            Rejection::BodyUnreadable => "BodyUnreadable",
-            Rejection::InFlight { .. } => "InFlight",
-            Rejection::Mismatch { .. } => "Mismatch",
-            Rejection::PolicyMismatch { .. } => "PolicyMismatch",
-            Rejection::StoreUnavailable => "StoreUnavailable",
-            Rejection::UnreadableRecord => "UnreadableRecord",
-            Rejection::Overloaded => "Overloaded",
-            Rejection::HandlerPanicked => "HandlerPanicked",
-            Rejection::MissingScope => "MissingScope",
-            Rejection::ResponseNotStored { .. } => "ResponseNotStored",
-            Rejection::HandlerTimedOut { .. } => "HandlerTimedOut",
-            Rejection::NoEndpoint => "NoEndpoint",
-        }
+        RejectionKind::LABELS[self.kind() as usize]
     }
 
     /// The problem document's `type` URI.
@@ -660,6 +645,16 @@ mod tests {
                 order.windows(2).all(|pair| pair[0] < pair[1]),
                 "{rejection:?}: {body:?}"
             );
+        }
+    }
+
+    /// One table names the rejections (`RejectionKind::LABELS`, indexed by kind): each name must
+    /// be its variant's, as `Debug` spells it.
+    #[test]
+    fn each_rejection_is_named_after_its_variant() {
+        for rejection in every_kind() {
+            let debug = format!("{rejection:?}");
+            assert_eq!(Some(rejection.name()), debug.split([' ', '(']).next());
         }
     }
 

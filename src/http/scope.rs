@@ -1,12 +1,9 @@
 //! [`Scope`]: the scope functions most services need, for
 //! [`IdempotencyLayer::with_scope`](crate::IdempotencyLayer::with_scope) and the policy file.
 
-use std::sync::Arc;
-
 use http::header::{HeaderName, HOST};
 use http::request;
 
-use crate::http::config::ScopeFn;
 use crate::http::fingerprint::normalized_authority;
 
 /// Builds the common scope functions, for
@@ -124,12 +121,6 @@ fn host_scope(parts: &request::Parts) -> Option<String> {
     }
     let host = normalized_authority(raw);
     std::str::from_utf8(&host).ok().map(str::to_owned)
-}
-
-/// The scope functions a policy file can name.
-#[cfg_attr(not(feature = "policy"), allow(dead_code))]
-pub(crate) fn host_scope_fn() -> ScopeFn {
-    Arc::new(host_scope)
 }
 
 #[cfg(test)]

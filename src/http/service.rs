@@ -131,35 +131,26 @@ where
     {
         return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
     }
+    // Refused before the store is asked: counted, and answered at once.
+    let refuse = |rejection: Rejection, headers: &HeaderMap| {
+        telemetry::outcome(RequestOutcome::Rejected, named);
+        let response = rejection.respond(&config.key_header, grpc::is_grpc_request(headers), named);
+        ResponseFuture::ready(mark(response, RequestOutcome::Rejected))
+    };
     let key = match key_from_headers(request.headers(), config) {
         Ok(Some(key)) => key,
         Ok(None) if !config.key_required => {
             return ResponseFuture::passthrough(inner.call(request.map(RequestBody::streaming)));
         }
-        Ok(None) => {
-            telemetry::outcome(RequestOutcome::Rejected, named);
-            let grpc = grpc::is_grpc_request(request.headers());
-            let rejection = Rejection::MissingKey.respond(&config.key_header, grpc, named);
-            return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
-        }
-        Err(error) => {
-            telemetry::outcome(RequestOutcome::Rejected, named);
-            let grpc = grpc::is_grpc_request(request.headers());
-            let rejection = Rejection::InvalidKey(error).respond(&config.key_header, grpc, named);
-            return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
-        }
+        Ok(None) => return refuse(Rejection::MissingKey, request.headers()),
+        Err(error) => return refuse(Rejection::InvalidKey(error), request.headers()),
     };
     let (mut parts, body) = request.into_parts();
     parts.extensions.insert(Guarded);
     let scope = match &config.scope {
         Some(scope) => match scope(&parts) {
             Some(scope) => Some(scope),
-            None => {
-                telemetry::outcome(RequestOutcome::Rejected, named);
-                let grpc = grpc::is_grpc_request(&parts.headers);
-                let rejection = Rejection::MissingScope.respond(&config.key_header, grpc, named);
-                return ResponseFuture::ready(mark(rejection, RequestOutcome::Rejected));
-            }
+            None => return refuse(Rejection::MissingScope, &parts.headers),
         },
         None => {
             // Looked at only until this layer has warned, and never when unscoped on purpose.
@@ -277,7 +268,8 @@ where
             let reject = |outcome: RequestOutcome, rejection: Rejection| {
                 let named = coordinator.named();
                 telemetry::finish(&span, outcome, named);
-                let response = rejection.respond(&config.key_header, is_grpc(&parts.headers), named);
+                let response =
+                    rejection.respond(&config.key_header, grpc::is_grpc_request(&parts.headers), named);
                 Step::Done(Ok(mark(response, outcome)))
             };
             let too_large = Rejection::BodyTooLarge {
@@ -315,7 +307,7 @@ where
             }
         }
         // Made only now, so that the claim's state does not hold the request beside its parts.
-        let grpc = is_grpc(&parts.headers);
+        let grpc = grpc::is_grpc_request(&parts.headers);
         let mut request = Request::from_parts(parts, RequestBody::buffered(body));
         if config.key_in_extensions {
             request.extensions_mut().insert(key.clone());
@@ -326,11 +318,6 @@ where
             Some(wait) => mark_waited(step, wait),
         }
     }
-}
-
-/// Whether a request with these headers is a gRPC call, whose rejections must speak gRPC.
-fn is_grpc(headers: &HeaderMap) -> bool {
-    grpc::is_grpc(headers.get(http::header::CONTENT_TYPE))
 }
 
 /// Tells the client of a request that waited that it did, on whatever it gets.

@@ -108,6 +108,19 @@ impl Entry {
             State::Completed { payload, .. } => RECORD_OVERHEAD + payload.len(),
         }
     }
+
+    /// What another request's claim of this live record finds, presenting `fingerprint`.
+    fn found(&self, fingerprint: &Fingerprint, now: Instant) -> ClaimOutcome {
+        match &self.state {
+            _ if self.fingerprint != *fingerprint => {
+                ClaimOutcome::mismatch(fingerprint, self.fingerprint.policy())
+            }
+            State::InFlight { .. } => ClaimOutcome::InFlight {
+                lease_left: self.expires_at - now,
+            },
+            State::Completed { payload, .. } => ClaimOutcome::Completed(payload.clone()),
+        }
+    }
 }
 
 /// Which bound an eviction makes room under, to name the setting that raises it.
@@ -222,12 +235,14 @@ impl MemoryStore {
     }
 
     fn lock(&self) -> MutexGuard<'_, Records> {
-        // A panic while holding the lock cannot leave a record half-written (every update is a
-        // single insert or remove), so the data behind a poisoned lock is still sound.
-        self.shared
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.shared)
     }
+}
+
+fn lock(records: &Mutex<Records>) -> MutexGuard<'_, Records> {
+    // A panic while holding the lock cannot leave a record half-written (every update is a
+    // single insert or remove), so the data behind a poisoned lock is still sound.
+    records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Records {
@@ -436,19 +451,14 @@ impl Store for MemoryStore {
         let mut records = self.lock();
         let digest = key.digest();
         let outcome = match records.live(digest, now) {
-            Some(entry) => match &entry.state {
-                State::InFlight { owner: holder } if holder == owner => {
-                    records.set_expiry(digest, now + lease);
-                    Ok(ClaimOutcome::Claimed)
-                }
-                _ if entry.fingerprint != *fingerprint => {
-                    Ok(ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy()))
-                }
-                State::InFlight { .. } => Ok(ClaimOutcome::InFlight {
-                    lease_left: entry.expires_at - now,
-                }),
-                State::Completed { payload, .. } => Ok(ClaimOutcome::Completed(payload.clone())),
-            },
+            Some(Entry {
+                state: State::InFlight { owner: holder },
+                ..
+            }) if holder == owner => {
+                records.set_expiry(digest, now + lease);
+                Ok(ClaimOutcome::Claimed)
+            }
+            Some(entry) => Ok(entry.found(fingerprint, now)),
             None => records.make_room(now, 1, RECORD_OVERHEAD).map(|()| {
                 records.insert_in_flight(*digest, *fingerprint, owner.clone(), now + lease);
                 ClaimOutcome::Claimed
@@ -466,16 +476,9 @@ impl Store for MemoryStore {
         // A new key (the usual miss) costs one lookup and no clock read; an expired record is
         // left for the claim, which drops it.
         let entry = records.by_key.get(key.digest())?;
-        if entry.expires_at <= Instant::now() {
-            return None;
-        }
-        match &entry.state {
-            State::InFlight { .. } => None,
-            State::Completed { .. } if entry.fingerprint != *fingerprint => {
-                Some(ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy()))
-            }
-            State::Completed { payload, .. } => Some(ClaimOutcome::Completed(payload.clone())),
-        }
+        let now = Instant::now();
+        let completed = entry.expires_at > now && matches!(entry.state, State::Completed { .. });
+        completed.then(|| entry.found(fingerprint, now))
     }
 
     fn peek<'a>(
@@ -485,15 +488,9 @@ impl Store for MemoryStore {
     ) -> StoreFuture<'a, Option<ClaimOutcome>> {
         let now = Instant::now();
         let mut records = self.lock();
-        let found = records.live(key.digest(), now).map(|entry| match &entry.state {
-            _ if entry.fingerprint != *fingerprint => {
-                ClaimOutcome::mismatch(fingerprint, entry.fingerprint.policy())
-            }
-            State::InFlight { .. } => ClaimOutcome::InFlight {
-                lease_left: entry.expires_at - now,
-            },
-            State::Completed { payload, .. } => ClaimOutcome::Completed(payload.clone()),
-        });
+        let found = records
+            .live(key.digest(), now)
+            .map(|entry| entry.found(fingerprint, now));
         ready(Ok(found))
     }
 
@@ -629,10 +626,7 @@ struct Unwatch {
 
 impl Drop for Unwatch {
     fn drop(&mut self) {
-        let mut records = self
-            .shared
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut records = lock(&self.shared);
         // The watch's receiver is dropped before its guard, and receivers are only made under
         // this lock: no receiver left means no waiter left.
         let unwatched = records
@@ -1055,7 +1049,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn eviction_takes_a_completed_record_even_behind_earlier_leases() {
+    async fn eviction_takes_a_completed_record_even_behind_earlier_leases_and_never_one_in_flight() {
         let store = MemoryStore::new().with_max_entries(3);
         let short = Duration::from_secs(30);
         assert_eq!(
@@ -1072,22 +1066,17 @@ mod tests {
             ClaimOutcome::Claimed
         );
         assert!(store.inspect(&key("done")).await.unwrap().is_none());
+        // In-flight records are never evicted: with only them left, a new claim is refused.
+        assert!(matches!(
+            claim(&store, "more", short).await.1,
+            Err(StoreError::Full)
+        ));
+        assert_eq!(store.len(), 3);
         for running in ["running-1", "running-2", "new"] {
             assert!(
                 store.inspect(&key(running)).await.unwrap().is_some(),
                 "{running} kept"
             );
         }
-    }
-
-    #[tokio::test]
-    async fn in_flight_records_are_never_evicted() {
-        let store = MemoryStore::new().with_max_entries(2);
-        let lease = Duration::from_secs(30);
-        assert_eq!(claim(&store, "a", lease).await.1.unwrap(), ClaimOutcome::Claimed);
-        assert_eq!(claim(&store, "b", lease).await.1.unwrap(), ClaimOutcome::Claimed);
-        assert!(matches!(claim(&store, "c", lease).await.1, Err(StoreError::Full)));
-        assert_eq!(store.len(), 2);
-        assert!(store.inspect(&key("a")).await.unwrap().is_some());
     }
 }

@@ -155,17 +155,14 @@ where
     for rule in RULES {
         let store: Arc<dyn Store> = Arc::new(make_store().await);
         if rule.alone {
-            last.push((rule.name, store));
+            last.push((rule, store));
         } else {
             side_by_side.push(async { (rule.name, (rule.check)(run.clone(), store).await) });
         }
     }
     let mut verdicts: Vec<(&'static str, Verdict)> = futures_util::future::join_all(side_by_side).await;
-    for (name, store) in last {
-        let rule = RULES.iter().find(|rule| rule.name == name);
-        if let Some(rule) = rule {
-            verdicts.push((name, (rule.check)(run.clone(), store).await));
-        }
+    for (rule, store) in last {
+        verdicts.push((rule.name, (rule.check)(run.clone(), store).await));
     }
     verdicts.sort_by_key(|(name, _)| RULES.iter().position(|rule| rule.name == *name));
     Report { verdicts }

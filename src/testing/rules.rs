@@ -14,8 +14,8 @@ use super::listing::{
     watch_wakes_on_every_settling,
 };
 use super::support::{
-    answer, claim, claim_with, complete, completed, ensure, fingerprint, first_claim, Outcome, Run, Verdict,
-    LEASE, RETENTION,
+    answer, claim, claim_with, complete, completed, ensure, fingerprint, first_claim, owners, Outcome, Run,
+    Verdict, LEASE, RETENTION,
 };
 use crate::fingerprint::PolicyTag;
 use crate::store::{ClaimOutcome, OwnerToken, RecordState, Store};
@@ -98,12 +98,8 @@ fn in_flight_near(outcome: &ClaimOutcome, lease: Duration) -> bool {
 }
 
 async fn claim_then_in_flight_then_completed(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, other) = (
-        &*store,
-        run.key("k1"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k1"));
+    let [a, other] = owners();
     let first = claim(s, &k, "body", &a, LEASE).await?;
     ensure!(
         first == ClaimOutcome::Claimed,
@@ -137,12 +133,8 @@ async fn a_claim_sent_twice_does_not_conflict_with_itself(run: Run, store: Arc<d
 }
 
 async fn a_different_fingerprint_is_a_mismatch_in_either_state(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, other) = (
-        &*store,
-        run.key("k3"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k3"));
+    let [a, other] = owners();
     first_claim(s, &k, "one", &a, LEASE).await?;
     let running = claim(s, &k, "two", &other, LEASE).await?;
     ensure!(
@@ -159,12 +151,8 @@ async fn a_different_fingerprint_is_a_mismatch_in_either_state(run: Run, store: 
 }
 
 async fn a_fingerprint_of_another_policy_says_so(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, other) = (
-        &*store,
-        run.key("policy"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("policy"));
+    let [a, other] = owners();
     let (v1, v2) = (
         PolicyTag::new([b"kit-policy-1".as_slice()]),
         PolicyTag::new([b"kit-policy-2".as_slice()]),
@@ -227,12 +215,8 @@ async fn a_fingerprint_of_another_policy_says_so(run: Run, store: Arc<dyn Store>
 }
 
 async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, intruder) = (
-        &*store,
-        run.key("k4"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k4"));
+    let [a, intruder] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
     ensure!(
         !complete(s, &k, &intruder, b"evil", RETENTION).await?,
@@ -273,12 +257,8 @@ async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outco
 }
 
 async fn a_completed_record_never_changes(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, intruder) = (
-        &*store,
-        run.key("settled"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("settled"));
+    let [a, intruder] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
     completed(s, &k, &a, b"first", RETENTION).await?;
     // A completion re-sent by its owner (its answer lost, a background retry) with another
@@ -301,12 +281,8 @@ async fn a_completed_record_never_changes(run: Run, store: Arc<dyn Store>) -> Ou
 }
 
 async fn release_lets_the_next_claim_in(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, next) = (
-        &*store,
-        run.key("k5"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k5"));
+    let [a, next] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
     ensure!(
         answer(s.release(&k, &a).await, "release")?,
@@ -323,12 +299,8 @@ async fn release_lets_the_next_claim_in(run: Run, store: Arc<dyn Store>) -> Outc
 }
 
 async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, slow, next) = (
-        &*store,
-        run.key("k6"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k6"));
+    let [slow, next] = owners();
     first_claim(s, &k, "body", &slow, Duration::from_millis(150)).await?;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let taken = claim(s, &k, "body", &next, LEASE).await?;
@@ -361,12 +333,8 @@ async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store
 }
 
 async fn renew_extends_the_lease(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, other) = (
-        &*store,
-        run.key("k7"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k7"));
+    let [a, other] = owners();
     // Renewed every 400 ms, 600 ms before each lease would end: room for a slow machine.
     let lease = Duration::from_millis(1000);
     first_claim(s, &k, "body", &a, lease).await?;
@@ -386,12 +354,8 @@ async fn renew_extends_the_lease(run: Run, store: Arc<dyn Store>) -> Outcome {
 }
 
 async fn retention_ends(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, next) = (
-        &*store,
-        run.key("k8"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
+    let (s, k) = (&*store, run.key("k8"));
+    let [a, next] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
     completed(s, &k, &a, b"r", Duration::from_secs(1)).await?;
     let info = answer(s.inspect(&k).await, "inspect")?;
@@ -564,41 +528,31 @@ async fn concurrent_claims_admit_one_owner(run: Run, store: Arc<dyn Store>) -> O
 }
 
 async fn claim_waiting_answers_as_claim(run: Run, store: Arc<dyn Store>) -> Outcome {
-    let (s, k, a, other) = (
-        &*store,
-        run.key("waiting"),
-        OwnerToken::generate(),
-        OwnerToken::generate(),
-    );
-    let first = answer(
-        s.claim_waiting(&k, &fingerprint("body"), &a, LEASE).await,
-        "claim_waiting",
-    )?;
+    let (s, k) = (&*store, run.key("waiting"));
+    let [a, other] = owners();
+    let waiting = async |body: &str, owner: &OwnerToken| {
+        answer(
+            s.claim_waiting(&k, &fingerprint(body), owner, LEASE).await,
+            "claim_waiting",
+        )
+    };
+    let first = waiting("body", &a).await?;
     ensure!(
         first == ClaimOutcome::Claimed,
         "claim_waiting of a free key answered {first:?}"
     );
-    let running = answer(
-        s.claim_waiting(&k, &fingerprint("body"), &other, LEASE).await,
-        "claim_waiting",
-    )?;
+    let running = waiting("body", &other).await?;
     ensure!(
         in_flight_near(&running, LEASE),
         "claim_waiting of another owner's key in flight answered {running:?}"
     );
-    let mismatch = answer(
-        s.claim_waiting(&k, &fingerprint("other"), &other, LEASE).await,
-        "claim_waiting",
-    )?;
+    let mismatch = waiting("other", &other).await?;
     ensure!(
         mismatch == ClaimOutcome::Mismatch,
         "claim_waiting with another fingerprint answered {mismatch:?}"
     );
     completed(s, &k, &a, b"result", RETENTION).await?;
-    let done = answer(
-        s.claim_waiting(&k, &fingerprint("body"), &other, LEASE).await,
-        "claim_waiting",
-    )?;
+    let done = waiting("body", &other).await?;
     ensure!(
         done == ClaimOutcome::Completed(Bytes::from_static(b"result")),
         "claim_waiting of a completed key answered {done:?}"

@@ -77,6 +77,11 @@ impl Run {
     }
 }
 
+/// `N` owner tokens, each new.
+pub(super) fn owners<const N: usize>() -> [OwnerToken; N] {
+    std::array::from_fn(|_| OwnerToken::generate())
+}
+
 pub(super) fn fingerprint(body: &str) -> Fingerprint {
     Fingerprint::new([body.as_bytes()])
 }

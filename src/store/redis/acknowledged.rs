@@ -11,7 +11,7 @@ use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 
 use super::coalesce::{ScriptCall, ScriptText};
-use super::commands::{Claimant, CompletionCall};
+use super::commands::{renew_args, wait_args, Claimant, CompletionCall};
 use super::connection::{self, worth_retrying};
 use super::record;
 use super::replica_acks::{keep_completing, name_check, Acked, Completion, GaveUp, Marker, Waiter};
@@ -62,11 +62,7 @@ impl RedisStore {
             // This claim, re-sent after a dropped connection: it was written on another
             // connection, and WAIT counts only this one's writes. Renewing it here writes it again.
             sent = tokio::time::Instant::now();
-            let args = [
-                Value::Bytes(record::head(owner)?),
-                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
-                millis(lease),
-            ];
+            let args = renew_args(owner, lease)?;
             if !as_flag("renew", self.run_on(&client, &RENEW, key, &args).await?)? {
                 return Err(StoreError::Unavailable(
                     "the claim expired while it was re-sent; retry".into(),
@@ -112,12 +108,7 @@ impl RedisStore {
         let redis_key = self.redis_key(key);
         let write = |text| match claimant {
             Claimant::Waiter => {
-                let args = [
-                    Value::Bytes(record.clone()),
-                    millis(lease),
-                    Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
-                    Value::Bytes(Bytes::from_static(&record::UNTAGGED_LAYOUT_PREFIX)),
-                ];
+                let args = wait_args(record.clone(), lease);
                 ScriptCall::new(text, Value::from(redis_key.clone()), &args, false).into_parts()
             }
             Claimant::Caller => (
@@ -159,10 +150,7 @@ impl RedisStore {
         };
         match answer {
             Some(Ok(answer)) => Ok(answer),
-            Some(Err(error)) if error.details().starts_with("WRONGTYPE") => Err(StoreError::Corrupt(
-                "the key holds something other than a record".into(),
-            )),
-            Some(Err(error)) => Err(self.failed(error)),
+            Some(Err(error)) => Err(self.failed_on_record(error)),
             None => Err(StoreError::Corrupt("no answer to the claim".into())),
         }
     }

@@ -136,28 +136,15 @@ impl RedisStore {
         lease: Duration,
     ) -> Result<Value, StoreError> {
         if claimant == Claimant::Waiter {
-            let args = [
-                Value::Bytes(record),
-                millis(lease),
-                Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
-                Value::Bytes(Bytes::from_static(&record::UNTAGGED_LAYOUT_PREFIX)),
-            ];
-            return self.run_on(client, &WAIT, key, &args).await;
+            return self.run_on(client, &WAIT, key, &wait_args(record, lease)).await;
         }
         let set = Command::SetIfAbsent {
             key: self.redis_key(key).into(),
             value: record,
             lease_ms: lease_millis(lease),
         };
-        self.coalescer
-            .send(client, &self.options, set)
-            .await
-            .map_err(|e| match e.details() {
-                details if details.starts_with("WRONGTYPE") => {
-                    StoreError::Corrupt("the key holds something other than a record".into())
-                }
-                _ => self.failed(e),
-            })
+        let sent = self.coalescer.send(client, &self.options, set).await;
+        sent.map_err(|e| self.failed_on_record(e))
     }
 
     /// Runs `script` on the record's key: EVALSHA, then EVAL if the server lost its script cache.
@@ -179,16 +166,8 @@ impl RedisStore {
     pub(super) async fn purge_args(&self, key: &RecordKey) -> Result<[Value; 4], StoreError> {
         // A record's head is at most 6 bytes, an owner of up to 255 and its state.
         const HEAD: i64 = 6 + 255;
-        let client = self.connection.client().with_options(&self.options);
-        let getrange = CustomCommand::new_static("GETRANGE", ClusterHash::FirstKey, false);
-        let args = vec![
-            Value::from(self.redis_key(key)),
-            Value::Integer(0),
-            Value::Integer(HEAD - 1),
-        ];
-        let (kind, held) = match client.custom::<Value, Value>(getrange, args).await {
-            Ok(value) => {
-                let start = into_bytes(value).unwrap_or_default();
+        let (kind, held) = match self.getrange(Value::from(self.redis_key(key)), HEAD).await? {
+            Some(start) => {
                 // A record: up to the end of its owner, which a completion since leaves as it is.
                 let owner_ends = (start.starts_with(&record::LAYOUT_PREFIX)
                     || start.starts_with(&record::UNTAGGED_LAYOUT_PREFIX))
@@ -200,8 +179,7 @@ impl RedisStore {
                     owner_ends.map_or(start.clone(), |end| start.slice(..end)),
                 )
             }
-            Err(error) if error.details().starts_with("WRONGTYPE") => ("other", Bytes::new()),
-            Err(error) => return Err(self.failed(error)),
+            None => ("other", Bytes::new()),
         };
         Ok([
             Value::from(self.purge_channel()),
@@ -284,32 +262,21 @@ impl Store for RedisStore {
     ) -> StoreFuture<'a, Option<ClaimOutcome>> {
         Box::pin(async move {
             let epoch = self.cache.as_deref().map(ReplayCache::epoch);
-            let client = self.connection.client();
             let get = Command::Get {
                 key: self.redis_key(key).into(),
             };
-            let existing =
-                match (self.coalescer.send(client, &self.options, get).await).map_err(|e| {
-                    match e.details() {
-                        details if details.starts_with("WRONGTYPE") => {
-                            StoreError::Corrupt("the key holds something other than a record".into())
-                        }
-                        _ => self.failed(e),
-                    }
-                })? {
-                    Value::Null => return Ok(None),
-                    value => into_bytes(value)
-                        .ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?,
-                };
-            let lease = Duration::MAX;
-            Ok(Some(self.found(
-                key,
-                &existing,
-                fingerprint,
-                None,
-                lease,
-                epoch,
-            )?))
+            let sent = self
+                .coalescer
+                .send(self.connection.client(), &self.options, get)
+                .await;
+            let existing = match sent.map_err(|e| self.failed_on_record(e))? {
+                Value::Null => return Ok(None),
+                value => {
+                    into_bytes(value).ok_or_else(|| StoreError::Corrupt("unexpected answer to GET".into()))?
+                }
+            };
+            self.found(key, &existing, fingerprint, None, Duration::MAX, epoch)
+                .map(Some)
         })
     }
 
@@ -368,11 +335,7 @@ impl Store for RedisStore {
         Box::pin(async move {
             // The lease's end as written, no later than the record's deadline says.
             let sent = tokio::time::Instant::now();
-            let args = [
-                Value::Bytes(record::head(owner)?),
-                Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
-                millis(lease),
-            ];
+            let args = renew_args(owner, lease)?;
             self.after_failover().await;
             let renewed = as_flag("renew", self.run(&RENEW, key, &args).await?)?;
             if let Some(waiter) = &self.acks {
@@ -500,6 +463,26 @@ impl Store for RedisStore {
     }
 }
 
+/// `wait.lua`'s arguments: the in-flight `record` to write, its lease, and the layouts' prefixes
+/// by which it knows a record.
+pub(super) fn wait_args(record: Bytes, lease: Duration) -> [Value; 4] {
+    [
+        Value::Bytes(record),
+        millis(lease),
+        Value::Bytes(Bytes::from_static(&record::LAYOUT_PREFIX)),
+        Value::Bytes(Bytes::from_static(&record::UNTAGGED_LAYOUT_PREFIX)),
+    ]
+}
+
+/// `renew.lua`'s arguments: the owner's head, and the new lease's state and length.
+pub(super) fn renew_args(owner: &OwnerToken, lease: Duration) -> Result<[Value; 3], StoreError> {
+    Ok([
+        Value::Bytes(record::head(owner)?),
+        Value::Bytes(record::state_until(record::IN_FLIGHT, lease)),
+        millis(lease),
+    ])
+}
+
 /// Who claims: a caller (`SET … NX GET`), or a request waiting for the key (`wait.lua`, which
 /// marks the in-flight record it finds as waited for).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -594,15 +577,19 @@ impl RedisStore {
 
     /// `GETRANGE name 0 len-1`; `None` when the key is gone or holds something else than a string.
     async fn first_bytes(&self, name: &fred::types::Key, len: usize) -> Result<Option<Bytes>, StoreError> {
+        let len = i64::try_from(len).unwrap_or(i64::MAX);
+        let start = self.getrange(Value::from(name.clone()), len).await?;
+        Ok(start.filter(|bytes| !bytes.is_empty()))
+    }
+
+    /// `GETRANGE key 0 len-1`: the first `len` bytes the key holds (none when it is gone), or
+    /// `None` when it holds another type than a string.
+    async fn getrange(&self, key: Value, len: i64) -> Result<Option<Bytes>, StoreError> {
         let client = self.connection.client().with_options(&self.options);
         let getrange = CustomCommand::new_static("GETRANGE", ClusterHash::FirstKey, false);
-        let args = vec![
-            Value::from(name.clone()),
-            Value::Integer(0),
-            Value::Integer(i64::try_from(len).unwrap_or(i64::MAX) - 1),
-        ];
+        let args = vec![key, Value::Integer(0), Value::Integer(len - 1)];
         match client.custom::<Value, Value>(getrange, args).await {
-            Ok(value) => Ok(into_bytes(value).filter(|bytes| !bytes.is_empty())),
+            Ok(value) => Ok(Some(into_bytes(value).unwrap_or_default())),
             Err(error) if error.details().starts_with("WRONGTYPE") => Ok(None),
             Err(error) => Err(self.failed(error)),
         }

@@ -320,11 +320,7 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
     let encoded: Vec<u8> = match std::str::from_utf8(&parsed.owner) {
         Ok(owner) if tagged => {
             let owner = OwnerToken::from_string(owner);
-            let mut fingerprint = Fingerprint::from_digest(parsed.fingerprint);
-            if let Some(policy) = parsed.policy {
-                fingerprint = fingerprint.with_policy(policy);
-            }
-            let fresh = in_flight_until(&owner, &fingerprint, deadline).ok()?;
+            let fresh = in_flight_until(&owner, &parsed.stored_fingerprint(), deadline).ok()?;
             let head_len = head(&owner).ok()?.len();
             // What the completion script makes of it: the state and deadline rewritten in
             // place, the payload appended.

@@ -243,6 +243,15 @@ impl RedisStore {
         liveness::configure(connection);
     }
 
+    /// [`failed`](Self::failed), for a command on a record's key: one that holds another type
+    /// is no failure of the store but a record it cannot read.
+    pub(super) fn failed_on_record(&self, error: fred::error::Error) -> StoreError {
+        if error.details().starts_with("WRONGTYPE") {
+            return StoreError::Corrupt("the key holds something other than a record".into());
+        }
+        self.failed(error)
+    }
+
     /// Maps a failed command to a store error. A failure may mean the connection is gone for
     /// good: a client built without a reconnect policy (fred's default, as `Builder` makes it)
     /// stays disconnected after a Redis restart, so this store reconnects it itself.
