@@ -218,17 +218,15 @@ for name in redis redis_faults redis_replica_acks redis_cluster; do
 done
 entry=$(binary model_conformance)
 server_lane+="$entry redis_store"$'\n'
-# Four lanes side by side: the Redis suites (the faults, failovers and freezes among them), the
-# history checker's bounded runs, the rest, and cargo's builds (the doctests and the TLS refusal
-# built without TLS, the last use of cargo here: then .ci/run's lints may take cargo's lock on
-# the target directory, `cargo-done`). A fifth runs the model check, pure CPU on both cores
-# (about a minute since the model hears each failover at a step of its own), at idle priority
-# (SCHED_IDLE, `run_lanes`): it takes only the CPU the others leave, and cannot stretch their
-# timings past their bounds.
-# Most suites wait on leases, timeouts and servers, not the CPU; those that only wait run four
-# tests at a time (libtest's default is one per core, two here). The others keep two: more made
-# tests that race fixed timeouts of 100 to 300 ms (PostgreSQL's faults, the consumers' kill -9
-# runs) fail, one to three a run, on a loaded machine.
+# Two lanes side by side: the Redis suites (the faults, failovers and freezes among them, and
+# the history checker's bounded runs) and the rest. Two more at idle priority (SCHED_IDLE,
+# `run_lanes`: they take only the CPU the others leave, and cannot stretch their timings past
+# their bounds): cargo's builds (the doctests and the TLS refusal built without TLS, the last
+# use of cargo here: then .ci/run's lints may take cargo's lock on the target directory,
+# `cargo-done`), and the model check, pure CPU on both cores (about a minute). A third lane at
+# normal priority made PostgreSQL's fault tests, which race timeouts of 300 ms, fail, one to
+# three a run: the history checker, run beside them, takes a core for 100 s.
+# Suites that only wait run four tests at a time (libtest's default is one per core, two here).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
 # are the failover's and not the other lanes' load (.ci/run's background steps may run
 # meanwhile, at idle priority: they get no CPU time the storms ask for). (Under that load, with
@@ -238,8 +236,7 @@ server_lane+="$entry redis_store"$'\n'
 # stale announcements, sentinels unheard) run in the Redis lane, ten at a time: each waits on
 # failovers and looks of its own topology (ten took 32 s so, 92 s two at a time).
 storm_tests="forced_failover graceful_failover" # the names of tests/redis_sentinel.rs's storms
-redis_lane="" history_lane="" other_lane=""
-model_lane="" storms=""
+redis_lane="" other_lane="" model_lane="" storms=""
 for entry in "${binaries[@]}"; do
   case "${entry%% *}" in
     redis_sentinel)
@@ -247,20 +244,18 @@ for entry in "${binaries[@]}"; do
       redis_lane+="$entry --test-threads 10$(printf ' --skip %s' $storm_tests)"$'\n'
       ;;
     redis_cluster_failover) storms+="$entry"$'\n' ;;
-    history) history_lane+="$entry"$'\n' ;;
     model_check) model_lane+="$entry"$'\n' ;;
-    # Suites that only wait (measured: 1.2 to 5 s of CPU in 6 to 24 s, six at a time at a load
-    # of 8), four tests at a time; redis_liveness (waiting on idle timeouts) in the other lane,
-    # and the RabbitMQ consumer and the URL forms in the Redis lane, to even the two out.
-    layer_suite | waiting | redis_replica_acks) redis_lane+="$entry --test-threads 4"$'\n' ;;
-    redis_liveness | quickstart | admin_tool | reconciliation) other_lane+="$entry --test-threads 4"$'\n' ;;
-    redis* | chaos | store_suite | faults | rabbitmq_consumer | url_forms) redis_lane+="$entry"$'\n' ;;
+    # Suites that only wait (measured: 1.2 and 3.6 s of CPU in 15 and 24 s, six at a time at a
+    # load of 8): redis_liveness (idle timeouts) in the other lane, the shorter, with waiting.
+    layer_suite) redis_lane+="$entry --test-threads 4"$'\n' ;;
+    redis_liveness) other_lane+="$entry --test-threads 4"$'\n' ;;
+    redis* | chaos | history | store_suite | faults) redis_lane+="$entry"$'\n' ;;
     *) other_lane+="$entry"$'\n' ;;
   esac
 done
 cargo_lane="doctests"$'\n'"tls-refusal-without-tls"$'\n'"cargo-done"$'\n'
-phase "the Redis lane, the history checker, the other lane, cargo's builds and the model check"
-run_lanes "$redis_lane" "$history_lane" "$other_lane" "$cargo_lane" "$model_lane"
+phase "the Redis lane, the other lane, and at idle priority cargo's builds and the model check"
+run_lanes "$redis_lane" "$other_lane" "$cargo_lane" "$model_lane"
 phase "the failover storms"
 run_lanes "$storms"
 
