@@ -60,7 +60,8 @@ macro_rules! links {
          [architecture]: https://docs.rs/crate/tower-idempotency/latest/source/ARCHITECTURE.md\n\
          [bench-chart]: https://docs.rs/crate/tower-idempotency/latest/source/bench/chart.svg\n\
          [bench-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history.md\n\
-         [bench-history-runs]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history-runs.md\n\n"
+         [bench-history-runs]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history-runs.md\n\
+         [bench-model-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/model-history.md\n\n"
     };
 }
 

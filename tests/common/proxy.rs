@@ -1,6 +1,7 @@
 //! A TCP fault proxy between a client and a server (Redis, PostgreSQL): pass traffic through,
 //! add latency, delay every byte (a slow network: bytes keep flowing, each late), drop every
-//! connection, or black-hole (accept and forward nothing) all of them or only those open now. It counts what the client sends, and keeps its bytes when asked to.
+//! connection, or black-hole (accept and forward nothing) all of them, only those open now, or
+//! only the subscriptions open now. It counts what the client sends, and keeps its bytes when asked to.
 #![allow(dead_code)]
 
 use std::collections::VecDeque;
@@ -57,6 +58,10 @@ struct Counts {
     cut: Mutex<Option<Cut>>,
     /// Connections cut by it so far.
     cuts: AtomicU64,
+    /// The connections whose client sent `SUBSCRIBE` or `PSUBSCRIBE`.
+    subscriptions: Mutex<Vec<u64>>,
+    /// Those black-holed by [`FaultProxy::black_hole_open_subscriptions`].
+    held_subscriptions: Mutex<Vec<u64>>,
 }
 
 /// A cut armed on the connections whose client sends `pattern`.
@@ -140,10 +145,19 @@ impl FaultProxy {
         self.counts.black_holed_below.store(open, Ordering::SeqCst);
     }
 
-    /// Lets the connections [`black_hole_open_connections`] held pass again: what they held is
-    /// delivered then, late.
+    /// Black-holes the subscriptions open now (connections whose client sent `SUBSCRIBE` or
+    /// `PSUBSCRIBE`), until [`release_black_holed`]; the other connections pass (a sentinel's
+    /// links to the others, where it announces this proxy's address).
+    pub fn black_hole_open_subscriptions(&self) {
+        let open = self.counts.subscriptions.lock().unwrap().clone();
+        *self.counts.held_subscriptions.lock().unwrap() = open;
+    }
+
+    /// Lets the connections [`black_hole_open_connections`] or
+    /// [`black_hole_open_subscriptions`] held pass again: what they held is delivered then, late.
     pub fn release_black_holed(&self) {
         self.counts.black_holed_below.store(0, Ordering::SeqCst);
+        self.counts.held_subscriptions.lock().unwrap().clear();
     }
 
     /// Keeps what the clients are delivered from now on ([`received`](Self::received)).
@@ -354,6 +368,9 @@ async fn serve(client: TcpStream, upstream: SocketAddr, faults: Faults, mut epoc
                             Ok(n) => n,
                         };
                         faults.counts.client_reads.fetch_add(1, Ordering::SeqCst);
+                        if buffer[..n].windows(9).any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE")) {
+                            faults.counts.subscriptions.lock().unwrap().push(faults.number);
+                        }
                         if let Some(sent) = faults.counts.sent.lock().unwrap().as_mut() {
                             sent.extend_from_slice(&buffer[..n]);
                         }
@@ -460,6 +477,7 @@ async fn pause(faults: &Faults) {
     }
     while current(&faults.fault) == Fault::BlackHole
         || faults.number < faults.counts.black_holed_below.load(Ordering::SeqCst)
+        || (faults.counts.held_subscriptions.lock().unwrap()).contains(&faults.number)
     {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

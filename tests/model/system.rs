@@ -590,20 +590,26 @@ pub enum Action {
     Switch { server: u8 },
     /// A sentinel's announcement of the last failover reaches a server late: the failover is
     /// over, or overtaken by the next. The watch ignores it (`Watcher::on_announcement`,
-    /// `on_event`, src/store/redis/sentinel_watch.rs): a switch received before the sentinels
+    /// `on_event`, src/store/redis/sentinel/watcher.rs): a switch received before the sentinels
     /// last answered that no failover is under way (`confirmed_at`), one whose new master
     /// answers `ROLE` as a replica, one already tried (`attempted`) or followed (`followed`).
     /// [`Mutation::ActsOnLateAnnouncement`] acts on it. (A late switch to a master since killed,
     /// whose `ROLE` proves nothing, is ignored as already tried: `attempted` outlives the fence,
     /// `stale_announcements_heard_with_the_switch_back_are_not_acted_on_again`,
     /// tests/redis_sentinel.rs.) Left out, where the code does not ignore it: a late promotion,
-    /// which is always acted on: its fence
-    /// stands until the next look, a second, unless its old master is the master again (a
-    /// failover back), which the look does not lower (`try_lower` wants another master).
+    /// which is always acted on: its fence stands until a look lowers it (below), or, where a
+    /// sentinel does not answer, 2 × `failover-timeout` + 5 s; the model has no time, so a
+    /// lease lapsing under it would show as a key run twice that no limit excuses, where the
+    /// code leaves it to the lease-lapse limit.
     Late { server: u8 },
     /// The watch's look, once a second (`Watcher::look`, `try_lower`): a server whose fence
     /// stands though no failover is under way goes to the master the sentinels name and lowers
-    /// it. Only the mutations leave such a fence.
+    /// it. The code's condition is that every sentinel (those the URL names, and those their
+    /// lists name, each asked at the address it announces: `every_sentinel_answered_since`)
+    /// answered after the fence rose that it fails nothing over; only a failover's leader
+    /// shows one, from before it announces the promotion until its switch or abort, so that is
+    /// the model's "no failover window open" (a failover begins with `Announce`; the leader's
+    /// flag before it only makes the code stricter). Only the mutations leave such a fence.
     Look { server: u8 },
     /// A replica of the old master that was not promoted is made a replica of the new one
     /// (`+slave-reconf-sent`) and takes its records: what it had beyond them is lost (a full

@@ -14,11 +14,13 @@ use super::events::Address;
 /// The bound on one question to a sentinel (`SENTINEL MASTER`) or to the master (`ROLE`).
 pub(super) const ASK_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// A sentinel the URL's told of: its subscriber (quit, and its listener stopped, when dropped).
+/// A sentinel the others told of: its subscriber, and a plain connection that asks it what it
+/// names and which others it knows (both quit, and its listener stopped, when dropped).
 pub(super) struct Discovered {
     pub(super) address: (String, u16),
     pub(super) listener: tokio::task::JoinHandle<()>,
     pub(super) subscriber: Quit,
+    pub(super) asker: Quit,
 }
 
 impl Drop for Discovered {

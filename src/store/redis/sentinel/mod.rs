@@ -6,7 +6,7 @@
 //! later, everything written there is thrown away. Claims written there let a retry run a key
 //! again. So the store listens to every sentinel: those of its URL, and, when the URL names
 //! fewer addresses than there are sentinels, those they know of (`SENTINEL SENTINELS`, asked
-//! every [`DISCOVER_EVERY`](watcher::DISCOVER_EVERY) seconds, at their announced addresses), since only the failover's
+//! of each every [`DISCOVER_EVERY`](watcher::DISCOVER_EVERY) seconds, at their announced addresses), since only the failover's
 //! leader announces a promotion and a URL may name one address for all of them (a Kubernetes
 //! Service in front of the sentinels):
 //!
@@ -29,9 +29,11 @@
 //!   (`-failover-abort-*`, or, unheard, nothing changed after twice their `failover-timeout`,
 //!   the longest a failover can take, with its two timed phases) lowers it once the store is
 //!   confirmed on the master they name, and so does a failover every sentinel answered, since
-//!   the fence rose, that it is not running (where the URL names them all: only the leader,
-//!   which shows `failover_in_progress` until the end, announces a promotion; a late one, of a
-//!   failover since undone, fenced the store for the timeout before). A fence that stands is logged every
+//!   the fence rose, that it is not running (every sentinel: the URL's, and where it names
+//!   fewer, every one the sentinels' lists name, each asked at its own address; only the
+//!   leader, which shows `failover_in_progress` until the end, announces a promotion; a late
+//!   one, of a failover since undone, fenced the store for the timeout before, and behind one
+//!   sentinel address until issue 36 was closed). A fence that stands is logged every
 //!   [`LONG_FENCE_REPORT`](watcher::LONG_FENCE_REPORT), and every claim it refuses is counted `fenced`;
 //! - an announcement is news only once: a switch that came before the sentinels last answered
 //!   that no failover is under way (it waited behind others), a switch whose new master is a replica
@@ -181,7 +183,7 @@ pub(super) async fn watch(
         discovered: Vec::new(),
         heartbeat: None,
         pace,
-        sentinels_counted: None,
+        census: None,
         looks: 0,
         discovered_once: false,
     };

@@ -53,6 +53,20 @@ pub(super) struct Fenced {
     pub(super) next_report: Instant,
 }
 
+/// What the sentinels told of one another (`SENTINEL SENTINELS`), asked of every sentinel the
+/// watch asks (the URL's and those discovered).
+#[derive(Clone, Debug)]
+pub(super) struct Census {
+    /// How many sentinels watch the service, as the best-informed one counts them (itself
+    /// included).
+    pub(super) count: usize,
+    /// The addresses the sentinels announce, as their lists name them (a sentinel lists the
+    /// others, never itself, so these name every sentinel once two of them answered).
+    pub(super) announced: Vec<(String, u16)>,
+    /// When the question was asked.
+    pub(super) asked: Instant,
+}
+
 /// The watch's one task: it listens to the sentinels' events and keeps the fence and the
 /// `blind` flag; being one task, no two reconnections of the store's clients overlap.
 pub(super) struct Watcher {
@@ -98,9 +112,9 @@ pub(super) struct Watcher {
     pub(super) discovered: Vec<Discovered>,
     pub(super) heartbeat: Option<Heartbeat>,
     pub(super) pace: Arc<Pace>,
-    /// How many sentinels watch the service, as the best-informed one counted them at the last
-    /// `SENTINEL SENTINELS` answered, and when that question was asked; `None` if none answered.
-    pub(super) sentinels_counted: Option<(usize, Instant)>,
+    /// What the sentinels told of one another at the last `SENTINEL SENTINELS` answered; `None`
+    /// if none answered.
+    pub(super) census: Option<Census>,
     /// How many times the watch has looked (once a second).
     pub(super) looks: u64,
     /// Whether a sentinel has told which others it knows (until then, it is asked every look).
@@ -168,11 +182,11 @@ impl Watcher {
     /// Acts on an announcement, unless it is a switch and the sentinels answered since that no
     /// failover is under way (see [`confirmed_at`](Self::confirmed_at)): a switch that waited
     /// behind other announcements is news no longer. A promotion is always acted on: a fence
-    /// raised for one already over costs a second at most where the URL names every sentinel
-    /// (the next look lowers it once each answers that it fails nothing over, see
+    /// raised for one already over costs a second or two (the next looks lower it once every
+    /// sentinel, named by the URL or discovered, answers that it fails nothing over, see
     /// [`try_lower`](Self::try_lower)), and up to 2 × `failover-timeout` + [`ENDED_MARGIN`]
-    /// where it does not or one does not answer. A promotion missed, if the sentinels that
-    /// would show it did not answer, would let claims go to a master being replaced.
+    /// where one does not answer. A promotion missed, if the sentinels that would show it did
+    /// not answer, would let claims go to a master being replaced.
     async fn on_announcement(&mut self, announcement: Announcement) {
         let superseded = matches!(announcement.event, Event::Switched(_))
             && (self.confirmed_at).is_some_and(|confirmed| announcement.received < confirmed);
@@ -271,8 +285,7 @@ impl Watcher {
     async fn look(&mut self) {
         self.looks += 1;
         // While a fence stands, every look counts the sentinels afresh: `try_lower` trusts
-        // their quiet answers only if the URL names every one of them, a sentinel added since
-        // included.
+        // their quiet answers only from every one of them, a sentinel added since included.
         if self.looks % DISCOVER_EVERY == 0 || !self.discovered_once || self.fenced.is_some() {
             self.discover().await;
         }
@@ -379,9 +392,11 @@ impl Watcher {
     /// Subscribes to the sentinels that the ones it asks know of (`SENTINEL SENTINELS`), so that
     /// the failover's leader is heard even when the URL names one address for all of them (a
     /// Kubernetes Service in front of the sentinels): only the leader announces a promotion.
-    /// Stops listening to a sentinel none of them knows of any more (a pod replaced under a new
-    /// address, once the sentinels are reset). Returns whether a sentinel answered, with its
-    /// list or a refusal.
+    /// The sentinels discovered are asked too: their lists name the one behind the URL's
+    /// address at its own, so that every sentinel is listened to and asked at the address it
+    /// announces, whichever one the URL's address reaches. Stops listening to a sentinel none
+    /// of them knows of any more (a pod replaced under a new address, once the sentinels are
+    /// reset). Returns whether a sentinel answered, with its list or a refusal.
     async fn discover(&mut self) -> bool {
         let mut answered = false;
         let asked = Instant::now();
@@ -389,7 +404,11 @@ impl Watcher {
         // How many sentinels watch the service, as the best-informed one counts them; none if
         // no sentinel answered.
         let mut sentinels_known = None;
-        for asker in self.askers.iter().filter(|asker| asker.is_connected()) {
+        let askers: Vec<Client> = (self.every_asker())
+            .filter(|asker| asker.is_connected())
+            .cloned()
+            .collect();
+        for asker in &askers {
             let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
             let question = asker.custom::<Value, _>(command, vec!["SENTINELS", self.service.as_str()]);
             let sentinels = match tokio::time::timeout(ASK_TIMEOUT, question).await {
@@ -419,11 +438,20 @@ impl Watcher {
                 Some((field("ip")?, field("port")?.parse::<u16>().ok()?))
             }));
         }
-        self.sentinels_counted = sentinels_known.map(|count| (count, asked));
+        found.sort_unstable();
+        found.dedup();
+        self.census = sentinels_known.map(|count| Census {
+            count,
+            announced: found.clone(),
+            asked,
+        });
         let Some(sentinels_known) = sentinels_known else {
             return answered;
         };
-        if sentinels_known <= self.askers.len() {
+        let mut named: Vec<&(String, u16)> = self.url_addresses.iter().collect();
+        named.sort_unstable();
+        named.dedup();
+        if sentinels_known <= named.len() {
             // The URL names as many addresses as there are sentinels: it reaches each already,
             // perhaps through addresses of its own (a proxy, a NAT) where the ones the
             // sentinels announce cannot be reached, or must not be.
@@ -448,6 +476,16 @@ impl Watcher {
                     continue;
                 }
             };
+            let asker = match self.factory.build(Server::new(host.clone(), port)) {
+                Ok(asker) => asker,
+                Err(error) => {
+                    tracing::warn!(%error, %host, port, "cannot ask a sentinel the others told of");
+                    continue;
+                }
+            };
+            // Connected in the background, as the URL's: until it is, this sentinel is not
+            // asked, and a fence that waits for every sentinel's answer stands.
+            let _connection_task = asker.connect();
             tracing::debug!(%host, port, "listening to a sentinel the others told of");
             self.discovered.push(Discovered {
                 address,
@@ -457,6 +495,7 @@ impl Watcher {
                     self.subscribed.clone(),
                 )),
                 subscriber: Quit(subscriber),
+                asker: Quit(asker),
             });
             changed = true;
         }
@@ -531,9 +570,10 @@ impl Watcher {
         // failover that begins after these answers raises the fence again with its own
         // announcement, and the fence's count distrusts the writes answered in between
         // (`Fence::raised_since`).
-        // Where a sentinel does not answer, or the URL does not name every sentinel (a
-        // Kubernetes Service in front of them: the leader may be one the watch only listens
-        // to), the timeout stays the rule.
+        // Every sentinel: those the URL names and those they told of (a URL may name one
+        // address for all, a Kubernetes Service in front of them, and the leader may be any;
+        // see `every_sentinel_answered_since`). Where one does not answer, the timeout stays
+        // the rule.
         let quiet_since_raised = quiet && self.every_sentinel_answered_since(views, fenced.raised);
         let given_up = !switched
             && quiet
@@ -562,18 +602,50 @@ impl Watcher {
     }
 
     /// Whether `views` hold an answer of every sentinel of the service, each asked after
-    /// `since`: the URL names as many distinct addresses as the sentinels counted themselves
-    /// (counted after `since` too: a sentinel added later is counted), and each answered. The
-    /// URL's addresses are trusted to reach distinct sentinels, as [`discover`](Self::discover)
-    /// trusts them when it listens to no other.
+    /// `since`: every asker answered (the URL's and those of the sentinels discovered), and
+    /// they reach every sentinel, as counted after `since` (a sentinel added later is counted):
+    /// either the URL names as many distinct addresses as the sentinels count themselves (its
+    /// addresses are trusted to reach distinct sentinels, as [`discover`](Self::discover)
+    /// trusts them when it listens to no other), or the sentinels' lists name that many
+    /// addresses and each is asked, the URL's or a discovered sentinel's. The second trusts no
+    /// URL address to reach any one sentinel: a Kubernetes Service may send each connection to
+    /// another, so its answer may be any sentinel's, and only the announced addresses are
+    /// counted.
+    ///
+    /// Why this cannot lower the fence of a failover still under way: only its leader
+    /// announces the promotion and shows `failover_in_progress`, from before it announces
+    /// until the switch or the abort; the others answer quiet throughout, whether or not they
+    /// know of it yet, so their answers count for nothing but coverage. The leader is one of
+    /// the sentinels the lists name: each sentinel lists those whose hellos it heard (sent
+    /// every 2 s through the data nodes), and the leader had watched the master for
+    /// `down-after-milliseconds` at least before it could fail it over (the lists are trusted:
+    /// a sentinel whose hellos reach none of the others is not counted). So it is asked; if it
+    /// answered quiet after the raise, the failover the fence was raised for is over. A
+    /// sentinel discovered late (not in the lists when the fence rose, or not connected yet)
+    /// is counted from the first list that names it, and until its asker answers the fence
+    /// stands. A failover that begins after these answers announces its own promotion, which
+    /// raises the fence again, and the fence's count distrusts the writes answered meanwhile.
+    ///
+    /// (The other remedy, letting renewals through a fence that stands over no failover,
+    /// needs the same knowledge, that no failover is under way, and would leave claims refused
+    /// for the whole timeout: lowering the fence once that is known frees both.)
     fn every_sentinel_answered_since(&self, views: &[MasterView], since: Instant) -> bool {
-        let mut addresses: Vec<&(String, u16)> = self.url_addresses.iter().collect();
-        addresses.sort_unstable();
-        addresses.dedup();
-        let all_named = self
-            .sentinels_counted
-            .is_some_and(|(count, counted)| counted > since && addresses.len() >= count);
-        all_named && views.len() == self.askers.len() && views.iter().all(|view| view.asked > since)
+        let Some(census) = self.census.as_ref().filter(|census| census.asked > since) else {
+            return false;
+        };
+        let mut named: Vec<&(String, u16)> = self.url_addresses.iter().collect();
+        named.sort_unstable();
+        named.dedup();
+        let asked_at = |address: &(String, u16)| {
+            named.contains(&address) || (self.discovered.iter()).any(|sentinel| sentinel.address == *address)
+        };
+        let mut announced: Vec<&(String, u16)> = census.announced.iter().collect();
+        announced.sort_unstable();
+        announced.dedup();
+        let reaches_every_sentinel = named.len() >= census.count
+            || (announced.len() >= census.count && announced.iter().all(|address| asked_at(address)));
+        let askers = self.askers.len() + self.discovered.len();
+        reaches_every_sentinel && views.len() == askers && views.iter().all(|view| view.asked > since)
     }
 
     fn raise(&mut self, from: Option<Address>) {
@@ -604,6 +676,11 @@ impl Watcher {
         self.fence.lower();
     }
 
+    /// The connections that ask the sentinels: the URL's, then the discovered ones'.
+    fn every_asker(&self) -> impl Iterator<Item = &Client> {
+        (self.askers.iter()).chain(self.discovered.iter().map(|sentinel| &sentinel.asker.0))
+    }
+
     pub(super) fn clients(&self) -> Vec<Client> {
         self.targets
             .lock()
@@ -611,10 +688,10 @@ impl Watcher {
             .unwrap_or_default()
     }
 
-    /// Asks every sentinel connected now what it names (`SENTINEL MASTER`), at once; the
-    /// answers that came within [`ASK_TIMEOUT`].
+    /// Asks every sentinel connected now (the URL's and those discovered) what it names
+    /// (`SENTINEL MASTER`), at once; the answers that came within [`ASK_TIMEOUT`].
     async fn ask(&self) -> Vec<MasterView> {
-        let asking = (self.askers.iter())
+        let asking = (self.every_asker())
             .filter(|asker| asker.is_connected())
             .map(|asker| async move {
                 let command = CustomCommand::new_static("SENTINEL", ClusterHash::Random, false);
@@ -683,11 +760,11 @@ mod tests {
     use fred::types::Builder;
     use tokio::time::Instant;
 
-    use super::super::connections::SentinelClients;
+    use super::super::connections::{Discovered, SentinelClients};
     use super::super::events::{Address, Announcement, Event};
     use super::super::fence::Fence;
     use super::super::views::MasterView;
-    use super::Watcher;
+    use super::{Census, Quit, Watcher};
 
     const SWITCH: &str = "mymaster 127.0.0.1 7000 127.0.0.1 7001";
 
@@ -729,11 +806,37 @@ mod tests {
             discovered: Vec::new(),
             heartbeat: None,
             pace: Arc::default(),
-            sentinels_counted: None,
+            census: None,
             looks: 0,
             discovered_once: false,
         };
         (watcher, fence)
+    }
+
+    /// What the sentinels told of one another, asked at `asked`: `count` of them, their lists
+    /// naming `announced`.
+    fn census(count: usize, announced: &[(&str, u16)], asked: Instant) -> Option<Census> {
+        Some(Census {
+            count,
+            announced: (announced.iter())
+                .map(|(host, port)| ((*host).to_owned(), *port))
+                .collect(),
+            asked,
+        })
+    }
+
+    /// Has `watcher` listen to and ask the sentinels at `addresses`, as if the others had told
+    /// of them (their connections never connect).
+    fn discover_at(watcher: &mut Watcher, addresses: &[(&str, u16)]) {
+        for (host, port) in addresses {
+            let client = || Builder::default_centralized().build().expect("a client");
+            watcher.discovered.push(Discovered {
+                address: ((*host).to_owned(), *port),
+                listener: tokio::spawn(async {}),
+                subscriber: Quit(client()),
+                asker: Quit(client()),
+            });
+        }
     }
 
     /// A quiet answer naming `127.0.0.1:7000`, asked at `asked`.
@@ -795,7 +898,7 @@ mod tests {
         let raised = Instant::now();
         let later = raised + Duration::from_millis(10);
         let views = || (0..3).map(|_| quiet_view(later)).collect::<Vec<_>>();
-        watcher.sentinels_counted = Some((3, later));
+        watcher.census = census(3, &[], later);
         assert!(watcher.every_sentinel_answered_since(&views(), raised));
 
         // One did not answer.
@@ -805,16 +908,70 @@ mod tests {
         stale[0].asked = raised - Duration::from_millis(1);
         assert!(!watcher.every_sentinel_answered_since(&stale, raised));
         // Counted before the fence rose, or never.
-        watcher.sentinels_counted = Some((3, raised - Duration::from_millis(1)));
+        watcher.census = census(3, &[], raised - Duration::from_millis(1));
         assert!(!watcher.every_sentinel_answered_since(&views(), raised));
-        watcher.sentinels_counted = None;
+        watcher.census = None;
         assert!(!watcher.every_sentinel_answered_since(&views(), raised));
         // A sentinel added since, which the URL does not name (the leader may be that one).
-        watcher.sentinels_counted = Some((4, later));
+        watcher.census = census(4, &[], later);
         assert!(!watcher.every_sentinel_answered_since(&views(), raised));
         // A URL naming one sentinel twice names two of three.
         let (mut twice, _) = watch_over(&[26379, 26379, 26380]);
-        twice.sentinels_counted = Some((3, later));
+        twice.census = census(3, &[], later);
         assert!(!twice.every_sentinel_answered_since(&views(), raised));
+    }
+
+    /// Issue 36: the same count where the URL names one address for every sentinel (a
+    /// Kubernetes Service in front of them). The sentinels discovered count too: once every
+    /// address their lists name is asked and every asker answered after the fence rose, the
+    /// fence of a late promotion can come down at the next look. Before, it stood 2 ×
+    /// `failover-timeout` + 5 s there, holding renewals past a 30 s lease. The Service's own
+    /// answer may be any sentinel's: only the announced addresses count towards the sentinels'
+    /// number.
+    #[tokio::test]
+    async fn behind_one_address_quiet_answers_count_once_every_sentinel_discovered_gave_one() {
+        const PODS: [(&str, u16); 3] = [("10.0.0.1", 26379), ("10.0.0.2", 26379), ("10.0.0.3", 26379)];
+        let raised = Instant::now();
+        let later = raised + Duration::from_millis(10);
+        let views = |answers: usize| (0..answers).map(|_| quiet_view(later)).collect::<Vec<_>>();
+        let (mut watcher, _) = watch_over(&[26379]);
+        watcher.url_addresses = vec![("sentinels.svc".to_owned(), 26379)];
+        watcher.census = census(3, &PODS, later);
+        discover_at(&mut watcher, &PODS);
+        // The Service's asker and the three pods'.
+        assert!(watcher.every_sentinel_answered_since(&views(4), raised));
+
+        // One asker did not answer (a discovered sentinel unreachable, or not connected yet).
+        assert!(!watcher.every_sentinel_answered_since(&views(3), raised));
+        // One answered before the fence rose.
+        let mut stale = views(4);
+        stale[3].asked = raised - Duration::from_millis(1);
+        assert!(!watcher.every_sentinel_answered_since(&stale, raised));
+        // Counted before the fence rose.
+        watcher.census = census(3, &PODS, raised - Duration::from_millis(1));
+        assert!(!watcher.every_sentinel_answered_since(&views(4), raised));
+        // A fourth sentinel counted, which no list names yet (discovered late): the Service's
+        // answer does not stand for it.
+        watcher.census = census(4, &PODS, later);
+        assert!(!watcher.every_sentinel_answered_since(&views(4), raised));
+        // Only the sentinel behind the Service told its list (two pods, not itself), and the
+        // Service's answer may be either of those: two addresses of three.
+        let (mut one, _) = watch_over(&[26379]);
+        one.url_addresses = vec![("sentinels.svc".to_owned(), 26379)];
+        one.census = census(3, &PODS[1..], later);
+        discover_at(&mut one, &PODS[1..]);
+        assert!(!one.every_sentinel_answered_since(&views(3), raised));
+        // A sentinel the lists name but not asked (no connection built for it).
+        let (mut unasked, _) = watch_over(&[26379]);
+        unasked.url_addresses = vec![("sentinels.svc".to_owned(), 26379)];
+        unasked.census = census(3, &PODS, later);
+        discover_at(&mut unasked, &PODS[1..]);
+        assert!(!unasked.every_sentinel_answered_since(&views(3), raised));
+        // The URL's address is one a sentinel announces (tests/redis_sentinel.rs's proxies):
+        // asked through the URL's asker, the two others discovered.
+        let (mut announced, _) = watch_over(&[26379]);
+        announced.census = census(3, &[("127.0.0.1", 26379), PODS[1], PODS[2]], later);
+        discover_at(&mut announced, &PODS[1..]);
+        assert!(announced.every_sentinel_answered_since(&views(3), raised));
     }
 }
