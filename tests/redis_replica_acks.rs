@@ -1023,13 +1023,19 @@ async fn promote_the_replica_that_lagged(replicas: u32) -> (Option<u8>, StatusCo
 /// after graceful failovers and kills of the master on a loaded machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_by_one_of_two_replicas_a_completion_is_lost_if_the_other_is_promoted() {
-    let (state, status) = promote_the_replica_that_lagged(1).await;
-    assert_eq!(status, StatusCode::CREATED);
-    assert_eq!(
-        state,
-        Some(b'F'),
-        "the promoted replica holds the claim without its completion"
-    );
+    // Where the store could not count the completion acknowledged (on a loaded machine, twice
+    // in CI: a connection replaced between the completion and its WAIT acknowledges nothing),
+    // it completes it again on b, and the limit does not show: up to three tries. A store that
+    // always completed again would fail all three.
+    for attempt in 1..=3 {
+        let (state, status) = promote_the_replica_that_lagged(1).await;
+        assert_eq!(status, StatusCode::CREATED);
+        if state == Some(b'F') {
+            return; // the promoted replica holds the claim without its completion
+        }
+        eprintln!("try {attempt}: the promoted replica holds {state:?}, completed again");
+    }
+    panic!("the promoted replica never held the claim without its completion, in three tries");
 }
 
 /// Requiring every replica: the completion b did not acknowledge was not counted durable, so
