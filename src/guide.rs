@@ -61,7 +61,8 @@ macro_rules! links {
          [bench-chart]: https://docs.rs/crate/tower-idempotency/latest/source/bench/chart.svg\n\
          [bench-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history.md\n\
          [bench-history-runs]: https://docs.rs/crate/tower-idempotency/latest/source/bench/history-runs.md\n\
-         [bench-model-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/model-history.md\n\n"
+         [bench-model-history]: https://docs.rs/crate/tower-idempotency/latest/source/bench/model-history.md\n\
+         [bench-ci-times]: https://docs.rs/crate/tower-idempotency/latest/source/bench/ci-times.md\n\n"
     };
 }
 
