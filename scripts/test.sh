@@ -130,7 +130,8 @@ run_lanes() {
           *=*) export "${name?}" ;; # a lane's environment, ahead of its binaries
           doctests)
             echo "== doctests (at $(($(date +%s) - started)) s)"
-            counted doctests cargo test --all-features --doc || lane_failed=1
+            # At idle priority, as the TLS refusal's build below: builds, beside timing tests.
+            counted doctests chrt --idle 0 cargo test --all-features --doc || lane_failed=1
             ran=$((ran + 1))
             ;;
           cargo-done)
@@ -141,10 +142,10 @@ run_lanes() {
           tls-refusal-without-tls)
             # Built without TLS, a rediss:// URL, or a PostgreSQL URL with sslmode=require, must
             # be refused (never a plain-text connection). A build of its own (about 25 s of a
-            # core).
+            # core), so it runs in a lane, beside tests that mostly wait, and not after them.
             echo "== the TLS refusal without TLS (at $(($(date +%s) - started)) s)"
             counted "the TLS refusal without TLS" \
-              cargo test --no-default-features --features redis,postgres --lib -- tls || lane_failed=1
+              chrt --idle 0 cargo test --no-default-features --features redis,postgres --lib -- tls || lane_failed=1
             ran=$((ran + 1))
             ;;
           *)
@@ -217,16 +218,13 @@ for name in redis redis_faults redis_replica_acks redis_cluster; do
 done
 entry=$(binary model_conformance)
 server_lane+="$entry redis_store"$'\n'
-# First cargo's builds, the doctests and the TLS refusal built without TLS (about a minute of
-# both cores): the last use of cargo here, after which .ci/run's lints may take cargo's lock on
-# the target directory (`cargo-done`) and build, at idle priority, beside the tests. (Run in a
-# lane of their own at idle priority beside the tests, they ended 261 s into the tests, and the
-# lints, waiting for them, ran on 140 s after the tests.)
-# Then two lanes side by side: the Redis suites (the faults, failovers and freezes among them,
-# and the history checker's bounded runs) and the rest, with the model check, pure CPU on both
-# cores (about a minute), in a third at idle priority (SCHED_IDLE, `run_lanes`: it takes only
-# the CPU the others leave, and cannot stretch their timings past their bounds). A third lane
-# at normal priority made PostgreSQL's fault tests, which race timeouts of 300 ms, fail, one to
+# Two lanes side by side: the Redis suites (the faults, failovers and freezes among them, and
+# the history checker's bounded runs) and the rest. Two more at idle priority (SCHED_IDLE,
+# `run_lanes`: they take only the CPU the others leave, and cannot stretch their timings past
+# their bounds): cargo's builds (the doctests and the TLS refusal built without TLS, the last
+# use of cargo here: then .ci/run's lints may take cargo's lock on the target directory,
+# `cargo-done`), and the model check, pure CPU on both cores (about a minute). A third lane at
+# normal priority made PostgreSQL's fault tests, which race timeouts of 300 ms, fail, one to
 # three a run: the history checker, run beside them, takes a core for 100 s.
 # Suites that only wait run four tests at a time (libtest's default is one per core, two here).
 # The failover storms run afterwards, alone, so that their figures (promotion time, 503 window)
@@ -255,10 +253,9 @@ for entry in "${binaries[@]}"; do
     *) other_lane+="$entry"$'\n' ;;
   esac
 done
-phase "cargo's builds: the doctests and the TLS refusal"
-run_lanes "doctests"$'\n'"tls-refusal-without-tls"$'\n'"cargo-done"$'\n'
-phase "the Redis lane, the other lane, and the model check at idle priority"
-run_lanes "$redis_lane" "$other_lane" "$model_lane"
+cargo_lane="doctests"$'\n'"tls-refusal-without-tls"$'\n'"cargo-done"$'\n'
+phase "the Redis lane, the other lane, and at idle priority cargo's builds and the model check"
+run_lanes "$redis_lane" "$other_lane" "$cargo_lane" "$model_lane"
 phase "the failover storms"
 run_lanes "$storms"
 
