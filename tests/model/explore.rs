@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::collections::VecDeque;
+use std::hash::{BuildHasherDefault, DefaultHasher, Hash, Hasher};
 
 use stateright::Model;
 
@@ -21,21 +22,58 @@ pub struct Explored {
     pub transitions: usize,
 }
 
+/// A state's 128-bit fingerprint: what [`done_reachable_from_everywhere`] keeps of it. A state
+/// is about 0.7 kB, so keeping every state took more memory than this machine has for the long
+/// configurations' tens of millions (stateright's own checker keeps 64-bit fingerprints too).
+/// Two states sharing a fingerprint would merge silently; among 10^8 states that happens with a
+/// probability of about 10^-23.
+fn fingerprint(state: &State) -> u128 {
+    let (mut low, mut high) = (DefaultHasher::new(), DefaultHasher::new());
+    high.write_u8(1); // Another function of the state than `low`'s.
+    state.hash(&mut low);
+    state.hash(&mut high);
+    u128::from(high.finish()) << 64 | u128::from(low.finish())
+}
+
+/// Hashes a fingerprint by taking its bits: it is a hash already.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only fingerprints are hashed here");
+    }
+    fn write_u128(&mut self, fingerprint: u128) {
+        self.0 = fingerprint as u64;
+    }
+}
+
 /// Checks AG EF `System::all_done` over every reachable state. `Err` holds a path to a state from
 /// which no state with every client answered can be reached.
+///
+/// Keeps a fingerprint, a parent and the edges of each state, not the state itself: the states
+/// are explored breadth first (only the frontier is held whole), then the states that can reach
+/// one where all are done are marked backwards over the edges.
 pub fn done_reachable_from_everywhere(model: &System) -> Result<Explored, Vec<Action>> {
-    let mut ids: HashMap<State, u32> = HashMap::new();
+    let mut ids: HashMap<u128, u32, BuildHasherDefault<Prehashed>> = HashMap::default();
     let mut parents: Vec<Option<(u32, Action)>> = Vec::new();
-    let mut predecessors: Vec<Vec<u32>> = Vec::new();
     let mut done: Vec<bool> = Vec::new();
+    let mut edges: Vec<(u32, u32)> = Vec::new();
     let mut queue = VecDeque::new();
-    let mut transitions = 0;
+    let mut discovered = |state: State, parent: Option<(u32, Action)>, queue: &mut VecDeque<_>| {
+        let id = u32::try_from(parents.len()).expect("fewer than 2^32 states");
+        parents.push(parent);
+        done.push(System::all_done(&state));
+        queue.push_back((id, state));
+        id
+    };
     for init in model.init_states() {
-        ids.insert(init.clone(), 0);
-        parents.push(None);
-        predecessors.push(Vec::new());
-        done.push(System::all_done(&init));
-        queue.push_back((0u32, init));
+        if let std::collections::hash_map::Entry::Vacant(entry) = ids.entry(fingerprint(&init)) {
+            entry.insert(discovered(init, None, &mut queue));
+        }
     }
     let mut actions = Vec::new();
     while let Some((id, state)) = queue.pop_front() {
@@ -45,27 +83,35 @@ pub fn done_reachable_from_everywhere(model: &System) -> Result<Explored, Vec<Ac
             let Some(next) = model.next_state(&state, action) else {
                 continue;
             };
-            transitions += 1;
-            let next_id = match ids.get(&next) {
-                Some(&known) => known,
-                None => {
-                    let new = ids.len() as u32;
-                    ids.insert(next.clone(), new);
-                    parents.push(Some((id, action)));
-                    predecessors.push(Vec::new());
-                    done.push(System::all_done(&next));
-                    queue.push_back((new, next));
-                    new
-                }
-            };
-            predecessors[next_id as usize].push(id);
+            let next_id = *ids
+                .entry(fingerprint(&next))
+                .or_insert_with(|| discovered(next, Some((id, action)), &mut queue));
+            edges.push((id, next_id));
         }
     }
+    let states = parents.len();
+    let transitions = edges.len();
+    // Each state's predecessors, in one array indexed by where each state's run begins.
+    let mut starts = vec![0u32; states + 1];
+    for &(_, to) in &edges {
+        starts[to as usize + 1] += 1;
+    }
+    for i in 0..states {
+        starts[i + 1] += starts[i];
+    }
+    let mut filled = starts.clone();
+    let mut predecessors = vec![0u32; transitions];
+    for (from, to) in edges {
+        predecessors[filled[to as usize] as usize] = from;
+        filled[to as usize] += 1;
+    }
+    drop(filled);
     // Backwards from every state where all are done.
-    let mut reaches = done.clone();
-    let mut back: VecDeque<u32> = (0..done.len() as u32).filter(|&i| done[i as usize]).collect();
+    let mut reaches = done;
+    let mut back: VecDeque<u32> = (0..states as u32).filter(|&i| reaches[i as usize]).collect();
     while let Some(id) = back.pop_front() {
-        for &before in &predecessors[id as usize] {
+        let (from, to) = (starts[id as usize] as usize, starts[id as usize + 1] as usize);
+        for &before in &predecessors[from..to] {
             if !reaches[before as usize] {
                 reaches[before as usize] = true;
                 back.push_back(before);
@@ -82,10 +128,7 @@ pub fn done_reachable_from_everywhere(model: &System) -> Result<Explored, Vec<Ac
         path.reverse();
         return Err(path);
     }
-    Ok(Explored {
-        states: ids.len(),
-        transitions,
-    })
+    Ok(Explored { states, transitions })
 }
 
 /// A state in one line: each node's role and records, each server's phase, each client's
