@@ -606,6 +606,12 @@ fn without_the_durability_option_a_failover_runs_a_key_twice_only_for_what_the_r
     for held in [AT_MOST_ONCE, ANSWERS_AGREE, OWN_RECORD] {
         checker.assert_no_discovery(held);
     }
+    // (d) in the long configuration only, as for the durability option's failover: in the
+    // bounded one it would be among the check's longest tests; (d) through a failover without
+    // the durability option is checked in the bounded check by the failovers back and forth.
+    if long() {
+        liveness("asynchronous failover, fenced", failover(false));
+    }
 }
 
 /// README's limit: a lease that runs out while its owner is alive (cut off from the store, or
