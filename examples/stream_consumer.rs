@@ -9,7 +9,8 @@ use tower_idempotency::{RedisStore, StreamConsumer, StreamEvent, StreamOutcome, 
 
 /// No unique `id`: the record's transaction keeps one row per id (the tests count them); the lock orders
 /// consumers racing to create it.
-const LEDGER: &str = "SELECT pg_advisory_xact_lock(24); CREATE TABLE IF NOT EXISTS ledger (id text NOT NULL, amount bigint NOT NULL)";
+const LEDGER: &str = "SELECT pg_advisory_xact_lock(24); \
+    CREATE TABLE IF NOT EXISTS ledger (id text NOT NULL, amount bigint NOT NULL)";
 
 fn setting<T: std::str::FromStr<Err: std::fmt::Display>>(name: &str, default: &str) -> Result<T, BoxError> {
     let value = std::env::var(name).unwrap_or_else(|_| default.to_owned());
