@@ -15,7 +15,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// can never succeed as it is.
 ///
 /// Any error converts into [`Failure::Retry`], so `?` works in an effect on the errors of
-/// `fred`, `sqlx`, `std::io` and the like.
+/// `fred`, `sqlx`, `std::io` and the like; a [`FieldError`] (a field that does not parse)
+/// into [`Failure::DeadLetter`].
 #[derive(Debug)]
 pub enum Failure {
     /// A technical failure (a dependency down, a timeout): the key is released and the message
