@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use tower_idempotency::fred::prelude::*;
-use tower_idempotency::{shutdown_signal, Coordinator, Failure, RedisStore, StreamConsumer};
+use tower_idempotency::{shutdown_signal, Coordinator, RedisStore, StreamConsumer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -30,10 +30,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ledger = ledger.clone();
             async move {
                 let id = message.field("id").unwrap_or_default().to_owned();
-                let amount: i64 = match message.field("amount").map(str::parse) {
-                    Some(Ok(amount)) => amount,
-                    _ => return Err(Failure::dead_letter("amount is not an integer")),
-                };
+                // Not an integer: dead-lettered, `bad amount: "lots" is not an integer`.
+                let amount: i64 = message.parse_field("amount", "an integer")?;
                 // The effect, once per id: `?` on an error leaves the message for a retry.
                 let balance: i64 = ledger.incr_by(format!("balance:{id}"), amount).await?;
                 Ok(format!("{id} applied, balance {balance}").into())

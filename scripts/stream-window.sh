@@ -13,7 +13,7 @@ MESSAGES=${MESSAGES:-2000}
 CONSUMERS=${CONSUMERS:-1}
 profile=debug
 if [ "${1:-}" = "--release" ]; then profile=release; fi
-cargo build --quiet --example stream_consumer --features streams $([ "$profile" = release ] && echo --release)
+cargo build --quiet --example stream_consumer --features streams,postgres $([ "$profile" = release ] && echo --release)
 binary=target/$profile/examples/stream_consumer
 
 dir=$(mktemp -d)

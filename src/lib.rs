@@ -223,4 +223,7 @@ pub use store::{
 pub use streams::shutdown_signal;
 #[cfg(feature = "streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
+pub use streams::FieldError;
+#[cfg(feature = "streams")]
+#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
 pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};

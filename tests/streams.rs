@@ -103,6 +103,8 @@ fn spawn(
             let counts = counts.clone();
             async move {
                 tokio::time::sleep(work).await;
+                // An amount that is not an integer dead-letters the message (`?` on a FieldError).
+                let _amount: i64 = message.parse_field("amount", "an integer")?;
                 let id = message.field("id").unwrap_or_default().to_owned();
                 *counts.lock().unwrap().entry(id.clone()).or_insert(0) += 1;
                 Ok::<_, Failure>(Bytes::from(id))
@@ -306,18 +308,20 @@ async fn the_bound_in_hand_holds_and_a_shutdown_acks_nothing_unfinished() {
     counted();
 }
 
-/// Good, duplicate, mismatched and bad messages on `url`'s `stream`: ran, replayed,
-/// dead-lettered twice, nothing pending, every dead letter in `<stream>:dead`.
+/// Good, duplicate, mismatched and bad messages on `url`'s `stream`, and one whose amount the
+/// effect cannot parse: ran, replayed, dead-lettered three times (the last with
+/// `parse_field`'s reason), nothing pending, every dead letter in `<stream>:dead`.
 async fn one_of_each(url: &str, stream: &str) {
     let client = common::client(url).await;
     let good = publish(&client, stream, &[("id", "pay-1"), ("amount", "40")]).await;
     let again = publish(&client, stream, &[("amount", "40"), ("id", "pay-1")]).await;
     let reused = publish(&client, stream, &[("id", "pay-1"), ("amount", "41")]).await;
     let bad = publish(&client, stream, &[("id", "not a key"), ("amount", "1")]).await;
+    let unparsed = publish(&client, stream, &[("id", "pay-2"), ("amount", "lots")]).await;
     let (consumer, outcomes) = observed(consumer(url, stream, Duration::from_secs(5)).await);
     let (stop, task, effects) = spawn(consumer, Duration::ZERO);
-    within("all four handled", async {
-        while outcomes.lock().unwrap().len() < 4 || pending(&client, stream).await > 0 {
+    within("all five handled", async {
+        while outcomes.lock().unwrap().len() < 5 || pending(&client, stream).await > 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -332,13 +336,17 @@ async fn one_of_each(url: &str, stream: &str) {
         "{outcomes:?}"
     );
     assert!(outcomes[&bad].starts_with("dead-lettered bad id"), "{outcomes:?}");
+    assert_eq!(
+        outcomes[&unparsed],
+        r#"dead-lettered bad amount: "lots" is not an integer"#
+    );
     let dead: Vec<(String, HashMap<String, String>)> = client
         .xrange_values(format!("{stream}:dead"), "-", "+", None)
         .await
         .unwrap();
     let mut dead: Vec<&str> = dead.iter().map(|(_, fields)| fields["entry"].as_str()).collect();
     dead.sort();
-    let mut expected = [reused.as_str(), bad.as_str()];
+    let mut expected = [reused.as_str(), bad.as_str(), unparsed.as_str()];
     expected.sort();
     assert_eq!(dead, expected);
     assert_eq!(
@@ -393,7 +401,7 @@ async fn on_standalone_one_of_each_counted_per_outcome() {
         ),
         (
             "idempotency_stream_messages_total{outcome=dead_lettered}".to_owned(),
-            2,
+            3,
         ),
     ]);
     assert_eq!(counted, expected);

@@ -208,10 +208,8 @@ impl StreamConsumer {
     ///
     /// ```no_run
     /// # fn consumer(consumer: tower_idempotency::StreamConsumer) -> tower_idempotency::StreamConsumer {
-    /// consumer.with_validation(|message| match message.field("amount").map(str::parse::<i64>) {
-    ///     Some(Ok(_)) => Ok(()),
-    ///     _ => Err("bad amount: not an integer".into()),
-    /// })
+    /// // Refused: `bad amount: "lots" is not an integer`.
+    /// consumer.with_validation(|message| Ok(message.parse_field::<i64>("amount", "an integer").map(drop)?))
     /// # }
     /// ```
     pub fn with_validation(

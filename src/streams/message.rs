@@ -9,6 +9,30 @@ use fred::types::Value;
 use crate::fingerprint::{Fingerprint, FingerprintBuilder};
 use crate::key::{IdempotencyKey, RecordKey};
 
+/// A field that does not parse: [`StreamMessage::parse_field`]'s error. Its `Display` is the
+/// reason, `bad <name>: "<value>" is not <expected>`. It becomes a
+/// [`Failure::DeadLetter`](crate::Failure::DeadLetter) with that reason, so `?` in an effect
+/// dead-letters the message, and a `String`, so `?` in a
+/// [`with_validation`](crate::StreamConsumer::with_validation) check refuses it. It is not a
+/// `std::error::Error` on purpose: every error is a [`Failure::Retry`](crate::Failure::Retry)
+/// to `?`, and a message that cannot parse will not parse on its next delivery either.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    reason: String,
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl From<FieldError> for String {
+    fn from(error: FieldError) -> Self {
+        error.reason
+    }
+}
+
 /// One stream entry in a consumer's hands: its id, its fields, and how often the group has
 /// delivered it. Cheap to clone (the fields are shared).
 #[derive(Clone, Debug)]
@@ -58,6 +82,35 @@ impl StreamMessage {
     pub fn field(&self, name: &str) -> Option<&str> {
         let (_, value) = self.fields.iter().find(|(field, _)| field == name)?;
         std::str::from_utf8(value).ok()
+    }
+
+    /// The field `name` parsed as a `T` (an amount, a count, a flag), or why not, in the words
+    /// of the consumer's own dead-letter reasons: `bad <name>: "<value>" is not <expected>`
+    /// (`bad amount: "lots" is not an integer`). A field that is missing or not UTF-8 reads as
+    /// empty (`bad amount: "" is not an integer`). In an effect, `?` dead-letters the message
+    /// with that reason ([`Failure::DeadLetter`](crate::Failure::DeadLetter)); in a
+    /// [`with_validation`](crate::StreamConsumer::with_validation) check, `?` refuses it with
+    /// the same reason, before its key is claimed.
+    ///
+    /// ```no_run
+    /// # async fn run(consumer: tower_idempotency::StreamConsumer) -> Result<(), Box<dyn std::error::Error>> {
+    /// let consumer = consumer.with_validation(|message| {
+    ///     Ok(message.parse_field::<i64>("amount", "an integer").map(drop)?)
+    /// });
+    /// let shutdown = tower_idempotency::shutdown_signal()?;
+    /// consumer
+    ///     .run(shutdown, |message, _ticket| async move {
+    ///         let amount: i64 = message.parse_field("amount", "an integer")?;
+    ///         Ok(format!("applied {amount}").into())
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn parse_field<T: std::str::FromStr>(&self, name: &str, expected: &str) -> Result<T, FieldError> {
+        let value = self.field(name).unwrap_or_default();
+        value.parse().map_err(|_| FieldError {
+            reason: format!("bad {name}: {value:?} is not {expected}"),
+        })
     }
 
     /// How many times the group has delivered the entry, this time included (the group's
@@ -217,6 +270,18 @@ mod tests {
             .key(None)
             .unwrap_err()
             .starts_with("bad id"));
+    }
+
+    #[test]
+    fn a_field_that_does_not_parse_says_why_in_the_dead_letter_words() {
+        let m = message(&[("id", "p1"), ("amount", "-40"), ("bad", "lots"), ("spaced", " 4")]);
+        assert_eq!(m.parse_field::<i64>("amount", "an integer"), Ok(-40));
+        let reason = |name| String::from(m.parse_field::<i64>(name, "an integer").unwrap_err());
+        assert_eq!(reason("bad"), r#"bad bad: "lots" is not an integer"#);
+        assert_eq!(reason("spaced"), r#"bad spaced: " 4" is not an integer"#);
+        assert_eq!(reason("missing"), r#"bad missing: "" is not an integer"#);
+        let error = m.parse_field::<u8>("amount", "a byte").unwrap_err();
+        assert_eq!(error.to_string(), r#"bad amount: "-40" is not a byte"#);
     }
 
     #[test]

@@ -12,7 +12,7 @@ mod publish;
 mod shutdown;
 
 pub use consumer::StreamConsumer;
-pub use message::StreamMessage;
+pub use message::{FieldError, StreamMessage};
 pub use outcome::{Failure, StreamEvent, StreamOutcome};
 pub use publish::StreamPublisher;
 pub use shutdown::shutdown_signal;

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::message::StreamMessage;
+use super::message::{FieldError, StreamMessage};
 use crate::coordinator::Error;
 use crate::telemetry::StreamLabel;
 
@@ -15,7 +15,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// can never succeed as it is.
 ///
 /// Any error converts into [`Failure::Retry`], so `?` works in an effect on the errors of
-/// `fred`, `sqlx`, `std::io` and the like.
+/// `fred`, `sqlx`, `std::io` and the like; a [`FieldError`] (a field that does not parse)
+/// into [`Failure::DeadLetter`].
 #[derive(Debug)]
 pub enum Failure {
     /// A technical failure (a dependency down, a timeout): the key is released and the message
@@ -35,6 +36,13 @@ impl Failure {
     /// A message to dead-letter, with the reason a person will read.
     pub fn dead_letter(reason: impl Into<String>) -> Self {
         Failure::DeadLetter(reason.into())
+    }
+}
+
+/// A field that does not parse dead-letters the message, with the field's reason.
+impl From<FieldError> for Failure {
+    fn from(error: FieldError) -> Self {
+        Failure::DeadLetter(error.into())
     }
 }
 
@@ -249,6 +257,18 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
+
+    #[test]
+    fn a_field_that_does_not_parse_dead_letters_and_any_error_retries() {
+        let message = StreamMessage::of_text(&[("id", "p1"), ("amount", "lots")]);
+        let error = message.parse_field::<i64>("amount", "an integer").unwrap_err();
+        let Failure::DeadLetter(reason) = Failure::from(error) else {
+            panic!("a field that does not parse is dead-lettered");
+        };
+        assert_eq!(reason, r#"bad amount: "lots" is not an integer"#);
+        let io = std::io::Error::other("down");
+        assert!(matches!(Failure::from(io), Failure::Retry(_)));
+    }
 
     #[test]
     fn a_line_with_fields_names_them_after_the_id_and_quotes_only_what_needs_it() {
