@@ -394,22 +394,13 @@ pub(crate) fn reconciliation(kind: EventKind, named: Option<&Named>) {
     let _ = (kind, named);
 }
 
-/// One more claimed operation running (`idempotency_running`).
+/// One more (`+1.0`) or one fewer (`-1.0`) claimed operation running (`idempotency_running`).
 #[inline]
-pub(crate) fn running_started(named: Option<&Named>) {
+pub(crate) fn running(delta: f64, named: Option<&Named>) {
     #[cfg(feature = "metrics")]
-    recorded::running(1.0, named);
+    recorded::running(delta, named);
     #[cfg(not(feature = "metrics"))]
-    let _ = named;
-}
-
-/// One claimed operation fewer running.
-#[inline]
-pub(crate) fn running_ended(named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::running(-1.0, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = named;
+    let _ = (delta, named);
 }
 
 #[cfg(feature = "redis")]
@@ -713,27 +704,10 @@ mod recorded {
 
     #[cfg(feature = "redis")]
     pub(super) fn connection_event(connection: Connection, event: ConnectionEvent) {
-        const NAME: &str = "idempotency_connection_events_total";
-        macro_rules! count {
-            ($($connection:ident => $label:literal),* $(,)?) => {
-                match connection {
-                    $(Connection::$connection => match event {
-                        ConnectionEvent::Silent => counter!(NAME, "connection" => $label, "event" => "silent"),
-                        ConnectionEvent::Restored => counter!(NAME, "connection" => $label, "event" => "restored"),
-                        ConnectionEvent::FeedLost => counter!(NAME, "connection" => $label, "event" => "feed_lost"),
-                        ConnectionEvent::FeedBack => counter!(NAME, "connection" => $label, "event" => "feed_back"),
-                    }
-                    .increment(1),)*
-                }
-            };
-        }
-        count!(
-            Commands => "commands",
-            ReplicaAcks => "replica_acks",
-            ReplayCache => "replay_cache",
-            Notices => "notices",
-            Sentinels => "sentinels",
-        );
+        // Rare (a connection falling silent or coming back): its labels are built per call.
+        let (connection, event) = (connection.as_str(), event.as_str());
+        counter!("idempotency_connection_events_total", "connection" => connection, "event" => event)
+            .increment(1);
     }
 
     pub(super) fn running(delta: f64, named: Option<&Named>) {

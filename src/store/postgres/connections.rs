@@ -29,6 +29,8 @@ use sqlx::{Connection, Postgres};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::sync::lock;
+
 /// How long the store holds a connection it took from the pool before giving it back.
 pub(super) const HOLD: Duration = Duration::from_millis(100);
 
@@ -155,7 +157,7 @@ impl Connections {
 impl Held {
     fn idle(&self) -> MutexGuard<'_, Vec<Idle>> {
         // Nothing that runs under this lock can panic halfway through a change.
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.idle)
     }
 
     fn take_idle(&self, pool: &PgPool) -> Option<Idle> {
