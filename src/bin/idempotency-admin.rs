@@ -319,10 +319,7 @@ fn plain_table_name(table: &str) -> bool {
             && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
             && p.len() <= 48
     };
-    match table.split_once('.') {
-        Some((schema, name)) => part(schema) && part(name),
-        None => part(table),
-    }
+    (table.split_once('.')).map_or_else(|| part(table), |(schema, name)| part(schema) && part(name))
 }
 
 /// `url` fit to print: its scheme and host, without credentials, path or query (where

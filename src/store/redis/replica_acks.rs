@@ -375,9 +375,8 @@ impl Waiter {
         waited: Option<Result<Value, fred::error::Error>>,
         named: Option<Result<Value, fred::error::Error>>,
     ) -> Result<Acked, StoreError> {
-        let (waited, named) = match (waited, named) {
-            (Some(waited), Some(named)) => (waited, named),
-            _ => return Err(StoreError::Corrupt("no answer to WAIT".into())),
+        let (Some(waited), Some(named)) = (waited, named) else {
+            return Err(StoreError::Corrupt("no answer to WAIT".into()));
         };
         let acked = self.acked(waited.map_err(unavailable)?)?;
         match named.map_err(unavailable)? {
