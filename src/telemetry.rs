@@ -884,34 +884,36 @@ mod tests {
 
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
+        // The documented labels (docs/metrics-and-tracing.md), written out: `as_str` is what
+        // the counter is labelled with.
         let connections = [
-            Connection::Commands,
-            Connection::ReplicaAcks,
-            Connection::ReplayCache,
-            Connection::Notices,
-            Connection::Sentinels,
+            (Connection::Commands, "commands"),
+            (Connection::ReplicaAcks, "replica_acks"),
+            (Connection::ReplayCache, "replay_cache"),
+            (Connection::Notices, "notices"),
+            (Connection::Sentinels, "sentinels"),
         ];
         let events = [
-            ConnectionEvent::Silent,
-            ConnectionEvent::Restored,
-            ConnectionEvent::FeedLost,
-            ConnectionEvent::FeedBack,
+            (ConnectionEvent::Silent, "silent"),
+            (ConnectionEvent::Restored, "restored"),
+            (ConnectionEvent::FeedLost, "feed_lost"),
+            (ConnectionEvent::FeedBack, "feed_back"),
         ];
         metrics::with_local_recorder(&recorder, || {
-            for connection in connections {
-                for event in events {
+            for (connection, _) in connections {
+                for (event, _) in events {
                     connection_event(connection, event);
                 }
             }
         });
         let snapshot = snapshotter.snapshot().into_hashmap();
-        for connection in connections {
-            for event in events {
+        for (connection, connection_label) in connections {
+            for (event, event_label) in events {
                 let found = snapshot.iter().any(|(key, (_, _, value))| {
                     let labels: Vec<_> = key.key().labels().map(|l| (l.key(), l.value())).collect();
                     key.key().name() == "idempotency_connection_events_total"
-                        && labels.contains(&("connection", connection.as_str()))
-                        && labels.contains(&("event", event.as_str()))
+                        && labels.contains(&("connection", connection_label))
+                        && labels.contains(&("event", event_label))
                         && *value == DebugValue::Counter(1)
                 });
                 assert!(found, "{connection:?} {event:?}");
