@@ -1,4 +1,4 @@
-//! The one way this crate takes a `std` mutex.
+//! Taking a `std` mutex that a panicking holder may have poisoned, written once for the crate.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
