@@ -358,28 +358,14 @@ mod tests {
     }
 
     #[test]
-    fn bare_and_structured_forms_name_the_same_key() {
-        let bare = IdempotencyKey::parse("abc").unwrap();
-        assert_eq!(IdempotencyKey::parse("\"abc\"").unwrap(), bare);
-        assert_eq!(IdempotencyKey::parse("\"abc\";v=1").unwrap(), bare);
-        assert_eq!(IdempotencyKey::parse("\"a\\\"b\"").unwrap().as_str(), "a\"b");
-    }
-
-    #[test]
     fn invalid_keys_are_refused() {
+        // A bad byte, or one too many: `other_keys_are_refused_where_they_go_wrong`; here, what
+        // the property does not draw.
         assert_eq!(IdempotencyKey::parse(""), Err(KeyError::Empty));
         assert_eq!(IdempotencyKey::parse("\"\""), Err(KeyError::Empty));
         assert!(matches!(
-            IdempotencyKey::parse("a b"),
-            Err(KeyError::InvalidCharacter { position: 1 })
-        ));
-        assert!(matches!(
             IdempotencyKey::parse("\"a b\""),
             Err(KeyError::InvalidCharacter { .. })
-        ));
-        assert!(matches!(
-            IdempotencyKey::parse_bytes(b"caf\xc3\xa9"),
-            Err(KeyError::InvalidCharacter { position: 3 })
         ));
         assert_eq!(
             IdempotencyKey::parse("\"abc"),
@@ -389,25 +375,6 @@ mod tests {
             IdempotencyKey::parse("\"abc\" trailing"),
             Err(KeyError::MalformedStructuredField)
         );
-        let longest = "k".repeat(MAX_KEY_LEN);
-        assert!(IdempotencyKey::parse(&longest).is_ok());
-        assert_eq!(
-            IdempotencyKey::parse(&format!("{longest}k")),
-            Err(KeyError::TooLong { len: MAX_KEY_LEN + 1 })
-        );
-    }
-
-    #[test]
-    fn scopes_never_share_records() {
-        let key = |k: &str| IdempotencyKey::parse(k).unwrap();
-        let a = RecordKey::new(Some("ab"), key("c"));
-        let b = RecordKey::new(Some("a"), key("bc"));
-        let unscoped = RecordKey::new(None, key("c"));
-        let empty_scope = RecordKey::new(Some(""), key("c"));
-        assert_ne!(a.digest(), b.digest());
-        assert_ne!(unscoped.digest(), empty_scope.digest());
-        assert_eq!(a.digest(), RecordKey::new(Some("ab"), key("c")).digest());
-        assert_eq!(a.digest_hex().len(), 64);
     }
 
     use proptest::prelude::*;
@@ -470,6 +437,7 @@ mod tests {
             let one = RecordKey::new(a.as_deref(), IdempotencyKey::parse(&k).unwrap());
             let two = RecordKey::new(b.as_deref(), IdempotencyKey::parse(&l).unwrap());
             prop_assert_eq!(one.digest() == two.digest(), (a, k) == (b, l));
+            prop_assert_eq!(one.digest_hex().len(), 64);
         }
     }
 }

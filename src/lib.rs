@@ -99,6 +99,7 @@ mod reconciliation;
 #[cfg(feature = "redis")]
 mod replay_cache;
 mod store;
+mod sync;
 // Metrics and the request span, for core and adapter alike.
 mod telemetry;
 // The tower adapter over it.

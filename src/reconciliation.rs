@@ -163,15 +163,6 @@ impl Reconciler {
     pub(crate) fn has_hook(&self) -> bool {
         self.hook.is_some()
     }
-
-    /// Calls the hook. A panic in it is logged and goes no further: it must not unwind through
-    /// a claim half settled, nor kill a store's background task.
-    fn call(hook: &(dyn Fn(&ReconciliationEvent) + Send + Sync), event: &ReconciliationEvent) {
-        let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(event)));
-        if called.is_err() {
-            tracing::error!(kind = ?event.kind, "the reconciliation hook panicked");
-        }
-    }
 }
 
 /// Counts `kind` and, if there is a hook, tells it. Key, owner and payload are cloned only for a
@@ -186,15 +177,17 @@ pub(crate) fn report(
     let named = reconciler.and_then(|r| r.named.as_deref());
     crate::telemetry::reconciliation(kind.event_kind(), named);
     if let Some(hook) = reconciler.and_then(|r| r.hook.as_deref()) {
-        Reconciler::call(
-            hook,
-            &ReconciliationEvent {
-                key: key.clone(),
-                owner: owner.clone(),
-                kind,
-                payload: payload.cloned(),
-            },
-        );
+        let event = ReconciliationEvent {
+            key: key.clone(),
+            owner: owner.clone(),
+            kind,
+            payload: payload.cloned(),
+        };
+        // A panic in the hook is logged and goes no further: it must not unwind through a claim
+        // half settled, nor kill a store's background task.
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&event))).is_err() {
+            tracing::error!(kind = ?event.kind, "the reconciliation hook panicked");
+        }
     }
 }
 

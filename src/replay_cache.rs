@@ -24,6 +24,7 @@ use tokio::time::Instant;
 
 use crate::fingerprint::Fingerprint;
 use crate::key::DigestHashing;
+use crate::sync::lock;
 
 /// What an entry costs beyond its payload: key, fingerprint, bookkeeping.
 const ENTRY_OVERHEAD: usize = 128;
@@ -121,9 +122,7 @@ impl ReplayCache {
 
     fn lock(&self) -> MutexGuard<'_, Entries> {
         // Every update leaves the map consistent, so a poisoned lock's data is still sound.
-        self.entries
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.entries)
     }
 
     /// The copy of the record at `digest`, if there is a live one.

@@ -319,10 +319,7 @@ fn plain_table_name(table: &str) -> bool {
             && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
             && p.len() <= 48
     };
-    match table.split_once('.') {
-        Some((schema, name)) => part(schema) && part(name),
-        None => part(table),
-    }
+    (table.split_once('.')).map_or_else(|| part(table), |(schema, name)| part(schema) && part(name))
 }
 
 /// `url` fit to print: its scheme and host, without credentials, path or query (where
@@ -451,9 +448,7 @@ async fn inspect(
     out: &mut impl Write,
 ) -> u8 {
     let show_body = show != ShowBody::No;
-    let digest = record_key(scope, key)
-        .map(|key| key.digest_hex())
-        .unwrap_or_default();
+    let digest = record_key(scope, key).map_or_else(String::new, |key| key.digest_hex());
     let found = match layer.inspect(scope, key).await {
         Ok(found) => found.map(Found::Http),
         // Not a stored HTTP response (a queue consumer's result through the Coordinator, say):
@@ -483,9 +478,9 @@ async fn inspect(
             info.payload.as_ref().map_or(0, |payload| payload.len()),
         ),
     };
-    let state_name = match state {
-        RecordState::InFlight => "in_flight",
-        RecordState::Completed => "completed",
+    let (state_name, state_text, time_left) = match state {
+        RecordState::InFlight => ("in_flight", "in flight", "lease left "),
+        RecordState::Completed => ("completed", "completed", "kept for   "),
     };
     let (status, not_stored, body, unreadable) = match &found {
         Found::Http(record) => (
@@ -522,17 +517,8 @@ async fn inspect(
         return 0;
     }
     let _ = writeln!(out, "record      {} ({digest})", described(scope, key));
-    let left = match state {
-        RecordState::InFlight => {
-            let _ = writeln!(out, "state       in flight");
-            "lease left "
-        }
-        RecordState::Completed => {
-            let _ = writeln!(out, "state       completed");
-            "kept for   "
-        }
-    };
-    let _ = writeln!(out, "{left} {}", human(expires_in));
+    let _ = writeln!(out, "state       {state_text}");
+    let _ = writeln!(out, "{time_left} {}", human(expires_in));
     if let Some(status) = status {
         let _ = writeln!(out, "status      {status}");
     }
@@ -540,18 +526,12 @@ async fn inspect(
         let _ = writeln!(out, "not stored  {why} (a retry gets 409 ResponseNotStored)");
     }
     if state == RecordState::Completed {
-        match &body {
-            Some(body) => {
-                let _ = writeln!(
-                    out,
-                    "stored      {stored_bytes} bytes (body {} bytes)",
-                    body.len()
-                );
-            }
-            None => {
-                let _ = writeln!(out, "stored      {stored_bytes} bytes");
-            }
-        }
+        let body_bytes = body.as_ref().map(|body| format!(" (body {} bytes)", body.len()));
+        let _ = writeln!(
+            out,
+            "stored      {stored_bytes} bytes{}",
+            body_bytes.unwrap_or_default()
+        );
     }
     if let Some(reason) = &unreadable {
         let _ = writeln!(out, "payload     not a stored HTTP response ({reason})");
@@ -595,9 +575,7 @@ async fn purge(
     force: bool,
     out: &mut impl Write,
 ) -> u8 {
-    let digest = record_key(scope, key)
-        .map(|key| key.digest_hex())
-        .unwrap_or_default();
+    let digest = record_key(scope, key).map_or_else(String::new, |key| key.digest_hex());
     if !force {
         // A record in flight is a request running now, or one whose instance died and holds
         // the key until its lease ends: purging it lets a retry run beside the first run.

@@ -149,12 +149,12 @@ impl Claim {
     /// # Ok(()) }
     /// ```
     pub fn ticket(&self) -> ClaimTicket {
-        ClaimTicket::new(
-            self.key.clone(),
-            self.owner.clone(),
-            self.settings.retention,
-            self.flags.clone(),
-        )
+        ClaimTicket {
+            key: self.key.clone(),
+            owner: self.owner.clone(),
+            retention: self.settings.retention,
+            flags: self.flags.clone(),
+        }
     }
 
     /// The coordinator's metrics name and keys, if it has a name.

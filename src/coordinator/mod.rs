@@ -80,22 +80,17 @@ pub struct Coordinator {
 
 impl std::fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings = &*self.settings;
+        let reconciliation = settings.reconciler.as_ref().is_some_and(Reconciler::has_hook);
         f.debug_struct("Coordinator")
-            .field("lease", &self.settings.lease)
-            .field("retention", &self.settings.retention)
-            .field("store_timeout", &self.settings.store_timeout)
-            .field("once_timeout", &self.settings.once_timeout)
-            .field("max_in_flight", &self.settings.tracker.max)
-            .field("name", &self.settings.named.as_ref().map(|named| named.name()))
-            .field(
-                "reconciliation",
-                &self
-                    .settings
-                    .reconciler
-                    .as_ref()
-                    .is_some_and(Reconciler::has_hook),
-            )
-            .field("max_waiters", &self.settings.waiters.max)
+            .field("lease", &settings.lease)
+            .field("retention", &settings.retention)
+            .field("store_timeout", &settings.store_timeout)
+            .field("once_timeout", &settings.once_timeout)
+            .field("max_in_flight", &settings.tracker.max)
+            .field("name", &settings.named.as_ref().map(|named| named.name()))
+            .field("reconciliation", &reconciliation)
+            .field("max_waiters", &settings.waiters.max)
             .finish_non_exhaustive()
     }
 }
@@ -350,11 +345,8 @@ impl Coordinator {
 
     /// How many callers wait for a running operation now.
     pub fn waiting(&self) -> usize {
-        self.settings
-            .waiters
-            .waiting
-            .load(Ordering::Acquire)
-            .min(self.settings.waiters.max as usize)
+        let waiters = &self.settings.waiters;
+        waiters.waiting.load(Ordering::Acquire).min(waiters.max as usize)
     }
 
     /// The lease in force.

@@ -372,10 +372,7 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
         let claim = match coordinator.begin_or_wait(key, fingerprint, wait).await {
             Ok(Begin::Claimed(claim)) => claim,
             Ok(Begin::Completed(stored)) => {
-                return match (codec.decode)(stored) {
-                    Ok(result) => Once::Replayed(result),
-                    Err(error) => Once::Unavailable(error),
-                }
+                return (codec.decode)(stored).map_or_else(Once::Unavailable, Once::Replayed)
             }
             Ok(Begin::InFlight { lease_left }) => {
                 return Once::InFlight {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::error::Error;
+use crate::sync::lock;
 use crate::telemetry::{self, Named};
 
 /// Lease, retention and every wait are capped here, far beyond any sane setting, so deadline arithmetic
@@ -35,10 +36,8 @@ impl Tracker {
             max,
             group: group.clone(),
         });
-        let mut members = group
-            .members
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Every change is one push or one retain: the list behind a poisoned lock is sound.
+        let mut members = lock(&group.members);
         // A bound no coordinator uses any more has nothing running: forget it.
         members.retain(|member| member.strong_count() > 0);
         members.push(Arc::downgrade(&tracker));
@@ -59,11 +58,10 @@ pub(super) struct Group {
 
 impl Group {
     fn members(&self) -> Vec<Arc<Tracker>> {
-        let members = self
-            .members
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        members.iter().filter_map(std::sync::Weak::upgrade).collect()
+        lock(&self.members)
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
     }
 }
 
@@ -81,7 +79,7 @@ impl Slot {
         // `ShutdownHandle::shutdown`, which sets the flag before it reads the count): either the
         // shutdown sees this operation and waits for it, or this sees the shutdown and refuses.
         let before = tracker.running.fetch_add(1, Ordering::SeqCst);
-        telemetry::running_started(named.map(|named| &**named));
+        telemetry::running(1.0, named.map(|named| &**named));
         // Built first, so a refusal is undone by its drop.
         let slot = Self {
             tracker: tracker.clone(),
@@ -99,7 +97,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        telemetry::running_ended(self.named.as_deref());
+        telemetry::running(-1.0, self.named.as_deref());
         if self.tracker.running.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.tracker.idle.notify_waiters();
         }

@@ -386,21 +386,15 @@ impl PathPattern {
 
     /// Whether `path` (the request's, from its leading `/`) matches. No allocation.
     pub(crate) fn matches(&self, path: &str) -> bool {
-        match path.strip_prefix('/') {
-            Some(rest) => self.matches_segments(rest.split('/')),
-            None => false,
-        }
+        (path.strip_prefix('/')).is_some_and(|rest| self.matches_segments(rest.split('/')))
     }
 
     /// Whether `path` matches without its trailing slash, or with one added. No allocation.
     fn matches_but_trailing_slash(&self, path: &str) -> bool {
-        let Some(rest) = path.strip_prefix('/') else {
+        // `/` alone is the root: no slash to take away, nor one to add.
+        let Some(rest) = path.strip_prefix('/').filter(|rest| !rest.is_empty()) else {
             return false;
         };
-        if rest.is_empty() {
-            // `/` alone is the root: no slash to take away, nor one to add.
-            return false;
-        }
         match rest.strip_suffix('/') {
             Some(trimmed) => self.matches_segments(trimmed.split('/')),
             None => self.matches_segments(rest.split('/').chain(std::iter::once(""))),

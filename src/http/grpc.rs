@@ -99,10 +99,7 @@ pub(crate) fn outcome(headers: &HeaderMap) -> Outcome {
     if !is_grpc(headers.get(CONTENT_TYPE)) {
         return Outcome::NotGrpc;
     }
-    match status_in(headers) {
-        Some(code) => Outcome::Known(code),
-        None => Outcome::AtEnd,
-    }
+    status_in(headers).map_or(Outcome::AtEnd, Outcome::Known)
 }
 
 /// The default test of whether a gRPC call's outcome may be stored and replayed, by its

@@ -601,10 +601,7 @@ fn status_from(number: u64) -> Result<StatusCode, String> {
         .ok()
         .and_then(|n| StatusCode::from_u16(n).ok())
         .ok_or_else(|| format!("invalid status {number}: a status code is 100 to 999"))?;
-    match rejection_status_error(status) {
-        Some(error) => Err(error),
-        None => Ok(status),
-    }
+    rejection_status_error(status).map_or(Ok(status), Err)
 }
 
 /// A visitor for a value written as a string (and, for some, a number).
@@ -860,11 +857,8 @@ mod tests {
 
     #[test]
     fn durations_are_a_number_then_a_unit() {
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
-        assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5_400)));
-        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1_500)));
-        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        // What a duration adds up to: `durations_are_the_sum_of_their_parts`; here, what it says
+        // when it cannot.
         for (bad, why) in [
             ("", "empty"),
             ("30", "unit is missing"),
@@ -879,9 +873,7 @@ mod tests {
 
     #[test]
     fn sizes_methods_and_statuses_are_checked() {
-        assert_eq!(parse_size("64KiB"), Ok(65_536));
-        assert_eq!(parse_size("1 MiB"), Ok(1 << 20));
-        assert_eq!(parse_size("512"), Ok(512));
+        // What a size comes to: `sizes_are_a_number_times_a_unit`.
         assert!(parse_size("1MB").unwrap_err().contains("unknown unit \"MB\""));
         assert_eq!(parse_method("post"), Ok(Method::POST));
         assert!(parse_method("PSOT")
@@ -900,7 +892,6 @@ mod tests {
             let error = status_from(status).unwrap_err();
             assert!(error.contains("use a 4xx or 5xx status"), "{status}: {error}");
         }
-        assert_eq!(status_from(503), Ok(StatusCode::SERVICE_UNAVAILABLE));
         for (text, refused) in [
             (
                 r#"{"idempotency": {"mismatch_status": 200}}"#,

@@ -20,6 +20,9 @@ use crate::telemetry::RejectionKind;
 const TYPE_BASE: &str =
     "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.";
 
+/// The default key header as the IETF draft spells it (header names arrive lower-cased).
+const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
+
 /// Why the layer answered instead of the handler.
 ///
 /// Each rejection is sent as an RFC 9457 `application/problem+json` document whose `type` is
@@ -133,20 +136,32 @@ impl Rejection {
 
     /// The status this rejection is sent with.
     pub fn status(&self) -> StatusCode {
+        self.statuses().0
+    }
+
+    /// The HTTP status and the `grpc-status` of this rejection, side by side (the table of
+    /// [`grpc_code`](Rejection::grpc_code)).
+    fn statuses(&self) -> (StatusCode, i32) {
+        use StatusCode as S;
         match self {
-            Rejection::MissingKey | Rejection::InvalidKey(_) | Rejection::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
+            Rejection::MissingKey | Rejection::InvalidKey(_) => (S::BAD_REQUEST, code::INVALID_ARGUMENT),
+            Rejection::BodyTooLarge { .. } => (S::PAYLOAD_TOO_LARGE, code::RESOURCE_EXHAUSTED),
+            // The request stream did not arrive whole: nearly always a client that went away,
+            // which gRPC servers report as CANCELLED.
+            Rejection::BodyUnreadable => (S::BAD_REQUEST, code::CANCELLED),
+            Rejection::InFlight { .. } => (S::CONFLICT, code::ABORTED),
+            Rejection::Mismatch { status } | Rejection::PolicyMismatch { status } => (*status, code::ABORTED),
+            Rejection::StoreUnavailable | Rejection::Overloaded => {
+                (S::SERVICE_UNAVAILABLE, code::UNAVAILABLE)
             }
-            Rejection::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Rejection::InFlight { .. } => StatusCode::CONFLICT,
-            Rejection::Mismatch { status } | Rejection::PolicyMismatch { status } => *status,
-            Rejection::StoreUnavailable | Rejection::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
-                StatusCode::INTERNAL_SERVER_ERROR
+                (S::INTERNAL_SERVER_ERROR, code::INTERNAL)
             }
-            Rejection::ResponseNotStored { status, .. } => *status,
-            Rejection::HandlerTimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Rejection::NoEndpoint => StatusCode::NOT_IMPLEMENTED,
+            // The call ran and will not run again under this key until an operator purges it.
+            Rejection::ResponseNotStored { status, .. } => (*status, code::FAILED_PRECONDITION),
+            Rejection::HandlerTimedOut { .. } => (S::GATEWAY_TIMEOUT, code::DEADLINE_EXCEEDED),
+            // The method is not offered with idempotency here, as HTTP's 501 says.
+            Rejection::NoEndpoint => (S::NOT_IMPLEMENTED, code::UNIMPLEMENTED),
         }
     }
 
@@ -271,55 +286,37 @@ impl Rejection {
     /// assert_eq!((running.key_state(), running.retryable()), ("in_flight", true));
     /// ```
     pub fn key_state(&self) -> &'static str {
-        self.key_state_given(false)
+        self.key_state_given(false).0
     }
 
     /// The problem document's `retryable`: whether sending the same request with the same key
     /// again, later, can succeed (after `retry_after` seconds where the document has it). `false`
     /// means the request as sent will not: change it, or its key, or ask a person.
     pub fn retryable(&self) -> bool {
-        self.retryable_given(false)
+        self.key_state_given(false).1
     }
 
-    /// The key's state, `key_released` telling whether the layer released the key of a handler
-    /// that timed out (`with_release_not_stored`), which only the layer knows.
-    fn key_state_given(&self, key_released: bool) -> &'static str {
+    /// The key's state and whether a retry can succeed, `key_released` telling whether the
+    /// layer released the key of a handler that timed out (`with_release_not_stored`), which
+    /// only the layer knows.
+    fn key_state_given(&self, key_released: bool) -> (&'static str, bool) {
         match self {
-            Rejection::MissingKey => "absent",
-            Rejection::InvalidKey(_) => "invalid",
-            Rejection::InFlight { .. } => "in_flight",
-            Rejection::Mismatch { .. } => "mismatch",
-            Rejection::PolicyMismatch { .. } => "policy_mismatch",
-            Rejection::StoreUnavailable => "store_unavailable",
-            Rejection::UnreadableRecord => "unreadable",
-            Rejection::HandlerPanicked => "released",
-            Rejection::HandlerTimedOut { .. } if key_released => "released",
-            Rejection::ResponseNotStored { .. } | Rejection::HandlerTimedOut { .. } => "not_replayable",
-            Rejection::BodyTooLarge { .. }
-            | Rejection::BodyUnreadable
-            | Rejection::Overloaded
-            | Rejection::MissingScope
-            | Rejection::NoEndpoint => "not_claimed",
-        }
-    }
-
-    fn retryable_given(&self, key_released: bool) -> bool {
-        match self {
-            Rejection::InFlight { .. }
-            | Rejection::StoreUnavailable
-            | Rejection::Overloaded
-            | Rejection::BodyUnreadable
-            | Rejection::HandlerPanicked => true,
-            Rejection::HandlerTimedOut { .. } => key_released,
-            Rejection::MissingKey
-            | Rejection::InvalidKey(_)
-            | Rejection::BodyTooLarge { .. }
-            | Rejection::Mismatch { .. }
-            | Rejection::PolicyMismatch { .. }
-            | Rejection::UnreadableRecord
-            | Rejection::MissingScope
-            | Rejection::ResponseNotStored { .. }
-            | Rejection::NoEndpoint => false,
+            Rejection::MissingKey => ("absent", false),
+            Rejection::InvalidKey(_) => ("invalid", false),
+            Rejection::InFlight { .. } => ("in_flight", true),
+            Rejection::Mismatch { .. } => ("mismatch", false),
+            Rejection::PolicyMismatch { .. } => ("policy_mismatch", false),
+            Rejection::StoreUnavailable => ("store_unavailable", true),
+            Rejection::UnreadableRecord => ("unreadable", false),
+            Rejection::HandlerPanicked => ("released", true),
+            Rejection::HandlerTimedOut { .. } if key_released => ("released", true),
+            Rejection::ResponseNotStored { .. } | Rejection::HandlerTimedOut { .. } => {
+                ("not_replayable", false)
+            }
+            Rejection::BodyUnreadable | Rejection::Overloaded => ("not_claimed", true),
+            Rejection::BodyTooLarge { .. } | Rejection::MissingScope | Rejection::NoEndpoint => {
+                ("not_claimed", false)
+            }
         }
     }
 
@@ -335,13 +332,7 @@ impl Rejection {
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
         crate::telemetry::rejection(self.kind(), None);
-        self.into_response_naming(&HeaderName::from_static("idempotency-key"))
-    }
-
-    /// Like [`into_response`](Rejection::into_response), naming `key_header` in the detail of
-    /// key problems (the layer's configured header).
-    pub(crate) fn into_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {
-        self.into_problem_response(key_header, false)
+        self.into_problem_response(&HeaderName::from_static("idempotency-key"), false)
     }
 
     /// The problem+json response; `key_released`: see [`key_state_given`](Self::key_state_given).
@@ -369,10 +360,10 @@ impl Rejection {
         push_json_string(&mut body, &detail);
         // Extension members (RFC 9457 section 3.2), after the standard ones so that a client
         // that compared the document's start keeps working: fixed ASCII, nothing to escape.
+        let (key_state, retryable) = self.key_state_given(key_released);
         body.extend_from_slice(b",\"key_state\":\"");
-        body.extend_from_slice(self.key_state_given(key_released).as_bytes());
+        body.extend_from_slice(key_state.as_bytes());
         body.extend_from_slice(b"\",\"retryable\":");
-        let retryable = self.retryable_given(key_released);
         body.extend_from_slice(if retryable { b"true" } else { b"false" });
         let retry_after = self.retry_after_seconds();
         if let Some(seconds) = retry_after {
@@ -391,16 +382,7 @@ impl Rejection {
         response.extensions_mut().insert(self);
         response
     }
-}
 
-/// Appends `text` as a JSON string, quoted and escaped by serde_json.
-fn push_json_string(buffer: &mut Vec<u8>, text: &str) {
-    // Serializing a `str` into a `Vec` has no way to fail (no I/O error, no map key to reject).
-    let written = serde_json::to_writer(&mut *buffer, text);
-    debug_assert!(written.is_ok(), "a str written to a Vec");
-}
-
-impl Rejection {
     /// The rejection in the client's protocol: gRPC for a gRPC call (see
     /// [`into_grpc_response`](Rejection::into_grpc_response)), problem+json otherwise; counted
     /// under the layer's metrics name, if it has one.
@@ -429,12 +411,7 @@ impl Rejection {
             self.into_problem_response(key_header, key_released)
         }
     }
-}
 
-/// The default key header as the IETF draft spells it (header names arrive lower-cased).
-const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
-
-impl Rejection {
     /// The `grpc-status` this rejection is sent with to a gRPC client (a request whose
     /// `Content-Type` is `application/grpc…`): the code of `google.rpc.Code`, which
     /// `tonic::Code::from_i32` reads.
@@ -458,25 +435,7 @@ impl Rejection {
     /// assert_eq!(Rejection::StoreUnavailable.grpc_code(), 14); // UNAVAILABLE
     /// ```
     pub fn grpc_code(&self) -> i32 {
-        match self {
-            Rejection::MissingKey | Rejection::InvalidKey(_) => code::INVALID_ARGUMENT,
-            Rejection::BodyTooLarge { .. } => code::RESOURCE_EXHAUSTED,
-            // The request stream did not arrive whole: nearly always a client that went away,
-            // which gRPC servers report as CANCELLED.
-            Rejection::BodyUnreadable => code::CANCELLED,
-            Rejection::InFlight { .. } | Rejection::Mismatch { .. } | Rejection::PolicyMismatch { .. } => {
-                code::ABORTED
-            }
-            Rejection::StoreUnavailable | Rejection::Overloaded => code::UNAVAILABLE,
-            Rejection::UnreadableRecord | Rejection::HandlerPanicked | Rejection::MissingScope => {
-                code::INTERNAL
-            }
-            // The call ran and will not run again under this key until an operator purges it.
-            Rejection::ResponseNotStored { .. } => code::FAILED_PRECONDITION,
-            Rejection::HandlerTimedOut { .. } => code::DEADLINE_EXCEEDED,
-            // The method is not offered with idempotency here, as HTTP's 501 says.
-            Rejection::NoEndpoint => code::UNIMPLEMENTED,
-        }
+        self.statuses().1
     }
 
     /// The rejection as a gRPC client reads it: a trailers-only response (HTTP 200,
@@ -533,9 +492,7 @@ impl Rejection {
         response.extensions_mut().insert(self);
         response
     }
-}
 
-impl Rejection {
     /// The `google.rpc.Status` of this rejection, protobuf-encoded (see
     /// [`into_grpc_response`](Rejection::into_grpc_response)).
     fn status_details(&self, message: &str, retry_after: Option<u64>) -> Bytes {
@@ -567,6 +524,13 @@ impl Rejection {
         }
         Bytes::from(status)
     }
+}
+
+/// Appends `text` as a JSON string, quoted and escaped by serde_json.
+fn push_json_string(buffer: &mut Vec<u8>, text: &str) {
+    // Serializing a `str` into a `Vec` has no way to fail (no I/O error, no map key to reject).
+    let written = serde_json::to_writer(&mut *buffer, text);
+    debug_assert!(written.is_ok(), "a str written to a Vec");
 }
 
 #[cfg(test)]
@@ -623,7 +587,7 @@ mod tests {
             }
             let response = rejection
                 .clone()
-                .into_response_naming::<http_body_util::Empty<Bytes>>(&header);
+                .into_problem_response::<http_body_util::Empty<Bytes>>(&header, false);
             let Ok(collected) = response.into_body().collect().await else {
                 panic!("{rejection:?}: the body failed");
             };

@@ -13,6 +13,8 @@ use std::sync::Mutex;
 
 use http::Method;
 
+use crate::sync::lock;
+
 /// The most paths remembered (and so logged one by one): 1 024. Enough for every route of a
 /// real service spelled a few ways; an attacker who sends many distinct paths fills it, and then
 /// gets nothing more into the logs.
@@ -70,10 +72,7 @@ impl UnmatchedPaths {
     fn remember(&self, path: &str) -> Remembered {
         let hash = self.hasher.hash_one(path);
         // Every update leaves the set whole, so a poisoned lock's data is still sound.
-        let mut hashes = self
-            .hashes
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut hashes = lock(&self.hashes);
         if hashes.contains(&hash) {
             return Remembered::Known;
         }

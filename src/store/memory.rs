@@ -12,6 +12,7 @@ use crate::key::{DigestHashing, RecordKey};
 use crate::store::contract::{KeyWatch, Store, StoreFuture};
 use crate::store::error::StoreError;
 use crate::store::record::{ClaimOutcome, InFlightRecord, Oldest, OwnerToken, RecordInfo, RecordState};
+use crate::sync::lock;
 
 /// 64 MiB: about 115 000 records of a small JSON answer (a stored response of ~200 bytes plus
 /// [`RECORD_OVERHEAD`]), a day's retention at 1.3 new keys a second, in a share of memory any
@@ -235,14 +236,10 @@ impl MemoryStore {
     }
 
     fn lock(&self) -> MutexGuard<'_, Records> {
+        // A panic while holding the lock cannot leave a record half-written (every update is a
+        // single insert or remove), so the data behind a poisoned lock is still sound.
         lock(&self.shared)
     }
-}
-
-fn lock(records: &Mutex<Records>) -> MutexGuard<'_, Records> {
-    // A panic while holding the lock cannot leave a record half-written (every update is a
-    // single insert or remove), so the data behind a poisoned lock is still sound.
-    records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Records {

@@ -208,10 +208,7 @@ impl InFlightRecord {
     /// Whether a listing for records at least `older_than` old shows this one: a record of
     /// unknown age is always shown, since it may be the oldest.
     pub(crate) fn is_older_than(&self, older_than: Duration) -> bool {
-        match self.age {
-            Some(age) => age >= older_than,
-            None => true,
-        }
+        self.age.is_none_or(|age| age >= older_than)
     }
 }
 

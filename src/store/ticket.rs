@@ -34,10 +34,11 @@ use crate::key::RecordKey;
 /// ```
 #[derive(Clone)]
 pub struct ClaimTicket {
-    key: RecordKey,
-    owner: OwnerToken,
-    retention: Duration,
-    flags: Arc<ClaimFlags>,
+    pub(crate) key: RecordKey,
+    pub(crate) owner: OwnerToken,
+    pub(crate) retention: Duration,
+    /// Shared with the claim it was made from.
+    pub(crate) flags: Arc<ClaimFlags>,
 }
 
 impl std::fmt::Debug for ClaimTicket {
@@ -51,21 +52,6 @@ impl std::fmt::Debug for ClaimTicket {
 }
 
 impl ClaimTicket {
-    /// The ticket of the claim of `key` by `owner`, sharing the claim's `flags`.
-    pub(crate) fn new(
-        key: RecordKey,
-        owner: OwnerToken,
-        retention: Duration,
-        flags: Arc<ClaimFlags>,
-    ) -> Self {
-        Self {
-            key,
-            owner,
-            retention,
-            flags,
-        }
-    }
-
     /// The claimed key.
     pub fn key(&self) -> &RecordKey {
         &self.key

@@ -82,18 +82,13 @@ impl Report {
 
     /// The rules of optional methods the store does not offer.
     pub fn not_offered(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.verdicts
-            .iter()
-            .filter(|(_, verdict)| *verdict == Verdict::NotOffered)
-            .map(|(rule, _)| *rule)
+        (self.verdicts.iter())
+            .filter_map(|(rule, verdict)| (*verdict == Verdict::NotOffered).then_some(*rule))
     }
 
     /// The verdict on `rule`, if it is one of [`RULES`].
     pub fn verdict(&self, rule: &str) -> Option<&Verdict> {
-        self.verdicts
-            .iter()
-            .find(|(name, _)| *name == rule)
-            .map(|(_, verdict)| verdict)
+        (self.verdicts.iter()).find_map(|(name, verdict)| (*name == rule).then_some(verdict))
     }
 }
 

@@ -20,7 +20,7 @@
 //! - one whose statement reached the store's timeout is closed at once.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
@@ -28,6 +28,8 @@ use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{Connection, Postgres};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use crate::sync::lock;
 
 /// How long the store holds a connection it took from the pool before giving it back.
 pub(super) const HOLD: Duration = Duration::from_millis(100);
@@ -40,7 +42,8 @@ pub(super) struct Connections {
 }
 
 struct Held {
-    /// Unused for now, newest last: a statement takes the one used most recently.
+    /// Unused for now, newest last: a statement takes the one used most recently. Taken with
+    /// `sync::lock`: nothing that runs under it can panic halfway through a change.
     idle: Mutex<Vec<Idle>>,
     /// Told when a connection is put in `idle`, for statements waiting on the pool.
     returned: Notify,
@@ -144,7 +147,7 @@ impl Connections {
         if idle.taken.elapsed() >= HOLD {
             return give_back(idle.connection, self.held.checks);
         }
-        self.held.idle().push(idle);
+        lock(&self.held.idle).push(idle);
         self.held.returned.notify_one();
         if !self.held.returning.swap(true, Ordering::AcqRel) {
             tokio::spawn(give_back_when_held_too_long(Arc::downgrade(&self.held)));
@@ -153,30 +156,20 @@ impl Connections {
 }
 
 impl Held {
-    fn idle(&self) -> MutexGuard<'_, Vec<Idle>> {
-        // Nothing that runs under this lock can panic halfway through a change.
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     fn take_idle(&self, pool: &PgPool) -> Option<Idle> {
         if pool.is_closed() {
             return None;
         }
-        self.idle().pop()
+        lock(&self.idle).pop()
     }
 
     /// Takes out the connections past their [`HOLD`], and says when the next one will be.
     fn past_hold(&self, now: Instant) -> (Vec<Idle>, Option<Instant>) {
-        let mut idle = self.idle();
-        let mut past = Vec::new();
-        let mut index = 0;
-        while index < idle.len() {
-            if idle[index].taken + HOLD <= now {
-                past.push(idle.remove(index));
-            } else {
-                index += 1;
-            }
-        }
+        let mut idle = lock(&self.idle);
+        let (past, kept) = std::mem::take(&mut *idle)
+            .into_iter()
+            .partition(|held| held.taken + HOLD <= now);
+        *idle = kept;
         let next = idle.iter().map(|kept| kept.taken + HOLD).min();
         (past, next)
     }
@@ -201,7 +194,7 @@ async fn give_back_when_held_too_long(held: Weak<Held>) {
             None => {
                 strong.returning.store(false, Ordering::Release);
                 // A connection held between the check and the store above started no task.
-                if strong.idle().is_empty() || strong.returning.swap(true, Ordering::AcqRel) {
+                if lock(&strong.idle).is_empty() || strong.returning.swap(true, Ordering::AcqRel) {
                     return;
                 }
             }

@@ -173,8 +173,5 @@ pub(super) fn valid_table_name(table: &str) -> bool {
             && chars.all(|c| matches!(c, 'a'..='z' | '0'..='9' | '_'))
             && p.len() <= 48
     };
-    match table.split_once('.') {
-        Some((schema, name)) => part(schema) && part(name),
-        None => part(table),
-    }
+    (table.split_once('.')).map_or_else(|| part(table), |(schema, name)| part(schema) && part(name))
 }

@@ -336,10 +336,7 @@ impl PostgresStore {
 
     /// As [`fetch_optional`](Self::fetch_optional), for a statement that always answers a row.
     async fn fetch_one(&self, statement: Query<'_, Postgres, PgArguments>) -> Result<PgRow, StoreError> {
-        match self.fetch_optional(statement).await? {
-            Some(row) => Ok(row),
-            None => Err(self.failed(sqlx::Error::RowNotFound)),
-        }
+        (self.fetch_optional(statement).await?).ok_or_else(|| self.failed(sqlx::Error::RowNotFound))
     }
 
     fn failed(&self, error: sqlx::Error) -> StoreError {
@@ -403,10 +400,7 @@ impl PostgresStore {
 
     async fn peek_row(&self, key: &RecordKey) -> Result<Option<Found>, StoreError> {
         let statement = sqlx::query(&self.sql.peek).bind(&key.digest()[..]);
-        match self.fetch_optional(statement).await? {
-            Some(row) => Found::read(&row),
-            None => Ok(None),
-        }
+        (self.fetch_optional(statement).await?).map_or(Ok(None), |row| Found::read(&row))
     }
 
     /// Runs an owner-checked statement that answers a row when it changed one.
@@ -469,10 +463,8 @@ impl Store for PostgresStore {
         fingerprint: &'a Fingerprint,
     ) -> StoreFuture<'a, Option<ClaimOutcome>> {
         Box::pin(async move {
-            match self.peek_row(key).await? {
-                Some(found) => Ok(Some(found.outcome(key, fingerprint, None, Duration::MAX)?)),
-                None => Ok(None),
-            }
+            let found = self.peek_row(key).await?;
+            (found.map(|found| found.outcome(key, fingerprint, None, Duration::MAX))).transpose()
         })
     }
 

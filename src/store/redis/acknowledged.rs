@@ -148,11 +148,8 @@ impl RedisStore {
                 .pop(),
             answer => answer,
         };
-        match answer {
-            Some(Ok(answer)) => Ok(answer),
-            Some(Err(error)) => Err(self.failed_on_record(error)),
-            None => Err(StoreError::Corrupt("no answer to the claim".into())),
-        }
+        let answer = answer.ok_or_else(|| StoreError::Corrupt("no answer to the claim".into()))?;
+        answer.map_err(|error| self.failed_on_record(error))
     }
 
     /// `CLIENT SETNAME <name>` if given, then `commands`, then `sent_once`, in one pipeline on
@@ -352,11 +349,10 @@ impl RedisStore {
                 .write_then_wait(waiter, client, &redis_key, by_source)
                 .await?;
         }
-        match written.pop() {
-            Some(Ok(completed)) => Ok((completed, acked)),
-            Some(Err(error)) => Err(self.failed(error)),
-            None => Err(StoreError::Corrupt("unexpected answer to the completion".into())),
-        }
+        let completed = written
+            .pop()
+            .ok_or_else(|| StoreError::Corrupt("unexpected answer to the completion".into()))?;
+        Ok((completed.map_err(|error| self.failed(error))?, acked))
     }
 
     /// `CLIENT SETNAME <marker>`, `writes`, the WAIT and `CLIENT GETNAME`, in one round trip on

@@ -30,6 +30,7 @@ use super::connection::{unavailable, Quit};
 use super::liveness::{self, Heartbeat, Pace, Watched};
 use crate::store::contract::KeyWatch;
 use crate::store::error::StoreError;
+use crate::sync::lock;
 use crate::telemetry::Connection as Role;
 
 /// The channel a record's settling is published on; `complete.lua`, `release.lua` and
@@ -96,9 +97,7 @@ enum Command {
 impl Registry {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Channel>>> {
         // Every update is one insert or remove: the map behind a poisoned lock is sound.
-        self.channels
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.channels)
     }
 
     fn wake(&self, name: &str) {

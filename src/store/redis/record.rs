@@ -154,10 +154,7 @@ impl Parsed {
     /// The stored fingerprint, with its policy tag if the record has one.
     pub(super) fn stored_fingerprint(&self) -> Fingerprint {
         let digest = Fingerprint::from_digest(self.fingerprint);
-        match self.policy {
-            Some(policy) => digest.with_policy(policy),
-            None => digest,
-        }
+        self.policy.map_or(digest, |policy| digest.with_policy(policy))
     }
 }
 

@@ -34,7 +34,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fred::clients::{Client, ExclusivePool};
@@ -49,6 +49,7 @@ use super::liveness::{self, Heartbeat, Pace, Watched};
 use crate::key::RecordKey;
 use crate::store::error::StoreError;
 use crate::store::record::OwnerToken;
+use crate::sync::lock;
 use crate::telemetry::Connection as Role;
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -178,7 +179,7 @@ async fn forget_name_on_reconnect(
     loop {
         match reconnects.recv().await {
             Ok(_) | Err(RecvError::Lagged(_)) => {
-                names.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+                lock(&names).remove(&id);
             }
             Err(RecvError::Closed) => return,
         }
@@ -343,7 +344,7 @@ impl Waiter {
     /// (`CLIENT SETNAME`, ahead of the write): a new name when no check has seen the last one
     /// since it was given. See [`Marker`].
     pub(super) fn marker(&self, client: &Client) -> (Marker, bool) {
-        let mut names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut names = lock(&self.names);
         match names.get(client.id()) {
             Some(marker) => (marker.clone(), false),
             None => {
@@ -357,15 +358,13 @@ impl Waiter {
     /// Whether `client`'s connection is named (a test's look, which names nothing).
     #[cfg(test)]
     pub(super) fn is_named(&self, client: &Client) -> bool {
-        let names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
-        names.contains_key(client.id())
+        lock(&self.names).contains_key(client.id())
     }
 
     /// Forgets the name of `client`'s connection (a check did not find it, or could not look):
     /// the next write names its connection anew.
     pub(super) fn forget_name(&self, client: &Client) {
-        let mut names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
-        names.remove(client.id());
+        lock(&self.names).remove(client.id());
     }
 
     /// What a `WAIT` and the [`name_check`] behind it answered: the replicas' count, if the
@@ -376,9 +375,8 @@ impl Waiter {
         waited: Option<Result<Value, fred::error::Error>>,
         named: Option<Result<Value, fred::error::Error>>,
     ) -> Result<Acked, StoreError> {
-        let (waited, named) = match (waited, named) {
-            (Some(waited), Some(named)) => (waited, named),
-            _ => return Err(StoreError::Corrupt("no answer to WAIT".into())),
+        let (Some(waited), Some(named)) = (waited, named) else {
+            return Err(StoreError::Corrupt("no answer to WAIT".into()));
         };
         let acked = self.acked(waited.map_err(unavailable)?)?;
         match named.map_err(unavailable)? {
@@ -546,7 +544,7 @@ impl Waiter {
         owner: &OwnerToken,
     ) -> Option<OwnedCompletion> {
         let claim = (*key.digest(), owner.clone());
-        let mut completing = self.completing.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut completing = lock(&self.completing);
         if completing.contains(&claim) {
             return None;
         }
@@ -566,7 +564,7 @@ pub(super) struct OwnedCompletion {
 
 impl Drop for OwnedCompletion {
     fn drop(&mut self) {
-        let mut completing = (self.waiter.completing.lock()).unwrap_or_else(PoisonError::into_inner);
+        let mut completing = lock(&self.waiter.completing);
         completing.remove(&self.claim);
         drop(completing);
         // The claim is over (completed, or given up), whatever its renewals wrote meanwhile.
@@ -578,7 +576,7 @@ impl Waiter {
     /// `owner`'s claim was written (claimed, or renewed) with a lease that ends at `ends`; `None`:
     /// it was found lost.
     pub(super) fn lease_written(&self, owner: &OwnerToken, ends: Option<Instant>) {
-        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut leases = lock(&self.leases);
         match ends {
             Some(ends) => leases.written(owner, ends),
             None => {
@@ -590,7 +588,7 @@ impl Waiter {
     /// What is left of the lease of `owner`'s claim as this process last wrote it, if it
     /// remembers it (not for a claim made before the store was built, say).
     pub(super) fn lease_left(&self, owner: &OwnerToken) -> Option<Duration> {
-        (self.leases.lock().unwrap_or_else(PoisonError::into_inner)).left(owner)
+        lock(&self.leases).left(owner)
     }
 
     /// `owner`'s claim is over (completed, released, or never acknowledged).

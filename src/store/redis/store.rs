@@ -643,10 +643,7 @@ impl RedisStore {
 
     /// [`after_failover`](Self::after_failover), answering a pass for the write about to go out.
     pub(super) async fn fence_pass(&self) -> Option<u64> {
-        match self.fence() {
-            Some(fence) => Some(fence.pass().await),
-            None => None,
-        }
+        Some(self.fence()?.pass().await)
     }
 
     /// What a claim answered after a failover began fails with (see
