@@ -80,6 +80,9 @@ async fn statements_one_after_another_cost_one_round_trip_each() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unused_connection_goes_back_to_the_pool() {
     let store = store_on(&postgres::url_for(shared_addr().await), 1).await;
+    // From before the statement: the hold begins after it, so a test thread that a loaded
+    // machine wakes late does not count the hold short (it once saw 18.7 ms from the answer).
+    let started = Instant::now();
     store.peek(&key("held"), &fp()).await.unwrap();
     let pool = store.pool().clone();
     assert_eq!(
@@ -87,10 +90,11 @@ async fn an_unused_connection_goes_back_to_the_pool() {
         (1, 0),
         "the store holds its one connection for its next statement"
     );
-    let waited = eventually("back in the pool", Duration::from_secs(2), || {
+    eventually("back in the pool", Duration::from_secs(2), || {
         pool.num_idle() == 1
     })
     .await;
+    let waited = started.elapsed();
     assert!(
         waited >= Duration::from_millis(50),
         "held a while, not given back at once: {waited:?}"
@@ -130,12 +134,15 @@ async fn a_transaction_gets_a_connection_from_a_busy_store(connections: u32) {
     );
     sqlx::query("SELECT 1").execute(&mut *transaction).await.unwrap();
     if connections > 1 {
+        // Within seconds, not a fixed 200 ms a loaded machine outlasted: a store stuck
+        // behind the transaction would make no progress at all.
         let during = statements.load(Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        assert!(
-            statements.load(Ordering::Relaxed) > during,
-            "the store goes on with the other connections"
-        );
+        eventually(
+            "the store goes on with the other connections",
+            Duration::from_secs(5),
+            || statements.load(Ordering::Relaxed) > during,
+        )
+        .await;
     }
     transaction.rollback().await.unwrap();
     stop.store(true, Ordering::Relaxed);
