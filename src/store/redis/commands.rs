@@ -202,23 +202,21 @@ impl RedisStore {
         // The durability option's completions each have a connection of their own, where nothing
         // could be merged with them: a trip through the coalescing task would buy nothing.
         let mergeable = script.per_record && self.acks.is_none();
-        let call = |text| ScriptCall::new(text, redis_key.clone(), args, mergeable);
-        let evalsha = Command::Script(call(ScriptText::Sha1(script.sha1)));
-        let sent = self.coalescer.send(client, options, evalsha);
-        match sent.await {
+        let send = |text| {
+            let call = ScriptCall::new(text, redis_key.clone(), args, mergeable);
+            self.coalescer.send(client, options, Command::Script(call))
+        };
+        let sent = match send(ScriptText::Sha1(script.sha1)).await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
                 tracing::debug!(
                     script = script.name,
                     "script missing on the server; reloading it with EVAL"
                 );
-                let eval = Command::Script(call(ScriptText::Source(script.source)));
-                self.coalescer
-                    .send(client, options, eval)
-                    .await
-                    .map_err(|e| self.failed(e))
+                send(ScriptText::Source(script.source)).await
             }
-            result => result.map_err(|e| self.failed(e)),
-        }
+            sent => sent,
+        };
+        sent.map_err(|e| self.failed(e))
     }
 }
 
