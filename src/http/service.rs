@@ -156,13 +156,9 @@ where
             // Looked at only until this layer has warned, and never when unscoped on purpose.
             if !config.unscoped_on_purpose && !config.warned_unscoped_credentials.load(Ordering::Relaxed) {
                 // Two lookups of standard header names, for unscoped layers only, until it warned.
-                let credentials = if parts.headers.contains_key(AUTHORIZATION) {
-                    Some(AUTHORIZATION)
-                } else if parts.headers.contains_key(COOKIE) {
-                    Some(COOKIE)
-                } else {
-                    None
-                };
+                let credentials = [AUTHORIZATION, COOKIE]
+                    .into_iter()
+                    .find(|name| parts.headers.contains_key(name));
                 if let Some(header) = credentials {
                     warn_unscoped_credentials(&parts, header, config, named);
                 }
