@@ -603,16 +603,13 @@ async fn peek_reports_what_a_claim_would_find_and_writes_nothing(run: Run, store
 async fn cached_answers_agree_with_the_record(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k, owner) = (&*store, run.key("cached"), OwnerToken::generate());
     let (body, other) = (fingerprint("body"), fingerprint("other"));
-    ensure!(
-        s.cached(&k, &body).is_none(),
-        "cached answered {:?} for a free key",
-        s.cached(&k, &body)
-    );
+    let free = s.cached(&k, &body);
+    ensure!(free.is_none(), "cached answered {free:?} for a free key");
     first_claim(s, &k, "body", &owner, LEASE).await?;
+    let running = s.cached(&k, &body);
     ensure!(
-        s.cached(&k, &body).is_none(),
-        "cached answered {:?} for a key in flight",
-        s.cached(&k, &body)
+        running.is_none(),
+        "cached answered {running:?} for a key in flight"
     );
     completed(s, &k, &owner, b"result", RETENTION).await?;
     // A store may cache a completion when it reads it back (read it once), or fill its cache

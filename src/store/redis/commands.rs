@@ -431,12 +431,11 @@ impl Store for RedisStore {
             let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
             let mut oldest = Oldest::new(older_than, limit);
             loop {
-                let page = match tokio::time::timeout(timeout, pages.next()).await {
+                let mut page = match tokio::time::timeout(timeout, pages.next()).await {
                     Err(_) => return Err(StoreError::Timeout(timeout)),
                     Ok(None) => break,
                     Ok(Some(page)) => page.map_err(|e| self.failed(e))?,
                 };
-                let mut page = page;
                 let keys = page.take_results().unwrap_or_default();
                 let heads = keys.iter().map(|name| self.record_head(name));
                 for found in futures_util::future::join_all(heads).await {
@@ -547,18 +546,15 @@ impl RedisStore {
         else {
             return Ok(None);
         };
-        let mut start = match self.first_bytes(name, GUESS).await? {
-            Some(start) => start,
-            None => return Ok(None),
+        let Some(mut start) = self.first_bytes(name, GUESS).await? else {
+            return Ok(None);
         };
-        match record::head_len(&start) {
-            Some(needed) if needed > start.len() && start.len() == GUESS => {
-                start = match self.first_bytes(name, needed).await? {
-                    Some(start) => start,
-                    None => return Ok(None),
-                };
-            }
-            _ => {}
+        let cut = record::head_len(&start).filter(|&needed| needed > start.len() && start.len() == GUESS);
+        if let Some(needed) = cut {
+            let Some(whole) = self.first_bytes(name, needed).await? else {
+                return Ok(None);
+            };
+            start = whole;
         }
         match record::parse_head(&start) {
             Ok(head) if head.state == record::IN_FLIGHT => {
