@@ -20,7 +20,7 @@ use tracing::{Instrument, Span};
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::http::body::{collect_limited, BoxError, Collected, RequestBody};
 use crate::http::config::Config;
-use crate::http::future::{Answer, BoxFuture, ResponseFuture, Step};
+use crate::http::future::{Answer, ResponseFuture, Step};
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
 use crate::http::prefer::Wait;
@@ -318,29 +318,17 @@ where
 
 /// Tells the client of a request that waited that it did, on whatever it gets.
 fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wait) -> Step<B, E> {
-    match step {
-        Step::Done(mut answer) => {
-            if let Ok(response) = &mut answer {
-                wait.mark(response);
-            }
-            Step::Done(answer)
-        }
-        Step::Run(run) => Step::Run(marked(run, wait)),
-        Step::Unprotected(run) => Step::Unprotected(marked(run, wait)),
-    }
-}
-
-fn marked<B: Send + 'static, E: Send + 'static>(
-    run: BoxFuture<Answer<B, E>>,
-    wait: Wait,
-) -> BoxFuture<Answer<B, E>> {
-    Box::pin(async move {
-        let mut answer = run.await;
+    let marked = move |mut answer: Answer<B, E>| {
         if let Ok(response) = &mut answer {
             wait.mark(response);
         }
         answer
-    })
+    };
+    match step {
+        Step::Done(answer) => Step::Done(marked(answer)),
+        Step::Run(run) => Step::Run(Box::pin(run.map(marked))),
+        Step::Unprotected(run) => Step::Unprotected(Box::pin(run.map(marked))),
+    }
 }
 
 /// Answers a keyed request from what its claim found: a replay, a rejection, a fail-open run,
