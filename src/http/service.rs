@@ -516,6 +516,7 @@ where
     let release_not_stored = config.release_not_stored;
     // The paths that do not store are boxed: inline, their futures (the largest here) would
     // size the state of every claimed request's future, stored or not.
+    let not_stored = |claim, why, status| Box::pin(settle_not_stored(claim, why, status, release_not_stored));
     match produced {
         Some(Ok(Ok(Captured::Stored(response, payload)))) => {
             // Errors are logged by `complete`; the client gets its response either way.
@@ -528,13 +529,7 @@ where
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
         Some(Ok(Ok(Captured::NotStored(response, why)))) => {
-            Box::pin(settle_not_stored(
-                claim,
-                why,
-                Some(response.status()),
-                release_not_stored,
-            ))
-            .await;
+            not_stored(claim, why, Some(response.status())).await;
             Ok(response)
         }
         Some(Ok(Ok(Captured::NotCacheable(response)))) => {
@@ -555,13 +550,7 @@ where
             let after = config.handler_timeout;
             let named = claim.named();
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
-            Box::pin(settle_not_stored(
-                claim,
-                NotStored::TimedOut,
-                None,
-                release_not_stored,
-            ))
-            .await;
+            not_stored(claim, NotStored::TimedOut, None).await;
             let timed_out = Rejection::HandlerTimedOut { after };
             Ok(timed_out.respond_released(&config.key_header, grpc, named.as_deref(), release_not_stored))
         }
