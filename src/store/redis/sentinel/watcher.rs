@@ -130,11 +130,7 @@ impl Drop for Watcher {
 impl Watcher {
     pub(super) async fn run(mut self, mut announced: UnboundedReceiver<Announcement>) {
         for subscriber in self.subscribers.clone() {
-            self.listeners.push(tokio::spawn(listen(
-                subscriber,
-                self.events.clone(),
-                self.subscribed.clone(),
-            )));
+            self.listeners.push(self.listen(subscriber));
         }
         self.beat_on_subscribers();
         // The sentinels the URL's know of are listened to from the start: an asker connects in
@@ -479,11 +475,7 @@ impl Watcher {
             tracing::debug!(%host, port, "listening to a sentinel the others told of");
             self.discovered.push(Discovered {
                 address,
-                listener: tokio::spawn(listen(
-                    subscriber.clone(),
-                    self.events.clone(),
-                    self.subscribed.clone(),
-                )),
+                listener: self.listen(subscriber.clone()),
                 subscriber: Quit(subscriber),
                 asker: Quit(asker),
             });
@@ -500,6 +492,11 @@ impl Watcher {
             self.beat_on_subscribers();
         }
         answered
+    }
+
+    /// A task that hands the sentinel events `subscriber` hears to this watch.
+    fn listen(&self, subscriber: Client) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(listen(subscriber, self.events.clone(), self.subscribed.clone()))
     }
 
     /// Starts the heartbeat over the subscribers. It watches a fixed list: one over a new list
