@@ -33,10 +33,8 @@ impl Event {
         match self {
             Event::Switched(text) => text.split(' ').next() == Some(service),
             Event::Promoting(text) | Event::Aborted(text) => {
-                let master = match text.split_once(" @ ") {
-                    Some((_, master)) => master,
-                    None => text.split_once(' ').map_or("", |(_, rest)| rest),
-                };
+                let master = text.split_once(" @ ").or_else(|| text.split_once(' '));
+                let master = master.map_or("", |(_, master)| master);
                 master.split(' ').next() == Some(service)
             }
         }
