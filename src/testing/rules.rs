@@ -18,6 +18,7 @@ use super::support::{
     Verdict, LEASE, RETENTION,
 };
 use crate::fingerprint::PolicyTag;
+use crate::key::RecordKey;
 use crate::store::{ClaimOutcome, OwnerToken, RecordState, Store};
 
 /// What a rule's check is: a store in, a verdict out.
@@ -95,6 +96,24 @@ fn verdict(outcome: Outcome) -> Verdict {
 
 fn in_flight_near(outcome: &ClaimOutcome, lease: Duration) -> bool {
     matches!(outcome, ClaimOutcome::InFlight { lease_left } if *lease_left <= lease && *lease_left > lease.saturating_sub(Duration::from_secs(5)))
+}
+
+/// That a completion, a release and a renewal of `k` by `owner` are each refused (answer
+/// false); `what` says whose, or of what, in the failure.
+async fn refused(s: &dyn Store, k: &RecordKey, owner: &OwnerToken, what: &str) -> Result<(), String> {
+    ensure!(
+        !complete(s, k, owner, b"refused", RETENTION).await?,
+        "a completion {what} answered true"
+    );
+    ensure!(
+        !answer(s.release(k, owner).await, "release")?,
+        "a release {what} answered true"
+    );
+    ensure!(
+        !answer(s.renew(k, owner, LEASE).await, "renew")?,
+        "a renewal {what} answered true"
+    );
+    Ok(())
 }
 
 async fn claim_then_in_flight_then_completed(run: Run, store: Arc<dyn Store>) -> Outcome {
@@ -218,18 +237,7 @@ async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outco
     let (s, k) = (&*store, run.key("k4"));
     let [a, intruder] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
-    ensure!(
-        !complete(s, &k, &intruder, b"evil", RETENTION).await?,
-        "a completion by another owner answered true"
-    );
-    ensure!(
-        !answer(s.release(&k, &intruder).await, "release")?,
-        "a release by another owner answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &intruder, LEASE).await, "renew")?,
-        "a renewal by another owner answered true"
-    );
+    refused(s, &k, &intruder, "by another owner").await?;
     let state = answer(s.inspect(&k).await, "inspect")?.map(|info| info.state);
     ensure!(
         state == Some(RecordState::InFlight),
@@ -308,18 +316,7 @@ async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store
         taken == ClaimOutcome::Claimed,
         "250 ms after a 150 ms lease ended, a claim answered {taken:?}"
     );
-    ensure!(
-        !complete(s, &k, &slow, b"late", RETENTION).await?,
-        "the lapsed owner's completion overwrote the new owner's claim"
-    );
-    ensure!(
-        !answer(s.release(&k, &slow).await, "release")?,
-        "the lapsed owner's release answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &slow, LEASE).await, "renew")?,
-        "the lapsed owner's renewal answered true"
-    );
+    refused(s, &k, &slow, "by the lapsed owner, over the new owner's claim,").await?;
     ensure!(
         complete(s, &k, &next, b"new", RETENTION).await?,
         "the new owner's completion answered false"
@@ -460,18 +457,7 @@ async fn scopes_are_separate_records(run: Run, store: Arc<dyn Store>) -> Outcome
 
 async fn absent_keys_are_answered_not_failed(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k, nobody) = (&*store, run.key("absent"), OwnerToken::generate());
-    ensure!(
-        !complete(s, &k, &nobody, b"r", RETENTION).await?,
-        "a completion of a key never claimed answered true"
-    );
-    ensure!(
-        !answer(s.release(&k, &nobody).await, "release")?,
-        "a release of a key never claimed answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &nobody, LEASE).await, "renew")?,
-        "a renewal of a key never claimed answered true"
-    );
+    refused(s, &k, &nobody, "of a key never claimed").await?;
     ensure!(
         !answer(s.purge(&k).await, "purge")?,
         "a purge of a key never claimed answered true"
