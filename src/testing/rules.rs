@@ -116,14 +116,17 @@ async fn refused(s: &dyn Store, k: &RecordKey, owner: &OwnerToken, what: &str) -
     Ok(())
 }
 
+/// A claim of `k` that must be claimed; `what` names it in the failure.
+async fn claimed(s: &dyn Store, k: &RecordKey, owner: &OwnerToken, what: &str) -> Result<(), String> {
+    let outcome = claim(s, k, "body", owner, LEASE).await?;
+    ensure!(outcome == ClaimOutcome::Claimed, "{what} answered {outcome:?}");
+    Ok(())
+}
+
 async fn claim_then_in_flight_then_completed(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k) = (&*store, run.key("k1"));
     let [a, other] = owners();
-    let first = claim(s, &k, "body", &a, LEASE).await?;
-    ensure!(
-        first == ClaimOutcome::Claimed,
-        "the first claim of a free key answered {first:?}"
-    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
     let second = claim(s, &k, "body", &other, LEASE).await?;
     ensure!(in_flight_near(&second, LEASE), "another owner's claim of a key in flight (30 s lease) answered {second:?}, not in flight with about 30 s left");
     completed(s, &k, &a, b"result", RETENTION).await?;
@@ -311,11 +314,7 @@ async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store
     let [slow, next] = owners();
     first_claim(s, &k, "body", &slow, Duration::from_millis(150)).await?;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let taken = claim(s, &k, "body", &next, LEASE).await?;
-    ensure!(
-        taken == ClaimOutcome::Claimed,
-        "250 ms after a 150 ms lease ended, a claim answered {taken:?}"
-    );
+    claimed(s, &k, &next, "250 ms after a 150 ms lease ended, a claim").await?;
     refused(s, &k, &slow, "by the lapsed owner, over the new owner's claim,").await?;
     ensure!(
         complete(s, &k, &next, b"new", RETENTION).await?,
@@ -366,11 +365,7 @@ async fn retention_ends(run: Run, store: Arc<dyn Store>) -> Outcome {
         gone.is_none(),
         "300 ms after its 1 s retention ended, the record is still there: {gone:?}"
     );
-    let again = claim(s, &k, "body", &next, LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim after the retention ended answered {again:?}"
-    );
+    claimed(s, &k, &next, "a claim after the retention ended").await?;
     Ok(true)
 }
 
@@ -398,20 +393,18 @@ async fn inspect_and_purge(run: Run, store: Arc<dyn Store>) -> Outcome {
     );
     let gone = answer(s.inspect(&k).await, "inspect")?;
     ensure!(gone.is_none(), "a purged record is still there: {gone:?}");
-    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim of a purged key answered {again:?}"
-    );
+    claimed(s, &k, &OwnerToken::generate(), "a claim of a purged key").await?;
     ensure!(
         answer(s.purge(&k).await, "purge")?,
         "the purge of a record in flight answered false"
     );
-    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim of a key purged in flight answered {again:?}"
-    );
+    claimed(
+        s,
+        &k,
+        &OwnerToken::generate(),
+        "a claim of a key purged in flight",
+    )
+    .await?;
     Ok(true)
 }
 
@@ -447,11 +440,7 @@ async fn scopes_are_separate_records(run: Run, store: Arc<dyn Store>) -> Outcome
     let a = OwnerToken::generate();
     first_claim(s, &alice, "body", &a, LEASE).await?;
     completed(s, &alice, &a, b"alice's", RETENTION).await?;
-    let other = claim(s, &bob, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        other == ClaimOutcome::Claimed,
-        "the same key in another scope answered {other:?}"
-    );
+    claimed(s, &bob, &OwnerToken::generate(), "the same key in another scope").await?;
     Ok(true)
 }
 
@@ -469,11 +458,7 @@ async fn absent_keys_are_answered_not_failed(run: Run, store: Arc<dyn Store>) ->
     );
     let left = answer(s.inspect(&k).await, "inspect")?;
     ensure!(left.is_none(), "those calls left a record: {left:?}");
-    let claimed = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        claimed == ClaimOutcome::Claimed,
-        "after them, a claim answered {claimed:?}"
-    );
+    claimed(s, &k, &OwnerToken::generate(), "after them, a claim").await?;
     Ok(true)
 }
 
