@@ -368,13 +368,6 @@ impl JsonMembers {
         fingerprint.part(b"jcs");
         let mut canonical = Vec::with_capacity(body.len());
         match self {
-            JsonMembers::All => json.write_canonical(&mut canonical),
-            JsonMembers::Except(pointers) => {
-                for pointer in pointers {
-                    json.exclude(pointer);
-                }
-                json.write_canonical(&mut canonical);
-            }
             JsonMembers::Only(pointers) => {
                 // An absent value is an empty part: every canonical form has a byte at least.
                 for pointer in pointers {
@@ -386,7 +379,10 @@ impl JsonMembers {
                 }
                 return;
             }
+            JsonMembers::All => {}
+            JsonMembers::Except(pointers) => pointers.iter().for_each(|pointer| json.exclude(pointer)),
         }
+        json.write_canonical(&mut canonical);
         fingerprint.part(&canonical);
     }
 }
