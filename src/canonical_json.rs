@@ -114,63 +114,23 @@ impl<'a> Parser<'a> {
             Some(b'f') => self.literal(b"false", Json::Bool(false)),
             Some(b'"') => self.string().map(Json::String),
             Some(b'-' | b'0'..=b'9') => self.number(),
-            Some(b'[') => {
-                if depth == MAX_DEPTH {
-                    return Err(NotCanonical::TooDeep);
-                }
-                self.at += 1;
-                let mut elements = Vec::new();
-                self.whitespace();
-                if self.text.get(self.at) == Some(&b']') {
-                    self.at += 1;
-                    return Ok(Json::Array(elements));
-                }
-                loop {
-                    elements.push(self.value(depth + 1)?);
-                    self.whitespace();
-                    match self.text.get(self.at) {
-                        Some(b',') => self.at += 1,
-                        Some(b']') => {
-                            self.at += 1;
-                            return Ok(Json::Array(elements));
-                        }
-                        _ => return Err(NotCanonical::Syntax),
-                    }
-                }
-            }
+            Some(b'[') => self
+                .items(depth, b']', |parser| parser.value(depth + 1))
+                .map(Json::Array),
             Some(b'{') => {
-                if depth == MAX_DEPTH {
-                    return Err(NotCanonical::TooDeep);
-                }
-                self.at += 1;
-                let mut members = Vec::new();
-                self.whitespace();
-                if self.text.get(self.at) == Some(&b'}') {
-                    self.at += 1;
-                    return Ok(Json::Object(members));
-                }
-                loop {
-                    self.whitespace();
-                    if self.text.get(self.at) != Some(&b'"') {
+                let mut members = self.items(depth, b'}', |parser| {
+                    parser.whitespace();
+                    if parser.text.get(parser.at) != Some(&b'"') {
                         return Err(NotCanonical::Syntax);
                     }
-                    let name = self.string()?;
-                    self.whitespace();
-                    if self.text.get(self.at) != Some(&b':') {
+                    let name = parser.string()?;
+                    parser.whitespace();
+                    if parser.text.get(parser.at) != Some(&b':') {
                         return Err(NotCanonical::Syntax);
                     }
-                    self.at += 1;
-                    members.push((name, self.value(depth + 1)?));
-                    self.whitespace();
-                    match self.text.get(self.at) {
-                        Some(b',') => self.at += 1,
-                        Some(b'}') => {
-                            self.at += 1;
-                            break;
-                        }
-                        _ => return Err(NotCanonical::Syntax),
-                    }
-                }
+                    parser.at += 1;
+                    Ok((name, parser.value(depth + 1)?))
+                })?;
                 members.sort_by(|(a, _), (b, _)| utf16_order(a, b));
                 if members.windows(2).any(|pair| pair[0].0 == pair[1].0) {
                     return Err(NotCanonical::DuplicateMember);
@@ -178,6 +138,38 @@ impl<'a> Parser<'a> {
                 Ok(Json::Object(members))
             }
             _ => Err(NotCanonical::Syntax),
+        }
+    }
+
+    /// An array's elements or an object's members, at its opening bracket (nested at `depth`):
+    /// each read by `item`, separated by commas, up to `close`.
+    fn items<T>(
+        &mut self,
+        depth: usize,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Result<T, NotCanonical>,
+    ) -> Result<Vec<T>, NotCanonical> {
+        if depth == MAX_DEPTH {
+            return Err(NotCanonical::TooDeep);
+        }
+        self.at += 1;
+        let mut items = Vec::new();
+        self.whitespace();
+        if self.text.get(self.at) == Some(&close) {
+            self.at += 1;
+            return Ok(items);
+        }
+        loop {
+            items.push(item(self)?);
+            self.whitespace();
+            match self.text.get(self.at) {
+                Some(b',') => self.at += 1,
+                Some(&next) if next == close => {
+                    self.at += 1;
+                    return Ok(items);
+                }
+                _ => return Err(NotCanonical::Syntax),
+            }
         }
     }
 

@@ -122,9 +122,8 @@ impl FingerprintPolicy {
     /// let policy = FingerprintPolicy::new().media_type_only();
     /// # let _ = policy;
     /// ```
-    pub fn media_type_only(mut self) -> Self {
-        self.content_type = ContentTypePart::MediaType;
-        self.retagged()
+    pub fn media_type_only(self) -> Self {
+        self.retagged(|policy| policy.content_type = ContentTypePart::MediaType)
     }
 
     /// `Content-Type` does not count at all.
@@ -134,9 +133,8 @@ impl FingerprintPolicy {
     /// let policy = FingerprintPolicy::new().without_content_type();
     /// # let _ = policy;
     /// ```
-    pub fn without_content_type(mut self) -> Self {
-        self.content_type = ContentTypePart::Ignored;
-        self.retagged()
+    pub fn without_content_type(self) -> Self {
+        self.retagged(|policy| policy.content_type = ContentTypePart::Ignored)
     }
 
     /// Counts a request header too: its absence, and each of its values in order. Headers
@@ -148,11 +146,12 @@ impl FingerprintPolicy {
     /// let policy = FingerprintPolicy::new().with_header(HeaderName::from_static("x-account-id"));
     /// # let _ = policy;
     /// ```
-    pub fn with_header(mut self, name: HeaderName) -> Self {
-        if !self.headers.contains(&name) {
-            self.headers.push(name);
-        }
-        self.retagged()
+    pub fn with_header(self, name: HeaderName) -> Self {
+        self.retagged(|policy| {
+            if !policy.headers.contains(&name) {
+                policy.headers.push(name);
+            }
+        })
     }
 
     /// The body does not count (it is still read, up to the body limit, and handed on). For
@@ -164,9 +163,8 @@ impl FingerprintPolicy {
     /// let policy = FingerprintPolicy::new().without_body();
     /// # let _ = policy;
     /// ```
-    pub fn without_body(mut self) -> Self {
-        self.body = BodyPart::Ignored;
-        self.retagged()
+    pub fn without_body(self) -> Self {
+        self.retagged(|policy| policy.body = BodyPart::Ignored)
     }
 
     /// The body counts by its meaning as JSON, not its bytes: key order, whitespace, escapes
@@ -187,9 +185,8 @@ impl FingerprintPolicy {
     ///     .with_fingerprint(FingerprintPolicy::new().json_body());
     /// # let _ = layer;
     /// ```
-    pub fn json_body(mut self) -> Self {
-        self.body = BodyPart::Json(JsonMembers::All);
-        self.retagged()
+    pub fn json_body(self) -> Self {
+        self.retagged(|policy| policy.body = BodyPart::Json(JsonMembers::All))
     }
 
     /// As [`json_body`](Self::json_body), but only the values these JSON Pointers (RFC 6901)
@@ -209,9 +206,8 @@ impl FingerprintPolicy {
     /// # let _ = policy;
     /// # Ok::<(), tower_idempotency::InvalidJsonPointer>(())
     /// ```
-    pub fn json_body_only(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
-        self.body = BodyPart::Json(JsonMembers::Only(sorted(pointers)));
-        self.retagged()
+    pub fn json_body_only(self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
+        self.retagged(|policy| policy.body = BodyPart::Json(JsonMembers::Only(sorted(pointers))))
     }
 
     /// As [`json_body`](Self::json_body), but the values these JSON Pointers refer to do not
@@ -227,9 +223,8 @@ impl FingerprintPolicy {
     /// # let _ = policy;
     /// # Ok::<(), tower_idempotency::InvalidJsonPointer>(())
     /// ```
-    pub fn json_body_except(mut self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
-        self.body = BodyPart::Json(JsonMembers::Except(sorted(pointers)));
-        self.retagged()
+    pub fn json_body_except(self, pointers: impl IntoIterator<Item = JsonPointer>) -> Self {
+        self.retagged(|policy| policy.body = BodyPart::Json(JsonMembers::Except(sorted(pointers))))
     }
 
     /// The fingerprint of a request with this policy, as the layer computes it: to compute one
@@ -296,8 +291,9 @@ impl FingerprintPolicy {
         self.tag
     }
 
-    /// This policy with its tag made again from what counts.
-    fn retagged(mut self) -> Self {
+    /// This policy, changed by `change`, with its tag made again from what counts.
+    fn retagged(mut self, change: impl FnOnce(&mut Self)) -> Self {
+        change(&mut self);
         self.tag = tag_of(self.content_type, &self.headers, &self.body);
         self
     }
@@ -372,13 +368,6 @@ impl JsonMembers {
         fingerprint.part(b"jcs");
         let mut canonical = Vec::with_capacity(body.len());
         match self {
-            JsonMembers::All => json.write_canonical(&mut canonical),
-            JsonMembers::Except(pointers) => {
-                for pointer in pointers {
-                    json.exclude(pointer);
-                }
-                json.write_canonical(&mut canonical);
-            }
             JsonMembers::Only(pointers) => {
                 // An absent value is an empty part: every canonical form has a byte at least.
                 for pointer in pointers {
@@ -390,7 +379,10 @@ impl JsonMembers {
                 }
                 return;
             }
+            JsonMembers::All => {}
+            JsonMembers::Except(pointers) => pointers.iter().for_each(|pointer| json.exclude(pointer)),
         }
+        json.write_canonical(&mut canonical);
         fingerprint.part(&canonical);
     }
 }

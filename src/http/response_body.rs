@@ -304,9 +304,7 @@ pub(crate) async fn settle_not_stored(
     claim.report_not_stored(why);
     if release {
         tracing::warn!(?key, %why, "response not stored; the key is released, so a retry runs the handler again");
-        if let Err(error) = claim.release().await {
-            tracing::warn!(?key, %error, "could not release the key at once; retrying in the background");
-        }
+        self::release(claim).await;
     } else {
         tracing::warn!(?key, %why, "response not stored; the key is kept as not replayable for its retention");
         // Errors are logged by `complete`.

@@ -20,7 +20,7 @@ use tracing::{Instrument, Span};
 use crate::coordinator::{Begin, Claim, Coordinator, Error};
 use crate::http::body::{collect_limited, BoxError, Collected, RequestBody};
 use crate::http::config::Config;
-use crate::http::future::{Answer, BoxFuture, ResponseFuture, Step};
+use crate::http::future::{Answer, ResponseFuture, Step};
 use crate::http::grpc;
 use crate::http::layer::IdempotencyLayer;
 use crate::http::prefer::Wait;
@@ -156,13 +156,9 @@ where
             // Looked at only until this layer has warned, and never when unscoped on purpose.
             if !config.unscoped_on_purpose && !config.warned_unscoped_credentials.load(Ordering::Relaxed) {
                 // Two lookups of standard header names, for unscoped layers only, until it warned.
-                let credentials = if parts.headers.contains_key(AUTHORIZATION) {
-                    Some(AUTHORIZATION)
-                } else if parts.headers.contains_key(COOKIE) {
-                    Some(COOKIE)
-                } else {
-                    None
-                };
+                let credentials = [AUTHORIZATION, COOKIE]
+                    .into_iter()
+                    .find(|name| parts.headers.contains_key(name));
                 if let Some(header) = credentials {
                     warn_unscoped_credentials(&parts, header, config, named);
                 }
@@ -322,29 +318,17 @@ where
 
 /// Tells the client of a request that waited that it did, on whatever it gets.
 fn mark_waited<B: Send + 'static, E: Send + 'static>(step: Step<B, E>, wait: Wait) -> Step<B, E> {
-    match step {
-        Step::Done(mut answer) => {
-            if let Ok(response) = &mut answer {
-                wait.mark(response);
-            }
-            Step::Done(answer)
-        }
-        Step::Run(run) => Step::Run(marked(run, wait)),
-        Step::Unprotected(run) => Step::Unprotected(marked(run, wait)),
-    }
-}
-
-fn marked<B: Send + 'static, E: Send + 'static>(
-    run: BoxFuture<Answer<B, E>>,
-    wait: Wait,
-) -> BoxFuture<Answer<B, E>> {
-    Box::pin(async move {
-        let mut answer = run.await;
+    let marked = move |mut answer: Answer<B, E>| {
         if let Ok(response) = &mut answer {
             wait.mark(response);
         }
         answer
-    })
+    };
+    match step {
+        Step::Done(answer) => Step::Done(marked(answer)),
+        Step::Run(run) => Step::Run(Box::pin(run.map(marked))),
+        Step::Unprotected(run) => Step::Unprotected(Box::pin(run.map(marked))),
+    }
 }
 
 /// Answers a keyed request from what its claim found: a replay, a rejection, a fail-open run,
@@ -532,6 +516,7 @@ where
     let release_not_stored = config.release_not_stored;
     // The paths that do not store are boxed: inline, their futures (the largest here) would
     // size the state of every claimed request's future, stored or not.
+    let not_stored = |claim, why, status| Box::pin(settle_not_stored(claim, why, status, release_not_stored));
     match produced {
         Some(Ok(Ok(Captured::Stored(response, payload)))) => {
             // Errors are logged by `complete`; the client gets its response either way.
@@ -544,13 +529,7 @@ where
             Ok(Response::from_parts(parts, ResponseBody::storing(storing)))
         }
         Some(Ok(Ok(Captured::NotStored(response, why)))) => {
-            Box::pin(settle_not_stored(
-                claim,
-                why,
-                Some(response.status()),
-                release_not_stored,
-            ))
-            .await;
+            not_stored(claim, why, Some(response.status())).await;
             Ok(response)
         }
         Some(Ok(Ok(Captured::NotCacheable(response)))) => {
@@ -571,13 +550,7 @@ where
             let after = config.handler_timeout;
             let named = claim.named();
             tracing::warn!(key = ?claim.key(), ?after, "the handler gave no response in time; cancelled");
-            Box::pin(settle_not_stored(
-                claim,
-                NotStored::TimedOut,
-                None,
-                release_not_stored,
-            ))
-            .await;
+            not_stored(claim, NotStored::TimedOut, None).await;
             let timed_out = Rejection::HandlerTimedOut { after };
             Ok(timed_out.respond_released(&config.key_header, grpc, named.as_deref(), release_not_stored))
         }

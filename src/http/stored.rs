@@ -194,22 +194,20 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
         return Err("not a stored response (unknown layout)".into());
     }
     let version = reader.array::<1>()?[0];
-    match version {
-        1 => {
-            // Version 1: status, headers, and the rest is the body; no trailers.
+    let kind = match version {
+        // Version 1 held a response only: status, headers, and the rest is the body; no trailers.
+        1 => RESPONSE,
+        PAYLOAD_VERSION => reader.array::<1>()?[0],
+        0 => return Err("not a stored response (layout version 0)".into()),
+        newer => return Ok(Decoded::Newer { version: newer }),
+    };
+    match kind {
+        RESPONSE => {
             let status = read_status(&mut reader)?;
             let headers = read_fields(&mut reader)?;
-            Ok(Decoded::Response(Stored {
-                status,
-                headers,
-                body: payload.slice(reader.at..),
-                trailers: None,
-            }))
-        }
-        PAYLOAD_VERSION => match reader.array::<1>()?[0] {
-            RESPONSE => {
-                let status = read_status(&mut reader)?;
-                let headers = read_fields(&mut reader)?;
+            let (body, trailers) = if version == 1 {
+                (payload.slice(reader.at..), None)
+            } else {
                 let body_len = u64::from_be_bytes(reader.array()?);
                 let body_len =
                     usize::try_from(body_len).map_err(|_| "stored body length exceeds the record")?;
@@ -218,31 +216,30 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
                 if reader.at != payload.len() {
                     return Err("bytes after the stored response".into());
                 }
-                Ok(Decoded::Response(Stored {
-                    status,
-                    headers,
-                    body,
-                    trailers: (!trailers.is_empty()).then_some(trailers),
-                }))
-            }
-            NOT_STORED => {
-                let why = NotStored::from_code(reader.array::<1>()?[0])
-                    .ok_or("unknown reason for an unstored response")?;
-                let status = match u16::from_be_bytes(reader.array()?) {
-                    0 => None,
-                    code => Some(
-                        StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?,
-                    ),
-                };
-                if reader.at != payload.len() {
-                    return Err("bytes after an unstored response".into());
+                (body, (!trailers.is_empty()).then_some(trailers))
+            };
+            Ok(Decoded::Response(Stored {
+                status,
+                headers,
+                body,
+                trailers,
+            }))
+        }
+        NOT_STORED => {
+            let why = NotStored::from_code(reader.array::<1>()?[0])
+                .ok_or("unknown reason for an unstored response")?;
+            let status = match u16::from_be_bytes(reader.array()?) {
+                0 => None,
+                code => {
+                    Some(StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?)
                 }
-                Ok(Decoded::NotStored { why, status })
+            };
+            if reader.at != payload.len() {
+                return Err("bytes after an unstored response".into());
             }
-            _ => Err("unknown kind of stored payload".into()),
-        },
-        0 => Err("not a stored response (layout version 0)".into()),
-        newer => Ok(Decoded::Newer { version: newer }),
+            Ok(Decoded::NotStored { why, status })
+        }
+        _ => Err("unknown kind of stored payload".into()),
     }
 }
 

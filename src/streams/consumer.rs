@@ -354,7 +354,7 @@ impl StreamConsumer {
         message: &StreamMessage,
         effect: &H,
         wait: Duration,
-        mut stopped: watch::Receiver<bool>,
+        stopped: watch::Receiver<bool>,
         returned: &OnceLock<Instant>,
     ) -> Once<Bytes, Failure>
     where
@@ -378,9 +378,7 @@ impl StreamConsumer {
             return once.await;
         }
         // The guard `wait_for` answers is dropped at once: it must not live across an await.
-        let stop = async {
-            let _ = stopped.wait_for(|stopping| *stopping).await;
-        };
+        let stop = until_stopping(stopped);
         tokio::select! {
             answer = &mut once => answer,
             () = stop => {
@@ -467,12 +465,7 @@ impl StreamConsumer {
         // Its entry is kept from takeovers meanwhile, pauses included.
         let entry = message.entry();
         let id = message.id().unwrap_or_default();
-        let stop = {
-            let mut stopped = stopped.clone();
-            async move {
-                let _ = stopped.wait_for(|stopping| *stopping).await;
-            }
-        };
+        let stop = until_stopping(stopped.clone());
         let held = |answer: &Once<Bytes, Failure>, pause: Duration| match answer {
             Once::Unavailable(error) => {
                 tracing::warn!(msg = %entry, id = ?id, %error, ?pause, "the store is unavailable; holding the message and trying again")
@@ -504,6 +497,11 @@ impl StreamConsumer {
         };
         format!("mismatch: this id came before with {what}")
     }
+}
+
+/// Ends once the consumer is stopping.
+async fn until_stopping(mut stopped: watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stopping| *stopping).await;
 }
 
 /// What `once` answered, as what becomes of the message; `stored_in` is the time from the

@@ -128,13 +128,11 @@ impl StreamMessage {
     /// The record key: the value of the id field, scoped by `scope`. Errs with the reason to
     /// dead-letter the message under.
     pub(super) fn key(&self, scope: Option<&str>) -> Result<RecordKey, String> {
-        let Some(id) = self.id() else {
-            return Err(format!("bad id: no UTF-8 field `{}`", self.id_field));
-        };
-        match IdempotencyKey::parse(id) {
-            Ok(key) => Ok(RecordKey::new(scope, key)),
-            Err(error) => Err(format!("bad id: {error}")),
-        }
+        let id = self
+            .id()
+            .ok_or_else(|| format!("bad id: no UTF-8 field `{}`", self.id_field))?;
+        let key = IdempotencyKey::parse(id).map_err(|error| format!("bad id: {error}"))?;
+        Ok(RecordKey::new(scope, key))
     }
 
     /// What makes two deliveries of one key the same message: by default every field but the
@@ -179,10 +177,8 @@ pub(super) fn entries(list: Value) -> Vec<(String, Vec<(String, Bytes)>)> {
     let mut entries = Vec::new();
     for entry in list.into_array() {
         let mut parts = entry.into_array().into_iter();
-        let (Some(id), Some(fields)) = (parts.next(), parts.next()) else {
-            continue;
-        };
-        let (Some(id), false) = (id.into_string(), fields.is_null()) else {
+        let id = parts.next().and_then(Value::into_string);
+        let (Some(id), Some(fields)) = (id, parts.next().filter(|fields| !fields.is_null())) else {
             continue;
         };
         entries.push((id, pairs(fields)));

@@ -18,6 +18,7 @@ use super::support::{
     Verdict, LEASE, RETENTION,
 };
 use crate::fingerprint::PolicyTag;
+use crate::key::RecordKey;
 use crate::store::{ClaimOutcome, OwnerToken, RecordState, Store};
 
 /// What a rule's check is: a store in, a verdict out.
@@ -97,14 +98,35 @@ fn in_flight_near(outcome: &ClaimOutcome, lease: Duration) -> bool {
     matches!(outcome, ClaimOutcome::InFlight { lease_left } if *lease_left <= lease && *lease_left > lease.saturating_sub(Duration::from_secs(5)))
 }
 
+/// That a completion, a release and a renewal of `k` by `owner` are each refused (answer
+/// false); `what` says whose, or of what, in the failure.
+async fn refused(s: &dyn Store, k: &RecordKey, owner: &OwnerToken, what: &str) -> Result<(), String> {
+    ensure!(
+        !complete(s, k, owner, b"refused", RETENTION).await?,
+        "a completion {what} answered true"
+    );
+    ensure!(
+        !answer(s.release(k, owner).await, "release")?,
+        "a release {what} answered true"
+    );
+    ensure!(
+        !answer(s.renew(k, owner, LEASE).await, "renew")?,
+        "a renewal {what} answered true"
+    );
+    Ok(())
+}
+
+/// A claim of `k` that must be claimed; `what` names it in the failure.
+async fn claimed(s: &dyn Store, k: &RecordKey, owner: &OwnerToken, what: &str) -> Result<(), String> {
+    let outcome = claim(s, k, "body", owner, LEASE).await?;
+    ensure!(outcome == ClaimOutcome::Claimed, "{what} answered {outcome:?}");
+    Ok(())
+}
+
 async fn claim_then_in_flight_then_completed(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k) = (&*store, run.key("k1"));
     let [a, other] = owners();
-    let first = claim(s, &k, "body", &a, LEASE).await?;
-    ensure!(
-        first == ClaimOutcome::Claimed,
-        "the first claim of a free key answered {first:?}"
-    );
+    first_claim(s, &k, "body", &a, LEASE).await?;
     let second = claim(s, &k, "body", &other, LEASE).await?;
     ensure!(in_flight_near(&second, LEASE), "another owner's claim of a key in flight (30 s lease) answered {second:?}, not in flight with about 30 s left");
     completed(s, &k, &a, b"result", RETENTION).await?;
@@ -218,18 +240,7 @@ async fn transitions_are_owner_checked(run: Run, store: Arc<dyn Store>) -> Outco
     let (s, k) = (&*store, run.key("k4"));
     let [a, intruder] = owners();
     first_claim(s, &k, "body", &a, LEASE).await?;
-    ensure!(
-        !complete(s, &k, &intruder, b"evil", RETENTION).await?,
-        "a completion by another owner answered true"
-    );
-    ensure!(
-        !answer(s.release(&k, &intruder).await, "release")?,
-        "a release by another owner answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &intruder, LEASE).await, "renew")?,
-        "a renewal by another owner answered true"
-    );
+    refused(s, &k, &intruder, "by another owner").await?;
     let state = answer(s.inspect(&k).await, "inspect")?.map(|info| info.state);
     ensure!(
         state == Some(RecordState::InFlight),
@@ -303,23 +314,8 @@ async fn an_expired_lease_frees_the_key_and_fences_the_old_owner(run: Run, store
     let [slow, next] = owners();
     first_claim(s, &k, "body", &slow, Duration::from_millis(150)).await?;
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let taken = claim(s, &k, "body", &next, LEASE).await?;
-    ensure!(
-        taken == ClaimOutcome::Claimed,
-        "250 ms after a 150 ms lease ended, a claim answered {taken:?}"
-    );
-    ensure!(
-        !complete(s, &k, &slow, b"late", RETENTION).await?,
-        "the lapsed owner's completion overwrote the new owner's claim"
-    );
-    ensure!(
-        !answer(s.release(&k, &slow).await, "release")?,
-        "the lapsed owner's release answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &slow, LEASE).await, "renew")?,
-        "the lapsed owner's renewal answered true"
-    );
+    claimed(s, &k, &next, "250 ms after a 150 ms lease ended, a claim").await?;
+    refused(s, &k, &slow, "by the lapsed owner, over the new owner's claim,").await?;
     ensure!(
         complete(s, &k, &next, b"new", RETENTION).await?,
         "the new owner's completion answered false"
@@ -369,11 +365,7 @@ async fn retention_ends(run: Run, store: Arc<dyn Store>) -> Outcome {
         gone.is_none(),
         "300 ms after its 1 s retention ended, the record is still there: {gone:?}"
     );
-    let again = claim(s, &k, "body", &next, LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim after the retention ended answered {again:?}"
-    );
+    claimed(s, &k, &next, "a claim after the retention ended").await?;
     Ok(true)
 }
 
@@ -401,20 +393,18 @@ async fn inspect_and_purge(run: Run, store: Arc<dyn Store>) -> Outcome {
     );
     let gone = answer(s.inspect(&k).await, "inspect")?;
     ensure!(gone.is_none(), "a purged record is still there: {gone:?}");
-    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim of a purged key answered {again:?}"
-    );
+    claimed(s, &k, &OwnerToken::generate(), "a claim of a purged key").await?;
     ensure!(
         answer(s.purge(&k).await, "purge")?,
         "the purge of a record in flight answered false"
     );
-    let again = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        again == ClaimOutcome::Claimed,
-        "a claim of a key purged in flight answered {again:?}"
-    );
+    claimed(
+        s,
+        &k,
+        &OwnerToken::generate(),
+        "a claim of a key purged in flight",
+    )
+    .await?;
     Ok(true)
 }
 
@@ -450,28 +440,13 @@ async fn scopes_are_separate_records(run: Run, store: Arc<dyn Store>) -> Outcome
     let a = OwnerToken::generate();
     first_claim(s, &alice, "body", &a, LEASE).await?;
     completed(s, &alice, &a, b"alice's", RETENTION).await?;
-    let other = claim(s, &bob, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        other == ClaimOutcome::Claimed,
-        "the same key in another scope answered {other:?}"
-    );
+    claimed(s, &bob, &OwnerToken::generate(), "the same key in another scope").await?;
     Ok(true)
 }
 
 async fn absent_keys_are_answered_not_failed(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k, nobody) = (&*store, run.key("absent"), OwnerToken::generate());
-    ensure!(
-        !complete(s, &k, &nobody, b"r", RETENTION).await?,
-        "a completion of a key never claimed answered true"
-    );
-    ensure!(
-        !answer(s.release(&k, &nobody).await, "release")?,
-        "a release of a key never claimed answered true"
-    );
-    ensure!(
-        !answer(s.renew(&k, &nobody, LEASE).await, "renew")?,
-        "a renewal of a key never claimed answered true"
-    );
+    refused(s, &k, &nobody, "of a key never claimed").await?;
     ensure!(
         !answer(s.purge(&k).await, "purge")?,
         "a purge of a key never claimed answered true"
@@ -483,11 +458,7 @@ async fn absent_keys_are_answered_not_failed(run: Run, store: Arc<dyn Store>) ->
     );
     let left = answer(s.inspect(&k).await, "inspect")?;
     ensure!(left.is_none(), "those calls left a record: {left:?}");
-    let claimed = claim(s, &k, "body", &OwnerToken::generate(), LEASE).await?;
-    ensure!(
-        claimed == ClaimOutcome::Claimed,
-        "after them, a claim answered {claimed:?}"
-    );
+    claimed(s, &k, &OwnerToken::generate(), "after them, a claim").await?;
     Ok(true)
 }
 
@@ -603,16 +574,13 @@ async fn peek_reports_what_a_claim_would_find_and_writes_nothing(run: Run, store
 async fn cached_answers_agree_with_the_record(run: Run, store: Arc<dyn Store>) -> Outcome {
     let (s, k, owner) = (&*store, run.key("cached"), OwnerToken::generate());
     let (body, other) = (fingerprint("body"), fingerprint("other"));
-    ensure!(
-        s.cached(&k, &body).is_none(),
-        "cached answered {:?} for a free key",
-        s.cached(&k, &body)
-    );
+    let free = s.cached(&k, &body);
+    ensure!(free.is_none(), "cached answered {free:?} for a free key");
     first_claim(s, &k, "body", &owner, LEASE).await?;
+    let running = s.cached(&k, &body);
     ensure!(
-        s.cached(&k, &body).is_none(),
-        "cached answered {:?} for a key in flight",
-        s.cached(&k, &body)
+        running.is_none(),
+        "cached answered {running:?} for a key in flight"
     );
     completed(s, &k, &owner, b"result", RETENTION).await?;
     // A store may cache a completion when it reads it back (read it once), or fill its cache

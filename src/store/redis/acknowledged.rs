@@ -123,29 +123,20 @@ impl RedisStore {
                 ],
             ),
         };
-        let answer = match self
-            .marked(
+        let send = |text| {
+            self.marked(
                 client,
                 name,
                 &redis_key,
-                vec![write(ScriptText::Sha1(WAIT.sha1))],
+                vec![write(text)],
                 Vec::new(),
                 &self.options,
             )
-            .await
-            .pop()
-        {
-            Some(Err(error)) if error.details().starts_with("NOSCRIPT") => self
-                .marked(
-                    client,
-                    name,
-                    &redis_key,
-                    vec![write(ScriptText::Source(WAIT.source))],
-                    Vec::new(),
-                    &self.options,
-                )
-                .await
-                .pop(),
+        };
+        let answer = match send(ScriptText::Sha1(WAIT.sha1)).await.pop() {
+            Some(Err(error)) if error.details().starts_with("NOSCRIPT") => {
+                send(ScriptText::Source(WAIT.source)).await.pop()
+            }
             answer => answer,
         };
         let answer = answer.ok_or_else(|| StoreError::Corrupt("no answer to the claim".into()))?;
@@ -339,15 +330,14 @@ impl RedisStore {
     ) -> Result<(Value, Result<Acked, StoreError>), StoreError> {
         let redis_key = self.redis_key(key);
         let args = call.script_args();
-        let call = |text| ScriptCall::new(text, Value::from(redis_key.clone()), &args, false);
-        let by_sha1 = vec![call(ScriptText::Sha1(COMPLETE.sha1)).into_parts()];
-        let (mut written, mut acked) = self.write_then_wait(waiter, client, &redis_key, by_sha1).await?;
+        let write = |text| {
+            let call = ScriptCall::new(text, Value::from(redis_key.clone()), &args, false);
+            self.write_then_wait(waiter, client, &redis_key, vec![call.into_parts()])
+        };
+        let (mut written, mut acked) = write(ScriptText::Sha1(COMPLETE.sha1)).await?;
         if matches!(written.first(), Some(Err(error)) if error.details().starts_with("NOSCRIPT")) {
             // The server lost its scripts (a failover, a flush): the same, by source.
-            let by_source = vec![call(ScriptText::Source(COMPLETE.source)).into_parts()];
-            (written, acked) = self
-                .write_then_wait(waiter, client, &redis_key, by_source)
-                .await?;
+            (written, acked) = write(ScriptText::Source(COMPLETE.source)).await?;
         }
         let completed = written
             .pop()

@@ -318,26 +318,22 @@ fn plan(batch: Vec<Job>) -> Vec<Send> {
             sends.push(Send::One(job));
             continue;
         };
-        if !call.mergeable {
-            let command = Command::Script(call);
-            sends.push(Send::One(Job {
-                client,
-                options,
-                command,
-                answer,
-                queued_at,
-            }));
+        let record = MergedRecord { call, answer };
+        if !record.call.mergeable {
+            sends.push(Send::One(record.alone(client, options, queued_at)));
             continue;
         }
-        let bytes = call.args[KEY_AT..].iter().map(argument_size).sum::<usize>();
-        let script = call.script;
+        let bytes = record.call.args[KEY_AT..]
+            .iter()
+            .map(argument_size)
+            .sum::<usize>();
+        let script = record.call.script;
         let joins = |m: &&mut Merged| {
             m.records[0].call.script == script
                 && m.records.len() < MAX_MERGED
                 && m.bytes + bytes <= MAX_MERGED_BYTES
                 && m.client.id() == client.id()
         };
-        let record = MergedRecord { call, answer };
         match merged.iter_mut().find(joins) {
             Some(m) => {
                 m.bytes += bytes;
@@ -372,27 +368,14 @@ impl Merged {
             ..
         } = self;
         if records.len() == 1 {
-            let Some(MergedRecord { call, answer }) = records.pop() else {
+            let Some(record) = records.pop() else {
                 return;
             };
-            let command = Command::Script(call);
-            let job = Job {
-                client,
-                options,
-                command,
-                answer,
-                queued_at,
-            };
-            return job.run().await;
+            return record.alone(client, options, queued_at).run().await;
         }
         let options = match time_left(&options, queued_at) {
             Ok(options) => options,
-            Err(timed_out) => {
-                for record in records {
-                    let _ = record.answer.send(Err(timed_out.clone()));
-                }
-                return;
-            }
+            Err(timed_out) => return fail_all(records, &timed_out),
         };
         // `EVALSHA sha n key… arg…`, from the first call's SHA-1, every call's key, then every
         // call's arguments, in the same order.
@@ -417,21 +400,33 @@ impl Merged {
                 }
             }
             Ok(other) => {
-                let error = Error::new(
-                    ErrorKind::Protocol,
-                    format!("{count} records in one script call, answered with {other:?}"),
-                );
-                for record in records {
-                    let _ = record.answer.send(Err(error.clone()));
-                }
+                let unexpected = format!("{count} records in one script call, answered with {other:?}");
+                fail_all(records, &Error::new(ErrorKind::Protocol, unexpected));
             }
             // Every record's error (a NOSCRIPT too): each caller retries, or falls back to EVAL,
             // on its own.
-            Err(error) => {
-                for record in records {
-                    let _ = record.answer.send(Err(error.clone()));
-                }
-            }
+            Err(error) => fail_all(records, &error),
+        }
+    }
+}
+
+/// Answers every record of a merged call with `error`.
+fn fail_all(records: Vec<MergedRecord>, error: &Error) {
+    for record in records {
+        let _ = record.answer.send(Err(error.clone()));
+    }
+}
+
+impl MergedRecord {
+    /// This record's call as a job of its own, sent as it came.
+    fn alone(self, client: Client, options: Options, queued_at: tokio::time::Instant) -> Job {
+        let command = Command::Script(self.call);
+        Job {
+            client,
+            options,
+            command,
+            answer: self.answer,
+            queued_at,
         }
     }
 }

@@ -202,23 +202,21 @@ impl RedisStore {
         // The durability option's completions each have a connection of their own, where nothing
         // could be merged with them: a trip through the coalescing task would buy nothing.
         let mergeable = script.per_record && self.acks.is_none();
-        let call = |text| ScriptCall::new(text, redis_key.clone(), args, mergeable);
-        let evalsha = Command::Script(call(ScriptText::Sha1(script.sha1)));
-        let sent = self.coalescer.send(client, options, evalsha);
-        match sent.await {
+        let send = |text| {
+            let call = ScriptCall::new(text, redis_key.clone(), args, mergeable);
+            self.coalescer.send(client, options, Command::Script(call))
+        };
+        let sent = match send(ScriptText::Sha1(script.sha1)).await {
             Err(error) if error.details().starts_with("NOSCRIPT") => {
                 tracing::debug!(
                     script = script.name,
                     "script missing on the server; reloading it with EVAL"
                 );
-                let eval = Command::Script(call(ScriptText::Source(script.source)));
-                self.coalescer
-                    .send(client, options, eval)
-                    .await
-                    .map_err(|e| self.failed(e))
+                send(ScriptText::Source(script.source)).await
             }
-            result => result.map_err(|e| self.failed(e)),
-        }
+            sent => sent,
+        };
+        sent.map_err(|e| self.failed(e))
     }
 }
 
@@ -433,12 +431,11 @@ impl Store for RedisStore {
             let timeout = self.options.timeout.unwrap_or(DEFAULT_COMMAND_TIMEOUT);
             let mut oldest = Oldest::new(older_than, limit);
             loop {
-                let page = match tokio::time::timeout(timeout, pages.next()).await {
+                let mut page = match tokio::time::timeout(timeout, pages.next()).await {
                     Err(_) => return Err(StoreError::Timeout(timeout)),
                     Ok(None) => break,
                     Ok(Some(page)) => page.map_err(|e| self.failed(e))?,
                 };
-                let mut page = page;
                 let keys = page.take_results().unwrap_or_default();
                 let heads = keys.iter().map(|name| self.record_head(name));
                 for found in futures_util::future::join_all(heads).await {
@@ -549,18 +546,15 @@ impl RedisStore {
         else {
             return Ok(None);
         };
-        let mut start = match self.first_bytes(name, GUESS).await? {
-            Some(start) => start,
-            None => return Ok(None),
+        let Some(mut start) = self.first_bytes(name, GUESS).await? else {
+            return Ok(None);
         };
-        match record::head_len(&start) {
-            Some(needed) if needed > start.len() && start.len() == GUESS => {
-                start = match self.first_bytes(name, needed).await? {
-                    Some(start) => start,
-                    None => return Ok(None),
-                };
-            }
-            _ => {}
+        let cut = record::head_len(&start).filter(|&needed| needed > start.len() && start.len() == GUESS);
+        if let Some(needed) = cut {
+            let Some(whole) = self.first_bytes(name, needed).await? else {
+                return Ok(None);
+            };
+            start = whole;
         }
         match record::parse_head(&start) {
             Ok(head) if head.state == record::IN_FLIGHT => {

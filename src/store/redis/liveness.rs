@@ -411,24 +411,23 @@ impl Beat {
         };
         let replaceable = !matches!(self.watched, Watched::Borrowed(_)) || !resends(&client);
         if !self.silent[index].swap(true, Ordering::AcqRel) {
-            if replaceable {
-                tracing::warn!(
-                    connection = self.connection.as_str(),
-                    event = ConnectionEvent::Silent.as_str(),
-                    ?threshold,
+            let why = match replaceable {
+                true => {
                     "a Redis connection answered no PING in time; taking it for dead and opening a new one"
-                );
-            } else {
-                tracing::warn!(
-                    connection = self.connection.as_str(),
-                    event = ConnectionEvent::Silent.as_str(),
-                    ?threshold,
+                }
+                false => {
                     "a Redis connection of a client handed to the store answered no PING in time; not \
                      replacing it, since fred would send the owner's unanswered commands again on a new \
                      one (a reconnect policy and max_command_attempts > 1); the kernel closes it \
                      (within 10 s with RedisStore::configure_liveness)"
-                );
-            }
+                }
+            };
+            tracing::warn!(
+                connection = self.connection.as_str(),
+                event = ConnectionEvent::Silent.as_str(),
+                ?threshold,
+                "{why}"
+            );
             telemetry::connection_event(self.connection, ConnectionEvent::Silent);
         }
         self.silenced.send_modify(|count| *count += 1);
@@ -438,6 +437,8 @@ impl Beat {
     }
 }
 
+/// A ping's answer, from the best to the worst.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Ping {
     Answered,
     /// Refused at once: the client knows its connection is down (and is reconnecting).
@@ -473,13 +474,7 @@ async fn answers(client: &Client, threshold: Duration, every_node: bool) -> Ping
     });
     let answers = futures_util::future::join_all(pings).await;
     // The worst answer speaks for the client: one silent master is a silent feed.
-    if answers.iter().any(|answer| matches!(answer, Ping::Unanswered)) {
-        Ping::Unanswered
-    } else if answers.iter().any(|answer| matches!(answer, Ping::Failed)) {
-        Ping::Failed
-    } else {
-        Ping::Answered
-    }
+    answers.into_iter().max().unwrap_or(Ping::Answered)
 }
 
 async fn ping(client: &Client, options: &Options) -> Ping {

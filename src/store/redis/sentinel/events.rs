@@ -33,10 +33,8 @@ impl Event {
         match self {
             Event::Switched(text) => text.split(' ').next() == Some(service),
             Event::Promoting(text) | Event::Aborted(text) => {
-                let master = match text.split_once(" @ ") {
-                    Some((_, master)) => master,
-                    None => text.split_once(' ').map_or("", |(_, rest)| rest),
-                };
+                let master = text.split_once(" @ ").or_else(|| text.split_once(' '));
+                let master = master.map_or("", |(_, master)| master);
                 master.split(' ').next() == Some(service)
             }
         }
@@ -111,38 +109,30 @@ pub(super) async fn listen(
 
 /// The new master a `+switch-master` names: `<service> <old ip> <old port> <new ip> <new port>`.
 pub(super) fn announced_master(switch: &str) -> Option<Address> {
-    let fields: Vec<&str> = switch.split(' ').collect();
-    let [_, _, _, host, port] = fields[..] else {
-        return None;
-    };
-    Some(Address {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
+    address_in(switch, 5, 3)
 }
 
 /// The old master a `+switch-master` names.
 pub(super) fn announced_old(switch: &str) -> Option<Address> {
-    let fields: Vec<&str> = switch.split(' ').collect();
-    let [_, host, port, _, _] = fields[..] else {
-        return None;
-    };
-    Some(Address {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
+    address_in(switch, 5, 1)
 }
 
 /// The master a promotion event names: `slave <name> <ip> <port> @ <service> <ip> <port>`.
 pub(super) fn announced_old_master(promoting: &str) -> Option<Address> {
     let (_, master) = promoting.split_once(" @ ")?;
-    let fields: Vec<&str> = master.split(' ').collect();
-    let [_, host, port] = fields[..] else {
+    address_in(master, 3, 1)
+}
+
+/// The address at fields `at` (the host) and `at + 1` (the port) of `text`, which must have
+/// exactly `count` fields, separated by single spaces.
+fn address_in(text: &str, count: usize, at: usize) -> Option<Address> {
+    let fields: Vec<&str> = text.split(' ').collect();
+    if fields.len() != count {
         return None;
-    };
+    }
     Some(Address {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
+        host: fields[at].to_owned(),
+        port: fields[at + 1].parse().ok()?,
     })
 }
 

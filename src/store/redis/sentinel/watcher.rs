@@ -130,17 +130,9 @@ impl Drop for Watcher {
 impl Watcher {
     pub(super) async fn run(mut self, mut announced: UnboundedReceiver<Announcement>) {
         for subscriber in self.subscribers.clone() {
-            self.listeners.push(tokio::spawn(listen(
-                subscriber,
-                self.events.clone(),
-                self.subscribed.clone(),
-            )));
+            self.listeners.push(self.listen(subscriber));
         }
-        self.heartbeat = Some(Heartbeat::start(
-            Role::Sentinels,
-            Watched::Shared(self.subscribers.clone()),
-            self.pace.clone(),
-        ));
+        self.beat_on_subscribers();
         // The sentinels the URL's know of are listened to from the start: an asker connects in
         // milliseconds, or is down, and then the next looks try again.
         let connected = async {
@@ -469,17 +461,11 @@ impl Watcher {
                 continue;
             }
             let (host, port) = address.clone();
-            let subscriber = match self.factory.build(Server::new(host.clone(), port)) {
-                Ok(subscriber) => subscriber,
-                Err(error) => {
-                    tracing::warn!(%error, %host, port, "cannot listen to a sentinel the others told of");
-                    continue;
-                }
-            };
-            let asker = match self.factory.build(Server::new(host.clone(), port)) {
-                Ok(asker) => asker,
-                Err(error) => {
-                    tracing::warn!(%error, %host, port, "cannot ask a sentinel the others told of");
+            let build = || self.factory.build(Server::new(host.clone(), port));
+            let (subscriber, asker) = match (build(), build()) {
+                (Ok(subscriber), Ok(asker)) => (subscriber, asker),
+                (Err(error), _) | (_, Err(error)) => {
+                    tracing::warn!(%error, %host, port, "cannot listen to or ask a sentinel the others told of");
                     continue;
                 }
             };
@@ -489,11 +475,7 @@ impl Watcher {
             tracing::debug!(%host, port, "listening to a sentinel the others told of");
             self.discovered.push(Discovered {
                 address,
-                listener: tokio::spawn(listen(
-                    subscriber.clone(),
-                    self.events.clone(),
-                    self.subscribed.clone(),
-                )),
+                listener: self.listen(subscriber.clone()),
                 subscriber: Quit(subscriber),
                 asker: Quit(asker),
             });
@@ -507,14 +489,21 @@ impl Watcher {
                         .map(|sentinel| sentinel.subscriber.0.clone()),
                 )
                 .collect();
-            // The heartbeat watches a fixed list: one over the new list replaces it.
-            self.heartbeat = Some(Heartbeat::start(
-                Role::Sentinels,
-                Watched::Shared(self.subscribers.clone()),
-                self.pace.clone(),
-            ));
+            self.beat_on_subscribers();
         }
         answered
+    }
+
+    /// A task that hands the sentinel events `subscriber` hears to this watch.
+    fn listen(&self, subscriber: Client) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(listen(subscriber, self.events.clone(), self.subscribed.clone()))
+    }
+
+    /// Starts the heartbeat over the subscribers. It watches a fixed list: one over a new list
+    /// replaces the one before.
+    fn beat_on_subscribers(&mut self) {
+        let subscribers = Watched::Shared(self.subscribers.clone());
+        self.heartbeat = Some(Heartbeat::start(Role::Sentinels, subscribers, self.pace.clone()));
     }
 
     /// A subscription is heard again after none was: the master may have been switched while
@@ -589,15 +578,11 @@ impl Watcher {
             if quiet {
                 self.confirmed_at = asked;
             }
-            if switched {
-                self.lower(&format!(
-                    "the sentinels name the new master {master}, and the store is on it"
-                ));
-            } else {
-                self.lower(&format!(
-                    "the failover ended with no switch; the store is on the master {master}"
-                ));
-            }
+            let why = match switched {
+                true => format!("the sentinels name the new master {master}, and the store is on it"),
+                false => format!("the failover ended with no switch; the store is on the master {master}"),
+            };
+            self.lower(&why);
         }
     }
 
