@@ -503,24 +503,19 @@ mod tests {
         PathPattern::parse(source).unwrap()
     }
 
+    /// Beyond `patterns_match_exactly_the_paths_they_describe` (policy.rs): a literal cut short
+    /// or given a `/`, the spellings of a parameter and of a wildcard, the root.
     #[test]
     fn patterns_match_literals_parameters_and_a_trailing_wildcard() {
         let payments = pattern("/payments");
-        assert!(payments.matches("/payments"));
         assert!(!payments.matches("/payments/"));
-        assert!(!payments.matches("/payments/1"));
         assert!(!payments.matches("/payment"));
         assert!(!payments.matches(""));
 
         let comments = pattern("/posts/{id}/comments");
-        assert!(comments.matches("/posts/7/comments"));
-        assert!(!comments.matches("/posts//comments"));
-        assert!(!comments.matches("/posts/7/comments/1"));
         assert!(pattern("/posts/:id/comments").same_as(&comments));
 
         let files = pattern("/files/*");
-        assert!(files.matches("/files/"));
-        assert!(files.matches("/files/a/b"));
         assert!(!files.matches("/files"));
         assert!(pattern("/files/{*rest}").same_as(&files));
 
@@ -601,18 +596,14 @@ mod tests {
         }
     }
 
+    /// An endpoint repeated is refused (tests/policy.rs, `an_endpoint_listed_twice_is_refused`);
+    /// another method on the same pattern is another endpoint.
     #[test]
-    fn an_endpoint_repeated_is_refused() {
+    fn another_method_on_a_pattern_is_another_endpoint() {
         let base = IdempotencyLayer::new(crate::MemoryStore::new());
         let policy = PolicyLayer::new(base)
             .endpoint([Method::POST], "/posts/{id}", |l| l)
             .unwrap();
-        let error = policy
-            .clone()
-            .endpoint([Method::PATCH, Method::POST], "/posts/:post", |l| l)
-            .unwrap_err();
-        assert!(matches!(error, PolicyError::Duplicate { .. }), "{error}");
-        // Another method on the same pattern is another endpoint.
         assert!(policy.endpoint([Method::PATCH], "/posts/:post", |l| l).is_ok());
     }
 }

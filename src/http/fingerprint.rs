@@ -554,20 +554,15 @@ mod tests {
         );
     }
 
+    /// Beyond `media_types_ignore_parameters_and_case`: no copy, and two types apart.
     #[test]
     fn media_type_only_ignores_parameters_and_case() {
-        assert_eq!(
-            &*media_type(b"Application/JSON; charset=utf-8"),
-            b"application/json"
-        );
-        assert_eq!(&*media_type(b" text/plain ;q=1"), b"text/plain");
         assert!(matches!(media_type(b"application/json"), Cow::Borrowed(_)));
         let policy = FingerprintPolicy::new().media_type_only();
         let with = |ct: &str| {
             let request = parts(Request::post("/p").header("content-type", ct).body(()).unwrap());
             policy.fingerprint(&request, b"{}")
         };
-        assert_eq!(with("application/json"), with("application/JSON; charset=utf-8"));
         assert_ne!(with("application/json"), with("text/plain"));
     }
 
@@ -636,12 +631,8 @@ mod tests {
             );
             json.fingerprint(&request, body.as_bytes())
         };
+        // A body re-spelt (spaces, order, numbers, escapes): `json_fingerprints_follow_the_meaning`.
         let ct = "application/json";
-        assert_eq!(with(ct, r#"{"amount":42}"#), with(ct, r#"{ "amount": 42 }"#));
-        assert_eq!(
-            with(ct, r#"{"a":1.50,"b":"é"}"#),
-            with(ct, r#"{"b":"é","a":15e-1}"#)
-        );
         assert_eq!(
             with("application/merge-patch+json; charset=utf-8", "[1]"),
             with("application/merge-patch+json; charset=utf-8", "[ 1 ]")

@@ -171,15 +171,4 @@ mod tests {
             None
         );
     }
-
-    #[test]
-    fn extension_scope_reads_the_value_an_earlier_layer_left() {
-        #[derive(Clone)]
-        struct Tenant(&'static str);
-        let scope = Scope::extension::<Tenant>(|t| t.0.to_owned());
-        let mut with = parts(Request::post("/p"));
-        with.extensions.insert(Tenant("acme"));
-        assert_eq!(scope(&with).as_deref(), Some("acme"));
-        assert_eq!(scope(&parts(Request::post("/p"))), None);
-    }
 }

@@ -478,7 +478,6 @@ mod tests {
         assert!(issued >= before && issued <= SystemTime::now(), "{issued:?}");
     }
 
-    /// A store that does not implement `in_flight` says so, rather than listing nothing.
     #[test]
     fn tokens_without_a_time_have_none() {
         for token in [

@@ -233,14 +233,11 @@ mod tests {
         StreamMessage::of_text(fields)
     }
 
+    /// In any order, another value: tests/streams.rs, `one_of_each` (replayed, a mismatch).
     #[test]
-    fn the_default_fingerprint_is_every_other_field_in_any_order() {
+    fn the_default_fingerprint_counts_the_field_names() {
         let a = message(&[("id", "p1"), ("amount", "40"), ("currency", "EUR")]);
-        let b = message(&[("currency", "EUR"), ("id", "p1"), ("amount", "40")]);
-        let c = message(&[("id", "p1"), ("amount", "41"), ("currency", "EUR")]);
         let renamed = message(&[("id", "p1"), ("amount", "40"), ("currencY", "EUR")]);
-        assert_eq!(a.fingerprint(None), b.fingerprint(None));
-        assert_ne!(a.fingerprint(None), c.fingerprint(None));
         assert_ne!(a.fingerprint(None), renamed.fingerprint(None));
     }
 
@@ -255,17 +252,10 @@ mod tests {
         assert_ne!(empty.fingerprint(Some(&only)), missing.fingerprint(Some(&only)));
     }
 
+    /// A bad one says why: tests/stream_consumer.rs, `poisoned_messages_are_dead_lettered`.
     #[test]
-    fn the_key_is_the_id_field_and_a_bad_one_says_why() {
+    fn the_key_is_the_id_field() {
         assert_eq!(message(&[("id", "p1")]).key(None).unwrap().key().as_str(), "p1");
-        assert!(message(&[("amount", "1")])
-            .key(None)
-            .unwrap_err()
-            .starts_with("bad id"));
-        assert!(message(&[("id", "not a key")])
-            .key(None)
-            .unwrap_err()
-            .starts_with("bad id"));
     }
 
     #[test]
