@@ -428,11 +428,21 @@ async fn a_fresh_key_costs_two_statements_a_replay_and_a_409_one() {
     let before = statements().await;
     assert!(send(&app, payment("counted", "{}")).await.is_replay());
     assert_eq!(statements().await - before, 1, "a replay: the claim");
+    let claimed_before = statements().await;
     let slow = tokio::spawn({
         let app = app.clone();
-        async move { send(&app, common::app::payment_with("busy", &[("x-delay-ms", "400")])).await }
+        async move { send(&app, common::app::payment_with("busy", &[("x-delay-ms", "1500")])).await }
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Once its claim is counted: a fixed 150 ms was outlasted on a loaded machine (the retry
+    // below then claimed the key first). The handler's 1.5 s leave the retry time to meet it.
+    let asked_since = std::time::Instant::now();
+    while statements().await == claimed_before {
+        assert!(
+            asked_since.elapsed() < Duration::from_secs(5),
+            "the slow request's claim"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let before = statements().await;
     assert_eq!(
         send(&app, payment("busy", "{}")).await.status,
