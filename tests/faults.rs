@@ -516,9 +516,11 @@ async fn fail_open_runs_are_counted_and_waited_for(b: Backend) {
 // Promise 9: in-flight records too
 async fn operators_see_the_lease_left_on_a_running_key(b: Backend) {
     let layer = layer(&b).with_lease(Duration::from_secs(10));
-    let (app, _) = router(layer.clone());
-    let running = spawn_send(&app, slow("op-running", 400));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (app, runs) = router(layer.clone());
+    // Inspected once the handler runs (a fixed 100 ms wait can come before the claim lands on
+    // a loaded machine), with a second of the handler left.
+    let running = spawn_send(&app, slow("op-running", 1000));
+    until("the handler runs", || runs.get() == 1).await;
     let seen = layer
         .inspect(None, "op-running")
         .await
