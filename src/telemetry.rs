@@ -286,13 +286,21 @@ impl Named {
     }
 }
 
+/// Calls `recorded::$call` with the feature `metrics`; without it, only uses the arguments,
+/// so the function around it inlines to nothing.
+macro_rules! record {
+    ($call:ident($($arg:expr),*)) => {{
+        #[cfg(feature = "metrics")]
+        recorded::$call($($arg),*);
+        #[cfg(not(feature = "metrics"))]
+        let _ = ($($arg),*);
+    }};
+}
+
 /// Counts a request's outcome (`idempotency_requests_total`), under `named`'s name if given.
 #[inline]
 pub(crate) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::outcome(outcome, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (outcome, named);
+    record!(outcome(outcome, named));
 }
 
 /// Counts a request that waited for the request in flight to finish, instead of answering 409 at
@@ -300,10 +308,7 @@ pub(crate) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
 /// ends with.
 #[inline]
 pub(crate) fn waited(named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::waited(named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = named;
+    record!(waited(named));
 }
 
 /// Counts a request's outcome and writes it into its span, and into an event of the span: a
@@ -319,10 +324,7 @@ pub(crate) fn finish(span: &Span, outcome: RequestOutcome, named: Option<&Named>
 /// Counts a rejection sent, by kind (`idempotency_rejections_total`).
 #[inline]
 pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::rejection(rejection, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (rejection, named);
+    record!(rejection(rejection, named));
 }
 
 /// What a stream consumer did with a message: the `outcome` label of
@@ -388,19 +390,13 @@ pub(crate) fn unmatched() {
 /// (`idempotency_reconciliation_events_total`).
 #[inline]
 pub(crate) fn reconciliation(kind: EventKind, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::reconciliation(kind, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (kind, named);
+    record!(reconciliation(kind, named));
 }
 
 /// One more (`+1.0`) or one fewer (`-1.0`) claimed operation running (`idempotency_running`).
 #[inline]
 pub(crate) fn running(delta: f64, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::running(delta, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (delta, named);
+    record!(running(delta, named));
 }
 
 #[cfg(feature = "redis")]
@@ -467,10 +463,7 @@ impl ConnectionEvent {
 /// Counts a change of a connection's state (`idempotency_connection_events_total`).
 #[inline]
 pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
-    #[cfg(feature = "metrics")]
-    recorded::connection_event(connection, event);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (connection, event);
+    record!(connection_event(connection, event));
 }
 
 /// Counts a setup that can only be unsafe, found at run time and logged once per layer
@@ -479,10 +472,7 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
 /// given, as every metric of a named layer.
 #[inline]
 pub(crate) fn setup_warning(kind: SetupWarning, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::setup_warning(kind, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (kind, named);
+    record!(setup_warning(kind, named));
 }
 
 /// What a setup warning is about: the `kind` label of `idempotency_setup_warnings_total`.
@@ -573,10 +563,7 @@ impl<'a> StoreTimer<'a> {
 }
 
 fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::store_call(op, took, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = named;
+    record!(store_call(op, took, named));
     if let Some(field) = op.span_field() {
         Span::current().record(field, u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
     }
