@@ -388,16 +388,10 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
         // gives the key up before it goes on up, so a redelivery finds the key free at once (the
         // claim's drop would release it too, but in the background, after the panic has been
         // seen).
-        let operation = match std::panic::catch_unwind(AssertUnwindSafe(|| operation(claim.ticket()))) {
-            Ok(operation) => operation,
-            Err(panic) => {
-                let _ = claim.release().await;
-                std::panic::resume_unwind(panic);
-            }
-        };
+        let ticket = claim.ticket();
+        let operation = AssertUnwindSafe(async move { operation(ticket).await }).catch_unwind();
         let timeout = timeout.unwrap_or(coordinator.settings.once_timeout);
-        let ran = tokio::time::timeout(timeout, AssertUnwindSafe(operation).catch_unwind()).await;
-        let result = match ran {
+        let result = match tokio::time::timeout(timeout, operation).await {
             Ok(Ok(Ok(result))) => result,
             Ok(Ok(Err(error))) => {
                 if let Err(release) = claim.release().await {
