@@ -189,9 +189,7 @@ impl InFlightRecord {
         owner: OwnerToken,
         lease_left: Duration,
     ) -> Self {
-        let age = owner
-            .issued_at()
-            .map(|issued| now.duration_since(issued).unwrap_or_default());
+        let age = token_age(owner.as_str(), now);
         Self {
             digest,
             owner,
@@ -327,6 +325,11 @@ fn token_issued_at(token: &str) -> Option<std::time::SystemTime> {
     std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(millis))
 }
 
+/// How long before `now` the owner token `token` was made, if it says (zero if after `now`).
+fn token_age(token: &str, now: std::time::SystemTime) -> Option<Duration> {
+    Some(now.duration_since(token_issued_at(token)?).unwrap_or_default())
+}
+
 /// How long after its claim a record in a newer layout is taken for a rolling upgrade under way,
 /// and answered "in flight, retry in a second" (an instance of the newer release can replay it).
 /// Past it, the newer release is taken to be gone (rolled back), and the record is reported
@@ -345,12 +348,7 @@ pub(crate) fn newer_record(
 ) -> Result<ClaimOutcome, StoreError> {
     let age = std::str::from_utf8(owner)
         .ok()
-        .and_then(token_issued_at)
-        .map(|at| {
-            std::time::SystemTime::now()
-                .duration_since(at)
-                .unwrap_or_default()
-        });
+        .and_then(|owner| token_age(owner, std::time::SystemTime::now()));
     match age {
         Some(age) if age < NEWER_RECORD_WINDOW => {
             // A rolling upgrade is under way: retry later (on an instance of that release, or
