@@ -126,13 +126,6 @@ impl Entry {
     }
 }
 
-/// Which bound an eviction makes room under, to name the setting that raises it.
-#[derive(Clone, Copy)]
-enum Bound {
-    Bytes,
-    Entries,
-}
-
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
@@ -360,10 +353,11 @@ impl Records {
             return Err(StoreError::Full);
         }
         loop {
+            // The bound an eviction makes room under, as the setting that raises it and its value.
             let bound = if self.by_key.len() + entries > self.max_entries {
-                Bound::Entries
+                ("with_max_entries", self.max_entries)
             } else if self.bytes + bytes > self.max_bytes {
-                Bound::Bytes
+                ("with_max_bytes", self.max_bytes)
             } else {
                 return Ok(());
             };
@@ -380,7 +374,7 @@ impl Records {
     /// Counts an eviction before the record's retention ended. Once the store is full it evicts
     /// on every new key: one warning says so, not one per request (which would cost more than
     /// the request and bury the message).
-    fn note_early_eviction(&mut self, evicted: &Entry, now: Instant, bound: Bound) {
+    fn note_early_eviction(&mut self, evicted: &Entry, now: Instant, (setting, limit): (&str, usize)) {
         let State::Completed { retention, .. } = evicted.state else {
             return;
         };
@@ -394,10 +388,6 @@ impl Records {
             return;
         }
         self.warned_of_eviction = true;
-        let (setting, limit) = match bound {
-            Bound::Bytes => ("with_max_bytes", self.max_bytes),
-            Bound::Entries => ("with_max_entries", self.max_entries),
-        };
         tracing::warn!(
             kept_secs = kept.as_secs(),
             retention_secs = retention.as_secs(),
