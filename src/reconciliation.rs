@@ -142,22 +142,18 @@ pub(crate) struct Reconciler {
 
 impl Reconciler {
     /// With `hook`, keeping the name.
-    pub(crate) fn with_hook<F>(self, hook: F) -> Self
+    pub(crate) fn with_hook<F>(mut self, hook: F) -> Self
     where
         F: Fn(&ReconciliationEvent) + Send + Sync + 'static,
     {
-        Self {
-            hook: Some(Arc::new(hook)),
-            ..self
-        }
+        self.hook = Some(Arc::new(hook));
+        self
     }
 
     /// With `named`, keeping the hook.
-    pub(crate) fn with_name(self, named: Arc<Named>) -> Self {
-        Self {
-            named: Some(named),
-            ..self
-        }
+    pub(crate) fn with_name(mut self, named: Arc<Named>) -> Self {
+        self.named = Some(named);
+        self
     }
 
     pub(crate) fn has_hook(&self) -> bool {

@@ -16,7 +16,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -38,6 +38,7 @@ pub(crate) struct Cached {
 
 pub(crate) struct ReplayCache {
     max_bytes: usize,
+    /// Taken with [`lock`]: every update leaves the map consistent.
     entries: Mutex<Entries>,
     /// Bumped by every invalidation and every change of the feed, so an answer fetched before one
     /// is not cached after it.
@@ -120,11 +121,6 @@ impl ReplayCache {
         now.saturating_duration_since(pulse) <= Duration::from_millis(bound)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Entries> {
-        // Every update leaves the map consistent, so a poisoned lock's data is still sound.
-        lock(&self.entries)
-    }
-
     /// The copy of the record at `digest`, if there is a live one.
     pub(crate) fn get(&self, digest: &[u8; 32]) -> Option<Cached> {
         if !self.live.load(Ordering::Acquire) {
@@ -134,7 +130,7 @@ impl ReplayCache {
         if !self.pulse_is_recent(now) {
             return None;
         }
-        let mut entries = self.lock();
+        let mut entries = lock(&self.entries);
         let entry = entries.by_digest.get(digest)?;
         if entry.expires_at <= now || entry.expires_at_wall <= SystemTime::now() {
             entries.remove(digest);
@@ -166,7 +162,7 @@ impl ReplayCache {
         if retention_left.is_zero() || cost > self.max_bytes || !self.live.load(Ordering::Acquire) {
             return;
         }
-        let mut entries = self.lock();
+        let mut entries = lock(&self.entries);
         // Read under the lock: `invalidate` bumps the epoch under it too.
         if self.epoch.load(Ordering::Acquire) != epoch {
             return;
@@ -204,7 +200,7 @@ impl ReplayCache {
     /// the store, as read at `measured`), or at once when `left` is `None` (the record is gone,
     /// or its life could not be read).
     pub(crate) fn shorten(&self, digest: &[u8; 32], left: Option<Duration>, measured: Instant) {
-        let mut entries = self.lock();
+        let mut entries = lock(&self.entries);
         let Some(left) = left else {
             entries.remove(digest);
             return;
@@ -221,7 +217,7 @@ impl ReplayCache {
 
     /// Drops the copy at `digest`: its record was purged.
     pub(crate) fn invalidate(&self, digest: &[u8; 32]) {
-        let mut entries = self.lock();
+        let mut entries = lock(&self.entries);
         self.epoch.fetch_add(1, Ordering::AcqRel);
         entries.remove(digest);
     }
@@ -229,7 +225,7 @@ impl ReplayCache {
     /// Drops every copy and serves again only once `live`: the feed was lost (purges may have been
     /// missed) or is back.
     pub(crate) fn set_live(&self, live: bool) {
-        let mut entries = self.lock();
+        let mut entries = lock(&self.entries);
         self.epoch.fetch_add(1, Ordering::AcqRel);
         *entries = Entries::default();
         self.live.store(live, Ordering::Release);
@@ -238,7 +234,7 @@ impl ReplayCache {
     /// Bytes held, by the cache's own accounting.
     #[cfg(test)]
     fn bytes(&self) -> usize {
-        self.lock().bytes
+        lock(&self.entries).bytes
     }
 }
 

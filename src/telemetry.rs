@@ -30,107 +30,104 @@ use crate::key::{scope_digest, short_hex};
 /// filter directive (`tower_idempotency=…`) governs both.
 const TARGET: &str = "tower_idempotency";
 
-/// What the layer did with a keyed request: put in the extensions of every response it hands
-/// on for one (the handler's, a replay, a rejection), so that a layer outside it (tower-http's
-/// `TraceLayer`, a metrics layer, a log line) can label by it without parsing headers.
-///
-/// Its [`as_str`](Self::as_str) is the `outcome` label of `idempotency_requests_total` and the
-/// `outcome` field of the request span. A rejection also carries its [`Rejection`](crate::Rejection)
-/// (why, and what the client is told) in the same extensions. A request the layer let pass
-/// untouched (no key where none is required, a method it does not guard) carries none.
-///
-/// ```
-/// # use std::convert::Infallible;
-/// # use bytes::Bytes;
-/// # use http::{Request, Response};
-/// # use http_body_util::Full;
-/// use tower::{Service, ServiceBuilder, ServiceExt};
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore, RequestBody, RequestOutcome};
-///
-/// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
-/// let mut service = ServiceBuilder::new()
-///     .layer(IdempotencyLayer::new(MemoryStore::new()))
-///     .service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
-///         Ok::<_, Infallible>(Response::new(Full::from("done")))
-///     });
-/// let request = || Request::post("/orders").header("idempotency-key", "k1").body(Full::from("{}")).unwrap();
-/// let first = service.ready().await.unwrap().call(request()).await.unwrap();
-/// let retry = service.ready().await.unwrap().call(request()).await.unwrap();
-/// assert_eq!(first.extensions().get(), Some(&RequestOutcome::Executed));
-/// assert_eq!(retry.extensions().get::<RequestOutcome>().map(|o| o.as_str()), Some("replayed"));
-/// # }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RequestOutcome {
-    /// The key was claimed and the handler ran (its response; or the layer's 500 or 504 if it
-    /// panicked or timed out, with that [`Rejection`](crate::Rejection)).
-    Executed,
-    /// The stored response was replayed; the handler did not run.
-    Replayed,
-    /// Another request holds the key: 409 with `Retry-After` (or a record of a newer release).
-    InFlight,
-    /// The key was used with a different request.
-    Mismatch,
-    /// The key's record was stored under another fingerprint policy: the two requests cannot
-    /// be compared, and nothing was replayed or run.
-    PolicyMismatch,
-    /// The key ran before, but its response was not stored: it is not replayable.
-    NotStored,
-    /// Refused before the store was asked: no key, an invalid key, no scope, a body too large
-    /// or unreadable, no endpoint.
-    Rejected,
-    /// The store failed or timed out: 503, nothing run.
-    StoreError,
-    /// The store refused the claim on purpose during a failover, or its replicas did not
-    /// acknowledge it: 503, nothing run.
-    Fenced,
-    /// The store failed and the handler ran unprotected (`with_fail_open(true)`).
-    FailOpen,
-    /// At the bound on running requests, or shutting down: 503, nothing claimed.
-    Overloaded,
-    /// The record at the key cannot be read: 500, nothing run.
-    Unreadable,
+/// Declares an enum of metric labels: each variant with its label, then `ALL` (every variant in
+/// declaration order, so `variant as usize` indexes it) and `as_str` (the label), documented by
+/// the doc comment given for it.
+macro_rules! labels {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident { $($(#[$variant_meta:meta])* $variant:ident => $label:literal,)* }
+        $(#[$as_str_meta:meta])*
+        $as_str_vis:vis fn as_str;
+    ) => {
+        $(#[$meta])*
+        $vis enum $name { $($(#[$variant_meta])* $variant,)* }
+
+        // Not every build records under every label.
+        #[allow(dead_code)]
+        impl $name {
+            /// Every variant, in declaration order (`variant as usize` indexes it).
+            pub(crate) const ALL: [$name; [$($label),*].len()] = [$($name::$variant),*];
+
+            $(#[$as_str_meta])*
+            $as_str_vis const fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label,)*
+                }
+            }
+        }
+    };
 }
 
-impl RequestOutcome {
-    /// Every outcome, in declaration order (`outcome as usize` indexes it).
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    pub(crate) const ALL: [RequestOutcome; 12] = [
-        RequestOutcome::Executed,
-        RequestOutcome::Replayed,
-        RequestOutcome::InFlight,
-        RequestOutcome::Mismatch,
-        RequestOutcome::PolicyMismatch,
-        RequestOutcome::NotStored,
-        RequestOutcome::Rejected,
-        RequestOutcome::StoreError,
-        RequestOutcome::Fenced,
-        RequestOutcome::FailOpen,
-        RequestOutcome::Overloaded,
-        RequestOutcome::Unreadable,
-    ];
+labels! {
+    /// What the layer did with a keyed request: put in the extensions of every response it hands
+    /// on for one (the handler's, a replay, a rejection), so that a layer outside it (tower-http's
+    /// `TraceLayer`, a metrics layer, a log line) can label by it without parsing headers.
+    ///
+    /// Its [`as_str`](Self::as_str) is the `outcome` label of `idempotency_requests_total` and the
+    /// `outcome` field of the request span. A rejection also carries its [`Rejection`](crate::Rejection)
+    /// (why, and what the client is told) in the same extensions. A request the layer let pass
+    /// untouched (no key where none is required, a method it does not guard) carries none.
+    ///
+    /// ```
+    /// # use std::convert::Infallible;
+    /// # use bytes::Bytes;
+    /// # use http::{Request, Response};
+    /// # use http_body_util::Full;
+    /// use tower::{Service, ServiceBuilder, ServiceExt};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, RequestBody, RequestOutcome};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let mut service = ServiceBuilder::new()
+    ///     .layer(IdempotencyLayer::new(MemoryStore::new()))
+    ///     .service_fn(|_: Request<RequestBody<Full<Bytes>>>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::from("done")))
+    ///     });
+    /// let request = || Request::post("/orders").header("idempotency-key", "k1").body(Full::from("{}")).unwrap();
+    /// let first = service.ready().await.unwrap().call(request()).await.unwrap();
+    /// let retry = service.ready().await.unwrap().call(request()).await.unwrap();
+    /// assert_eq!(first.extensions().get(), Some(&RequestOutcome::Executed));
+    /// assert_eq!(retry.extensions().get::<RequestOutcome>().map(|o| o.as_str()), Some("replayed"));
+    /// # }
+    /// ```
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    #[non_exhaustive]
+    pub enum RequestOutcome {
+        /// The key was claimed and the handler ran (its response; or the layer's 500 or 504 if it
+        /// panicked or timed out, with that [`Rejection`](crate::Rejection)).
+        Executed => "executed",
+        /// The stored response was replayed; the handler did not run.
+        Replayed => "replayed",
+        /// Another request holds the key: 409 with `Retry-After` (or a record of a newer release).
+        InFlight => "in_flight",
+        /// The key was used with a different request.
+        Mismatch => "mismatch",
+        /// The key's record was stored under another fingerprint policy: the two requests cannot
+        /// be compared, and nothing was replayed or run.
+        PolicyMismatch => "policy_mismatch",
+        /// The key ran before, but its response was not stored: it is not replayable.
+        NotStored => "not_stored",
+        /// Refused before the store was asked: no key, an invalid key, no scope, a body too large
+        /// or unreadable, no endpoint.
+        Rejected => "rejected",
+        /// The store failed or timed out: 503, nothing run.
+        StoreError => "store_error",
+        /// The store refused the claim on purpose during a failover, or its replicas did not
+        /// acknowledge it: 503, nothing run.
+        Fenced => "fenced",
+        /// The store failed and the handler ran unprotected (`with_fail_open(true)`).
+        FailOpen => "fail_open",
+        /// At the bound on running requests, or shutting down: 503, nothing claimed.
+        Overloaded => "overloaded",
+        /// The record at the key cannot be read: 500, nothing run.
+        Unreadable => "unreadable",
+    }
 
     /// The outcome's name, as metrics and the request span spell it: `executed`, `replayed`,
     /// `in_flight`, `mismatch`, `policy_mismatch`, `not_stored`, `rejected`, `store_error`, `fenced`,
     /// `fail_open`, `overloaded`, `unreadable`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            RequestOutcome::Executed => "executed",
-            RequestOutcome::Replayed => "replayed",
-            RequestOutcome::InFlight => "in_flight",
-            RequestOutcome::Mismatch => "mismatch",
-            RequestOutcome::PolicyMismatch => "policy_mismatch",
-            RequestOutcome::NotStored => "not_stored",
-            RequestOutcome::Rejected => "rejected",
-            RequestOutcome::StoreError => "store_error",
-            RequestOutcome::Fenced => "fenced",
-            RequestOutcome::FailOpen => "fail_open",
-            RequestOutcome::Overloaded => "overloaded",
-            RequestOutcome::Unreadable => "unreadable",
-        }
-    }
+    pub fn as_str;
 }
 
 impl std::fmt::Display for RequestOutcome {
@@ -182,73 +179,43 @@ impl RejectionKind {
     ];
 }
 
-/// The `kind` label of a reconciliation event (`idempotency_reconciliation_events_total`): one
-/// per [`ReconciliationKind`](crate::ReconciliationKind) variant, which names its own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EventKind {
-    CompletionFailed,
-    NotStorable,
-    ClaimLost,
-    ReplicationAbandoned,
-    LostBeforeReplicated,
+labels! {
+    /// The `kind` label of a reconciliation event (`idempotency_reconciliation_events_total`): one
+    /// per [`ReconciliationKind`](crate::ReconciliationKind) variant, which names its own.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum EventKind {
+        CompletionFailed => "completion_failed",
+        NotStorable => "not_storable",
+        ClaimLost => "claim_lost",
+        ReplicationAbandoned => "replication_abandoned",
+        LostBeforeReplicated => "lost_before_replicated",
+    }
+
+    /// The label value.
+    fn as_str;
 }
 
-impl EventKind {
-    /// Every kind's label, in declaration order (`kind as usize` indexes it).
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const LABELS: [&'static str; 5] = [
-        "completion_failed",
-        "not_storable",
-        "claim_lost",
-        "replication_abandoned",
-        "lost_before_replicated",
-    ];
-}
+labels! {
+    /// A store operation: the `op` label of `idempotency_store_duration_seconds` and the span's
+    /// `store_<op>_us` field.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum StoreOp {
+        Claim => "claim",
+        Peek => "peek",
+        Complete => "complete",
+        Release => "release",
+        Renew => "renew",
+        Inspect => "inspect",
+        Purge => "purge",
+        /// Subscribing to a key's settlement, for a request that waits (`Store::watch`).
+        Watch => "watch",
+    }
 
-/// A store operation: the `op` label of `idempotency_store_duration_seconds` and the span's
-/// `store_<op>_us` field.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StoreOp {
-    Claim,
-    Peek,
-    Complete,
-    Release,
-    Renew,
-    Inspect,
-    Purge,
-    /// Subscribing to a key's settlement, for a request that waits (`Store::watch`).
-    Watch,
+    /// The `op` label value.
+    fn as_str;
 }
 
 impl StoreOp {
-    /// Every operation, in declaration order (`op as usize` indexes it).
-    #[cfg_attr(not(any(test, feature = "metrics")), allow(dead_code))]
-    const ALL: [StoreOp; 8] = [
-        StoreOp::Claim,
-        StoreOp::Peek,
-        StoreOp::Complete,
-        StoreOp::Release,
-        StoreOp::Renew,
-        StoreOp::Inspect,
-        StoreOp::Purge,
-        StoreOp::Watch,
-    ];
-
-    /// The `op` label value.
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    const fn as_str(self) -> &'static str {
-        match self {
-            StoreOp::Claim => "claim",
-            StoreOp::Peek => "peek",
-            StoreOp::Complete => "complete",
-            StoreOp::Release => "release",
-            StoreOp::Renew => "renew",
-            StoreOp::Inspect => "inspect",
-            StoreOp::Purge => "purge",
-            StoreOp::Watch => "watch",
-        }
-    }
-
     /// The span field its time goes to, if a request's span has one.
     fn span_field(self) -> Option<&'static str> {
         match self {
@@ -286,13 +253,21 @@ impl Named {
     }
 }
 
+/// Calls `recorded::$call` with the feature `metrics`; without it, only uses the arguments,
+/// so the function around it inlines to nothing.
+macro_rules! record {
+    ($call:ident($($arg:expr),*)) => {{
+        #[cfg(feature = "metrics")]
+        recorded::$call($($arg),*);
+        #[cfg(not(feature = "metrics"))]
+        let _ = ($($arg),*);
+    }};
+}
+
 /// Counts a request's outcome (`idempotency_requests_total`), under `named`'s name if given.
 #[inline]
 pub(crate) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::outcome(outcome, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (outcome, named);
+    record!(outcome(outcome, named));
 }
 
 /// Counts a request that waited for the request in flight to finish, instead of answering 409 at
@@ -300,10 +275,7 @@ pub(crate) fn outcome(outcome: RequestOutcome, named: Option<&Named>) {
 /// ends with.
 #[inline]
 pub(crate) fn waited(named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::waited(named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = named;
+    record!(waited(named));
 }
 
 /// Counts a request's outcome and writes it into its span, and into an event of the span: a
@@ -319,10 +291,7 @@ pub(crate) fn finish(span: &Span, outcome: RequestOutcome, named: Option<&Named>
 /// Counts a rejection sent, by kind (`idempotency_rejections_total`).
 #[inline]
 pub(crate) fn rejection(rejection: RejectionKind, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::rejection(rejection, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (rejection, named);
+    record!(rejection(rejection, named));
 }
 
 /// What a stream consumer did with a message: the `outcome` label of
@@ -388,89 +357,63 @@ pub(crate) fn unmatched() {
 /// (`idempotency_reconciliation_events_total`).
 #[inline]
 pub(crate) fn reconciliation(kind: EventKind, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::reconciliation(kind, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (kind, named);
+    record!(reconciliation(kind, named));
 }
 
 /// One more (`+1.0`) or one fewer (`-1.0`) claimed operation running (`idempotency_running`).
 #[inline]
 pub(crate) fn running(delta: f64, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::running(delta, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (delta, named);
+    record!(running(delta, named));
 }
 
 #[cfg(feature = "redis")]
-/// One of the connections a store keeps besides its requests' claims: the `connection` label of
-/// `idempotency_connection_events_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Connection {
-    /// The connection (or pool) the store's commands go over.
-    Commands,
-    /// The durability option's connections (`ReplicaAcks`).
-    ReplicaAcks,
-    /// The replay cache's purge feed.
-    ReplayCache,
-    /// The subscriber that wakes waiting requests.
-    Notices,
-    /// The Sentinel failover watch's subscriptions.
-    Sentinels,
-}
-
-#[cfg(feature = "redis")]
-impl Connection {
-    /// The label value.
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Connection::Commands => "commands",
-            Connection::ReplicaAcks => "replica_acks",
-            Connection::ReplayCache => "replay_cache",
-            Connection::Notices => "notices",
-            Connection::Sentinels => "sentinels",
-        }
+labels! {
+    /// One of the connections a store keeps besides its requests' claims: the `connection` label of
+    /// `idempotency_connection_events_total`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum Connection {
+        /// The connection (or pool) the store's commands go over.
+        Commands => "commands",
+        /// The durability option's connections (`ReplicaAcks`).
+        ReplicaAcks => "replica_acks",
+        /// The replay cache's purge feed.
+        ReplayCache => "replay_cache",
+        /// The subscriber that wakes waiting requests.
+        Notices => "notices",
+        /// The Sentinel failover watch's subscriptions.
+        Sentinels => "sentinels",
     }
-}
 
-#[cfg(feature = "redis")]
-/// A change of a connection's or a feed's state: the `event` label of
-/// `idempotency_connection_events_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ConnectionEvent {
-    /// A heartbeat went unanswered: the connection is taken for dead and replaced.
-    Silent,
-    /// A connection that went silent answers again.
-    Restored,
-    /// What the connection feeds stopped: the replay cache serves nothing, the Sentinel watch
-    /// hears no failover (claims are refused).
-    FeedLost,
-    /// The feed is back (the replay cache starts empty).
-    FeedBack,
-}
-
-#[cfg(feature = "redis")]
-impl ConnectionEvent {
     /// The label value.
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            ConnectionEvent::Silent => "silent",
-            ConnectionEvent::Restored => "restored",
-            ConnectionEvent::FeedLost => "feed_lost",
-            ConnectionEvent::FeedBack => "feed_back",
-        }
+    pub(crate) fn as_str;
+}
+
+#[cfg(feature = "redis")]
+labels! {
+    /// A change of a connection's or a feed's state: the `event` label of
+    /// `idempotency_connection_events_total`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum ConnectionEvent {
+        /// A heartbeat went unanswered: the connection is taken for dead and replaced.
+        Silent => "silent",
+        /// A connection that went silent answers again.
+        Restored => "restored",
+        /// What the connection feeds stopped: the replay cache serves nothing, the Sentinel watch
+        /// hears no failover (claims are refused).
+        FeedLost => "feed_lost",
+        /// The feed is back (the replay cache starts empty).
+        FeedBack => "feed_back",
     }
+
+    /// The label value.
+    pub(crate) fn as_str;
 }
 
 #[cfg(feature = "redis")]
 /// Counts a change of a connection's state (`idempotency_connection_events_total`).
 #[inline]
 pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
-    #[cfg(feature = "metrics")]
-    recorded::connection_event(connection, event);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (connection, event);
+    record!(connection_event(connection, event));
 }
 
 /// Counts a setup that can only be unsafe, found at run time and logged once per layer
@@ -479,22 +422,24 @@ pub(crate) fn connection_event(connection: Connection, event: ConnectionEvent) {
 /// given, as every metric of a named layer.
 #[inline]
 pub(crate) fn setup_warning(kind: SetupWarning, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::setup_warning(kind, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = (kind, named);
+    record!(setup_warning(kind, named));
 }
 
-/// What a setup warning is about: the `kind` label of `idempotency_setup_warnings_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SetupWarning {
-    /// A layer without a scope saw a keyed request with `Authorization` or `Cookie`: replays are
-    /// answered before the handler authenticates, and every caller shares one namespace of keys.
-    UnscopedCredentials,
-    /// A Redis store's durability option requires fewer acknowledgements than the master has
-    /// replicas: a failover may promote one that did not acknowledge.
-    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    FewerAcksThanReplicas,
+labels! {
+    /// What a setup warning is about: the `kind` label of `idempotency_setup_warnings_total`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum SetupWarning {
+        /// A layer without a scope saw a keyed request with `Authorization` or `Cookie`: replays are
+        /// answered before the handler authenticates, and every caller shares one namespace of keys.
+        UnscopedCredentials => "unscoped_credentials",
+        /// A Redis store's durability option requires fewer acknowledgements than the master has
+        /// replicas: a failover may promote one that did not acknowledge.
+        #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+        FewerAcksThanReplicas => "fewer_acks_than_replicas",
+    }
+
+    /// The label value.
+    fn as_str;
 }
 
 /// How often a warning that every request of an outage would repeat is logged.
@@ -573,10 +518,7 @@ impl<'a> StoreTimer<'a> {
 }
 
 fn store_call(op: StoreOp, took: Duration, named: Option<&Named>) {
-    #[cfg(feature = "metrics")]
-    recorded::store_call(op, took, named);
-    #[cfg(not(feature = "metrics"))]
-    let _ = named;
+    record!(store_call(op, took, named));
     if let Some(field) = op.span_field() {
         Span::current().record(field, u64::try_from(took.as_micros()).unwrap_or(u64::MAX));
     }
@@ -653,7 +595,7 @@ mod recorded {
         requests: [Key; RequestOutcome::ALL.len()],
         waited: Key,
         rejections: [Key; RejectionKind::LABELS.len()],
-        reconciliation: [Key; EventKind::LABELS.len()],
+        reconciliation: [Key; EventKind::ALL.len()],
         store: [Key; StoreOp::ALL.len()],
         running: Key,
     }
@@ -671,7 +613,7 @@ mod recorded {
                     .map(|outcome| key(REQUESTS, Some(("outcome", outcome.as_str())))),
                 waited: key(REQUESTS, Some(("outcome", "waited"))),
                 rejections: RejectionKind::LABELS.map(|kind| key(REJECTIONS, Some(("kind", kind)))),
-                reconciliation: EventKind::LABELS.map(|kind| key(RECONCILIATION, Some(("kind", kind)))),
+                reconciliation: EventKind::ALL.map(|kind| key(RECONCILIATION, Some(("kind", kind.as_str())))),
                 store: StoreOp::ALL.map(|op| key(STORE, Some(("op", op.as_str())))),
                 running: key(RUNNING, None),
             }
@@ -716,10 +658,7 @@ mod recorded {
     }
 
     pub(super) fn setup_warning(kind: super::SetupWarning, named: Option<&Named>) {
-        let kind = match kind {
-            super::SetupWarning::UnscopedCredentials => "unscoped_credentials",
-            super::SetupWarning::FewerAcksThanReplicas => "fewer_acks_than_replicas",
-        };
+        let kind = kind.as_str();
         // Once per layer at most: the name's label is built here, not kept among `Keys`.
         match named {
             Some(named) => counter!("idempotency_setup_warnings_total", "kind" => kind, "name" => named.name().to_owned()),

@@ -388,16 +388,10 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
         // gives the key up before it goes on up, so a redelivery finds the key free at once (the
         // claim's drop would release it too, but in the background, after the panic has been
         // seen).
-        let operation = match std::panic::catch_unwind(AssertUnwindSafe(|| operation(claim.ticket()))) {
-            Ok(operation) => operation,
-            Err(panic) => {
-                let _ = claim.release().await;
-                std::panic::resume_unwind(panic);
-            }
-        };
+        let ticket = claim.ticket();
+        let operation = AssertUnwindSafe(async move { operation(ticket).await }).catch_unwind();
         let timeout = timeout.unwrap_or(coordinator.settings.once_timeout);
-        let ran = tokio::time::timeout(timeout, AssertUnwindSafe(operation).catch_unwind()).await;
-        let result = match ran {
+        let result = match tokio::time::timeout(timeout, operation).await {
             Ok(Ok(Ok(result))) => result,
             Ok(Ok(Err(error))) => {
                 if let Err(release) = claim.release().await {
@@ -433,8 +427,13 @@ impl<'a, T, Op> OnceCall<'a, T, Op> {
         };
         // The effect happened: from here the completion is carried to its end even if this
         // future is dropped (a per-message timeout, a shutdown `select!`), where dropping the
-        // claim would release the key and let a redelivery run the effect again.
-        match CarriedOn::new(claim.complete(encoded)).await {
+        // claim would release the key and let a redelivery run the effect again; in the caller's
+        // span wherever it ends, as the HTTP layer's detached runs are.
+        let completion = claim.complete(encoded).instrument(tracing::Span::current());
+        let carried_on = CarriedOn {
+            completion: Some(Box::pin(completion)),
+        };
+        match carried_on.await {
             Ok(()) => Once::Ran(result),
             Err(error) => Once::NotStored { result, error },
         }
@@ -450,16 +449,6 @@ struct CarriedOn {
 
 /// A claim's completion, boxed so it can be moved to a task once the caller has left.
 type Completion = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
-
-impl CarriedOn {
-    fn new(completion: impl Future<Output = Result<(), Error>> + Send + 'static) -> Self {
-        // In the caller's span wherever it ends, as the HTTP layer's detached runs are.
-        let completion = completion.instrument(tracing::Span::current());
-        Self {
-            completion: Some(Box::pin(completion)),
-        }
-    }
-}
 
 impl Future for CarriedOn {
     type Output = Result<(), Error>;

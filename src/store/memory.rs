@@ -1,7 +1,7 @@
 //! The embedded store: one process, no dependencies, the same semantics as Redis.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -55,10 +55,12 @@ const RECORD_OVERHEAD: usize = 384;
 /// ```
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
+    /// Taken with [`lock`]: a panic while holding it cannot leave a record half-written (every
+    /// update is a single insert or remove).
     shared: Arc<Mutex<Records>>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Records {
     max_bytes: usize,
     max_entries: usize,
@@ -124,13 +126,6 @@ impl Entry {
     }
 }
 
-/// Which bound an eviction makes room under, to name the setting that raises it.
-#[derive(Clone, Copy)]
-enum Bound {
-    Bytes,
-    Entries,
-}
-
 impl Default for MemoryStore {
     fn default() -> Self {
         Self::new()
@@ -149,14 +144,7 @@ impl MemoryStore {
             shared: Arc::new(Mutex::new(Records {
                 max_bytes: DEFAULT_MAX_BYTES,
                 max_entries: usize::MAX,
-                bytes: 0,
-                by_key: HashMap::default(),
-                leases: BTreeMap::new(),
-                retained: BTreeMap::new(),
-                sequence: 0,
-                evicted_early: 0,
-                warned_of_eviction: false,
-                watched: HashMap::default(),
+                ..Records::default()
             })),
         }
     }
@@ -172,7 +160,7 @@ impl MemoryStore {
     /// # let _ = store;
     /// ```
     pub fn with_max_bytes(self, max_bytes: usize) -> Self {
-        self.lock().max_bytes = max_bytes.max(RECORD_OVERHEAD);
+        lock(&self.shared).max_bytes = max_bytes.max(RECORD_OVERHEAD);
         self
     }
 
@@ -186,7 +174,7 @@ impl MemoryStore {
     /// # let _ = store;
     /// ```
     pub fn with_max_entries(self, max_entries: usize) -> Self {
-        self.lock().max_entries = max_entries.max(1);
+        lock(&self.shared).max_entries = max_entries.max(1);
         self
     }
 
@@ -197,7 +185,7 @@ impl MemoryStore {
     /// assert_eq!(MemoryStore::new().len(), 0);
     /// ```
     pub fn len(&self) -> usize {
-        self.lock().by_key.len()
+        lock(&self.shared).by_key.len()
     }
 
     /// Whether the store holds no records.
@@ -232,13 +220,7 @@ impl MemoryStore {
     /// # Ok(()) }
     /// ```
     pub fn evicted_early(&self) -> u64 {
-        self.lock().evicted_early
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Records> {
-        // A panic while holding the lock cannot leave a record half-written (every update is a
-        // single insert or remove), so the data behind a poisoned lock is still sound.
-        lock(&self.shared)
+        lock(&self.shared).evicted_early
     }
 }
 
@@ -371,10 +353,11 @@ impl Records {
             return Err(StoreError::Full);
         }
         loop {
+            // The bound an eviction makes room under, as the setting that raises it and its value.
             let bound = if self.by_key.len() + entries > self.max_entries {
-                Bound::Entries
+                ("with_max_entries", self.max_entries)
             } else if self.bytes + bytes > self.max_bytes {
-                Bound::Bytes
+                ("with_max_bytes", self.max_bytes)
             } else {
                 return Ok(());
             };
@@ -391,7 +374,7 @@ impl Records {
     /// Counts an eviction before the record's retention ended. Once the store is full it evicts
     /// on every new key: one warning says so, not one per request (which would cost more than
     /// the request and bury the message).
-    fn note_early_eviction(&mut self, evicted: &Entry, now: Instant, bound: Bound) {
+    fn note_early_eviction(&mut self, evicted: &Entry, now: Instant, (setting, limit): (&str, usize)) {
         let State::Completed { retention, .. } = evicted.state else {
             return;
         };
@@ -405,10 +388,6 @@ impl Records {
             return;
         }
         self.warned_of_eviction = true;
-        let (setting, limit) = match bound {
-            Bound::Bytes => ("with_max_bytes", self.max_bytes),
-            Bound::Entries => ("with_max_entries", self.max_entries),
-        };
         tracing::warn!(
             kept_secs = kept.as_secs(),
             retention_secs = retention.as_secs(),
@@ -445,7 +424,7 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> StoreFuture<'a, ClaimOutcome> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let digest = key.digest();
         let outcome = match records.live(digest, now) {
             Some(Entry {
@@ -469,7 +448,7 @@ impl Store for MemoryStore {
     /// replay or a mismatch costs one look under the lock. Anything else (no record, one in
     /// flight, one expired) goes on to [`claim`](Store::claim).
     fn cached(&self, key: &RecordKey, fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
-        let records = self.lock();
+        let records = lock(&self.shared);
         // A new key (the usual miss) costs one lookup and no clock read; an expired record is
         // left for the claim, which drops it.
         let entry = records.by_key.get(key.digest())?;
@@ -484,7 +463,7 @@ impl Store for MemoryStore {
         fingerprint: &'a Fingerprint,
     ) -> StoreFuture<'a, Option<ClaimOutcome>> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let found = records
             .live(key.digest(), now)
             .map(|entry| entry.found(fingerprint, now));
@@ -499,7 +478,7 @@ impl Store for MemoryStore {
         retention: Duration,
     ) -> StoreFuture<'a, bool> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let digest = key.digest();
         let completed = match records.live(digest, now).map(|entry| &entry.state) {
             Some(State::InFlight { owner: holder }) if holder == owner => {
@@ -524,7 +503,7 @@ impl Store for MemoryStore {
     }
 
     fn release<'a>(&'a self, key: &'a RecordKey, owner: &'a OwnerToken) -> StoreFuture<'a, bool> {
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let owned = records.holds_in_flight(key.digest(), owner, Instant::now());
         if owned {
             records.remove(key.digest());
@@ -540,7 +519,7 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> StoreFuture<'a, bool> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let owned = records.holds_in_flight(key.digest(), owner, now);
         if owned {
             records.set_expiry(key.digest(), now + lease);
@@ -550,7 +529,7 @@ impl Store for MemoryStore {
 
     fn inspect<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<RecordInfo>> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let info = records.live(key.digest(), now).map(|entry| {
             let expires_in = entry.expires_at - now;
             match &entry.state {
@@ -567,7 +546,7 @@ impl Store for MemoryStore {
 
     fn purge<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, bool> {
         let now = Instant::now();
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let existed = records.live(key.digest(), now).is_some();
         records.remove(key.digest());
         if existed {
@@ -580,7 +559,7 @@ impl Store for MemoryStore {
     /// lock: O(records in flight), which the claims waiting for the lock meanwhile pay for.
     fn in_flight<'a>(&'a self, older_than: Duration, limit: usize) -> StoreFuture<'a, Vec<InFlightRecord>> {
         let now = Instant::now();
-        let records = self.lock();
+        let records = lock(&self.shared);
         let mut oldest = Oldest::new(older_than, limit);
         let live = records
             .leases
@@ -601,7 +580,7 @@ impl Store for MemoryStore {
 
     /// In-process: one channel per watched key, shared by its waiters, dropped with the last.
     fn watch<'a>(&'a self, key: &'a RecordKey) -> StoreFuture<'a, Option<KeyWatch>> {
-        let mut records = self.lock();
+        let mut records = lock(&self.shared);
         let waiters = records
             .watched
             .entry(*key.digest())
@@ -678,7 +657,7 @@ mod tests {
 
     /// The running byte count and the indexes agree with the records themselves.
     fn assert_accounted(store: &MemoryStore) {
-        let records = store.lock();
+        let records = lock(&store.shared);
         let recounted: usize = records.by_key.values().map(|entry| entry.cost()).sum();
         assert_eq!(records.bytes, recounted, "bytes accounted");
         let in_flight = records
@@ -750,7 +729,7 @@ mod tests {
         assert_eq!(held(&store, "new").await, Some(RecordState::Completed));
         assert_eq!(held(&store, "large").await, Some(RecordState::Completed));
         assert_eq!(store.evicted_early(), 3);
-        assert!(store.lock().bytes <= bytes_for(3, 100));
+        assert!(lock(&store.shared).bytes <= bytes_for(3, 100));
     }
 
     #[tokio::test]
@@ -880,7 +859,7 @@ mod tests {
             complete_sized(&store, k, 10, lease).await;
         }
         assert_eq!(
-            store.lock().bytes,
+            lock(&store.shared).bytes,
             bytes_for(3, 10),
             "expired dropped, then one evicted"
         );
@@ -1007,15 +986,15 @@ mod tests {
     async fn looking_up_a_key_without_a_record_never_grows_the_table() {
         let store = MemoryStore::new();
         complete(&store, "first", Duration::from_secs(3600)).await;
-        let capacity = store.lock().by_key.capacity();
+        let capacity = lock(&store.shared).by_key.capacity();
         assert!(capacity > 1);
         let mut filled = 0;
-        while store.lock().by_key.len() < capacity {
+        while lock(&store.shared).by_key.len() < capacity {
             complete(&store, &format!("k{filled}"), Duration::from_secs(3600)).await;
             filled += 1;
         }
         assert_eq!(
-            store.lock().by_key.capacity(),
+            lock(&store.shared).by_key.capacity(),
             capacity,
             "filled to the brim, not past it"
         );
@@ -1029,8 +1008,10 @@ mod tests {
             None
         );
         assert!(store.inspect(&absent).await.unwrap().is_none());
-        assert!(store.lock().live(absent.digest(), Instant::now()).is_none());
-        assert_eq!(store.lock().by_key.capacity(), capacity);
+        assert!(lock(&store.shared)
+            .live(absent.digest(), Instant::now())
+            .is_none());
+        assert_eq!(lock(&store.shared).by_key.capacity(), capacity);
     }
 
     #[tokio::test]

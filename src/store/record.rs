@@ -189,9 +189,7 @@ impl InFlightRecord {
         owner: OwnerToken,
         lease_left: Duration,
     ) -> Self {
-        let age = owner
-            .issued_at()
-            .map(|issued| now.duration_since(issued).unwrap_or_default());
+        let age = token_age(owner.as_str(), now);
         Self {
             digest,
             owner,
@@ -327,6 +325,11 @@ fn token_issued_at(token: &str) -> Option<std::time::SystemTime> {
     std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(millis))
 }
 
+/// How long before `now` the owner token `token` was made, if it says (zero if after `now`).
+fn token_age(token: &str, now: std::time::SystemTime) -> Option<Duration> {
+    Some(now.duration_since(token_issued_at(token)?).unwrap_or_default())
+}
+
 /// How long after its claim a record in a newer layout is taken for a rolling upgrade under way,
 /// and answered "in flight, retry in a second" (an instance of the newer release can replay it).
 /// Past it, the newer release is taken to be gone (rolled back), and the record is reported
@@ -345,12 +348,7 @@ pub(crate) fn newer_record(
 ) -> Result<ClaimOutcome, StoreError> {
     let age = std::str::from_utf8(owner)
         .ok()
-        .and_then(token_issued_at)
-        .map(|at| {
-            std::time::SystemTime::now()
-                .duration_since(at)
-                .unwrap_or_default()
-        });
+        .and_then(|owner| token_age(owner, std::time::SystemTime::now()));
     match age {
         Some(age) if age < NEWER_RECORD_WINDOW => {
             // A rolling upgrade is under way: retry later (on an instance of that release, or
@@ -381,32 +379,10 @@ pub(crate) fn newer_record(
 /// keyed request that reaches a claim makes a token, a replay from Redis included (a replay
 /// answered by [`Store::cached`] makes none).
 fn token_text(nonce: &str, n: u64, millis: u64) -> Arc<str> {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     // "-", 16 hex digits, "@", 20 decimal digits.
     let mut tail = [0u8; 38];
-    let mut at = tail.len();
-    let mut rest = millis;
-    loop {
-        at -= 1;
-        tail[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    at -= 1;
-    tail[at] = b'@';
-    let mut rest = n;
-    loop {
-        at -= 1;
-        tail[at] = HEX[(rest & 0xf) as usize];
-        rest >>= 4;
-        if rest == 0 {
-            break;
-        }
-    }
-    at -= 1;
-    tail[at] = b'-';
+    let at = digits_before::<10>(&mut tail, 38, millis, b'@');
+    let at = digits_before::<16>(&mut tail, at, n, b'-');
     // The whole token on the stack first (the nonce is 32 digits), so that the `Arc` is the one
     // allocation.
     let mut text = [0u8; NONCE_LEN + 38];
@@ -423,6 +399,22 @@ fn token_text(nonce: &str, n: u64, millis: u64) -> Arc<str> {
         Ok(text) => Arc::from(text),
         Err(_) => Arc::from(&*String::from_utf8_lossy(whole)),
     }
+}
+
+/// Writes `value`'s digits in base `RADIX` (10 or 16) into `buf` back to front, ending before
+/// `at`, then `mark` before them; answers where `mark` is.
+fn digits_before<const RADIX: u64>(buf: &mut [u8], mut at: usize, mut value: u64, mark: u8) -> usize {
+    loop {
+        at -= 1;
+        buf[at] = b"0123456789abcdef"[(value % RADIX) as usize];
+        value /= RADIX;
+        if value == 0 {
+            break;
+        }
+    }
+    at -= 1;
+    buf[at] = mark;
+    at
 }
 
 /// The length of [`process_nonce`]: 128 bits in hex.

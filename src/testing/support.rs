@@ -114,12 +114,8 @@ pub(super) async fn complete(
     payload: &'static [u8],
     retention: Duration,
 ) -> Result<bool, String> {
-    answer(
-        store
-            .complete(key, owner, Bytes::from_static(payload), retention)
-            .await,
-        "complete",
-    )
+    let completion = store.complete(key, owner, Bytes::from_static(payload), retention);
+    answer(completion.await, "complete")
 }
 
 /// The first claim of a key the rule just made up, which must be claimed.

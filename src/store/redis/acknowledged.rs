@@ -225,10 +225,7 @@ impl RedisStore {
         let completing = async move {
             let _owned = owned;
             let payload = Some(call.payload.clone());
-            let tell = |kind: ReconciliationKind| match &hook {
-                Some(hook) => reconciliation::report(Some(hook), kind, &record, &owner, payload.as_ref()),
-                None => crate::telemetry::reconciliation(kind.event_kind(), None),
-            };
+            let tell = |kind| reconciliation::report(hook.as_ref(), kind, &record, &owner, payload.as_ref());
             let first = store.complete_once_acknowledged(&waiter, &record, &call).await;
             let retry = match &first {
                 Ok(Completion::NotAcknowledged(_)) => true,

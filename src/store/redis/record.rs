@@ -249,14 +249,9 @@ fn parse_at(record: &Bytes, now: SystemTime) -> Result<Parsed, String> {
         .ok_or_else(|| "a truncated record".to_string())?;
     let mut fingerprint = [0; 32];
     fingerprint.copy_from_slice(&fixed[..32]);
-    let policy = match fixed.get(32..) {
-        Some(tag) if tag.len() == 8 => {
-            let mut bytes = [0; 8];
-            bytes.copy_from_slice(tag);
-            PolicyTag::from_bytes(bytes)
-        }
-        _ => None,
-    };
+    let policy = (fixed.get(32..))
+        .and_then(|tag| <[u8; 8]>::try_from(tag).ok())
+        .and_then(PolicyTag::from_bytes);
     let payload = record.slice(at + len..);
     if state == IN_FLIGHT && !payload.is_empty() {
         return Err("an in-flight record with a payload".into());
@@ -352,27 +347,13 @@ pub(crate) fn check(data: &[u8]) -> Option<Bytes> {
         (version, parsed.state, &parsed.owner, parsed.time_left)
     );
     let fixed = needed + fingerprint_len(version);
+    let fields = |p: &Parsed| (p.state, p.owner.clone(), p.fingerprint, p.policy, p.time_left);
     for cut in 0..data.len() {
         match parse_at(&record.slice(..cut), UNIX_EPOCH) {
             Err(_) => assert!(cut < fixed, "a record cut at {cut} of {} not read", data.len()),
             Ok(shorter) => {
                 assert!(cut >= fixed && parsed.state == COMPLETED);
-                assert_eq!(
-                    (
-                        shorter.state,
-                        &shorter.owner,
-                        shorter.fingerprint,
-                        shorter.policy,
-                        shorter.time_left
-                    ),
-                    (
-                        parsed.state,
-                        &parsed.owner,
-                        parsed.fingerprint,
-                        parsed.policy,
-                        parsed.time_left
-                    )
-                );
+                assert_eq!(fields(&shorter), fields(&parsed));
                 assert_eq!(shorter.payload, parsed.payload.slice(..cut - fixed));
             }
         }

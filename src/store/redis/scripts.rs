@@ -32,11 +32,9 @@ impl Script {
         }
     }
 
-    fn per_record(self) -> Self {
-        Self {
-            per_record: true,
-            ..self
-        }
+    fn per_record(mut self) -> Self {
+        self.per_record = true;
+        self
     }
 }
 
