@@ -517,8 +517,8 @@ async fn fail_open_runs_are_counted_and_waited_for(b: Backend) {
 async fn operators_see_the_lease_left_on_a_running_key(b: Backend) {
     let layer = layer(&b).with_lease(Duration::from_secs(10));
     let (app, runs) = router(layer.clone());
-    // Inspected once the handler runs (a fixed 100 ms wait can come before the claim lands on
-    // a loaded machine), with a second of the handler left.
+    // Inspected once the handler runs, with a second of it left: after a fixed 100 ms wait, a
+    // loaded machine once inspected a 400 ms handler's key only once it had completed.
     let running = spawn_send(&app, slow("op-running", 1000));
     until("the handler runs", || runs.get() == 1).await;
     let seen = layer
