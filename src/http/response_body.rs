@@ -235,18 +235,9 @@ where
         Outcome::AtEnd => Some(&config.grpc_cacheable),
     };
     let limit = config.response_limit;
-    let record = |parts: &response::Parts, expected: usize| {
-        StoredResponse::start(
-            parts.status,
-            &parts.headers,
-            |name| config.stores_header(name),
-            expected,
-            limit,
-        )
-    };
     match declared_length(&parts.headers).or(body.size_hint().exact()) {
         None => {
-            let record = record(&parts, 0);
+            let record = config.stored_response(&parts, 0);
             return Captured::Streaming(parts, body, record, status_at_end.cloned());
         }
         Some(len) if len > limit as u64 => {
@@ -261,7 +252,7 @@ where
                 let body = ResponseBody::with_trailers(data, trailers);
                 return Captured::NotCacheable(Response::from_parts(parts, body));
             }
-            let mut stored = record(&parts, data.len());
+            let mut stored = config.stored_response(&parts, data.len());
             // Within the limit by construction: `collect_limited` read no more than it.
             stored.push(&data);
             drop(data);
