@@ -614,6 +614,17 @@ impl<'a> Json<'a> {
         }
     }
 
+    fn child_mut(&mut self, token: &str) -> Option<&mut Json<'a>> {
+        match self {
+            Json::Object(members) => members
+                .binary_search_by(|(name, _)| utf16_order(name, token))
+                .ok()
+                .map(|i| &mut members[i].1),
+            Json::Array(elements) => array_index(token).and_then(|i| elements.get_mut(i)),
+            _ => None,
+        }
+    }
+
     /// Takes out the value `pointer` refers to, if there is one: an object's member is removed,
     /// an array's element becomes [`Json::Excluded`], the whole document too.
     pub(crate) fn exclude(&mut self, pointer: &JsonPointer) {
@@ -621,33 +632,18 @@ impl<'a> Json<'a> {
             *self = Json::Excluded;
             return;
         };
-        let mut parent = self;
-        for token in parents {
-            let next = match parent {
-                Json::Object(members) => members
-                    .binary_search_by(|(name, _)| utf16_order(name, token))
-                    .ok()
-                    .map(|i| &mut members[i].1),
-                Json::Array(elements) => array_index(token).and_then(|i| elements.get_mut(i)),
-                _ => None,
-            };
-            match next {
-                Some(next) => parent = next,
-                None => return,
-            }
-        }
-        match parent {
-            Json::Object(members) => {
-                if let Ok(i) = members.binary_search_by(|(name, _)| utf16_order(name, last)) {
-                    members.remove(i);
-                }
-            }
-            Json::Array(elements) => {
-                if let Some(element) = array_index(last).and_then(|i| elements.get_mut(i)) {
+        match parents
+            .iter()
+            .try_fold(self, |value, token| value.child_mut(token))
+        {
+            // Names are unique: a parsed object holds none twice.
+            Some(Json::Object(members)) => members.retain(|(name, _)| name != last),
+            Some(parent) => {
+                if let Some(element) = parent.child_mut(last) {
                     *element = Json::Excluded;
                 }
             }
-            _ => {}
+            None => {}
         }
     }
 }
