@@ -291,8 +291,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;

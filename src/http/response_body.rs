@@ -108,8 +108,7 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 
 impl<B> Body for ResponseBody<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     type Data = Bytes;
     type Error = BoxError;
@@ -177,12 +176,9 @@ where
     }
 }
 
-impl<B: Body> Collected<B> {
+impl<B: Body<Error: Into<BoxError>>> Collected<B> {
     /// Turns what was read back into a body that yields exactly what the original would have.
-    pub(crate) fn into_response_body(self) -> ResponseBody<B>
-    where
-        B::Error: Into<BoxError>,
-    {
+    pub(crate) fn into_response_body(self) -> ResponseBody<B> {
         match self {
             Collected::Complete { data, trailers } => ResponseBody::buffered(data, trailers, None),
             Collected::TooLarge { prefix, rest } => ResponseBody::resumed(prefix, rest),
@@ -219,8 +215,7 @@ pub(crate) enum Captured<B> {
 /// decided at once; otherwise in the trailers, so the decision waits for the end of the body.
 pub(crate) async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     let (parts, body) = response.into_parts();
     let not_cacheable =
@@ -351,8 +346,7 @@ pub(crate) struct Storing<B> {
 
 impl<B> Storing<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     /// Takes over `claim`, handing it to a task that renews its lease until the body ends or
     /// the stream timeout passes. Needs a Tokio runtime.
@@ -565,8 +559,7 @@ async fn hold(
 /// so an endless stream is not read for ever.
 fn drain_detached<B>(mut storing: Storing<B>)
 where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let span = storing.span.clone();
     let draining = std::future::poll_fn(move |cx| loop {

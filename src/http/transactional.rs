@@ -146,8 +146,7 @@ impl TransactionalClaim {
         response: Response<B>,
     ) -> Result<(Response<B>, Option<Bytes>), BoxError>
     where
-        B: Body + From<Bytes>,
-        B::Error: Into<BoxError>,
+        B: Body<Error: Into<BoxError>> + From<Bytes>,
     {
         if response.body().size_hint().lower() > self.config.response_limit as u64 {
             return Ok((response, None));
