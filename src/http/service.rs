@@ -356,6 +356,7 @@ where
         let response = rejection.respond(&config.key_header, grpc, named);
         Step::Done(Ok(mark(response, outcome)))
     };
+    let status = config.mismatch_status;
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
@@ -367,16 +368,12 @@ where
             let retry_after = retry_after(config.typical_duration.get(), lease_left);
             return reject(RequestOutcome::InFlight, Rejection::InFlight { retry_after });
         }
-        Ok(Begin::Mismatch) => {
-            let status = config.mismatch_status;
-            return reject(RequestOutcome::Mismatch, Rejection::Mismatch { status });
-        }
+        Ok(Begin::Mismatch) => return reject(RequestOutcome::Mismatch, Rejection::Mismatch { status }),
         Ok(Begin::PolicyMismatch) => {
-            let status = config.mismatch_status;
             return reject(
                 RequestOutcome::PolicyMismatch,
                 Rejection::PolicyMismatch { status },
-            );
+            )
         }
         Err(Error::Store(StoreError::Corrupt(reason))) => {
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
