@@ -90,14 +90,14 @@ struct Endpoint {
 
 impl fmt::Debug for PolicyLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut list = f.debug_list();
-        for endpoint in self.endpoints.iter() {
-            list.entry(&format_args!(
-                "{:?} {}",
-                endpoint.methods, endpoint.pattern.source
-            ));
-        }
-        list.finish()
+        f.debug_list().entries(self.endpoints.iter()).finish()
+    }
+}
+
+/// An endpoint as `Debug` and errors name it: its methods and its pattern.
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} {}", self.methods, self.pattern.source)
     }
 }
 
@@ -192,8 +192,8 @@ impl PolicyLayer {
                 && earlier.methods.iter().any(|m| endpoint.methods.contains(m))
         }) {
             return Err(PolicyError::Duplicate {
-                endpoint: format!("{:?} {}", endpoint.methods, endpoint.pattern.source),
-                earlier: format!("{:?} {}", earlier.methods, earlier.pattern.source),
+                endpoint: format!("{endpoint:?}"),
+                earlier: format!("{earlier:?}"),
             });
         }
         let mut key_headers = self.key_headers.to_vec();
