@@ -184,9 +184,8 @@ pub fn default_cacheable(parts: &response::Parts) -> bool {
                 | StatusCode::TOO_MANY_REQUESTS
         );
     let no_store = parts.headers.get_all(header::CACHE_CONTROL).iter().any(|value| {
-        let directives = value.to_str().map(|v| v.split(','));
-        directives
-            .is_ok_and(|mut each| each.any(|directive| directive.trim().eq_ignore_ascii_case("no-store")))
+        let mut directives = value.to_str().unwrap_or_default().split(',');
+        directives.any(|directive| directive.trim().eq_ignore_ascii_case("no-store"))
     });
     !transient && !no_store
 }
