@@ -569,28 +569,12 @@ impl<'a> Json<'a> {
             Json::Bool(false) => out.extend_from_slice(b"false"),
             Json::Number(n) => write_number(*n, out),
             Json::String(s) => write_string(s, out),
-            Json::Array(elements) => {
-                out.push(b'[');
-                for (i, element) in elements.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    element.write_canonical(out);
-                }
-                out.push(b']');
-            }
-            Json::Object(members) => {
-                out.push(b'{');
-                for (i, (name, value)) in members.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    write_string(name, out);
-                    out.push(b':');
-                    value.write_canonical(out);
-                }
-                out.push(b'}');
-            }
+            Json::Array(elements) => write_list(out, b"[]", elements, Json::write_canonical),
+            Json::Object(members) => write_list(out, b"{}", members, |(name, value), out| {
+                write_string(name, out);
+                out.push(b':');
+                value.write_canonical(out);
+            }),
             Json::Excluded => out.push(0),
         }
     }
@@ -646,6 +630,18 @@ impl<'a> Json<'a> {
             None => {}
         }
     }
+}
+
+/// `items` between the two `brackets`, separated by commas, each written by `write`.
+fn write_list<T>(out: &mut Vec<u8>, brackets: &[u8; 2], items: &[T], write: impl Fn(&T, &mut Vec<u8>)) {
+    out.push(brackets[0]);
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write(item, out);
+    }
+    out.push(brackets[1]);
 }
 
 /// RFC 6901 §4: an array index is `0` or digits without a leading zero (`-`, the element past
