@@ -775,15 +775,10 @@ pub(crate) fn check(data: &[u8]) {
             None
         }
     };
-    match file {
-        Some(Ok(policy)) => {
-            let base = IdempotencyLayer::new(crate::store::memory::MemoryStore::new());
-            let _ = PolicyLayer::from_policy(base, &policy);
-        }
-        Some(Err(error)) => {
-            let _ = error.to_string();
-        }
-        None => {}
+    if let Some(file) = file {
+        let base = IdempotencyLayer::new(crate::store::memory::MemoryStore::new());
+        let layer = file.and_then(|policy| PolicyLayer::from_policy(base, &policy));
+        let _ = layer.map_err(|error| error.to_string());
     }
 }
 
