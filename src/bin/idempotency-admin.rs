@@ -352,7 +352,7 @@ async fn connect(args: &Args) -> Result<Arc<dyn Store>, StoreError> {
 async fn run(args: &Args) -> u8 {
     let store = match connect(args).await {
         Ok(store) => store,
-        Err(error) => return failed(args, &error),
+        Err(error) => return failed(args, Error::Store(error)),
     };
     let layer = IdempotencyLayer::new(store);
     let mut out = std::io::stdout().lock();
@@ -368,35 +368,29 @@ async fn run(args: &Args) -> u8 {
         }
     };
     let _ = out.flush();
-    code.unwrap_or_else(|error| failed_call(args, error))
+    code.unwrap_or_else(|error| failed(args, error))
 }
 
 /// Exit code and message for a failed store call.
-fn failed(args: &Args, error: &StoreError) -> u8 {
+fn failed(args: &Args, error: Error) -> u8 {
     let url = redacted(&args.url);
     match error {
-        StoreError::Corrupt(reason) => {
+        Error::Store(StoreError::Corrupt(reason)) => {
             eprintln!("idempotency-admin: the record is unreadable: {reason}");
             UNREADABLE
         }
-        StoreError::Unsupported(what) => {
+        Error::Store(StoreError::Unsupported(what)) => {
             eprintln!("idempotency-admin: {what}");
             UNREADABLE
         }
-        StoreError::Timeout(after) => {
+        Error::Store(StoreError::Timeout(after)) => {
             eprintln!("idempotency-admin: the store at {url} did not answer within {after:?}");
             UNREACHABLE
         }
-        error => {
+        Error::Store(error) => {
             eprintln!("idempotency-admin: cannot reach the store at {url}: {error}");
             UNREACHABLE
         }
-    }
-}
-
-fn failed_call(args: &Args, error: Error) -> u8 {
-    match error {
-        Error::Store(error) => failed(args, &error),
         error => {
             eprintln!("idempotency-admin: {error}");
             UNREACHABLE
