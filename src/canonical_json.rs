@@ -569,28 +569,12 @@ impl<'a> Json<'a> {
             Json::Bool(false) => out.extend_from_slice(b"false"),
             Json::Number(n) => write_number(*n, out),
             Json::String(s) => write_string(s, out),
-            Json::Array(elements) => {
-                out.push(b'[');
-                for (i, element) in elements.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    element.write_canonical(out);
-                }
-                out.push(b']');
-            }
-            Json::Object(members) => {
-                out.push(b'{');
-                for (i, (name, value)) in members.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    write_string(name, out);
-                    out.push(b':');
-                    value.write_canonical(out);
-                }
-                out.push(b'}');
-            }
+            Json::Array(elements) => write_list(out, b"[]", elements, Json::write_canonical),
+            Json::Object(members) => write_list(out, b"{}", members, |(name, value), out| {
+                write_string(name, out);
+                out.push(b':');
+                value.write_canonical(out);
+            }),
             Json::Excluded => out.push(0),
         }
     }
@@ -614,6 +598,17 @@ impl<'a> Json<'a> {
         }
     }
 
+    fn child_mut(&mut self, token: &str) -> Option<&mut Json<'a>> {
+        match self {
+            Json::Object(members) => members
+                .binary_search_by(|(name, _)| utf16_order(name, token))
+                .ok()
+                .map(|i| &mut members[i].1),
+            Json::Array(elements) => array_index(token).and_then(|i| elements.get_mut(i)),
+            _ => None,
+        }
+    }
+
     /// Takes out the value `pointer` refers to, if there is one: an object's member is removed,
     /// an array's element becomes [`Json::Excluded`], the whole document too.
     pub(crate) fn exclude(&mut self, pointer: &JsonPointer) {
@@ -621,35 +616,32 @@ impl<'a> Json<'a> {
             *self = Json::Excluded;
             return;
         };
-        let mut parent = self;
-        for token in parents {
-            let next = match parent {
-                Json::Object(members) => members
-                    .binary_search_by(|(name, _)| utf16_order(name, token))
-                    .ok()
-                    .map(|i| &mut members[i].1),
-                Json::Array(elements) => array_index(token).and_then(|i| elements.get_mut(i)),
-                _ => None,
-            };
-            match next {
-                Some(next) => parent = next,
-                None => return,
-            }
-        }
-        match parent {
-            Json::Object(members) => {
-                if let Ok(i) = members.binary_search_by(|(name, _)| utf16_order(name, last)) {
-                    members.remove(i);
-                }
-            }
-            Json::Array(elements) => {
-                if let Some(element) = array_index(last).and_then(|i| elements.get_mut(i)) {
+        match parents
+            .iter()
+            .try_fold(self, |value, token| value.child_mut(token))
+        {
+            // Names are unique: a parsed object holds none twice.
+            Some(Json::Object(members)) => members.retain(|(name, _)| name != last),
+            Some(parent) => {
+                if let Some(element) = parent.child_mut(last) {
                     *element = Json::Excluded;
                 }
             }
-            _ => {}
+            None => {}
         }
     }
+}
+
+/// `items` between the two `brackets`, separated by commas, each written by `write`.
+fn write_list<T>(out: &mut Vec<u8>, brackets: &[u8; 2], items: &[T], write: impl Fn(&T, &mut Vec<u8>)) {
+    out.push(brackets[0]);
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write(item, out);
+    }
+    out.push(brackets[1]);
 }
 
 /// RFC 6901 §4: an array index is `0` or digits without a leading zero (`-`, the element past

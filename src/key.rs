@@ -202,14 +202,11 @@ impl RecordKey {
 /// ```
 impl fmt::Debug for RecordKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut key = [0u8; 16];
+        let (mut key, mut scope) = ([0u8; 16], [0u8; 16]);
         let mut debug = f.debug_struct("RecordKey");
         debug.field("key", &short_hex(&self.digest, &mut key));
         match self.scope() {
-            Some(scope) => {
-                let mut hex = [0u8; 16];
-                debug.field("scope", &short_hex(&scope_digest(scope), &mut hex))
-            }
+            Some(name) => debug.field("scope", &short_hex(&scope_digest(name), &mut scope)),
             None => debug.field("scope", &None::<&str>),
         };
         debug.finish()

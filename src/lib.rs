@@ -208,23 +208,16 @@ pub use key::{IdempotencyKey, KeyError, RecordKey, MAX_KEY_LEN};
 pub use reconciliation::{NotStored, ReconciliationEvent, ReconciliationKind};
 pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
-pub use store::postgres::PostgresStore;
-#[cfg(feature = "postgres")]
-pub use store::postgres::{ClaimCommitError, ClaimTransaction};
+pub use store::postgres::{ClaimCommitError, ClaimTransaction, PostgresStore};
 #[cfg(feature = "redis")]
-pub use store::redis::RedisStore;
-#[cfg(feature = "redis")]
-pub use store::redis::ReplicaAcks;
+pub use store::redis::{RedisStore, ReplicaAcks};
 pub use store::{
     ClaimOutcome, ClaimTicket, InFlightRecord, KeyWatch, OwnerToken, RecordInfo, RecordState, Store,
     StoreError, StoreFuture, RECORD_VERSION,
 };
 #[cfg(feature = "streams")]
 #[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
-pub use streams::shutdown_signal;
-#[cfg(feature = "streams")]
-#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
-pub use streams::FieldError;
-#[cfg(feature = "streams")]
-#[cfg_attr(docsrs, doc(cfg(feature = "streams")))]
-pub use streams::{Failure, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome, StreamPublisher};
+pub use streams::{
+    shutdown_signal, Failure, FieldError, StreamConsumer, StreamEvent, StreamMessage, StreamOutcome,
+    StreamPublisher,
+};

@@ -72,9 +72,7 @@ enum Command {
     Inspect {
         scope: Option<String>,
         key: String,
-        show_body: bool,
-        /// Print the body's bytes as they are, terminal control sequences included.
-        raw: bool,
+        show: ShowBody,
     },
     Purge {
         scope: Option<String>,
@@ -210,12 +208,12 @@ fn parse(mut argv: impl Iterator<Item = String>, url_from_env: Option<String>) -
                             .into(),
                     ));
                 }
-                Command::Inspect {
-                    scope,
-                    key,
-                    show_body,
-                    raw,
-                }
+                let show = match (show_body, raw) {
+                    (false, _) => ShowBody::No,
+                    (true, false) => ShowBody::Escaped,
+                    (true, true) => ShowBody::Raw,
+                };
+                Command::Inspect { scope, key, show }
             } else {
                 only_for("--show-body", show_body, "purge")?;
                 only_for("--raw", raw, "purge")?;
@@ -354,23 +352,13 @@ async fn connect(args: &Args) -> Result<Arc<dyn Store>, StoreError> {
 async fn run(args: &Args) -> u8 {
     let store = match connect(args).await {
         Ok(store) => store,
-        Err(error) => return failed(args, &error),
+        Err(error) => return failed(args, Error::Store(error)),
     };
-    let layer = IdempotencyLayer::new(store.clone());
+    let layer = IdempotencyLayer::new(store);
     let mut out = std::io::stdout().lock();
     let code = match &args.command {
-        Command::Inspect {
-            scope,
-            key,
-            show_body,
-            raw,
-        } => {
-            let body = match (show_body, raw) {
-                (false, _) => ShowBody::No,
-                (true, false) => ShowBody::Escaped,
-                (true, true) => ShowBody::Raw,
-            };
-            inspect(args, &layer, scope.as_deref(), key, body, &mut out).await
+        Command::Inspect { scope, key, show } => {
+            inspect(args, &layer, scope.as_deref(), key, *show, &mut out).await
         }
         Command::Purge { scope, key, force } => {
             purge(args, &layer, scope.as_deref(), key, *force, &mut out).await
@@ -380,35 +368,29 @@ async fn run(args: &Args) -> u8 {
         }
     };
     let _ = out.flush();
-    code
+    code.unwrap_or_else(|error| failed(args, error))
 }
 
 /// Exit code and message for a failed store call.
-fn failed(args: &Args, error: &StoreError) -> u8 {
+fn failed(args: &Args, error: Error) -> u8 {
     let url = redacted(&args.url);
     match error {
-        StoreError::Corrupt(reason) => {
+        Error::Store(StoreError::Corrupt(reason)) => {
             eprintln!("idempotency-admin: the record is unreadable: {reason}");
             UNREADABLE
         }
-        StoreError::Unsupported(what) => {
+        Error::Store(StoreError::Unsupported(what)) => {
             eprintln!("idempotency-admin: {what}");
             UNREADABLE
         }
-        StoreError::Timeout(after) => {
+        Error::Store(StoreError::Timeout(after)) => {
             eprintln!("idempotency-admin: the store at {url} did not answer within {after:?}");
             UNREACHABLE
         }
-        error => {
+        Error::Store(error) => {
             eprintln!("idempotency-admin: cannot reach the store at {url}: {error}");
             UNREACHABLE
         }
-    }
-}
-
-fn failed_call(args: &Args, error: Error) -> u8 {
-    match error {
-        Error::Store(error) => failed(args, &error),
         error => {
             eprintln!("idempotency-admin: {error}");
             UNREACHABLE
@@ -430,7 +412,7 @@ fn described(scope: Option<&str>, key: &str) -> String {
 }
 
 /// Whether and how `inspect` prints the stored body.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ShowBody {
     No,
     /// As text, with what a terminal would act on escaped.
@@ -446,7 +428,7 @@ async fn inspect(
     key: &str,
     show: ShowBody,
     out: &mut impl Write,
-) -> u8 {
+) -> Result<u8, Error> {
     let show_body = show != ShowBody::No;
     let digest = record_key(scope, key).map_or_else(String::new, |key| key.digest_hex());
     let found = match layer.inspect(scope, key).await {
@@ -454,13 +436,10 @@ async fn inspect(
         // Not a stored HTTP response (a queue consumer's result through the Coordinator, say):
         // what the store itself says about the record is still worth showing.
         Err(Error::Store(StoreError::Corrupt(reason))) => {
-            match raw_inspect(layer.coordinator(), scope, key).await {
-                Ok(Some(info)) => Some(Found::Raw(info, reason)),
-                Ok(None) => None,
-                Err(error) => return failed_call(args, error),
-            }
+            let info = raw_inspect(layer.coordinator(), scope, key).await?;
+            info.map(|info| Found::Raw(info, reason))
         }
-        Err(error) => return failed_call(args, error),
+        Err(error) => return Err(error),
     };
     let Some(found) = found else {
         if args.json {
@@ -468,7 +447,7 @@ async fn inspect(
         } else {
             let _ = writeln!(out, "no record for {}", described(scope, key));
         }
-        return NOT_FOUND;
+        return Ok(NOT_FOUND);
     };
     let (state, expires_in, stored_bytes) = match &found {
         Found::Http(record) => (record.state, record.expires_in, record.stored_bytes),
@@ -514,7 +493,7 @@ async fn inspect(
             }
         }
         let _ = writeln!(out, "{document}");
-        return 0;
+        return Ok(0);
     }
     let _ = writeln!(out, "record      {} ({digest})", described(scope, key));
     let _ = writeln!(out, "state       {state_text}");
@@ -548,7 +527,7 @@ async fn inspect(
     } else if body.as_ref().is_some_and(|body| !body.is_empty()) {
         let _ = writeln!(out, "(body not shown: --show-body prints it)");
     }
-    0
+    Ok(0)
 }
 
 enum Found {
@@ -574,7 +553,7 @@ async fn purge(
     key: &str,
     force: bool,
     out: &mut impl Write,
-) -> u8 {
+) -> Result<u8, Error> {
     let digest = record_key(scope, key).map_or_else(String::new, |key| key.digest_hex());
     if !force {
         // A record in flight is a request running now, or one whose instance died and holds
@@ -618,18 +597,15 @@ async fn purge(
                         owner.as_deref().unwrap_or("unknown"),
                     );
                 }
-                return REFUSED;
+                return Ok(REFUSED);
             }
             Ok(_) => {}
             // A record this release cannot read is what purge is for.
             Err(Error::Store(StoreError::Corrupt(_))) => {}
-            Err(error) => return failed_call(args, error),
+            Err(error) => return Err(error),
         }
     }
-    let purged = match layer.purge(scope, key).await {
-        Ok(purged) => purged,
-        Err(error) => return failed_call(args, error),
-    };
+    let purged = layer.purge(scope, key).await?;
     if args.json {
         let _ = writeln!(out, "{}", json!({ "purged": purged, "digest": digest }));
     } else if purged {
@@ -641,11 +617,7 @@ async fn purge(
     } else {
         let _ = writeln!(out, "no record for {}", described(scope, key));
     }
-    if purged {
-        0
-    } else {
-        NOT_FOUND
-    }
+    Ok(if purged { 0 } else { NOT_FOUND })
 }
 
 async fn in_flight(
@@ -654,11 +626,8 @@ async fn in_flight(
     older_than: Duration,
     limit: usize,
     out: &mut impl Write,
-) -> u8 {
-    let records = match layer.in_flight(older_than, limit).await {
-        Ok(records) => records,
-        Err(error) => return failed_call(args, error),
-    };
+) -> Result<u8, Error> {
+    let records = layer.in_flight(older_than, limit).await?;
     if args.json {
         let listed: Vec<Value> = records.iter().map(record_json).collect();
         let _ = writeln!(out, "{}", json!({ "records": listed }));
@@ -685,11 +654,7 @@ async fn in_flight(
             let _ = writeln!(out, "(the {limit} oldest; --limit shows more)");
         }
     }
-    if records.is_empty() {
-        NOT_FOUND
-    } else {
-        0
-    }
+    Ok(if records.is_empty() { NOT_FOUND } else { 0 })
 }
 
 fn record_json(record: &InFlightRecord) -> Value {
@@ -787,14 +752,13 @@ mod tests {
         assert!(parsed.json);
         assert!(matches!(
             parsed.command,
-            Command::Inspect { scope: Some(ref s), ref key, show_body: true, raw: false } if s == "t" && key == "k"
+            Command::Inspect { scope: Some(ref s), ref key, show: ShowBody::Escaped } if s == "t" && key == "k"
         ));
         let parsed = args("inspect --url redis://h:1 --key k --show-body --raw").unwrap();
         assert!(matches!(
             parsed.command,
             Command::Inspect {
-                show_body: true,
-                raw: true,
+                show: ShowBody::Raw,
                 ..
             }
         ));

@@ -133,14 +133,9 @@ where
         expected,
         ..Accumulator::default()
     };
-    loop {
+    let trailers = loop {
         match body.frame().await {
-            None => {
-                return Collected::Complete {
-                    data: buffer.finish(),
-                    trailers: None,
-                }
-            }
+            None => break None,
             Some(Err(error)) => {
                 return Collected::Failed {
                     prefix: buffer.finish(),
@@ -149,25 +144,23 @@ where
             }
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(chunk) => {
-                    if buffer.len() + chunk.len() > limit {
-                        buffer.push(chunk);
+                    let over = buffer.len() + chunk.len() > limit;
+                    buffer.push(chunk);
+                    if over {
                         return Collected::TooLarge {
                             prefix: buffer.finish(),
                             rest: body,
                         };
                     }
-                    buffer.push(chunk);
                 }
-                Err(frame) => {
-                    // Trailers end the body.
-                    let trailers = frame.into_trailers().ok();
-                    return Collected::Complete {
-                        data: buffer.finish(),
-                        trailers,
-                    };
-                }
+                // Trailers end the body.
+                Err(frame) => break frame.into_trailers().ok(),
             },
         }
+    };
+    Collected::Complete {
+        data: buffer.finish(),
+        trailers,
     }
 }
 

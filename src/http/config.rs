@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::http::fingerprint::FingerprintPolicy;
 use crate::http::grpc::{default_grpc_cacheable, GrpcCacheableFn};
 use crate::http::retry_after::TypicalDuration;
+use crate::http::stored::StoredResponse;
 
 use http::header::{self, HeaderName};
 use http::{request, response, Method, StatusCode};
@@ -144,8 +145,11 @@ impl Config {
         self.stream_timeout.unwrap_or(self.handler_timeout)
     }
 
-    pub(crate) fn stores_header(&self, name: &HeaderName) -> bool {
-        !self.unstored_headers.contains(name)
+    /// A copy of a response with `parts` as this layer stores it (the headers it keeps, up to
+    /// its response limit), for a body of about `expected` bytes.
+    pub(crate) fn stored_response(&self, parts: &response::Parts, expected: usize) -> StoredResponse {
+        let keep = |name: &HeaderName| !self.unstored_headers.contains(name);
+        StoredResponse::start(parts.status, &parts.headers, keep, expected, self.response_limit)
     }
 }
 
@@ -180,9 +184,8 @@ pub fn default_cacheable(parts: &response::Parts) -> bool {
                 | StatusCode::TOO_MANY_REQUESTS
         );
     let no_store = parts.headers.get_all(header::CACHE_CONTROL).iter().any(|value| {
-        let directives = value.to_str().map(|v| v.split(','));
-        directives
-            .is_ok_and(|mut each| each.any(|directive| directive.trim().eq_ignore_ascii_case("no-store")))
+        let mut directives = value.to_str().unwrap_or_default().split(',');
+        directives.any(|directive| directive.trim().eq_ignore_ascii_case("no-store"))
     });
     !transient && !no_store
 }

@@ -90,14 +90,14 @@ struct Endpoint {
 
 impl fmt::Debug for PolicyLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut list = f.debug_list();
-        for endpoint in self.endpoints.iter() {
-            list.entry(&format_args!(
-                "{:?} {}",
-                endpoint.methods, endpoint.pattern.source
-            ));
-        }
-        list.finish()
+        f.debug_list().entries(self.endpoints.iter()).finish()
+    }
+}
+
+/// An endpoint as `Debug` and errors name it: its methods and its pattern.
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} {}", self.methods, self.pattern.source)
     }
 }
 
@@ -192,8 +192,8 @@ impl PolicyLayer {
                 && earlier.methods.iter().any(|m| endpoint.methods.contains(m))
         }) {
             return Err(PolicyError::Duplicate {
-                endpoint: format!("{:?} {}", endpoint.methods, endpoint.pattern.source),
-                earlier: format!("{:?} {}", earlier.methods, earlier.pattern.source),
+                endpoint: format!("{endpoint:?}"),
+                earlier: format!("{earlier:?}"),
             });
         }
         let mut key_headers = self.key_headers.to_vec();
@@ -224,17 +224,14 @@ impl PolicyLayer {
 
     /// The layer for a request with this method and path, if an endpoint matches.
     fn select(&self, method: &Method, path: &str) -> Option<&IdempotencyLayer> {
-        let exact = self
-            .endpoints
-            .iter()
-            .find(|e| e.methods.contains(method) && e.pattern.matches(path));
-        if exact.is_some() || !self.ignore_trailing_slash {
-            return exact.map(|e| &e.layer);
-        }
-        self.endpoints
-            .iter()
-            .find(|e| e.methods.contains(method) && e.pattern.matches_but_trailing_slash(path))
-            .map(|e| &e.layer)
+        let find = |matches: fn(&PathPattern, &str) -> bool| {
+            (self.endpoints.iter()).find(|e| e.methods.contains(method) && matches(&e.pattern, path))
+        };
+        let found = match find(PathPattern::matches) {
+            None if self.ignore_trailing_slash => find(PathPattern::matches_but_trailing_slash),
+            exact => exact,
+        };
+        found.map(|e| &e.layer)
     }
 
     /// What becomes of a request no endpoint matches: if it carries a key, it is counted and
@@ -294,8 +291,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
@@ -356,7 +352,11 @@ impl PathPattern {
             } else if let Some(name) =
                 (part.strip_prefix('{').and_then(|p| p.strip_suffix('}'))).or_else(|| part.strip_prefix(':'))
             {
-                check_param_name(name).map_err(bad)?;
+                if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    return Err(bad(
+                        "a parameter is `{name}` or `:name`, the name of letters, digits and `_`",
+                    ));
+                }
                 segments.push(Segment::Param);
             } else if part.contains(['{', '}', '*']) {
                 return Err(bad(
@@ -405,32 +405,18 @@ impl PathPattern {
     /// match: one per segment of the pattern, then none more, or, for a trailing wildcard, at
     /// least one more (empty or not: `/files/` has the empty one).
     fn matches_segments<'a>(&self, mut parts: impl Iterator<Item = &'a str>) -> bool {
-        for segment in self.segments.iter() {
-            let Some(part) = parts.next() else {
-                return false;
-            };
-            let fits = match segment {
+        let each_fits = self.segments.iter().all(|segment| {
+            parts.next().is_some_and(|part| match segment {
                 Segment::Literal(literal) => part == &**literal,
                 Segment::Param => !part.is_empty(),
-            };
-            if !fits {
-                return false;
-            }
-        }
-        parts.next().is_some() == self.rest
+            })
+        });
+        each_fits && parts.next().is_some() == self.rest
     }
 
     /// Whether the two patterns match the same paths.
     fn same_as(&self, other: &Self) -> bool {
         self.segments == other.segments && self.rest == other.rest
-    }
-}
-
-fn check_param_name(name: &str) -> Result<(), &'static str> {
-    if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        Ok(())
-    } else {
-        Err("a parameter is `{name}` or `:name`, the name of letters, digits and `_`")
     }
 }
 

@@ -73,10 +73,7 @@ pub(crate) fn is_grpc_request(headers: &HeaderMap) -> bool {
 /// gRPC clients read it.
 pub(crate) fn status_in(fields: &HeaderMap) -> Option<i32> {
     let value = fields.get(GRPC_STATUS)?;
-    let parsed = std::str::from_utf8(value.as_bytes())
-        .ok()
-        .and_then(|s| s.parse().ok());
-    Some(parsed.unwrap_or(2))
+    Some(value.to_str().ok().and_then(|s| s.parse().ok()).unwrap_or(2))
 }
 
 /// Whether a gRPC response whose status came at the end (in `trailers`) may be stored: one

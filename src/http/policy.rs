@@ -80,10 +80,7 @@ fn set<T>(
     value: Option<T>,
     setter: fn(IdempotencyLayer, T) -> IdempotencyLayer,
 ) -> IdempotencyLayer {
-    match value {
-        Some(value) => setter(layer, value),
-        None => layer,
-    }
+    value.into_iter().fold(layer, setter)
 }
 
 with_settings! {
@@ -356,32 +353,21 @@ impl Policy {
         let path = path.as_ref();
         let origin = path.display().to_string();
         let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let format_error = |reason: &str| PolicyError::Format {
-            path: origin.clone(),
-            reason: reason.to_owned(),
-        };
         let parse: fn(&str, &str) -> Result<Self, PolicyError> = match extension {
             "json" => Self::parse_json,
             #[cfg(feature = "policy-yaml")]
             "yaml" | "yml" => Self::parse_yaml,
-            #[cfg(not(feature = "policy-yaml"))]
-            "yaml" | "yml" => {
-                return Err(format_error(
-                    "YAML policy files need the crate feature `policy-yaml`",
-                ))
-            }
             #[cfg(feature = "policy-toml")]
             "toml" => Self::parse_toml,
-            #[cfg(not(feature = "policy-toml"))]
-            "toml" => {
-                return Err(format_error(
-                    "TOML policy files need the crate feature `policy-toml`",
-                ))
-            }
-            _ => {
-                return Err(format_error(
-                    "the extension names no format: .json, .yaml, .yml or .toml",
-                ))
+            // Not a format this build reads: a known one whose feature is off, or none.
+            unread => {
+                let reason = match unread {
+                    "yaml" | "yml" => "YAML policy files need the crate feature `policy-yaml`",
+                    "toml" => "TOML policy files need the crate feature `policy-toml`",
+                    _ => "the extension names no format: .json, .yaml, .yml or .toml",
+                };
+                let reason = reason.to_owned();
+                return Err(PolicyError::Format { path: origin, reason });
             }
         };
         let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Io {
@@ -789,15 +775,10 @@ pub(crate) fn check(data: &[u8]) {
             None
         }
     };
-    match file {
-        Some(Ok(policy)) => {
-            let base = IdempotencyLayer::new(crate::store::memory::MemoryStore::new());
-            let _ = PolicyLayer::from_policy(base, &policy);
-        }
-        Some(Err(error)) => {
-            let _ = error.to_string();
-        }
-        None => {}
+    if let Some(file) = file {
+        let base = IdempotencyLayer::new(crate::store::memory::MemoryStore::new());
+        let layer = file.and_then(|policy| PolicyLayer::from_policy(base, &policy));
+        let _ = layer.map_err(|error| error.to_string());
     }
 }
 

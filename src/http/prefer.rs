@@ -60,13 +60,12 @@ pub(crate) fn preferred_wait(headers: &HeaderMap) -> Option<Duration> {
         for preference in split_outside_quotes(field, ',') {
             let name_value = split_outside_quotes(preference, ';').next().unwrap_or_default();
             let (name, value) = match name_value.split_once('=') {
-                Some((name, value)) => (name.trim(), Some(value.trim())),
-                None => (name_value.trim(), None),
+                Some((name, value)) => (name, Some(value.trim())),
+                None => (name_value, None),
             };
-            if !name.eq_ignore_ascii_case("wait") {
-                continue;
+            if name.trim().eq_ignore_ascii_case("wait") {
+                return value.and_then(seconds);
             }
-            return value.and_then(seconds);
         }
     }
     None
@@ -79,11 +78,8 @@ fn seconds(value: &str) -> Option<Duration> {
         .strip_prefix('"')
         .and_then(|v| v.strip_suffix('"'))
         .unwrap_or(value);
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let secs = digits.parse::<u64>().unwrap_or(u64::MAX);
-    Some(Duration::from_secs(secs))
+    let is_number = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
+    is_number.then(|| Duration::from_secs(digits.parse().unwrap_or(u64::MAX)))
 }
 
 /// `text` split at `separator`s outside double-quoted strings (with `\` escapes inside them).

@@ -20,8 +20,8 @@ use crate::telemetry::RejectionKind;
 const TYPE_BASE: &str =
     "https://docs.rs/tower-idempotency/latest/tower_idempotency/enum.Rejection.html#variant.";
 
-/// The default key header as the IETF draft spells it (header names arrive lower-cased).
-const DEFAULT_KEY_HEADER: &str = "Idempotency-Key";
+/// The default key header.
+const KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// Why the layer answered instead of the handler.
 ///
@@ -200,18 +200,16 @@ impl Rejection {
     /// problems name the `Idempotency-Key` header; the layer names the header it is configured
     /// to read.
     pub fn detail(&self) -> String {
-        self.detail_naming(DEFAULT_KEY_HEADER)
+        self.detail_for(&KEY_HEADER)
     }
 
     /// The detail, naming the layer's configured key header.
     pub(crate) fn detail_for(&self, key_header: &HeaderName) -> String {
-        self.detail_naming(match key_header.as_str() {
-            "idempotency-key" => DEFAULT_KEY_HEADER,
+        let key_header = match key_header.as_str() {
+            // As the IETF draft spells it (header names arrive lower-cased).
+            "idempotency-key" => "Idempotency-Key",
             configured => configured,
-        })
-    }
-
-    fn detail_naming(&self, key_header: &str) -> String {
+        };
         match self {
             Rejection::MissingKey => format!("This endpoint requires an {key_header} header."),
             Rejection::InvalidKey(error) => {
@@ -332,7 +330,7 @@ impl Rejection {
     /// a retry makes sense, the JSON body, and `self` in the extensions.
     pub fn into_response<B>(self) -> Response<ResponseBody<B>> {
         crate::telemetry::rejection(self.kind(), None);
-        self.into_problem_response(&HeaderName::from_static("idempotency-key"), false)
+        self.into_problem_response(&KEY_HEADER, false)
     }
 
     /// The problem+json response; `key_released`: see [`key_state_given`](Self::key_state_given).
@@ -462,7 +460,7 @@ impl Rejection {
     /// assert!(response.extensions().get::<Rejection>().is_some());
     /// ```
     pub fn into_grpc_response<B>(self) -> Response<ResponseBody<B>> {
-        self.into_grpc_response_naming(&HeaderName::from_static("idempotency-key"))
+        self.into_grpc_response_naming(&KEY_HEADER)
     }
 
     pub(crate) fn into_grpc_response_naming<B>(self, key_header: &HeaderName) -> Response<ResponseBody<B>> {

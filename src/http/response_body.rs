@@ -108,8 +108,7 @@ impl<B> std::fmt::Debug for ResponseBody<B> {
 
 impl<B> Body for ResponseBody<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     type Data = Bytes;
     type Error = BoxError;
@@ -177,12 +176,9 @@ where
     }
 }
 
-impl<B: Body> Collected<B> {
+impl<B: Body<Error: Into<BoxError>>> Collected<B> {
     /// Turns what was read back into a body that yields exactly what the original would have.
-    pub(crate) fn into_response_body(self) -> ResponseBody<B>
-    where
-        B::Error: Into<BoxError>,
-    {
+    pub(crate) fn into_response_body(self) -> ResponseBody<B> {
         match self {
             Collected::Complete { data, trailers } => ResponseBody::buffered(data, trailers, None),
             Collected::TooLarge { prefix, rest } => ResponseBody::resumed(prefix, rest),
@@ -219,8 +215,7 @@ pub(crate) enum Captured<B> {
 /// decided at once; otherwise in the trailers, so the decision waits for the end of the body.
 pub(crate) async fn capture<B>(response: Response<B>, config: &Config) -> Captured<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     let (parts, body) = response.into_parts();
     let not_cacheable =
@@ -235,18 +230,9 @@ where
         Outcome::AtEnd => Some(&config.grpc_cacheable),
     };
     let limit = config.response_limit;
-    let record = |parts: &response::Parts, expected: usize| {
-        StoredResponse::start(
-            parts.status,
-            &parts.headers,
-            |name| config.stores_header(name),
-            expected,
-            limit,
-        )
-    };
     match declared_length(&parts.headers).or(body.size_hint().exact()) {
         None => {
-            let record = record(&parts, 0);
+            let record = config.stored_response(&parts, 0);
             return Captured::Streaming(parts, body, record, status_at_end.cloned());
         }
         Some(len) if len > limit as u64 => {
@@ -261,7 +247,7 @@ where
                 let body = ResponseBody::with_trailers(data, trailers);
                 return Captured::NotCacheable(Response::from_parts(parts, body));
             }
-            let mut stored = record(&parts, data.len());
+            let mut stored = config.stored_response(&parts, data.len());
             // Within the limit by construction: `collect_limited` read no more than it.
             stored.push(&data);
             drop(data);
@@ -360,8 +346,7 @@ pub(crate) struct Storing<B> {
 
 impl<B> Storing<B>
 where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>>,
 {
     /// Takes over `claim`, handing it to a task that renews its lease until the body ends or
     /// the stream timeout passes. Needs a Tokio runtime.
@@ -574,8 +559,7 @@ async fn hold(
 /// so an endless stream is not read for ever.
 fn drain_detached<B>(mut storing: Storing<B>)
 where
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+    B: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let span = storing.span.clone();
     let draining = std::future::poll_fn(move |cx| loop {

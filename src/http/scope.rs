@@ -69,11 +69,10 @@ impl Scope {
     /// # let _ = layer;
     /// ```
     pub fn header(name: &str) -> impl Fn(&request::Parts) -> Option<String> + Send + Sync + 'static {
-        let name = match HeaderName::from_bytes(name.as_bytes()) {
-            Ok(name) => name,
-            Err(_) => panic!("Scope::header: {name:?} is not a valid header name"),
+        let Ok(header) = HeaderName::from_bytes(name.as_bytes()) else {
+            panic!("Scope::header: {name:?} is not a valid header name");
         };
-        header_scope(name)
+        header_scope(header)
     }
 
     /// The scope is the host the request was sent to (the URI's authority, else `Host`),

@@ -90,8 +90,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
@@ -119,8 +118,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let config = &layer.config;
     let named = layer.coordinator.named();
@@ -252,8 +250,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     async move {
         // Whether this is a gRPC call (its rejections must speak gRPC) is looked up where it is
@@ -351,8 +348,7 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Body<Data = Bytes> + Send + 'static,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let named = coordinator.named();
     let reject = |outcome: RequestOutcome, rejection: Rejection| {
@@ -360,6 +356,7 @@ where
         let response = rejection.respond(&config.key_header, grpc, named);
         Step::Done(Ok(mark(response, outcome)))
     };
+    let status = config.mismatch_status;
     let claim = match begun {
         Ok(Begin::Claimed(claim)) => claim,
         Ok(Begin::Completed(payload)) => {
@@ -371,16 +368,12 @@ where
             let retry_after = retry_after(config.typical_duration.get(), lease_left);
             return reject(RequestOutcome::InFlight, Rejection::InFlight { retry_after });
         }
-        Ok(Begin::Mismatch) => {
-            let status = config.mismatch_status;
-            return reject(RequestOutcome::Mismatch, Rejection::Mismatch { status });
-        }
+        Ok(Begin::Mismatch) => return reject(RequestOutcome::Mismatch, Rejection::Mismatch { status }),
         Ok(Begin::PolicyMismatch) => {
-            let status = config.mismatch_status;
             return reject(
                 RequestOutcome::PolicyMismatch,
                 Rejection::PolicyMismatch { status },
-            );
+            )
         }
         Err(Error::Store(StoreError::Corrupt(reason))) => {
             tracing::error!(?key, %reason, "the record at this key is unreadable; not running the handler");
@@ -496,8 +489,7 @@ async fn run_claimed<S, ReqBody, ResBody>(
 ) -> Answer<ResBody, S::Error>
 where
     S: Service<Request<RequestBody<ReqBody>>, Response = Response<ResBody>>,
-    ResBody: Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static,
 {
     let started = tokio::time::Instant::now();
     // Pinned here, each future once: passed by value down the chain, each layer would hold a

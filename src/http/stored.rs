@@ -203,7 +203,7 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
     };
     match kind {
         RESPONSE => {
-            let status = read_status(&mut reader)?;
+            let status = stored_status(u16::from_be_bytes(reader.array()?))?;
             let headers = read_fields(&mut reader)?;
             let (body, trailers) = if version == 1 {
                 (payload.slice(reader.at..), None)
@@ -228,12 +228,9 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
         NOT_STORED => {
             let why = NotStored::from_code(reader.array::<1>()?[0])
                 .ok_or("unknown reason for an unstored response")?;
-            let status = match u16::from_be_bytes(reader.array()?) {
-                0 => None,
-                code => {
-                    Some(StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))?)
-                }
-            };
+            // 0: the client was sent no status.
+            let code = u16::from_be_bytes(reader.array()?);
+            let status = (code != 0).then(|| stored_status(code)).transpose()?;
             if reader.at != payload.len() {
                 return Err("bytes after an unstored response".into());
             }
@@ -243,9 +240,8 @@ pub(crate) fn decode(payload: &Bytes) -> Result<Decoded, String> {
     }
 }
 
-fn read_status(reader: &mut Reader<'_>) -> Result<StatusCode, String> {
-    let status = u16::from_be_bytes(reader.array()?);
-    StatusCode::from_u16(status).map_err(|_| format!("invalid stored status {status}"))
+fn stored_status(code: u16) -> Result<StatusCode, String> {
+    StatusCode::from_u16(code).map_err(|_| format!("invalid stored status {code}"))
 }
 
 fn read_fields(reader: &mut Reader<'_>) -> Result<HeaderMap, String> {

@@ -10,7 +10,6 @@ use http_body_util::BodyExt;
 
 use crate::http::body::BoxError;
 use crate::http::config::Config;
-use crate::http::stored::StoredResponse;
 use crate::store::ClaimTicket;
 
 /// The claim of the request being handled, for storing the response in the handler's own
@@ -112,13 +111,7 @@ impl TransactionalClaim {
         if !(config.cacheable)(&parts) {
             return None;
         }
-        let mut stored = StoredResponse::start(
-            parts.status,
-            &parts.headers,
-            |name| config.stores_header(name),
-            body.len(),
-            config.response_limit,
-        );
+        let mut stored = config.stored_response(&parts, body.len());
         // Within the limit: checked above.
         stored.push(body);
         Some(stored.finish(None).0)
@@ -153,8 +146,7 @@ impl TransactionalClaim {
         response: Response<B>,
     ) -> Result<(Response<B>, Option<Bytes>), BoxError>
     where
-        B: Body + From<Bytes>,
-        B::Error: Into<BoxError>,
+        B: Body<Error: Into<BoxError>> + From<Bytes>,
     {
         if response.body().size_hint().lower() > self.config.response_limit as u64 {
             return Ok((response, None));

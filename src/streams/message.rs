@@ -174,16 +174,12 @@ impl StreamMessage {
 /// An entry deleted since it was delivered comes back as `[id, nil]` (or `nil`) on some
 /// servers: it is skipped here, and `XAUTOCLAIM`'s list of deleted ids counts it.
 pub(super) fn entries(list: Value) -> Vec<(String, Vec<(String, Bytes)>)> {
-    let mut entries = Vec::new();
-    for entry in list.into_array() {
+    let read = |entry: Value| {
         let mut parts = entry.into_array().into_iter();
-        let id = parts.next().and_then(Value::into_string);
-        let (Some(id), Some(fields)) = (id, parts.next().filter(|fields| !fields.is_null())) else {
-            continue;
-        };
-        entries.push((id, pairs(fields)));
-    }
-    entries
+        let id = parts.next().and_then(Value::into_string)?;
+        Some((id, pairs(parts.next().filter(|fields| !fields.is_null())?)))
+    };
+    list.into_array().into_iter().filter_map(read).collect()
 }
 
 /// `[field, value, …]` (or a RESP3 map) as pairs; a field name that is not UTF-8 is kept lossily.
