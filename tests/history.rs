@@ -814,29 +814,49 @@ fn fail_over_cluster(cluster: &mut Cluster, kind: FaultKind, slot: u16) {
     let master = shard.master;
     if kind == FaultKind::ClusterFailover {
         println!("cluster failover: {master} to its replica {replica}");
-        let answer = cluster.cli(replica.port(), &["CLUSTER", "FAILOVER"]);
-        assert!(answer.contains("OK"), "CLUSTER FAILOVER answered {answer:?}");
-        wait_for_promotion(cluster, replica);
+        // Redis drops a manual failover that does not finish within 5 s (its master's offset
+        // not reached, or no majority of votes in time) and says nothing: CI's load once left
+        // one undone for 30 s. An operator asks again, and so does this.
+        let promoted = (1..=3).any(|ask| {
+            if ask > 1 {
+                println!("cluster failover: {replica} not promoted after 10 s; asking again ({ask})");
+            }
+            let answer = cluster.cli(replica.port(), &["CLUSTER", "FAILOVER"]);
+            // A master's refusal: promoted after all, just after the last look.
+            let promoted_meanwhile = ask > 1 && cluster.is_master(replica);
+            assert!(
+                answer.contains("OK") || promoted_meanwhile,
+                "CLUSTER FAILOVER answered {answer:?}"
+            );
+            promoted_within(cluster, replica, Duration::from_secs(10))
+        });
+        assert!(
+            promoted,
+            "the replica {replica} was never promoted, asked 3 times"
+        );
     } else {
         println!("cluster master {master} killed, its replica {replica}");
         cluster.node_mut(master).kill();
-        wait_for_promotion(cluster, replica);
+        assert!(
+            promoted_within(cluster, replica, Duration::from_secs(30)),
+            "the replica {replica} was never promoted"
+        );
         cluster.node_mut(master).restart();
     }
     cluster.wait_until_ready();
 }
 
-/// Waits until `replica` answers as a master: the failover done (on this node; the caller then
-/// waits for every node to agree).
-fn wait_for_promotion(cluster: &Cluster, replica: SocketAddr) {
+/// Whether `replica` answers as a master within `limit`: the failover done (on this node; the
+/// caller then waits for every node to agree).
+fn promoted_within(cluster: &Cluster, replica: SocketAddr, limit: Duration) -> bool {
     let waited = std::time::Instant::now();
     while !cluster.is_master(replica) {
-        assert!(
-            waited.elapsed() < Duration::from_secs(30),
-            "the replica {replica} was never promoted"
-        );
+        if waited.elapsed() > limit {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
+    true
 }
 
 /// How many connections are subscribed to the failover events on each sentinel (`CLIENT LIST`:

@@ -904,24 +904,27 @@ async fn merged_completions_fall_back_to_eval_after_a_script_flush() {
     }
     admin(&client, &["SCRIPT", "FLUSH"]).await;
     reset_stats(&client).await;
-    let start = std::sync::Arc::new(tokio::sync::Barrier::new(17));
-    let tasks: Vec<_> = owners
-        .into_iter()
-        .enumerate()
-        .map(|(i, owner)| {
-            let (store, start) = (store.clone(), start.clone());
-            tokio::spawn(async move {
-                start.wait().await;
+    // All 16 from one task on the runtime's one worker: the first goes out at once, the other 15
+    // are queued before the coalescing task can run, so they are merged whatever the machine's
+    // load. (Sixteen tasks woken by a barrier from the test's own thread were merged only if
+    // that thread woke them all before the worker ran them: CI's load once sent all 16 alone.)
+    let completing = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let completions = owners.iter().enumerate().map(|(i, owner)| {
                 let payload = Bytes::from(format!("result {i}"));
-                store
-                    .complete(&key(i), &owner, payload, Duration::from_secs(60))
-                    .await
-            })
+                let (store, key) = (store.clone(), key(i));
+                async move {
+                    store
+                        .complete(&key, owner, payload, Duration::from_secs(60))
+                        .await
+                }
+            });
+            futures_util::future::join_all(completions).await
         })
-        .collect();
-    start.wait().await;
-    for (i, task) in tasks.into_iter().enumerate() {
-        assert!(task.await.unwrap().unwrap(), "key {i}");
+    };
+    for (i, completed) in completing.await.unwrap().into_iter().enumerate() {
+        assert!(completed.unwrap(), "key {i}");
     }
     let merged = command_calls(&client, "evalsha").await;
     assert!(merged < 16, "the completions were merged: {merged} EVALSHA calls");
